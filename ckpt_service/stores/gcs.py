@@ -1,0 +1,288 @@
+"""Google Cloud Storage as an object store, through the official ``google-cloud-storage`` client.
+
+Keys map to object names ``<prefix>/<key>`` in one bucket. The store's
+generations are GCS object generations, and conditional writes are GCS
+``ifGenerationMatch`` preconditions, which GCS evaluates atomically on the server.
+
+Retries are data, not loops: reads use the library's ``DEFAULT_RETRY`` and
+conditional writes a ``ConditionalRetryPolicy`` around it (the policy behind
+``DEFAULT_RETRY_IF_GENERATION_SPECIFIED``). Unconditional whole-object writes
+are retried as well: re-sending the same bytes leaves the same object.
+A retried create-only write whose first attempt was applied but whose response
+was lost fails with a precondition error on the caller's *own* write;
+:meth:`ObjectStore.create_exclusive` tells that case apart by reading back.
+
+``STORAGE_EMULATOR_HOST`` (e.g. fake-gcs-server) is honoured: the client then
+uses anonymous credentials and never looks for Application Default Credentials.
+
+One ``storage.Client`` per store, created on first use and shared by every
+thread: that is the sharing python-storage supports (``Blob``/``Bucket``
+objects are created per call and never shared).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Iterator
+
+import requests
+from requests.adapters import HTTPAdapter
+from google.api_core import exceptions as gexc
+from google.api_core.retry import Retry
+from google.auth import exceptions as auth_exc
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+from google.cloud.storage.exceptions import DataCorruption
+from google.cloud.storage.retry import DEFAULT_RETRY, ConditionalRetryPolicy, is_generation_specified
+
+from ckpt_service.errors import (
+    BadStoreURLError,
+    CorruptCheckpointError,
+    MissingCredentialsError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StoreUnavailableError,
+)
+from ckpt_service.stores.base import ObjectInfo, ObjectStore, check_key
+
+if TYPE_CHECKING:
+    from google.cloud.storage import Blob, Bucket
+
+log = logging.getLogger(__name__)
+
+EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+#: project id used against an emulator (it accepts any), so no credential lookup happens
+EMULATOR_PROJECT = "test"
+#: upload_from_string switches from one multipart request to a resumable upload above this
+MULTIPART_LIMIT = 8 * 1024 * 1024
+
+_CREDENTIALS_HELP = (
+    "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS "
+    "to a service-account key file, or run on a GCE VM with a service account "
+    "(for a local emulator set STORAGE_EMULATOR_HOST=http://host:port)"
+)
+
+
+class GCSStore(ObjectStore):
+    """A bucket (and optional prefix) in Google Cloud Storage.
+
+    ``retry`` is a ``google.api_core.retry.Retry`` (default: the library's
+    ``DEFAULT_RETRY``, 120 s deadline); tests pass one with short delays.
+    ``timeout`` is the per-request HTTP timeout in seconds.
+    ``max_connections`` sizes the HTTP connection pool so a thread pool of
+    writers does not churn connections.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        client: storage.Client | None = None,
+        retry: Retry = DEFAULT_RETRY,
+        timeout: float = 60.0,
+        max_connections: int = 32,
+    ) -> None:
+        if not bucket or "/" in bucket:
+            raise BadStoreURLError(f"invalid GCS bucket name {bucket!r}: use gs://my-bucket/optional/prefix")
+        self.bucket_name = bucket
+        self.prefix = prefix.strip("/")
+        if self.prefix:
+            check_key(self.prefix)
+        self.url = f"gs://{bucket}/{self.prefix}" if self.prefix else f"gs://{bucket}"
+        self.retry = retry
+        self.conditional_retry = ConditionalRetryPolicy(retry, is_generation_specified, ["query_params"])
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self._client = client
+        self._owns_client = client is None
+        self._bucket: Bucket | None = None
+        self._lock = threading.Lock()
+        # Set once any call proved the bucket exists; until then a 404 on an
+        # object is double-checked, because GCS answers 404 for a missing bucket too.
+        self._bucket_seen = False
+
+    # ---- client -------------------------------------------------------------------------
+
+    @property
+    def client(self) -> storage.Client:
+        self._ensure_bucket()
+        assert self._client is not None
+        return self._client
+
+    def _ensure_bucket(self) -> Bucket:
+        bucket = self._bucket
+        if bucket is not None:
+            return bucket
+        with self._lock:
+            if self._bucket is None:
+                if self._client is None:
+                    self._client = _make_client(self.max_connections)
+                self._bucket = self._client.bucket(self.bucket_name)
+            return self._bucket
+
+    def _object_name(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _blob(self, key: str) -> Blob:
+        return self._ensure_bucket().blob(self._object_name(key))
+
+    @contextlib.contextmanager
+    def _translated(self, what: str) -> Iterator[None]:
+        """Turn client exceptions into the service's typed errors (NotFound is the caller's)."""
+        try:
+            yield
+        except gexc.PreconditionFailed as exc:
+            raise PreconditionFailedError(f"{what}: precondition failed ({exc.message})") from exc
+        except (gexc.Forbidden, gexc.Unauthorized) as exc:
+            raise StoreUnavailableError(
+                f"{what}: access denied ({exc.code}). The credentials in use cannot read/write "
+                f"gs://{self.bucket_name}: grant them roles/storage.objectAdmin on the bucket, or "
+                f"{_CREDENTIALS_HELP}"
+            ) from exc
+        except auth_exc.DefaultCredentialsError as exc:
+            raise MissingCredentialsError(f"{what}: no Google Cloud credentials found; {_CREDENTIALS_HELP}") from exc
+        except auth_exc.RefreshError as exc:
+            raise MissingCredentialsError(
+                f"{what}: Google Cloud credentials could not be refreshed ({exc}); {_CREDENTIALS_HELP}"
+            ) from exc
+        except DataCorruption as exc:
+            raise CorruptCheckpointError(f"{what}: checksum mismatch in transfer ({exc})") from exc
+        except gexc.RetryError as exc:
+            raise StoreUnavailableError(
+                f"{what}: gave up after retrying ({exc.cause!r}); check that {self.url} is reachable"
+            ) from exc
+        except (gexc.ServerError, gexc.TooManyRequests, requests.ConnectionError, requests.Timeout) as exc:
+            raise StoreUnavailableError(f"{what}: {exc}; check that {self.url} is reachable") from exc
+
+    def _missing_bucket_error(self, what: str) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            f"{what}: bucket {self.bucket_name!r} does not exist or is not visible to these credentials; "
+            f"create it with `gcloud storage buckets create gs://{self.bucket_name}` or fix the URL"
+        )
+
+    def _check_bucket_after_miss(self, what: str) -> None:
+        """A 404 on an object: make sure it was the object, not the whole bucket, that is missing."""
+        if self._bucket_seen:
+            return
+        with self._translated(what):
+            try:
+                # objects.list needs only the permission a checkpoint writer has anyway
+                # (buckets.get is often not granted).
+                blobs = self.client.list_blobs(
+                    self.bucket_name, max_results=1, prefix=self.prefix, retry=self.retry, timeout=self.timeout
+                )
+                next(iter(blobs), None)
+            except gexc.NotFound as exc:
+                raise self._missing_bucket_error(what) from exc
+        self._bucket_seen = True
+
+    # ---- ObjectStore ----------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        blob = self._blob(key)
+        what = f"get {self.url}/{key}"
+        with self._translated(what):
+            try:
+                data = blob.download_as_bytes(retry=self.retry, timeout=self.timeout)
+            except gexc.NotFound:
+                self._check_bucket_after_miss(what)
+                raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+        self._bucket_seen = True
+        return data
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        name = self._object_name(key)
+        what = f"stat {self.url}/{key}"
+        with self._translated(what):
+            blob = self._ensure_bucket().get_blob(name, retry=self.retry, timeout=self.timeout)
+        if blob is None:
+            self._check_bucket_after_miss(what)
+            return None
+        self._bucket_seen = True
+        return _info(key, blob)
+
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        blob = self._blob(key)
+        what = f"put {self.url}/{key}"
+        if if_generation_match is not None and len(data) > MULTIPART_LIMIT:
+            log.debug("%s: conditional write of %d bytes goes through a resumable upload", what, len(data))
+        with self._translated(what):
+            try:
+                blob.upload_from_string(
+                    bytes(data),
+                    content_type="application/octet-stream",
+                    if_generation_match=if_generation_match,
+                    retry=self.retry if if_generation_match is None else self.conditional_retry,
+                    timeout=self.timeout,
+                )
+            except gexc.NotFound as exc:
+                raise self._missing_bucket_error(what) from exc
+        self._bucket_seen = True
+        generation = blob.generation
+        if generation is None:  # the upload response always carries it; be loud if not
+            raise StoreUnavailableError(f"{what}: the server returned no object generation")
+        return int(generation)
+
+    def delete(self, key: str) -> None:
+        blob = self._blob(key)
+        with self._translated(f"delete {self.url}/{key}"):
+            try:
+                blob.delete(retry=self.retry, timeout=self.timeout)
+            except gexc.NotFound:
+                pass  # absent already (or a retried delete whose first attempt was applied)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        root = f"{self.prefix}/" if self.prefix else ""
+        what = f"list {self.url}/{prefix}"
+        with self._translated(what):
+            try:
+                names = [
+                    b.name
+                    for b in self.client.list_blobs(
+                        self.bucket_name, prefix=root + prefix, retry=self.retry, timeout=self.timeout
+                    )
+                ]
+            except gexc.NotFound as exc:
+                raise self._missing_bucket_error(what) from exc
+        self._bucket_seen = True
+        # Names ending in '/' are "folder" placeholders some tools create; they are not keys.
+        yield from sorted(n[len(root):] for n in names if not n.endswith("/"))
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client, self._bucket = self._client, None, None
+        if client is not None and self._owns_client:
+            client.close()
+
+
+def _info(key: str, blob: Blob) -> ObjectInfo:
+    updated = blob.updated
+    return ObjectInfo(
+        key=key,
+        size=int(blob.size or 0),
+        generation=int(blob.generation),
+        mtime=updated.timestamp() if updated is not None else 0.0,
+    )
+
+
+def _make_client(max_connections: int) -> storage.Client:
+    """One client per store. Against an emulator: anonymous, fixed project, no ADC lookup."""
+    if os.environ.get(EMULATOR_ENV):
+        client = storage.Client(
+            project=os.environ.get("GOOGLE_CLOUD_PROJECT") or EMULATOR_PROJECT,
+            credentials=AnonymousCredentials(),
+        )
+    else:
+        try:
+            # project=None: object I/O needs no project, so do not fail when ADC carries none.
+            client = storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT") or None)
+        except auth_exc.DefaultCredentialsError as exc:
+            raise MissingCredentialsError(f"no Google Cloud credentials found; {_CREDENTIALS_HELP}") from exc
+    adapter = HTTPAdapter(pool_connections=4, pool_maxsize=max_connections)
+    client._http.mount("https://", adapter)
+    client._http.mount("http://", adapter)
+    return client

@@ -1,0 +1,264 @@
+"""The one test suite every ObjectStore backend must pass.
+
+Subclass :class:`StoreConformance` in a ``Test*`` class and implement
+``make_store()`` to return a fresh, empty store (see ``tests/test_stores.py``)::
+
+    class TestMemoryStore(StoreConformance):
+        def make_store(self) -> ObjectStore:
+            return MemoryStore()
+
+The commit protocol and the master lease rely on exactly these properties, so a
+backend that fails here must not be used for checkpoints.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
+
+import pytest
+
+from ckpt_service.errors import BadTensorNameError, ObjectNotFoundError, PreconditionFailedError
+from ckpt_service.stores.base import ObjectStore
+
+BAD_KEYS = ["", "/abs", "../up", "a/../b", "a//b", "./a", "a/.", "a/", "a\\b", "nul\x00byte"]
+PAYLOADS = {
+    "empty": b"",
+    "one-byte": b"x",
+    "all-byte-values": bytes(range(256)) * 3,
+    "zeros": b"\x00" * 4096,
+    "crlf": b"line\r\nline\n\r",
+}
+RACERS = 8
+LARGE_SIZE = 9 * 1024 * 1024  # above the 8 MiB multipart limit of GCS clients
+
+
+class StoreConformance:
+    """Backend-independent behaviour of :class:`ObjectStore`."""
+
+    #: run the > 8 MiB round trip (resumable uploads on GCS)
+    large_objects: bool = True
+
+    def make_store(self) -> ObjectStore:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def store(self) -> Iterator[ObjectStore]:
+        store = self.make_store()
+        yield store
+        store.close()
+
+    # ---- plain reads and writes ----------------------------------------------------------
+
+    @pytest.mark.parametrize("payload", PAYLOADS.values(), ids=PAYLOADS.keys())
+    def test_round_trip(self, store: ObjectStore, payload: bytes) -> None:
+        store.put("dir/obj", payload)
+        assert store.get("dir/obj") == payload
+
+    def test_put_returns_the_generation_stat_reports(self, store: ObjectStore) -> None:
+        gen = store.put("k", b"abc")
+        info = store.stat("k")
+        assert info is not None
+        assert (info.key, info.size, info.generation) == ("k", 3, gen)
+        assert isinstance(info.generation, int) and info.generation > 0
+
+    def test_stat_mtime_is_wall_clock_seconds(self, store: ObjectStore) -> None:
+        before = time.time()
+        store.put("k", b"abc")
+        info = store.stat("k")
+        assert info is not None
+        # Same machine, so the clocks agree to far better than an hour: this catches
+        # milliseconds/nanoseconds or a missing value, not timing.
+        assert abs(info.mtime - before) < 3600
+
+    def test_overwrite_replaces_content_and_increases_generation(self, store: ObjectStore) -> None:
+        gens = [store.put("k", f"v{i}".encode()) for i in range(5)]
+        assert store.get("k") == b"v4"
+        assert gens == sorted(gens) and len(set(gens)) == len(gens), gens
+        assert store.stat("k").generation == gens[-1]
+
+    def test_keys_with_spaces_and_unicode(self, store: ObjectStore) -> None:
+        key = "run one/tensör #1/part=0.bin"
+        store.put(key, b"data")
+        assert store.get(key) == b"data"
+        assert list(store.list("run one/")) == [key]
+
+    def test_stat_and_exists_of_absent_key(self, store: ObjectStore) -> None:
+        assert store.stat("absent") is None
+        assert not store.exists("absent")
+        store.put("present", b"")
+        assert store.exists("present")
+        assert store.stat("present").size == 0
+
+    def test_get_of_absent_key_raises_object_not_found(self, store: ObjectStore) -> None:
+        with pytest.raises(ObjectNotFoundError, match="absent") as info:
+            store.get("dir/absent")
+        assert isinstance(info.value, KeyError)
+
+    def test_delete_is_idempotent(self, store: ObjectStore) -> None:
+        store.put("a/b", b"1")
+        store.put("a/c", b"2")
+        store.delete("a/b")
+        assert store.stat("a/b") is None
+        with pytest.raises(ObjectNotFoundError):
+            store.get("a/b")
+        store.delete("a/b")
+        store.delete("never/existed")
+        assert store.get("a/c") == b"2"
+
+    def test_recreate_after_delete(self, store: ObjectStore) -> None:
+        store.put("k", b"old")
+        store.delete("k")
+        store.put("k", b"new", if_generation_match=0)
+        assert store.get("k") == b"new"
+
+    # ---- conditional writes --------------------------------------------------------------
+
+    def test_create_only_second_write_loses(self, store: ObjectStore) -> None:
+        gen = store.put("lock", b"first", if_generation_match=0)
+        with pytest.raises(PreconditionFailedError):
+            store.put("lock", b"second", if_generation_match=0)
+        assert store.get("lock") == b"first"
+        assert store.stat("lock").generation == gen
+
+    def test_compare_and_swap_succeeds_with_current_generation(self, store: ObjectStore) -> None:
+        g1 = store.put("lease", b"one", if_generation_match=0)
+        g2 = store.put("lease", b"two", if_generation_match=g1)
+        assert g2 > g1
+        assert store.get("lease") == b"two"
+        g3 = store.put("lease", b"three", if_generation_match=g2)
+        assert g3 > g2
+        assert store.stat("lease").generation == g3
+
+    def test_compare_and_swap_fails_with_stale_generation(self, store: ObjectStore) -> None:
+        g1 = store.put("lease", b"one")
+        g2 = store.put("lease", b"two")
+        assert g2 != g1
+        with pytest.raises(PreconditionFailedError):
+            store.put("lease", b"zombie", if_generation_match=g1)
+        assert store.get("lease") == b"two"
+        assert store.stat("lease").generation == g2
+
+    def test_compare_and_swap_on_absent_key_fails(self, store: ObjectStore) -> None:
+        with pytest.raises(PreconditionFailedError):
+            store.put("absent", b"x", if_generation_match=123456789)
+        assert store.stat("absent") is None
+
+    def test_create_only_after_delete_wins_again(self, store: ObjectStore) -> None:
+        store.put("k", b"a", if_generation_match=0)
+        store.delete("k")
+        store.put("k", b"b", if_generation_match=0)
+        assert store.get("k") == b"b"
+
+    def test_create_exclusive(self, store: ObjectStore) -> None:
+        assert store.create_exclusive("commit/marker", b"token-a") is True
+        assert store.create_exclusive("commit/marker", b"token-b") is False
+        assert store.get("commit/marker") == b"token-a"
+        # The same token read back means "this writer's object is the one stored".
+        assert store.create_exclusive("commit/marker", b"token-a") is True
+
+    def test_racing_create_only_writers_have_exactly_one_winner(self, store: ObjectStore) -> None:
+        results = _race(lambda i: store.put("race/put", f"writer-{i}".encode(), if_generation_match=0))
+        winners = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
+        losers = [r for r in results if isinstance(r, BaseException)]
+        assert len(winners) == 1, results
+        assert all(isinstance(r, PreconditionFailedError) for r in losers), losers
+        assert store.get("race/put") == f"writer-{winners[0]}".encode()
+
+    def test_racing_create_exclusive_has_exactly_one_winner(self, store: ObjectStore) -> None:
+        results = _race(lambda i: store.create_exclusive("race/excl", f"token-{i}".encode()))
+        assert results.count(True) == 1, results
+        assert all(r in (True, False) for r in results), results
+        assert store.get("race/excl") == f"token-{results.index(True)}".encode()
+
+    def test_failed_conditional_writes_leave_nothing_behind(self, store: ObjectStore) -> None:
+        store.put("a/x", b"1", if_generation_match=0)
+        for _ in range(3):
+            with pytest.raises(PreconditionFailedError):
+                store.put("a/x", b"2", if_generation_match=0)
+            with pytest.raises(PreconditionFailedError):
+                store.put("a/y", b"2", if_generation_match=42)
+        assert list(store.list("")) == ["a/x"]
+
+    # ---- listing --------------------------------------------------------------------------
+
+    def test_list_by_prefix(self, store: ObjectStore) -> None:
+        keys = ["top", "a/1", "a/b/2", "a/b/c/3", "ab/4", "b/5"]
+        for key in keys:
+            store.put(key, key.encode())
+        assert list(store.list()) == sorted(keys)
+        assert list(store.list("")) == sorted(keys)
+        assert list(store.list("a/")) == ["a/1", "a/b/2", "a/b/c/3"]
+        assert list(store.list("a")) == ["a/1", "a/b/2", "a/b/c/3", "ab/4"]
+        assert list(store.list("a/b/")) == ["a/b/2", "a/b/c/3"]
+        assert list(store.list("a/b/c/3")) == ["a/b/c/3"]
+        assert list(store.list("zzz")) == []
+        assert list(store.list("nope/")) == []
+
+    def test_list_of_empty_store(self, store: ObjectStore) -> None:
+        assert list(store.list()) == []
+
+    def test_list_dirs_and_delete_prefix(self, store: ObjectStore) -> None:
+        for key in ["ckpt/step-2/a", "ckpt/step-10/b", "ckpt/step-10/c/d", "ckpt/LATEST", "other/x"]:
+            store.put(key, b"")
+        assert store.list_dirs("ckpt/") == ["step-10", "step-2"]
+        assert store.delete_prefix("ckpt/step-10/") == 2
+        assert list(store.list("ckpt/")) == ["ckpt/LATEST", "ckpt/step-2/a"]
+
+    # ---- keys -----------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("key", BAD_KEYS)
+    def test_bad_keys_are_rejected(self, store: ObjectStore, key: str) -> None:
+        with pytest.raises(BadTensorNameError):
+            store.put(key, b"x")
+        with pytest.raises(BadTensorNameError):
+            store.get(key)
+        with pytest.raises(BadTensorNameError):
+            store.stat(key)
+        with pytest.raises(BadTensorNameError):
+            store.delete(key)
+        assert list(store.list()) == []
+
+    # ---- concurrency and size -------------------------------------------------------------
+
+    def test_concurrent_puts_from_a_thread_pool(self, store: ObjectStore) -> None:
+        payloads = {f"shards/{i:03d}": bytes([i]) * (1000 + i) for i in range(24)}
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            gens = list(pool.map(lambda kv: store.put(*kv), payloads.items()))
+        assert all(isinstance(g, int) for g in gens)
+        assert list(store.list("shards/")) == sorted(payloads)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            got = dict(zip(payloads, pool.map(store.get, payloads)))
+        assert got == payloads
+
+    def test_large_object_round_trip(self, store: ObjectStore) -> None:
+        if not self.large_objects:
+            pytest.skip("backend opted out of large objects")
+        data = bytes(range(251)) * (LARGE_SIZE // 251 + 1)
+        gen1 = store.put("big/blob", data)
+        assert store.get("big/blob") == data
+        assert store.stat("big/blob").size == len(data)
+        gen2 = store.put("big/blob", data[::-1])
+        assert gen2 > gen1
+        assert store.get("big/blob") == data[::-1]
+
+
+def _race(write: Callable[[int], object]) -> list[object]:
+    """Run ``write(i)`` for RACERS threads released together; return each result or exception."""
+    barrier = threading.Barrier(RACERS)
+    results: list[object] = [None] * RACERS
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = write(i)
+        except BaseException as exc:  # collected and asserted on by the caller
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(RACERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results

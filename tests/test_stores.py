@@ -1,0 +1,212 @@
+"""Every store backend against the shared conformance suite, plus store URLs and typed errors.
+
+GCSStore runs against a real fake-gcs-server through the real google-cloud-storage client.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ckpt_service.errors import BadStoreURLError, MissingCredentialsError, StoreUnavailableError
+from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore, open_store
+from ckpt_service.stores.gcs import GCSStore
+from gcs_emulator import GCSEmulator, gcs_emulator_session  # noqa: F401  (pytest fixture)
+from store_conformance import StoreConformance
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class TestMemoryStore(StoreConformance):
+    def make_store(self) -> ObjectStore:
+        return MemoryStore()
+
+
+class TestLocalStore(StoreConformance):
+    @pytest.fixture(autouse=True)
+    def _root(self, tmp_path: Path) -> None:
+        self.root = tmp_path / "store"
+
+    def make_store(self) -> ObjectStore:
+        return LocalStore(self.root, fsync=False)
+
+    def test_temporary_and_lock_files_are_not_listed(self, store: ObjectStore) -> None:
+        store.put("a/b", b"1", if_generation_match=0)  # creates the lock file
+        (self.root / "a" / ".tmp-b.deadbeef").write_bytes(b"partial")
+        (self.root / ".tmp-c.cafe").write_bytes(b"partial")
+        assert list(store.list()) == ["a/b"]
+
+
+@pytest.fixture(scope="module")
+def gcs_bucket(gcs_emulator_session: GCSEmulator) -> str:
+    return gcs_emulator_session.new_bucket("conformance")
+
+
+class TestGCSStore(StoreConformance):
+    @pytest.fixture(autouse=True)
+    def _location(self, gcs_emulator_session: GCSEmulator, gcs_bucket: str) -> None:
+        self.emulator = gcs_emulator_session
+        self.bucket = gcs_bucket
+        self.prefix = f"runs/{uuid.uuid4().hex[:12]}"  # a fresh, empty store per test
+
+    def make_store(self) -> ObjectStore:
+        return GCSStore(self.bucket, self.prefix)
+
+    def test_keys_live_under_the_prefix(self, store: GCSStore) -> None:
+        store.put("a/b", b"1")
+        client = self.emulator.client()
+        names = [b.name for b in client.list_blobs(self.bucket, prefix=self.prefix)]
+        assert names == [f"{self.prefix}/a/b"]
+        blob = client.bucket(self.bucket).get_blob(f"{self.prefix}/a/b")
+        info = store.stat("a/b")
+        assert info.generation == blob.generation
+        assert info.mtime == blob.updated.timestamp()
+
+    def test_prefixes_are_isolated(self, store: GCSStore) -> None:
+        sibling = GCSStore(self.bucket, self.prefix + "x")  # shares a string prefix, not a folder
+        store.put("k", b"mine")
+        sibling.put("k", b"sibling")
+        assert list(store.list()) == ["k"]
+        assert store.get("k") == b"mine"
+        assert sibling.get("k") == b"sibling"
+
+    def test_folder_placeholders_are_not_keys(self, store: GCSStore) -> None:
+        bucket = self.emulator.client().bucket(self.bucket)
+        bucket.blob(f"{self.prefix}/dir/").upload_from_string(b"")
+        store.put("dir/real", b"1")
+        assert list(store.list()) == ["dir/real"]
+
+    def test_store_without_prefix_uses_the_whole_bucket(self) -> None:
+        store = GCSStore(self.emulator.new_bucket("noprefix"))
+        assert store.url.startswith("gs://noprefix-")
+        store.put("x/y", b"1")
+        assert list(store.list()) == ["x/y"]
+        assert self.emulator.client().bucket(store.bucket_name).blob("x/y").download_as_bytes() == b"1"
+
+    def test_reusable_after_close(self, store: GCSStore) -> None:
+        store.put("k", b"1")
+        store.close()
+        assert store.get("k") == b"1"
+
+    @pytest.mark.parametrize("op", ["stat", "get", "put", "list"])
+    def test_missing_bucket_is_a_typed_error_naming_the_fix(self, op: str) -> None:
+        store = GCSStore(f"no-such-bucket-{uuid.uuid4().hex[:8]}", "p")
+        call = {
+            "stat": lambda: store.stat("k"),
+            "get": lambda: store.get("k"),
+            "put": lambda: store.put("k", b"x", if_generation_match=0),
+            "list": lambda: list(store.list()),
+        }[op]
+        with pytest.raises(StoreUnavailableError) as info:
+            call()
+        message = str(info.value)
+        assert store.bucket_name in message
+        assert "does not exist or is not visible" in message
+        assert f"gcloud storage buckets create gs://{store.bucket_name}" in message
+
+    def test_open_store_round_trip(self) -> None:
+        bucket = self.emulator.new_bucket("url")
+        store = open_store(f"gs://{bucket}/runs/r1/")
+        assert isinstance(store, GCSStore)
+        store.put("step-1/manifest.json", b"{}", if_generation_match=0)
+        assert open_store(f"gs://{bucket}/runs/r1").get("step-1/manifest.json") == b"{}"
+        assert list(open_store(f"gs://{bucket}").list()) == ["runs/r1/step-1/manifest.json"]
+
+
+# ---- store URLs ------------------------------------------------------------------------------
+
+
+def test_open_store_gs_url_is_lazy_and_parsed() -> None:
+    store = open_store("gs://my-bucket/runs/r1")
+    assert isinstance(store, GCSStore)
+    assert (store.bucket_name, store.prefix, store.url) == ("my-bucket", "runs/r1", "gs://my-bucket/runs/r1")
+    bare = open_store("gs://my-bucket")
+    assert (bare.prefix, bare.url) == ("", "gs://my-bucket")
+
+
+@pytest.mark.parametrize("url", ["gs://", "gs:///runs/r1", "gs:/bucket"])
+def test_open_store_gs_without_bucket(url: str) -> None:
+    with pytest.raises(BadStoreURLError, match="bucket"):
+        open_store(url)
+
+
+def test_open_store_rejects_prefix_escaping_the_bucket() -> None:
+    with pytest.raises(BadStoreURLError):
+        GCSStore("")
+    with pytest.raises(ValueError):
+        open_store("gs://bucket/a/../../b")
+
+
+def test_open_store_file_url_and_plain_path(tmp_path: Path) -> None:
+    by_url = open_store(f"file://{tmp_path}/s")
+    by_path = open_store(str(tmp_path / "s"))
+    assert isinstance(by_url, LocalStore) and isinstance(by_path, LocalStore)
+    assert by_url.root == by_path.root == tmp_path / "s"
+    by_url.put("k", b"v")
+    assert by_path.get("k") == b"v"
+
+
+def test_open_store_file_url_with_host_is_rejected() -> None:
+    with pytest.raises(BadStoreURLError, match="no host"):
+        open_store("file://otherhost/data")
+
+
+def test_open_store_memory_url_names_a_shared_store() -> None:
+    name = f"memory://shared-{uuid.uuid4().hex}"
+    first = open_store(name)
+    assert isinstance(first, MemoryStore)
+    first.put("k", b"v")
+    assert open_store(name).get("k") == b"v"
+    assert open_store(name) is first
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/x", "http://example.invalid/x", "", "   "])
+def test_open_store_bad_urls(url: str) -> None:
+    with pytest.raises(BadStoreURLError):
+        open_store(url)
+
+
+# ---- credentials --------------------------------------------------------------------------
+
+
+def test_missing_credentials_is_a_typed_error_naming_the_fix(tmp_path: Path) -> None:
+    """No emulator, no ADC: the first operation says how to log in. Nothing leaves 127.0.0.1."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from ckpt_service.errors import MissingCredentialsError
+        from ckpt_service.stores import open_store
+        store = open_store("gs://some-bucket/runs/r1")  # lazy: no client yet
+        try:
+            store.stat("k")
+        except MissingCredentialsError as exc:
+            print(f"{type(exc).__name__}|{isinstance(exc, PermissionError)}|{exc}")
+            sys.exit(0)
+        sys.exit("no MissingCredentialsError")
+        """
+    )
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "PYTHONPATH": str(REPO_ROOT),
+        "NO_GCE_CHECK": "true",
+        # Belt and braces: should anything still probe the metadata server, it hits a closed local port.
+        "GCE_METADATA_HOST": "127.0.0.1:9",
+        "GCE_METADATA_IP": "127.0.0.1:9",
+    }
+    assert "GOOGLE_APPLICATION_CREDENTIALS" not in env and "STORAGE_EMULATOR_HOST" not in env
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    name, is_permission_error, message = proc.stdout.strip().split("|", 2)
+    assert (name, is_permission_error) == (MissingCredentialsError.__name__, "True")
+    assert "gcloud auth application-default login" in message
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in message
