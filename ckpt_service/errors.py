@@ -1,0 +1,61 @@
+"""Typed errors of the checkpoint service.
+
+Each one subclasses the builtin a caller would naturally catch, and its message
+says what was wrong and what to do about it.
+"""
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by ckpt_service."""
+
+
+class BadStoreURLError(CheckpointError, ValueError):
+    """A store URL could not be understood."""
+
+
+class StoreUnavailableError(CheckpointError, ConnectionError):
+    """The store (bucket, directory) does not exist or cannot be reached."""
+
+
+class MissingCredentialsError(CheckpointError, PermissionError):
+    """No credentials were found for a cloud store."""
+
+
+class ObjectNotFoundError(CheckpointError, KeyError):
+    """A key does not exist in the store."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class PreconditionFailedError(CheckpointError):
+    """A conditional write lost: the object's generation was not the expected one."""
+
+
+class NothingToRestoreError(CheckpointError, FileNotFoundError):
+    """The store holds no committed checkpoint (or not the requested step)."""
+
+
+class FormatVersionError(CheckpointError, ValueError):
+    """A checkpoint was written in a format this version cannot read."""
+
+
+class BadTensorNameError(CheckpointError, ValueError):
+    """A tensor name would escape the checkpoint's directory or is otherwise unusable."""
+
+
+class StructureMismatchError(CheckpointError, ValueError):
+    """A restored tensor's shape or dtype differs from what the caller expected."""
+
+
+class CorruptCheckpointError(CheckpointError, IOError):
+    """Stored data does not match its recorded checksum, or the manifest is unreadable."""
+
+
+class LeaseLostError(CheckpointError, RuntimeError):
+    """The checkpoint-master lease is held by someone else: this process must not commit."""
+
+
+class SaveAbandonedError(CheckpointError, TimeoutError):
+    """A save could not finish before its deadline and was abandoned (nothing was committed)."""

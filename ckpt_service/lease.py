@@ -1,0 +1,120 @@
+"""The checkpoint-master lease: a small object whose generation is the fencing token.
+
+Only the lease holder may commit. Every write of the lease object is a
+conditional write on the generation the writer last saw, so:
+
+* two processes cannot both acquire it (create-only / compare-and-swap),
+* a master that lost it (expired, released, or taken over by a successor the
+  ranks elected) fails its next ``fence()`` with :class:`LeaseLostError`, and
+  ``fence()`` is called immediately before writing a commit marker.
+
+Each write carries a unique ``write_id`` so that a write whose reply was lost
+(the client retries and then sees a precondition failure on its *own* write)
+is recognised as won rather than lost.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from ckpt_service.errors import CheckpointError, LeaseLostError, PreconditionFailedError
+from ckpt_service.layout import LEASE_KEY
+from ckpt_service.stores.base import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+class LeaseHeldError(CheckpointError, RuntimeError):
+    """Another holder has a valid lease; acquiring needs it to expire, be released, or an election."""
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    holder: str
+    expires_at: float
+    released: bool
+    write_id: str
+
+    def usable_by(self, holder: str, now: float) -> bool:
+        return self.released or self.holder == holder or self.expires_at <= now
+
+
+class Lease:
+    def __init__(self, store: ObjectStore, holder: str, *, ttl_s: float = 120.0, key: str = LEASE_KEY,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store, self.holder, self.ttl_s, self.key, self.clock = store, holder, ttl_s, key, clock
+        self.generation: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.generation is not None
+
+    def read(self) -> tuple[LeaseRecord | None, int]:
+        """The current record and its generation (0 when absent)."""
+        info = self.store.stat(self.key)
+        if info is None:
+            return None, 0
+        try:
+            body = json.loads(self.store.get(self.key))
+            return LeaseRecord(**body), info.generation
+        except (KeyError, ValueError, TypeError):
+            log.warning("lease object %s is unreadable; treating it as expired", self.key)
+            return LeaseRecord("", 0.0, True, ""), info.generation
+
+    def acquire(self, *, steal: bool = False) -> int:
+        """Take the lease. ``steal=True`` is for an elected successor (all ranks agreed)."""
+        record, generation = self.read()
+        if record is not None and not steal and not record.usable_by(self.holder, self.clock()):
+            raise LeaseHeldError(
+                f"the checkpoint-master lease is held by {record.holder!r} until "
+                f"{time.strftime('%H:%M:%S', time.localtime(record.expires_at))}; wait for it to expire "
+                "or elect a new master"
+            )
+        try:
+            self.generation = self._write(generation, released=False)
+        except PreconditionFailedError:
+            raise LeaseHeldError(f"another process took the lease {self.key} at the same moment") from None
+        if record is not None and record.holder not in ("", self.holder) and not record.released:
+            log.warning("took over the checkpoint-master lease from %s", record.holder)
+        return self.generation
+
+    def fence(self) -> int:
+        """Renew the lease if still held; raise LeaseLostError otherwise. Call right before a commit."""
+        if self.generation is None:
+            raise LeaseLostError(f"{self.holder} does not hold the checkpoint-master lease; acquire it first")
+        try:
+            self.generation = self._write(self.generation, released=False)
+        except PreconditionFailedError:
+            lost, self.generation = self.generation, None
+            raise LeaseLostError(
+                f"{self.holder} lost the checkpoint-master lease (generation {lost} is no longer current): "
+                "another master was elected, so this process must not commit"
+            ) from None
+        return self.generation
+
+    renew = fence
+
+    def release(self) -> None:
+        if self.generation is None:
+            return
+        try:
+            self._write(self.generation, released=True)
+        except PreconditionFailedError:
+            log.info("lease already taken over; nothing to release")
+        self.generation = None
+
+    def _write(self, expected_generation: int, *, released: bool) -> int:
+        record = LeaseRecord(self.holder, self.clock() + self.ttl_s, released, uuid.uuid4().hex)
+        data = json.dumps(asdict(record)).encode()
+        try:
+            return self.store.put(self.key, data, if_generation_match=expected_generation)
+        except PreconditionFailedError:
+            # Did our own write land and only its reply get lost?
+            info = self.store.stat(self.key)
+            if info is not None and self.store.get(self.key) == data:
+                return info.generation
+            raise

@@ -1,0 +1,150 @@
+"""Manifest and commit-marker formats (JSON, versioned) and their validation.
+
+A step exists for readers only if ``COMMIT`` parses, names a manifest, and that
+manifest's crc32c matches the one recorded in the marker.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from ckpt_service.errors import CorruptCheckpointError, FormatVersionError
+from ckpt_service.plan import TensorPlacement, TensorSpec
+
+FORMAT_NAME = "hvd-transient-checkpoint"
+FORMAT_VERSION = 1
+
+
+def crc32c(data: bytes | np.ndarray) -> int:
+    """crc32c of bytes, or of an array's raw bytes without copying them."""
+    if isinstance(data, np.ndarray):
+        view = np.ascontiguousarray(data).view()
+        view.flags.writeable = False  # the C extension takes read-only buffers only
+        return google_crc32c.value(view)
+    return google_crc32c.value(data)
+
+
+@dataclass(frozen=True)
+class PieceRecord:
+    """What a writer wrote: one piece of a dtype group's flat buffer."""
+
+    group: str
+    index: int
+    start: int
+    stop: int
+    chunk_elements: int
+    key: str  # zarr array prefix in the store
+    crc32c: int  # of the piece's raw little-endian bytes
+    nbytes: int
+    writer: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    group: str
+    offset: int
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def placement(self) -> TensorPlacement:
+        return TensorPlacement(TensorSpec(self.name, self.shape, self.dtype), self.offset)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    world_size: int
+    created_at: float
+    tensors: tuple[TensorEntry, ...]
+    pieces: tuple[PieceRecord, ...]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    lease_generation: int | None = None
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    def tensor(self, name: str) -> TensorEntry:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def to_json(self) -> bytes:
+        body = asdict(self)
+        body["format"] = FORMAT_NAME
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> "Manifest":
+        body = _load_json(data, where)
+        if body.get("format") != FORMAT_NAME:
+            raise CorruptCheckpointError(f"{where} is not a {FORMAT_NAME} manifest")
+        version = body.get("format_version")
+        if version != FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{where} has format version {version}; this hvd-transient reads version "
+                f"{FORMAT_VERSION}. Upgrade hvd-transient (or restore with the version that wrote it)."
+            )
+        try:
+            return cls(
+                step=int(body["step"]),
+                world_size=int(body["world_size"]),
+                created_at=float(body["created_at"]),
+                tensors=tuple(
+                    TensorEntry(t["name"], tuple(t["shape"]), t["dtype"], t["group"], int(t["offset"]))
+                    for t in body["tensors"]
+                ),
+                pieces=tuple(PieceRecord(**p) for p in body["pieces"]),
+                metadata=dict(body.get("metadata") or {}),
+                lease_generation=body.get("lease_generation"),
+                format_version=version,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"{where} is malformed: {exc!r}") from exc
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    step: int
+    manifest_key: str
+    manifest_crc32c: int
+    token: str
+    committed_at: float
+    lease_generation: int | None = None
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> "CommitMarker":
+        body = _load_json(data, where)
+        try:
+            return cls(**body)
+        except TypeError as exc:
+            raise CorruptCheckpointError(f"{where} is malformed: {exc}") from exc
+
+
+def _load_json(data: bytes, where: str) -> dict[str, Any]:
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{where} is not valid JSON ({exc})") from exc
+    if not isinstance(body, dict):
+        raise CorruptCheckpointError(f"{where} is not a JSON object")
+    return body

@@ -1,0 +1,117 @@
+"""The object-store abstraction every checkpoint backend implements.
+
+The protocol above it (manifest, commit marker, lease) needs only four things
+from a store, which Google Cloud Storage, a POSIX directory and a dict all give:
+
+* whole-object put/get of bytes,
+* a per-object *generation* that changes on every write,
+* conditional writes: create-only (``if_generation_match=0``) and
+  compare-and-swap (``if_generation_match=<gen>``), raising
+  :class:`~ckpt_service.errors.PreconditionFailedError` when they lose,
+* listing by prefix.
+
+Keys are ``/``-separated relative paths. One shared test suite
+(``tests/store_conformance.py``) is run against every implementation.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import posixpath
+from dataclasses import dataclass
+from typing import Iterator
+
+from ckpt_service.errors import BadTensorNameError, PreconditionFailedError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    generation: int
+    mtime: float  # seconds since the epoch
+
+
+def check_key(key: str) -> str:
+    """Reject keys that could escape the store's root or alias another key."""
+    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise BadTensorNameError(f"invalid store key {key!r}: keys are non-empty relative '/'-paths")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts) or posixpath.normpath(key) != key:
+        raise BadTensorNameError(
+            f"invalid store key {key!r}: empty, '.' or '..' path segments are not allowed"
+        )
+    return key
+
+
+class ObjectStore(abc.ABC):
+    """A flat namespace of byte objects with generations and conditional writes."""
+
+    #: a human-readable location, e.g. ``gs://bucket/prefix`` or ``/data/ckpt``
+    url: str
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Return the object's bytes; raise ObjectNotFoundError if absent."""
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectInfo | None:
+        """Return the object's info, or None if absent."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        """Write ``data`` atomically and return the new generation.
+
+        ``if_generation_match=0`` writes only if the key is absent; any other
+        integer writes only if the current generation equals it. On a lost
+        precondition, raise PreconditionFailedError and leave the object as it was.
+        """
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete the object; deleting an absent key is not an error."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Yield every key starting with ``prefix`` (a plain string prefix), in sorted order."""
+
+    # ---- helpers shared by every backend -------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.stat(key) is not None
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if absent. Return True if this call's write is the one stored.
+
+        A create-only write whose *response* was lost is retried by cloud clients and
+        then fails with a precondition error on the caller's own write. Reading the
+        object back tells "someone else won" from "I won but lost the reply", so
+        ``data`` should contain something unique to the writer (a token).
+        """
+        try:
+            self.put(key, data, if_generation_match=0)
+            return True
+        except PreconditionFailedError:
+            try:
+                return self.get(key) == data
+            except KeyError:
+                return False
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = list(self.list(prefix))
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names of the immediate 'sub-directories' below ``prefix`` (which ends with '/')."""
+        names = {k[len(prefix):].split("/", 1)[0] for k in self.list(prefix) if "/" in k[len(prefix):]}
+        return sorted(names)
+
+    def close(self) -> None:
+        """Release clients or connections (optional)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

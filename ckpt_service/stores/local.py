@@ -1,0 +1,131 @@
+"""A local (or network-mounted) directory as an object store: the embedded default.
+
+Writes go to a temporary file in the same directory and are published with
+``os.replace``, so a reader never sees a partial object and a crash leaves at
+most a stray temporary file. Conditional writes take an ``flock`` on one lock
+file per store: they are rare (commit markers, the lease), so one lock is enough.
+The generation is the file's ``st_mtime_ns``, forced to increase under that lock.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from ckpt_service.errors import ObjectNotFoundError, PreconditionFailedError, StoreUnavailableError
+from ckpt_service.stores.base import ObjectInfo, ObjectStore, check_key
+
+_TMP_PREFIX = ".tmp-"
+_LOCK_NAME = ".hvdt.lock"
+
+
+class LocalStore(ObjectStore):
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.url = str(self.root)
+        self.fsync = fsync
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreUnavailableError(f"{self.root} exists and is not a directory; pick another path")
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectNotFoundError(f"{self.root}/{key} does not exist") from None
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            st = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return ObjectInfo(key, st.st_size, st.st_mtime_ns, st.st_mtime)
+
+    @contextlib.contextmanager
+    def _store_lock(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / _LOCK_NAME, "a+b") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _write_tmp(self, path: Path, data: bytes) -> Path:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except PermissionError as exc:
+            raise StoreUnavailableError(f"cannot create {path.parent}: {exc}; check the store path") from exc
+        tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            if self.fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        return tmp
+
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        path = self._path(key)
+        tmp = self._write_tmp(path, data)
+        try:
+            if if_generation_match is None:
+                os.replace(tmp, path)
+                return path.stat().st_mtime_ns
+            with self._store_lock():
+                info = self.stat(key)
+                have = 0 if info is None else info.generation
+                if have != if_generation_match:
+                    raise PreconditionFailedError(
+                        f"{path}: generation is {have}, expected {if_generation_match}"
+                    )
+                # Generations must strictly increase even within one clock tick.
+                new_gen = max(os.stat(tmp).st_mtime_ns, have + 1)
+                os.utime(tmp, ns=(new_gen, new_gen))
+                os.replace(tmp, path)
+                if self.fsync:
+                    _fsync_dir(path.parent)
+                return new_gen
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            path.unlink()
+        # Tidy now-empty directories up to the root (best effort).
+        parent = path.parent
+        while parent != self.root and parent.is_relative_to(self.root):
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        if not base.is_dir():
+            return
+        keys: list[str] = []
+        for dirpath, _dirs, files in os.walk(base):
+            rel_dir = os.path.relpath(dirpath, self.root)
+            for name in files:
+                if name.startswith(_TMP_PREFIX) or name == _LOCK_NAME:
+                    continue
+                key = name if rel_dir == "." else f"{rel_dir}/{name}"
+                if key.startswith(prefix):
+                    keys.append(key)
+        yield from sorted(keys)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
