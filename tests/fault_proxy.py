@@ -18,6 +18,7 @@ import json
 import logging
 import socket
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -69,6 +70,18 @@ class _Rule:
     status: int = 503
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: tuple[str, int]) -> None:
+        # Clients drop pooled keep-alive connections at will (and we reset some on purpose).
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("fault-proxy: connection from %s ended: %r", client_address, exc)
+        else:
+            super().handle_error(request, client_address)
+
+
 class FaultProxy:
     """Forwards to ``upstream`` (http://127.0.0.1:port); faults are armed by the test."""
 
@@ -81,8 +94,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._rules: list[_Rule] = []
         self.seen: list[Seen] = []
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
-        self._server.daemon_threads = True
+        self._server = _QuietServer(("127.0.0.1", 0), _handler_for(self))
         self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
 
     @property

@@ -1,0 +1,142 @@
+"""GCSStore under injected faults: a real client, a real fake-gcs-server, a fault proxy between.
+
+Objects here stay at or under 8 MiB (single multipart requests): fake-gcs-server
+appends a re-sent resumable chunk instead of replacing it, which real GCS does not.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Iterator
+
+import pytest
+from google.cloud.storage.retry import DEFAULT_RETRY
+
+from ckpt_service.errors import PreconditionFailedError, StoreUnavailableError
+from ckpt_service.stores.gcs import MULTIPART_LIMIT, GCSStore
+from fault_proxy import FaultProxy, is_download, is_upload
+from gcs_emulator import GCSEmulator, gcs_emulator_session  # noqa: F401  (pytest fixture)
+
+# The library's retry policy with short waits, so absorbing faults costs milliseconds.
+FAST_RETRY = DEFAULT_RETRY.with_delay(initial=0.01, maximum=0.1, multiplier=2.0).with_timeout(20.0)
+
+
+@pytest.fixture(scope="module")
+def proxy(gcs_emulator_session: GCSEmulator) -> Iterator[FaultProxy]:
+    with FaultProxy(gcs_emulator_session.url) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def bucket(gcs_emulator_session: GCSEmulator) -> str:
+    return gcs_emulator_session.new_bucket("faults")
+
+
+@pytest.fixture
+def store(gcs_emulator_session: GCSEmulator, proxy: FaultProxy, bucket: str) -> Iterator[GCSStore]:
+    proxy.reset()
+    client = gcs_emulator_session.client(endpoint=proxy.url)
+    store = GCSStore(bucket, f"t-{uuid.uuid4().hex[:12]}", client=client, retry=FAST_RETRY)
+    yield store
+    client.close()
+    assert proxy.pending_faults() == 0, "an armed fault was never triggered"
+
+
+@pytest.fixture
+def direct(gcs_emulator_session: GCSEmulator, store: GCSStore) -> GCSStore:
+    """The same bucket and prefix, bypassing the proxy (a second, healthy writer)."""
+    return GCSStore(store.bucket_name, store.prefix, client=gcs_emulator_session.client())
+
+
+def test_503s_on_upload_are_absorbed_by_the_client_retry(store: GCSStore, proxy: FaultProxy) -> None:
+    proxy.fail_next(3, status=503, match=is_upload)
+    gen = store.put("shard/0", b"payload")
+    assert proxy.outcomes(is_upload) == ["injected-503"] * 3 + ["forwarded"]
+    assert store.get("shard/0") == b"payload"
+    assert store.stat("shard/0").generation == gen
+
+
+def test_503s_on_conditional_upload_are_absorbed(store: GCSStore, proxy: FaultProxy) -> None:
+    proxy.fail_next(2, status=503, match=is_upload)
+    assert store.create_exclusive("commit", b"token-1") is True
+    assert proxy.outcomes(is_upload) == ["injected-503", "injected-503", "forwarded"]
+
+
+def test_503s_and_429s_on_download_are_absorbed(store: GCSStore, proxy: FaultProxy) -> None:
+    store.put("k", b"v" * 1000)
+    proxy.fail_next(1, status=503, match=is_download)
+    proxy.fail_next(1, status=429, match=is_download)
+    assert store.get("k") == b"v" * 1000
+    assert proxy.outcomes(is_download) == ["injected-503", "injected-429", "forwarded"]
+
+
+def test_persistent_503s_become_a_typed_error(store: GCSStore, proxy: FaultProxy) -> None:
+    store.retry = DEFAULT_RETRY.with_delay(initial=0.01, maximum=0.05).with_timeout(0.5)
+    proxy.fail_next(10**6, status=503, match=is_download)
+    store.put("k", b"v")
+    with pytest.raises(StoreUnavailableError, match="gave up after retrying"):
+        store.get("k")
+    assert proxy.outcomes(is_download).count("injected-503") >= 2  # it did retry
+    proxy.reset()  # disarm the rest
+
+
+def test_lost_response_of_a_winning_create_is_reported_as_won(store: GCSStore, proxy: FaultProxy) -> None:
+    proxy.drop_response_of_next(match=is_upload)
+    assert store.create_exclusive("commit", b"token-mine") is True
+    # The first attempt was applied and its reply lost; the retry then lost to our own object.
+    assert proxy.outcomes(is_upload) == ["dropped-response", "forwarded"]
+    assert [s.status for s in proxy.seen if is_upload(s.request)] == [200, 412]
+    assert store.get("commit") == b"token-mine"
+
+
+def test_lost_response_surfaces_as_precondition_failed_on_the_raw_put(store: GCSStore, proxy: FaultProxy) -> None:
+    """Why create_exclusive must read back: the bare put reports a loss although it won."""
+    proxy.drop_response_of_next(match=is_upload)
+    with pytest.raises(PreconditionFailedError):
+        store.put("commit", b"token-mine", if_generation_match=0)
+    assert store.get("commit") == b"token-mine"
+
+
+def test_competing_writer_is_reported_as_lost(store: GCSStore, direct: GCSStore, proxy: FaultProxy) -> None:
+    assert direct.create_exclusive("commit", b"token-other") is True
+    assert store.create_exclusive("commit", b"token-mine") is False
+    # Same when our request's reply is lost too: the server refused it, the retry is refused again.
+    proxy.drop_response_of_next(match=is_upload)
+    assert store.create_exclusive("commit", b"token-mine") is False
+    assert [s.status for s in proxy.seen if is_upload(s.request)] == [412, 412, 412]
+    assert store.get("commit") == b"token-other"
+
+
+def test_lost_response_of_a_compare_and_swap(store: GCSStore, proxy: FaultProxy) -> None:
+    """A CAS applied whose reply was lost reports PreconditionFailed; reading back shows our data."""
+    gen = store.put("lease", b"holder-1", if_generation_match=0)
+    proxy.drop_response_of_next(match=is_upload)
+    with pytest.raises(PreconditionFailedError):
+        store.put("lease", b"holder-1-renewed", if_generation_match=gen)
+    assert store.get("lease") == b"holder-1-renewed"
+    assert store.stat("lease").generation > gen
+
+
+def test_lost_download_response_is_retried(store: GCSStore, proxy: FaultProxy) -> None:
+    data = bytes(range(256)) * 4096  # 1 MiB
+    store.put("k", data)
+    proxy.drop_response_of_next(match=is_download)
+    assert store.get("k") == data
+    assert proxy.outcomes(is_download) == ["dropped-response", "forwarded"]
+
+
+def test_fault_sized_object_at_the_multipart_limit(store: GCSStore, proxy: FaultProxy) -> None:
+    data = b"\xa5" * MULTIPART_LIMIT  # the largest single-request upload
+    proxy.fail_next(1, status=503, match=is_upload)
+    store.put("big", data)
+    assert proxy.outcomes(is_upload) == ["injected-503", "forwarded"]
+    assert store.get("big") == data
+
+
+def test_unmatched_requests_pass_through(store: GCSStore, proxy: FaultProxy) -> None:
+    proxy.fail_next(1, status=503, match=lambda r: r.method == "DELETE")
+    store.put("k", b"v")
+    assert store.get("k") == b"v"
+    assert proxy.pending_faults() == 1
+    store.delete("k")  # takes the 503, then is retried
+    assert store.stat("k") is None
+    assert [s.outcome for s in proxy.seen if s.request.method == "DELETE"] == ["injected-503", "forwarded"]
