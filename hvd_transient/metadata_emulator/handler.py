@@ -1,0 +1,296 @@
+"""HTTP routing of the emulator: GCE, AWS IMDSv2, Azure Scheduled Events and the control API.
+
+Paths (``/i/<instance>`` may be left out: then the instance named by the Host
+header, else the default instance, answers)::
+
+    GET  [/i/<inst>]/computeMetadata/v1/<key>[?wait_for_change=true&last_etag=E&timeout_sec=S]
+    PUT  [/i/<inst>]/latest/api/token                    (X-aws-ec2-metadata-token-ttl-seconds)
+    GET  [/i/<inst>]/latest/meta-data/<key>              (X-aws-ec2-metadata-token)
+    GET  [/i/<inst>]/metadata/scheduledevents?api-version=2020-07-01   (Metadata: true)
+    GET  [/i/<inst>]/metadata/instance/compute/name?api-version=...&format=text
+
+    GET  /control/instances                   every instance's state
+    GET  /control/instances/<inst>            one instance's state
+    POST /control/instances                   {"name", "hostname"?, "zone"?, "project_id"?}
+    POST /control/instances/<inst>/preempt    {"at"? | "delay"?, "window"?, "kill_pid"?, "signal"?}
+    POST /control/instances/<inst>/maintenance {"event": "TERMINATE_ON_HOST_MAINTENANCE"}
+    POST /control/instances/<inst>/fault      {"mode": "hang" | "500" | "garbage" | "ok"}
+    POST /control/instances/<inst>/reset      a fresh VM under the same name
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from .model import GARBAGE_BODY, EmulatorError, Fault, InvalidRequestError, etag_of
+from .registry import UnknownKeyError
+
+if TYPE_CHECKING:
+    from .registry import Registry
+
+log = logging.getLogger(__name__)
+
+GCE_PREFIX = "/computeMetadata/v1/"
+AWS_TOKEN_PATH = "/latest/api/token"
+AWS_META_PREFIX = "/latest/meta-data/"
+AZURE_EVENTS_PATH = "/metadata/scheduledevents"
+AZURE_NAME_PATH = "/metadata/instance/compute/name"
+MAX_BODY = 1 << 20
+
+
+class MetadataRequestHandler(BaseHTTPRequestHandler):
+    # HTTP/1.0: one request per connection, so a hung or released request
+    # never leaves a half-used keep-alive connection behind.
+    protocol_version = "HTTP/1.0"
+    server_version = "Metadata-Server-Emulator"
+    sys_version = ""
+
+    @property
+    def registry(self) -> "Registry":
+        return self.server.registry  # type: ignore[attr-defined]
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    # ---- routing ----------------------------------------------------------------------
+    def _dispatch(self, method: str) -> None:
+        url = urlsplit(self.path)
+        path, query = unquote(url.path), {k: v[-1] for k, v in parse_qs(url.query).items()}
+        try:
+            if path == "/control" or path.startswith("/control/"):
+                self._control(method, path, query)
+                return
+            path_instance, rest = _split_instance(path)
+            name = self.registry.resolve(path_instance, self.headers.get("Host"))
+            fault = self.registry.begin_request(name)
+            if fault is None:  # stopping: drop the connection unanswered
+                self.close_connection = True
+                return
+            if rest.startswith(GCE_PREFIX):
+                self._gce(method, name, rest[len(GCE_PREFIX):], query, fault)
+            elif rest == AWS_TOKEN_PATH or rest.startswith(AWS_META_PREFIX):
+                self._aws(method, name, rest, fault)
+            elif rest.startswith("/metadata/"):
+                self._azure(method, name, rest, query, fault)
+            else:
+                self._reply(404, f"no metadata API at {rest!r}\n")
+        except EmulatorError as exc:
+            self._reply_json(exc.http_status, {"error": str(exc)})
+
+    # ---- GCE --------------------------------------------------------------------------
+    def _gce(self, method: str, name: str, key: str, query: dict[str, str], fault: Fault) -> None:
+        if fault is not Fault.OK:
+            self._fault_reply(fault, gce=True)
+            return
+        if self.headers.get("X-Forwarded-For"):
+            self._gce_reply(403, "Request had an X-Forwarded-For header and was rejected.\n")
+            return
+        if self.headers.get("Metadata-Flavor") != "Google":
+            self._gce_reply(403, "Missing required header: Metadata-Flavor: Google\n")
+            return
+        if method != "GET":
+            self._gce_reply(405, f"{method} is not allowed on the metadata server\n")
+            return
+        try:
+            if query.get("wait_for_change", "").lower() == "true":
+                timeout = _positive_float(query.get("timeout_sec"), "timeout_sec")
+                found = self.registry.gce_wait_for_change(name, key, query.get("last_etag"), timeout)
+                if found is None:  # stopping
+                    self.close_connection = True
+                    return
+            else:
+                found = self.registry.gce_read(name, key)
+        except UnknownKeyError:
+            self._gce_reply(404, f"metadata key {key!r} not found\n")
+            return
+        except InvalidRequestError as exc:
+            self._gce_reply(400, f"{exc}\n")
+            return
+        value, etag = found
+        self._gce_reply(200, value, etag=etag)
+
+    def _gce_reply(self, status: int, body: str, etag: str | None = None) -> None:
+        self._reply(status, body, headers={"Metadata-Flavor": "Google",
+                                           "ETag": etag or etag_of("reply", body)})
+
+    # ---- AWS IMDSv2 -------------------------------------------------------------------
+    def _aws(self, method: str, name: str, path: str, fault: Fault) -> None:
+        if fault is not Fault.OK:
+            self._fault_reply(fault, gce=False)
+            return
+        if path == AWS_TOKEN_PATH:
+            if method != "PUT":
+                self._reply(405, "use PUT to get an IMDSv2 token\n")
+                return
+            if self.headers.get("X-Forwarded-For"):
+                self._reply(403, "Forbidden\n")
+                return
+            raw = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+            try:
+                ttl = int(raw or "")
+                token = self.registry.aws_issue_token(name, ttl)
+            except (ValueError, InvalidRequestError):
+                self._reply(400, "X-aws-ec2-metadata-token-ttl-seconds must be an integer 1..21600\n")
+                return
+            self._reply(200, token, headers={"X-aws-ec2-metadata-token-ttl-seconds": str(ttl)})
+            return
+        if method != "GET":
+            self._reply(405, "Method Not Allowed\n")
+            return
+        try:
+            value = self.registry.aws_read(name, path[len(AWS_META_PREFIX):],
+                                           self.headers.get("X-aws-ec2-metadata-token"))
+        except PermissionError:
+            self._reply(401, "Unauthorized\n")
+            return
+        if value is None:
+            self._reply(404, "Not Found\n")
+        else:
+            ctype = "application/json" if value.startswith("{") else "text/plain"
+            self._reply(200, value, content_type=ctype)
+
+    # ---- Azure ------------------------------------------------------------------------
+    def _azure(self, method: str, name: str, path: str, query: dict[str, str], fault: Fault) -> None:
+        if fault is not Fault.OK:
+            self._fault_reply(fault, gce=False)
+            return
+        if self.headers.get("Metadata", "").lower() != "true":
+            self._reply_json(400, {"error": "Bad request. Required metadata header not specified"})
+            return
+        if not query.get("api-version"):
+            self._reply_json(400, {"error": "Bad request. api-version was not specified in the request"})
+            return
+        if method != "GET":
+            self._reply_json(405, {"error": "only GET is emulated"})
+            return
+        if path.rstrip("/") == AZURE_EVENTS_PATH:
+            self._reply_json(200, self.registry.azure_document(name))
+        elif path == AZURE_NAME_PATH:
+            if query.get("format") == "text":
+                self._reply(200, name)
+            else:
+                self._reply_json(200, name)
+        else:
+            self._reply_json(404, {"error": f"{path} is not emulated"})
+
+    # ---- control ----------------------------------------------------------------------
+    def _control(self, method: str, path: str, query: dict[str, str]) -> None:
+        parts = [p for p in path.split("/") if p][1:]  # after "control"
+        reg = self.registry
+        if method == "GET" and parts in ([], ["state"], ["instances"]):
+            self._reply_json(200, {"now": time.time(), "default": reg.default,
+                                   "instances": {n: s.to_json() for n, s in reg.snapshots().items()}})
+            return
+        if method == "GET" and len(parts) == 2 and parts[0] == "instances":
+            self._reply_json(200, reg.snapshot(parts[1]).to_json())
+            return
+        if method != "POST" or not parts or parts[0] != "instances":
+            self._reply_json(404, {"error": f"no control endpoint {method} {path}; see /control/instances"})
+            return
+        body = self._read_json()
+        if len(parts) == 1:
+            snap = reg.add(str(body.get("name", "")), hostname=body.get("hostname"),
+                           zone=body.get("zone"), project_id=body.get("project_id"))
+            self._reply_json(201, snap.to_json())
+            return
+        if len(parts) != 3:
+            self._reply_json(404, {"error": f"no control endpoint {path}"})
+            return
+        name, action = parts[1], parts[2]
+        if action == "preempt":
+            snap = reg.preempt(name, at=_opt_float(body, "at"), delay=_opt_float(body, "delay"),
+                               window=_opt_float(body, "window", 30.0), kill_pid=body.get("kill_pid"),
+                               kill_signal=body.get("signal"))
+        elif action == "maintenance":
+            snap = reg.set_maintenance(name, str(body.get("event", "")))
+        elif action == "fault":
+            snap = reg.set_fault(name, str(body.get("mode", "")))
+        elif action == "reset":
+            snap = reg.reset(name)
+        else:
+            self._reply_json(404, {"error": f"unknown action {action!r}: "
+                                            "use preempt, maintenance, fault or reset"})
+            return
+        self._reply_json(200, snap.to_json())
+
+    def _read_json(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            raise InvalidRequestError(f"request body of {length} bytes is too large")
+        raw = self.rfile.read(length) if length else b""
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidRequestError(f"request body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("request body must be a JSON object")
+        return body
+
+    # ---- replies ----------------------------------------------------------------------
+    def _fault_reply(self, fault: Fault, *, gce: bool) -> None:
+        headers = {"Metadata-Flavor": "Google", "ETag": uuid.uuid4().hex[:16]} if gce else {}
+        if fault is Fault.ERROR_500:
+            self._reply(500, "injected fault: internal server error\n", headers=headers)
+        else:  # GARBAGE (HANG has already been waited out by the registry)
+            self._reply(200, GARBAGE_BODY, content_type="text/html", headers=headers)
+
+    def _reply_json(self, status: int, obj: Any) -> None:
+        self._reply(status, json.dumps(obj), content_type="application/json")
+
+    def _reply(self, status: int, body: str | bytes, *, content_type: str = "text/plain",
+               headers: dict[str, str] | None = None) -> None:
+        data = body.encode() if isinstance(body, str) else body
+        self.send_response(status, HTTPStatus(status).phrase)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _split_instance(path: str) -> tuple[str | None, str]:
+    """``/i/<name>/rest`` -> (name, ``/rest``); any other path -> (None, path)."""
+    if path.startswith("/i/"):
+        name, _, rest = path[3:].partition("/")
+        return name, "/" + rest
+    return None, path
+
+
+def _positive_float(raw: str | None, what: str) -> float | None:
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidRequestError(f"{what} must be a number of seconds, got {raw!r}") from None
+    if value < 0:
+        raise InvalidRequestError(f"{what} must be >= 0, got {raw!r}")
+    return value
+
+
+def _opt_float(body: dict, key: str, default: float | None = None) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"{key!r} must be a number, got {value!r}") from None

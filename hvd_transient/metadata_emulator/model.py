@@ -1,0 +1,276 @@
+"""The state of one emulated VM and what each cloud's metadata API says about it.
+
+Pure logic, no I/O and no locks: ``registry.py`` serialises access and
+``handler.py`` turns these values into HTTP replies. Keeping the cloud
+semantics here means they can be read (and tested) without a server.
+
+Timeline of a preemption (all times are epoch seconds)::
+
+    scheduled_at          notice_at = scheduled_at          deadline = notice_at + window
+        |  preempt(at=T)      |  GCE preempted=TRUE            |  kill_pid gets its signal
+        |                     |  AWS instance-action appears   |  (AWS "time", Azure NotBefore)
+        |                     |  Azure Preempt event appears   |
+"""
+from __future__ import annotations
+
+import email.utils
+import enum
+import hashlib
+import json
+import signal
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+DEFAULT_WINDOW_S = 30.0
+DEFAULT_PROJECT_ID = "hvd-transient-local"
+DEFAULT_PROJECT_NUMBER = 123456789012
+DEFAULT_ZONE = "us-central1-a"
+MAINTENANCE_EVENTS = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
+AWS_TOKEN_TTL_MAX_S = 21600
+# A 200 reply whose body is no metadata at all (what a captive proxy or a
+# broken server might send); not UTF-8 on purpose.
+GARBAGE_BODY = b"<html><body>\xff\xfe\x00 502 upstream confused %%\x07</body></html>"
+
+
+class EmulatorError(Exception):
+    """Base class of the errors the emulator's control API reports."""
+
+    http_status = 500
+
+
+class UnknownInstanceError(EmulatorError, KeyError):
+    http_status = 404
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown instance"
+
+
+class ConflictError(EmulatorError):
+    http_status = 409
+
+
+class InstanceExistsError(ConflictError):
+    """An instance of that name already exists."""
+
+
+class AlreadyPreemptedError(ConflictError):
+    """The instance already has a preemption scheduled or under way."""
+
+
+class InvalidRequestError(EmulatorError, ValueError):
+    http_status = 400
+
+
+class Fault(str, enum.Enum):
+    """A failure injected into every metadata reply of one instance."""
+
+    OK = "ok"            # no fault
+    HANG = "hang"        # never answer until the fault is cleared (or the server stops)
+    ERROR_500 = "500"    # 500 Internal Server Error
+    GARBAGE = "garbage"  # 200 with a nonsense body
+
+    @classmethod
+    def parse(cls, value: str) -> "Fault":
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            valid = ", ".join(f.value for f in cls)
+            raise InvalidRequestError(f"unknown fault {value!r}: use one of {valid}") from None
+
+
+def etag_of(key: str, value: str) -> str:
+    """GCE ETags follow the content: a changed value always has a new ETag."""
+    return hashlib.sha256(f"{key}\0{value}".encode()).hexdigest()[:16]
+
+
+def iso8601_z(epoch: float) -> str:
+    """AWS spot ``time`` format, e.g. ``2026-11-22T08:22:00Z`` (whole seconds)."""
+    return datetime.fromtimestamp(int(epoch), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def rfc1123(epoch: float) -> str:
+    """Azure ``NotBefore`` format, e.g. ``Mon, 19 Sep 2016 18:29:47 GMT``."""
+    return email.utils.formatdate(epoch, usegmt=True)
+
+
+def parse_signal(value: int | str | None) -> signal.Signals:
+    if value is None:
+        return signal.SIGTERM
+    try:
+        if isinstance(value, int) or str(value).isdigit():
+            return signal.Signals(int(value))
+        name = str(value).upper()
+        return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    except (KeyError, ValueError):
+        raise InvalidRequestError(f"unknown signal {value!r}: use a name like SIGTERM or a number") from None
+
+
+@dataclass(frozen=True)
+class InstanceSnapshot:
+    """A consistent, read-only view of one instance (what the control API returns)."""
+
+    name: str
+    hostname: str
+    zone: str
+    project_id: str
+    preempted: bool
+    maintenance_event: str
+    fault: str
+    window: float | None
+    scheduled_at: float | None
+    notice_at: float | None
+    deadline: float | None
+    kill_pid: int | None
+    kill_signal: str | None
+    killed_at: float | None
+    kill_error: str | None
+    requests: int
+    fault_hits: dict[str, int]
+
+    def to_json(self) -> dict:
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class InstanceState:
+    """Mutable state of one emulated VM. Not thread-safe: the registry locks around it."""
+
+    name: str
+    hostname: str
+    zone: str = DEFAULT_ZONE
+    project_id: str = DEFAULT_PROJECT_ID
+    project_number: int = DEFAULT_PROJECT_NUMBER
+    maintenance_event: str = "NONE"
+    fault: Fault = Fault.OK
+    window: float | None = None
+    scheduled_at: float | None = None
+    notice_at: float | None = None
+    kill_pid: int | None = None
+    kill_signal: signal.Signals | None = None
+    killed_at: float | None = None
+    kill_error: str | None = None
+    azure_incarnation: int = 1
+    aws_tokens: dict[str, float] = field(default_factory=dict)  # token -> expiry epoch
+    requests: int = 0
+    fault_hits: dict[str, int] = field(default_factory=dict)
+
+    # ---- preemption life cycle -------------------------------------------------
+    @property
+    def preempted(self) -> bool:
+        return self.notice_at is not None
+
+    @property
+    def deadline(self) -> float | None:
+        if self.notice_at is None or self.window is None:
+            return None
+        return self.notice_at + self.window
+
+    def schedule_preemption(self, at: float, window: float, kill_pid: int | None,
+                            kill_signal: signal.Signals) -> None:
+        if self.preempted or self.scheduled_at is not None:
+            raise AlreadyPreemptedError(
+                f"instance {self.name!r} is already preempted or scheduled for preemption; "
+                "reset it first to model a new VM under the same name")
+        if window < 0:
+            raise InvalidRequestError(f"notice window must be >= 0 seconds, got {window}")
+        self.scheduled_at, self.window = at, window
+        self.kill_pid, self.kill_signal = kill_pid, kill_signal
+
+    def activate_if_due(self, now: float) -> bool:
+        """Turn a scheduled preemption into a visible notice once its time has come."""
+        if self.scheduled_at is None or self.preempted or now < self.scheduled_at:
+            return False
+        self.notice_at = max(now, self.scheduled_at)
+        self.azure_incarnation += 1
+        return True
+
+    def kill_due(self, now: float) -> bool:
+        return (self.kill_pid is not None and self.killed_at is None and self.kill_error is None
+                and self.deadline is not None and now >= self.deadline)
+
+    def next_due(self) -> float | None:
+        """The next time the scheduler must act for this instance, if any."""
+        if self.scheduled_at is not None and not self.preempted:
+            return self.scheduled_at
+        if self.kill_pid is not None and self.killed_at is None and self.kill_error is None:
+            return self.deadline
+        return None
+
+    def reset(self) -> None:
+        """A fresh VM reusing the name: no notice, no maintenance, no fault."""
+        changed = self.preempted
+        self.maintenance_event, self.fault = "NONE", Fault.OK
+        self.window = self.scheduled_at = self.notice_at = None
+        self.kill_pid = self.kill_signal = self.killed_at = self.kill_error = None
+        self.aws_tokens.clear()
+        if changed:
+            self.azure_incarnation += 1
+
+    def set_maintenance(self, event: str) -> None:
+        event = str(event).upper()
+        if event not in MAINTENANCE_EVENTS:
+            raise InvalidRequestError(
+                f"unknown maintenance event {event!r}: use one of {', '.join(MAINTENANCE_EVENTS)}")
+        self.maintenance_event = event
+
+    # ---- GCE --------------------------------------------------------------------
+    def gce_values(self) -> dict[str, str]:
+        """Every GCE key this emulator serves, relative to ``computeMetadata/v1/``."""
+        return {
+            "instance/preempted": "TRUE" if self.preempted else "FALSE",
+            "instance/maintenance-event": self.maintenance_event,
+            "instance/hostname": self.hostname,
+            "instance/name": self.name,
+            "instance/id": str(int(hashlib.sha256(self.name.encode()).hexdigest()[:15], 16)),
+            "instance/zone": f"projects/{self.project_number}/zones/{self.zone}",
+            "project/project-id": self.project_id,
+            "project/numeric-project-id": str(self.project_number),
+        }
+
+    # ---- AWS IMDSv2 -------------------------------------------------------------
+    def aws_token_valid(self, token: str | None, now: float) -> bool:
+        expiry = self.aws_tokens.get(token or "")
+        return expiry is not None and now < expiry
+
+    def aws_values(self) -> dict[str, str]:
+        """IMDS keys relative to ``latest/meta-data/``; absent keys are 404."""
+        values = {
+            "instance-id": "i-" + hashlib.sha256(self.name.encode()).hexdigest()[:17],
+            "hostname": self.hostname,
+            "local-hostname": self.hostname,
+            "placement/availability-zone": self.zone,
+        }
+        if self.preempted and self.deadline is not None:
+            values["spot/instance-action"] = json.dumps(
+                {"action": "terminate", "time": iso8601_z(self.deadline)})
+        return values
+
+    # ---- Azure Scheduled Events -------------------------------------------------
+    def azure_document(self) -> dict:
+        events = []
+        if self.preempted and self.deadline is not None:
+            events.append({
+                "EventId": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{self.name}/{self.notice_at}")).upper(),
+                "EventType": "Preempt",
+                "ResourceType": "VirtualMachine",
+                "Resources": [self.name],
+                "EventStatus": "Scheduled",
+                "NotBefore": rfc1123(self.deadline),
+                "Description": "The virtual machine is being evicted (Spot).",
+                "EventSource": "Platform",
+                "DurationInSeconds": -1,
+            })
+        return {"DocumentIncarnation": self.azure_incarnation, "Events": events}
+
+    # ---- views ------------------------------------------------------------------
+    def snapshot(self) -> InstanceSnapshot:
+        return InstanceSnapshot(
+            name=self.name, hostname=self.hostname, zone=self.zone, project_id=self.project_id,
+            preempted=self.preempted, maintenance_event=self.maintenance_event,
+            fault=self.fault.value, window=self.window, scheduled_at=self.scheduled_at,
+            notice_at=self.notice_at, deadline=self.deadline, kill_pid=self.kill_pid,
+            kill_signal=self.kill_signal.name if self.kill_signal else None,
+            killed_at=self.killed_at, kill_error=self.kill_error,
+            requests=self.requests, fault_hits=dict(self.fault_hits),
+        )

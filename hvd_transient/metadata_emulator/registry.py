@@ -1,0 +1,277 @@
+"""Thread-safe registry of emulated instances, and the scheduler that moves time forward.
+
+One ``threading.Condition`` guards every instance. Whatever changes state
+calls ``notify_all``, which wakes long-polls (``wait_for_change``), hung
+requests waiting for their fault to clear, the scheduler (which re-plans its
+next wake-up), and ``wait_for`` callers in tests. Nothing here sleeps.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from typing import Callable, Iterable, Mapping
+
+from .model import (
+    AWS_TOKEN_TTL_MAX_S,
+    DEFAULT_WINDOW_S,
+    Fault,
+    InstanceExistsError,
+    InstanceSnapshot,
+    InstanceState,
+    InvalidRequestError,
+    UnknownInstanceError,
+    etag_of,
+    parse_signal,
+)
+
+log = logging.getLogger(__name__)
+
+
+class UnknownKeyError(KeyError):
+    """A metadata key the emulator does not serve (a 404)."""
+
+
+class Registry:
+    def __init__(self, names: Iterable[str], default: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._cond = threading.Condition()
+        self._clock = clock
+        self._instances: dict[str, InstanceState] = {}
+        self._stopping = False
+        for name in names:
+            self.add(name)
+        if not self._instances:
+            raise InvalidRequestError("the emulator needs at least one instance name")
+        self._default = default or next(iter(self._instances))
+        if self._default not in self._instances:
+            raise UnknownInstanceError(f"default instance {self._default!r} is not among the instances")
+
+    # ---- control ------------------------------------------------------------------
+    def add(self, name: str, *, hostname: str | None = None, zone: str | None = None,
+            project_id: str | None = None) -> InstanceSnapshot:
+        if not name or "/" in name or name != name.strip():
+            raise InvalidRequestError(f"bad instance name {name!r}: use a non-empty name without '/'")
+        with self._cond:
+            if name in self._instances:
+                raise InstanceExistsError(f"instance {name!r} already exists")
+            inst = InstanceState(name=name, hostname=hostname or name)
+            if zone:
+                inst.zone = zone
+            if project_id:
+                inst.project_id = project_id
+            self._instances[name] = inst
+            self._cond.notify_all()
+            return inst.snapshot()
+
+    def preempt(self, name: str, *, at: float | None = None, delay: float | None = None,
+                window: float = DEFAULT_WINDOW_S, kill_pid: int | None = None,
+                kill_signal: int | str | None = None) -> InstanceSnapshot:
+        """Schedule a preemption notice at ``at`` (epoch), after ``delay`` seconds, or now.
+
+        ``window`` seconds after the notice the deadline passes and, if given,
+        ``kill_pid`` receives ``kill_signal`` (SIGTERM by default).
+        """
+        if at is not None and delay is not None:
+            raise InvalidRequestError("give either 'at' (epoch seconds) or 'delay' (seconds), not both")
+        sig = parse_signal(kill_signal)
+        try:
+            pid = int(kill_pid) if kill_pid is not None else None
+            window = float(window)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(
+                f"kill_pid must be an integer and window a number of seconds, "
+                f"got kill_pid={kill_pid!r}, window={window!r}") from None
+        with self._cond:
+            inst = self._get(name)
+            now = self._clock()
+            when = at if at is not None else now + (delay or 0.0)
+            inst.schedule_preemption(float(when), window, pid, sig)
+            if inst.activate_if_due(now):
+                log.info("instance %s: preemption notice now, deadline %.3f", name, inst.deadline)
+            else:
+                log.info("instance %s: preemption scheduled at %.3f", name, when)
+            self._cond.notify_all()
+            return inst.snapshot()
+
+    def set_maintenance(self, name: str, event: str) -> InstanceSnapshot:
+        with self._cond:
+            inst = self._get(name)
+            inst.set_maintenance(event)
+            self._cond.notify_all()
+            return inst.snapshot()
+
+    def set_fault(self, name: str, mode: str | Fault) -> InstanceSnapshot:
+        fault = mode if isinstance(mode, Fault) else Fault.parse(mode)
+        with self._cond:
+            inst = self._get(name)
+            inst.fault = fault
+            self._cond.notify_all()
+            return inst.snapshot()
+
+    def reset(self, name: str) -> InstanceSnapshot:
+        with self._cond:
+            inst = self._get(name)
+            inst.reset()
+            self._cond.notify_all()
+            return inst.snapshot()
+
+    def snapshot(self, name: str) -> InstanceSnapshot:
+        with self._cond:
+            return self._get(name).snapshot()
+
+    def snapshots(self) -> dict[str, InstanceSnapshot]:
+        with self._cond:
+            return {n: i.snapshot() for n, i in self._instances.items()}
+
+    @property
+    def default(self) -> str:
+        return self._default
+
+    def wait_for(self, predicate: Callable[[Mapping[str, InstanceSnapshot]], bool],
+                 timeout: float | None) -> bool:
+        """Block until ``predicate(snapshots)`` holds; False on timeout or stop."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._stopping or predicate({n: i.snapshot() for n, i in self._instances.items()}),
+                timeout)
+            return bool(ok) and not self._stopping
+
+    # ---- serving ------------------------------------------------------------------
+    def resolve(self, path_instance: str | None, host_header: str | None) -> str:
+        """Which instance a request is for: the ``/i/<name>`` prefix, else the Host name, else the default."""
+        with self._cond:
+            if path_instance is not None:
+                self._get(path_instance)
+                return path_instance
+            host = _host_name(host_header or "")
+            return host if host in self._instances else self._default
+
+    def begin_request(self, name: str) -> Fault | None:
+        """Count a request and return the fault to apply; blocks while the fault is ``hang``.
+
+        Returns None when the server is stopping (the caller drops the connection).
+        """
+        with self._cond:
+            inst = self._get(name)
+            inst.requests += 1
+            if inst.fault is not Fault.OK:
+                inst.fault_hits[inst.fault.value] = inst.fault_hits.get(inst.fault.value, 0) + 1
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._stopping or inst.fault is not Fault.HANG)
+            return None if self._stopping else inst.fault
+
+    def gce_read(self, name: str, key: str) -> tuple[str, str]:
+        with self._cond:
+            return self._gce_value(self._get(name), key)
+
+    def gce_wait_for_change(self, name: str, key: str, last_etag: str | None,
+                            timeout: float | None) -> tuple[str, str] | None:
+        """GCE ``wait_for_change``: return when the value's ETag differs from ``last_etag``
+        (at once if it already does) or, without one, from the ETag at call time; return the
+        unchanged value after ``timeout``. None when the server is stopping."""
+        with self._cond:
+            inst = self._get(name)
+            _, start_etag = self._gce_value(inst, key)
+            baseline = last_etag if last_etag else start_etag
+            self._cond.wait_for(
+                lambda: self._stopping or self._gce_value(inst, key)[1] != baseline, timeout)
+            return None if self._stopping else self._gce_value(inst, key)
+
+    def aws_issue_token(self, name: str, ttl_s: int) -> str:
+        if not 1 <= ttl_s <= AWS_TOKEN_TTL_MAX_S:
+            raise InvalidRequestError(f"token TTL must be 1..{AWS_TOKEN_TTL_MAX_S} seconds, got {ttl_s}")
+        with self._cond:
+            inst = self._get(name)
+            now = self._clock()
+            inst.aws_tokens = {t: e for t, e in inst.aws_tokens.items() if e > now}
+            token = secrets.token_urlsafe(32)
+            inst.aws_tokens[token] = now + ttl_s
+            return token
+
+    def aws_read(self, name: str, key: str, token: str | None) -> str | None:
+        """The IMDS value, None for a missing key; PermissionError for a bad token."""
+        with self._cond:
+            inst = self._get(name)
+            if not inst.aws_token_valid(token, self._clock()):
+                raise PermissionError("missing, invalid or expired IMDSv2 token")
+            return inst.aws_values().get(key)
+
+    def azure_document(self, name: str) -> dict:
+        with self._cond:
+            return self._get(name).azure_document()
+
+    # ---- scheduler and life cycle --------------------------------------------------------
+    def run_scheduler(self) -> None:
+        """Activate scheduled notices and deliver signals at deadlines, until ``stop``."""
+        while True:
+            kills: list[tuple[InstanceState, int, signal.Signals]] = []
+            with self._cond:
+                if self._stopping:
+                    return
+                now = self._clock()
+                changed = False
+                for inst in self._instances.values():
+                    if inst.activate_if_due(now):
+                        log.info("instance %s: preemption notice, deadline %.3f", inst.name, inst.deadline)
+                        changed = True
+                    if inst.kill_due(now):
+                        inst.killed_at = now  # claimed: never signalled twice
+                        kills.append((inst, inst.kill_pid, inst.kill_signal or signal.SIGTERM))
+                if changed:
+                    self._cond.notify_all()
+                if not kills:
+                    dues = [d for i in self._instances.values() if (d := i.next_due()) is not None]
+                    self._cond.wait(max(0.0, min(dues) - now) if dues else None)
+                    continue
+            for inst, pid, sig in kills:
+                self._deliver(inst, pid, sig)
+
+    def _deliver(self, inst: InstanceState, pid: int, sig: signal.Signals) -> None:
+        try:
+            os.kill(pid, sig)
+            log.info("instance %s: deadline passed, sent %s to pid %d", inst.name, sig.name, pid)
+            error = None
+        except OSError as exc:
+            log.warning("instance %s: could not send %s to pid %d: %s", inst.name, sig.name, pid, exc)
+            error = f"{type(exc).__name__}: {exc}"
+        with self._cond:
+            if error is not None:
+                inst.killed_at, inst.kill_error = None, error
+            self._cond.notify_all()
+
+    def reopen(self) -> None:
+        """Serve again after ``stop`` (a restarted server keeps its instances' state)."""
+        with self._cond:
+            self._stopping = False
+
+    def stop(self) -> None:
+        """Release every waiter (long-polls, hung requests, the scheduler)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    # ---- helpers (call with the lock held) ---------------------------------------------
+    def _get(self, name: str) -> InstanceState:
+        try:
+            return self._instances[name]
+        except KeyError:
+            known = ", ".join(sorted(self._instances))
+            raise UnknownInstanceError(f"unknown instance {name!r}; known instances: {known}") from None
+
+    @staticmethod
+    def _gce_value(inst: InstanceState, key: str) -> tuple[str, str]:
+        values = inst.gce_values()
+        if key not in values:
+            raise UnknownKeyError(key)
+        return values[key], etag_of(key, values[key])
+
+
+def _host_name(host_header: str) -> str:
+    """``name:port`` -> ``name`` (IPv6 ``[::1]:port`` kept whole, it names no instance)."""
+    if host_header.startswith("["):
+        return host_header
+    return host_header.rsplit(":", 1)[0]

@@ -1,0 +1,148 @@
+"""``MetadataEmulator``: a real HTTP metadata server for several virtual instances at once.
+
+Usage::
+
+    with MetadataEmulator(instances=["a", "b"], port=0) as emu:
+        os.environ["GCE_METADATA_HOST"] = emu.metadata_host("a")   # 127.0.0.1:PORT/i/a
+        emu.preempt("a", delay=1.0, window=30.0, kill_pid=worker.pid)
+        emu.set_fault("b", "hang")
+
+Every control method also exists over HTTP under ``/control/`` (see handler.py),
+so processes that did not start the emulator can drive it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from http.server import ThreadingHTTPServer
+from typing import Callable, Iterable, Mapping
+
+from .handler import MetadataRequestHandler
+from .model import DEFAULT_WINDOW_S, Fault, InstanceSnapshot
+from .registry import Registry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INSTANCES = ("instance-1",)
+
+
+class _EmulatorHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], registry: Registry) -> None:
+        self.registry = registry
+        super().__init__(address, MetadataRequestHandler)
+
+    def handle_error(self, request, client_address) -> None:  # type: ignore[override]
+        # Clients that time out on a hung request close their socket; writing the
+        # late reply then fails. That is expected, not worth a traceback on stderr.
+        log.debug("request from %s failed", client_address, exc_info=True)
+
+
+class MetadataEmulator:
+    """GCE metadata server, AWS IMDSv2 and Azure Scheduled Events for named instances.
+
+    ``start()`` binds (``port=0`` picks a free port, see ``.port``) and serves on
+    background threads; ``stop()`` releases hung and long-polling requests and
+    joins every thread. Thread-safe.
+    """
+
+    def __init__(self, instances: Iterable[str] = DEFAULT_INSTANCES, port: int = 0,
+                 host: str = "127.0.0.1", default_instance: str | None = None) -> None:
+        self.registry = Registry(instances, default=default_instance)
+        self._address = (host, port)
+        self._server: _EmulatorHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+
+    # ---- life cycle ---------------------------------------------------------------------
+    def start(self) -> "MetadataEmulator":
+        if self._server is not None:
+            return self
+        self.registry.reopen()
+        self._server = _EmulatorHTTPServer(self._address, self.registry)
+        self._threads = [
+            threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                             name="metadata-emulator-http", daemon=True),
+            threading.Thread(target=self.registry.run_scheduler,
+                             name="metadata-emulator-scheduler", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        log.info("metadata emulator serving %s on %s", ", ".join(self.registry.snapshots()), self.url)
+        return self
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self.registry.stop()
+        self._server.shutdown()
+        self._server.server_close()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._server = None
+        log.info("metadata emulator stopped")
+
+    def __enter__(self) -> "MetadataEmulator":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- addresses ----------------------------------------------------------------------
+    @property
+    def host(self) -> str:
+        return self._address[0]
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("the emulator is not running: call start() (or use it as a context manager)")
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def root_url(self, instance: str | None = None) -> str:
+        """Where an instance's metadata APIs live; append ``/computeMetadata/v1/``,
+        ``/latest/...`` or ``/metadata/...``. None: the default instance's plain root."""
+        return self.url if instance is None else f"{self.url}/i/{instance}"
+
+    def metadata_host(self, instance: str | None = None) -> str:
+        """The value for ``GCE_METADATA_HOST`` (host[:port][/path], no scheme)."""
+        return self.root_url(instance).split("://", 1)[1]
+
+    def gce_base_url(self, instance: str | None = None) -> str:
+        return f"{self.root_url(instance)}/computeMetadata/v1/"
+
+    # ---- control (the same as /control/ over HTTP) -----------------------------------------
+    def add_instance(self, name: str, *, hostname: str | None = None, zone: str | None = None,
+                     project_id: str | None = None) -> InstanceSnapshot:
+        return self.registry.add(name, hostname=hostname, zone=zone, project_id=project_id)
+
+    def preempt(self, instance: str, *, at: float | None = None, delay: float | None = None,
+                window: float = DEFAULT_WINDOW_S, kill_pid: int | None = None,
+                kill_signal: int | str | None = None) -> InstanceSnapshot:
+        return self.registry.preempt(instance, at=at, delay=delay, window=window,
+                                     kill_pid=kill_pid, kill_signal=kill_signal)
+
+    def set_maintenance(self, instance: str, event: str) -> InstanceSnapshot:
+        return self.registry.set_maintenance(instance, event)
+
+    def set_fault(self, instance: str, mode: str | Fault) -> InstanceSnapshot:
+        return self.registry.set_fault(instance, mode)
+
+    def reset(self, instance: str) -> InstanceSnapshot:
+        return self.registry.reset(instance)
+
+    def instance(self, name: str) -> InstanceSnapshot:
+        return self.registry.snapshot(name)
+
+    def state(self) -> dict[str, InstanceSnapshot]:
+        return self.registry.snapshots()
+
+    def wait_for(self, predicate: Callable[[Mapping[str, InstanceSnapshot]], bool],
+                 timeout: float | None = None) -> bool:
+        """Block until ``predicate(state)`` holds (re-checked on every state change or request)."""
+        return self.registry.wait_for(predicate, timeout)
