@@ -1,0 +1,18 @@
+"""Host discovery for ``horovodrun --elastic --host-discovery-script``.
+
+Horovod runs the discovery script about once a second and reads ``host:slots``
+lines from its standard output. ``hvd-transient discover`` prints them from one
+of three backends (``gce``, ``file``, ``local``) and drops every host the run's
+store lists as leaving (:func:`hvd_transient.membership.leaving_hosts`), which
+is what turns a preemption notice into Horovod's graceful shrink.
+
+Exit status is part of the contract: empty output with status 0 means "no host
+is available right now"; a non-zero status means "could not tell". Horovod
+treats a failing first call as fatal (a misconfiguration) and later failures as
+transient (it keeps the hosts it had), so an unreachable API must never be
+reported as an empty host list.
+
+Modules: :mod:`.hosts` (parse, filter, format - pure), :mod:`.gce` (Compute
+Engine instances to hosts), :mod:`.sources` (file and local backends),
+:mod:`.cli` (the command).
+"""

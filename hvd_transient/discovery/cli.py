@@ -1,0 +1,143 @@
+"""``hvd-transient discover``: print ``host:slots`` lines for ``horovodrun --host-discovery-script``.
+
+Kept cheap to start (Horovod runs it every second): no TensorFlow, zarr or
+cloud-storage import unless the store URL itself needs one; the Compute client
+is imported only by the gce backend.
+
+Exit status: 0 with the hosts (possibly none) on stdout; 2 for a
+misconfiguration; 1 when the hosts could not be determined (API or store
+unreachable), so Horovod keeps its current hosts instead of dropping them all.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from hvd_transient.discovery.errors import DiscoveryConfigError, DiscoveryError
+from hvd_transient.discovery.hosts import Host, exclude_leaving, format_hosts, parse_slots, unique
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gce", "file", "local")
+PROG = "hvd-transient discover"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Print one host:slots line per available host, minus hosts published as leaving.",
+    )
+    parser.add_argument("--backend", required=True, choices=BACKENDS, help="where the hosts come from")
+    parser.add_argument("--store", help="run store URL (local path, file://, gs://, memory://): drop leaving hosts")
+    parser.add_argument(
+        "--slots", default="1",
+        help="slots per host (default 1); 'auto' = one per attached GPU (gce only). "
+        "For file/local it is the default for lines without ':slots'.",
+    )
+    gce = parser.add_argument_group("gce backend")
+    gce.add_argument("--project", help="GCP project id")
+    gce.add_argument("--zone", action="append", default=[], metavar="ZONE[,ZONE...]",
+                     help="zone(s) to look in; with --label, no zone means all zones")
+    gce.add_argument("--mig", help="zonal managed instance group whose RUNNING members are the hosts")
+    gce.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                     help="RUNNING instances carrying this label (repeat for AND)")
+    gce.add_argument("--use-ip", action="store_true", help="print internal IPs instead of instance names")
+    gce.add_argument("--api-url", help="Compute API base URL (default $HVDT_COMPUTE_API or Google's)")
+    gce.add_argument("--timeout", type=float, default=10.0, help="per-request timeout in seconds (default 10)")
+    file_group = parser.add_argument_group("file backend")
+    file_group.add_argument("--hosts-file", help="file of host[:slots] lines; '#' comments allowed")
+    local = parser.add_argument_group("local backend")
+    local.add_argument("--hosts", help="comma-separated host[:slots] list")
+    local.add_argument("--state-file", help="simulator state file: host[:slots] lines or JSON")
+    return parser
+
+
+def _split_csv(values: Sequence[str]) -> list[str]:
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+def _slots(args: argparse.Namespace) -> int | None:
+    if args.slots == "auto":
+        if args.backend != "gce":
+            raise DiscoveryConfigError("--slots auto (one slot per GPU) only applies to the gce backend")
+        return None
+    return parse_slots(args.slots, where="--slots: ")
+
+
+def _gce_hosts(args: argparse.Namespace, slots: int | None) -> list[Host]:
+    from hvd_transient.cluster.compute_api import READONLY_SCOPE, ComputeAPI, ComputeAPIError, ComputeAuthError
+    from hvd_transient.discovery.gce import discover_gce, parse_labels
+
+    labels = parse_labels(args.label)
+    zones = _split_csv(args.zone)
+    if not args.project:
+        raise DiscoveryConfigError("the gce backend needs --project (or HVDT_PROJECT)")
+    try:
+        api = ComputeAPI.connect(
+            api_url=args.api_url, scopes=(READONLY_SCOPE,), timeout=args.timeout, attempts=3, backoff_max=2.0
+        )
+        return discover_gce(
+            api, project=args.project, zones=zones, mig=args.mig, labels=labels, slots=slots, use_ip=args.use_ip
+        )
+    except ComputeAuthError as exc:  # no credentials, or 401/403: fix the setup, not a blip
+        raise DiscoveryConfigError(str(exc)) from None
+    except ComputeAPIError as exc:
+        raise DiscoveryError(str(exc)) from None
+
+
+def find_hosts(args: argparse.Namespace) -> list[Host]:
+    slots = _slots(args)
+    if args.backend == "gce":
+        hosts = _gce_hosts(args, slots)
+    elif args.backend == "file":
+        from hvd_transient.discovery.sources import file_hosts
+
+        hosts = file_hosts(args.hosts_file, slots or 1)
+    else:
+        from hvd_transient.discovery.sources import local_hosts
+
+        hosts = local_hosts(args.hosts, args.state_file, slots or 1)
+    hosts = unique(hosts)
+    if args.store:
+        hosts = exclude_leaving(hosts, _leaving(args.store))
+    return hosts
+
+
+def _leaving(url: str) -> set[str]:
+    from ckpt_service.errors import BadStoreURLError, CheckpointError
+    from ckpt_service.stores import open_store
+    from hvd_transient.membership import leaving_hosts
+
+    try:
+        store = open_store(url)
+    except BadStoreURLError as exc:
+        raise DiscoveryConfigError(f"--store: {exc}") from None
+    except (CheckpointError, OSError) as exc:
+        raise DiscoveryError(f"cannot open store {url}: {exc}") from None
+    try:
+        return leaving_hosts(store)
+    except (CheckpointError, OSError) as exc:
+        raise DiscoveryError(f"cannot list leaving hosts in {url}: {exc}") from None
+    finally:
+        store.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        hosts = find_hosts(args)
+    except DiscoveryConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except DiscoveryError as exc:
+        print(f"{PROG}: cannot determine hosts: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(format_hosts(hosts))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

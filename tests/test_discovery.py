@@ -1,0 +1,316 @@
+"""Host discovery: pure parsing/filtering, the command, and the gce backend against a real HTTP stand-in."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_service.stores import LocalStore
+from hvd_transient.discovery import cli
+from hvd_transient.discovery.errors import DiscoveryConfigError
+from hvd_transient.discovery.gce import hosts_from_instances, hosts_from_managed, label_filter, parse_labels
+from hvd_transient.discovery.hosts import (
+    Host,
+    exclude_leaving,
+    format_hosts,
+    parse_host_lines,
+    parse_host_list,
+    parse_state_document,
+    unique,
+)
+from hvd_transient.membership import publish_leaving
+from fake_compute_api import FakeComputeAPI, parse_filter
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "launch" / "discover_hosts.sh"
+PROJECT, ZONE_A, ZONE_B = "proj-1", "us-central1-a", "us-central1-b"
+
+
+# ---- pure: parsing, filtering, formatting ----------------------------------------------------
+
+
+def test_host_lines_with_comments_slots_and_blanks():
+    text = "# workers\nw1:4\n\n  w2   # default slots\n10.1.2.3:2\n"
+    assert parse_host_lines(text, default_slots=2) == [Host("w1", 4), Host("w2", 2), Host("10.1.2.3", 2)]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("w1:0", "positive"), ("w1:x", "positive"), ("w1:1:2", "host:slots"), (":3", "empty host"),
+    ("bad host", "invalid host name"), ("a,b", "invalid host name"),
+])
+def test_bad_host_lines_name_the_line(line, message):
+    with pytest.raises(DiscoveryConfigError, match=message) as info:
+        parse_host_lines(f"ok\n{line}\n", origin="hosts.txt")
+    assert "hosts.txt:2" in str(info.value)
+
+
+def test_host_list_and_state_documents():
+    assert parse_host_list("a, b:3,,") == [Host("a"), Host("b", 3)]
+    expected = [Host("a", 2), Host("b", 4)]
+    assert parse_state_document('["a", "b:4"]', 2) == expected
+    assert parse_state_document('{"hosts": [{"host": "a"}, {"host": "b", "slots": 4}]}', 2) == expected
+    assert parse_state_document("a\nb:4\n", 2) == expected
+    assert parse_state_document("", 1) == []
+    for bad in ('{"hosts": 3}', '[{"slots": 1}]', '[{"host": "a", "slots": "2"}]', "[1,"):
+        with pytest.raises(DiscoveryConfigError):
+            parse_state_document(bad, 1, origin="state.json")
+
+
+def test_unique_exclude_and_format():
+    hosts = [Host("w1", 1, frozenset({"10.0.0.1"})), Host("w2"), Host("w1", 3), Host("w3")]
+    assert unique(hosts) == [hosts[0], hosts[1], hosts[3]]
+    # a host leaves when any of its names is published: here w1 under its IP
+    assert exclude_leaving(unique(hosts), {"10.0.0.1", "w3", "stranger"}) == [Host("w2")]
+    assert format_hosts([Host("w2", 2), Host("w4")]) == "w2:2\nw4:1\n"
+    assert format_hosts([]) == ""
+
+
+def _instance(name, status="RUNNING", labels=None, ip="192.0.2.1", gpus=0):
+    instance = {"name": name, "status": status, "labels": labels or {}, "networkInterfaces": [{"networkIP": ip}]}
+    if gpus:
+        instance["guestAccelerators"] = [{"acceleratorCount": gpus}]
+    return instance
+
+
+def test_hosts_from_instances_keeps_running_labelled_only():
+    labels = {"hvdt-role": "worker"}
+    instances = [
+        _instance("w2", labels=labels, ip="192.0.2.2", gpus=2),
+        _instance("w1", labels=labels, ip="192.0.2.1"),
+        _instance("w3", status="STOPPING", labels=labels),
+        _instance("driver", labels={"hvdt-role": "driver"}),
+    ]
+    assert hosts_from_instances(instances, labels=labels, slots=1, use_ip=False) == [
+        Host("w1", 1, frozenset({"192.0.2.1"})), Host("w2", 1, frozenset({"192.0.2.2"}))]
+    by_gpu = hosts_from_instances(instances, labels=labels, slots=None, use_ip=True)
+    assert [(h.name, h.slots, h.aliases) for h in by_gpu] == [
+        ("192.0.2.1", 1, frozenset({"w1"})), ("192.0.2.2", 2, frozenset({"w2"}))]
+
+
+def test_hosts_from_managed_drops_members_being_removed():
+    members = [
+        {"instance": "https://x/zones/z/instances/m1", "instanceStatus": "RUNNING", "currentAction": "NONE"},
+        {"instance": "https://x/zones/z/instances/m2", "instanceStatus": "RUNNING", "currentAction": "DELETING"},
+        {"instance": "https://x/zones/z/instances/m3", "instanceStatus": "STAGING", "currentAction": "CREATING"},
+        {"instance": "https://x/zones/z/instances/m4", "instanceStatus": "RUNNING", "currentAction": "VERIFYING"},
+    ]
+    assert hosts_from_managed(members, None, slots=2, use_ip=False) == [Host("m1", 2), Host("m4", 2)]
+    by_name = {"m1": _instance("m1", ip="192.0.2.7")}
+    # with --use-ip a member missing from the instance list is left out rather than guessed
+    assert hosts_from_managed(members, by_name, slots=1, use_ip=True) == [Host("192.0.2.7", 1, frozenset({"m1"}))]
+
+
+def test_label_filter_round_trips_through_the_fake_parser():
+    text = label_filter(parse_labels(["hvdt-role=worker,run=r1"]))
+    assert text == '(status = "RUNNING") (labels.hvdt-role = "worker") (labels.run = "r1")'
+    assert parse_filter(text) == [("status", "=", "RUNNING"), ("labels.hvdt-role", "=", "worker"),
+                                  ("labels.run", "=", "r1")]
+    with pytest.raises(DiscoveryConfigError, match="key=value"):
+        parse_labels(["novalue"])
+
+
+# ---- the command, in process ----------------------------------------------------------------
+
+
+def run(argv, capsys):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_file_backend_and_store_exclusion(tmp_path, capsys):
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("w1:2\nw2\nw3 # spare\n")
+    store_dir = tmp_path / "store"
+    publish_leaving(LocalStore(store_dir), "w2")
+    code, out, err = run(["--backend", "file", "--hosts-file", str(hosts_file), "--store", str(store_dir)], capsys)
+    assert (code, out) == (0, "w1:2\nw3:1\n"), err
+
+
+def test_local_backend_reads_state_file_each_call(tmp_path, capsys):
+    state = tmp_path / "hosts.json"
+    state.write_text(json.dumps({"hosts": ["localhost:1"]}))
+    argv = ["--backend", "local", "--hosts", "127.0.0.1", "--state-file", str(state)]
+    assert run(argv, capsys)[:2] == (0, "127.0.0.1:1\nlocalhost:1\n")
+    tmp = tmp_path / "hosts.json.tmp"  # the demo rewrites atomically: temp file + replace
+    tmp.write_text(json.dumps({"hosts": ["localhost:1", "127.0.1:1"]}))
+    os.replace(tmp, state)
+    assert run(argv, capsys)[:2] == (0, "127.0.0.1:1\nlocalhost:1\n127.0.1:1\n")
+
+
+def test_no_hosts_is_empty_output_and_success(tmp_path, capsys):
+    state = tmp_path / "state"
+    state.write_text("# nobody yet\n")
+    assert run(["--backend", "local", "--state-file", str(state)], capsys)[:2] == (0, "")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backend", "file", "--hosts-file", "/nonexistent/hosts"], "does not exist"),
+    (["--backend", "file"], "needs --hosts-file"),
+    (["--backend", "local"], "needs --hosts"),
+    (["--backend", "local", "--hosts", "a", "--slots", "auto"], "only applies to the gce backend"),
+    (["--backend", "local", "--hosts", "a", "--slots", "0"], "positive"),
+    (["--backend", "local", "--hosts", "a", "--store", "s3://bucket/x"], "unsupported store URL"),
+    (["--backend", "gce", "--label", "a=b"], "needs --project"),
+    (["--backend", "gce", "--project", "p", "--zone", "z"], "needs --mig NAME or at least one --label"),
+    (["--backend", "gce", "--project", "p", "--zone", "a,b", "--mig", "g"], "exactly one --zone"),
+])
+def test_misconfiguration_exits_2_with_a_clear_message(argv, message, capsys, monkeypatch):
+    monkeypatch.setenv("HVDT_COMPUTE_API", "http://127.0.0.1:9/compute/v1")  # never contacted
+    monkeypatch.setenv("HVDT_COMPUTE_ANONYMOUS", "1")
+    code, out, err = run(argv, capsys)
+    assert (code, out) == (2, "")
+    assert message in err
+
+
+def test_unknown_backend_is_rejected_by_argparse(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--backend", "ec2"])
+    assert info.value.code == 2
+    assert "invalid choice: 'ec2'" in capsys.readouterr().err
+
+
+def test_anonymous_without_stand_in_url_is_refused(capsys, monkeypatch):
+    monkeypatch.delenv("HVDT_COMPUTE_API", raising=False)
+    monkeypatch.setenv("HVDT_COMPUTE_ANONYMOUS", "1")
+    code, out, err = run(["--backend", "gce", "--project", "p", "--label", "a=b"], capsys)
+    assert (code, out) == (2, "") and "only works with a stand-in" in err
+
+
+# ---- gce backend against the fake Compute API ------------------------------------------------
+
+
+@pytest.fixture
+def compute(monkeypatch):
+    with FakeComputeAPI(page_size=2) as fake:
+        monkeypatch.setenv("HVDT_COMPUTE_API", fake.base_url)
+        monkeypatch.setenv("HVDT_COMPUTE_ANONYMOUS", "1")
+        yield fake
+
+
+def _cluster(fake):
+    role = {"hvdt-role": "worker"}
+    for index, zone in enumerate([ZONE_A, ZONE_B, ZONE_A, ZONE_B, ZONE_A]):
+        fake.add_instance(PROJECT, zone, f"w{index}", labels=role, ip=f"192.0.2.{20 + index}", gpus=1)
+    fake.set_status(PROJECT, ZONE_B, "w3", "TERMINATED")  # preempted Spot VM, stopped
+    fake.add_instance(PROJECT, ZONE_A, "driver", labels={"hvdt-role": "driver"})
+    fake.add_instance("other-project", ZONE_A, "w9", labels=role)
+
+
+def test_gce_label_backend_pages_through_zones(compute, capsys):
+    _cluster(compute)
+    code, out, err = run(["--backend", "gce", "--project", PROJECT, "--zone", f"{ZONE_A},{ZONE_B}",
+                          "--label", "hvdt-role=worker"], capsys)
+    assert (code, out) == (0, "w0:1\nw1:1\nw2:1\nw4:1\n"), err
+    lists = compute.requests_matching("GET", f"zones/{ZONE_A}/instances")
+    assert len(lists) == 2  # three matches in zone a at two per page
+    assert lists[1].query["pageToken"] == "2"
+    assert all(r.query["filter"] == label_filter({"hvdt-role": "worker"}) for r in lists)
+    assert all(r.authorization is None for r in compute.requests)  # anonymous: no credentials sent
+
+
+def test_gce_label_backend_without_zones_uses_aggregated_list(compute, capsys):
+    _cluster(compute)
+    code, out, err = run(["--backend", "gce", "--project", PROJECT, "--label", "hvdt-role=worker",
+                          "--use-ip", "--slots", "auto"], capsys)
+    assert (code, out) == (0, "192.0.2.20:1\n192.0.2.21:1\n192.0.2.22:1\n192.0.2.24:1\n"), err
+    assert compute.requests_matching("GET", "aggregated/instances")
+
+
+def test_gce_mig_backend_and_store_exclusion_by_alias(compute, capsys, tmp_path):
+    for name in ("m1", "m2", "m3", "m4"):
+        compute.add_instance(PROJECT, ZONE_A, name, gpus=2)
+    compute.set_status(PROJECT, ZONE_A, "m4", "STOPPING")
+    compute.add_mig(PROJECT, ZONE_A, "workers", {"m1": "NONE", "m2": "NONE", "m3": "DELETING", "m4": "NONE"})
+    argv = ["--backend", "gce", "--project", PROJECT, "--zone", ZONE_A, "--mig", "workers", "--slots", "auto"]
+    assert run(argv, capsys)[:2] == (0, "m1:2\nm2:2\n")
+    # m2 publishes itself as leaving under its IP; discovery prints names, and still drops it
+    m2_ip = next(i for i in compute.instances(PROJECT) if i["name"] == "m2")["networkInterfaces"][0]["networkIP"]
+    store = tmp_path / "store"
+    publish_leaving(LocalStore(store), m2_ip)
+    assert run(argv + ["--store", str(store)], capsys)[:2] == (0, "m1:2\n")
+    assert compute.requests_matching("POST", "instanceGroupManagers/workers/listManagedInstances")
+
+
+def test_gce_transient_5xx_is_retried(compute, capsys):
+    _cluster(compute)
+    compute.fail_next(2, status=503)
+    code, out, _ = run(["--backend", "gce", "--project", PROJECT, "--zone", ZONE_B, "--label", "hvdt-role=worker"],
+                       capsys)
+    assert (code, out) == (0, "w1:1\n")
+
+
+def test_gce_unreachable_api_is_failure_not_empty_output(compute, capsys):
+    compute.fail_next(10, status=503)
+    code, out, err = run(["--backend", "gce", "--project", PROJECT, "--zone", ZONE_A, "--label", "a=b"], capsys)
+    assert (code, out) == (1, "")
+    assert "cannot determine hosts" in err and "503" in err
+
+
+def test_gce_missing_mig_is_a_clear_error(compute, capsys):
+    code, out, err = run(["--backend", "gce", "--project", PROJECT, "--zone", ZONE_A, "--mig", "nope"], capsys)
+    assert (code, out) == (1, "")
+    assert "instance group manager nope not found" in err
+
+
+# ---- the script horovodrun runs, as a subprocess ---------------------------------------------
+
+
+def _script_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HVDT_")}
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    if shutil.which("hvd-transient", path=env["PATH"]) is None:  # package not installed: run the module
+        env["HVDT_CLI"] = f"{sys.executable} -m hvd_transient.cli"
+    env["PYTHONPATH"] = str(REPO)
+    env.update(extra)
+    return env
+
+
+def test_discover_hosts_script_with_env_against_fake_api(tmp_path):
+    with FakeComputeAPI(page_size=1) as fake:
+        _cluster(fake)
+        store = tmp_path / "store"
+        publish_leaving(LocalStore(store), "w2")
+        env = _script_env(
+            HVDT_DISCOVERY_BACKEND="gce", HVDT_PROJECT=PROJECT, HVDT_ZONES=f"{ZONE_A},{ZONE_B}",
+            HVDT_LABELS="hvdt-role=worker", HVDT_STORE=str(store), HVDT_SLOTS="2",
+            HVDT_COMPUTE_API=fake.base_url, HVDT_COMPUTE_ANONYMOUS="1",
+        )
+        result = subprocess.run([str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert (result.returncode, result.stdout) == (0, "w0:2\nw1:2\nw4:2\n"), result.stderr
+        # arguments given to the script come after the environment's: single-valued ones win,
+        # --label adds a condition
+        result = subprocess.run([str(SCRIPT), "--slots", "1", "--label", "tier=none"], env=env,
+                                capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert (result.returncode, result.stdout) == (0, ""), result.stderr
+        result = subprocess.run([str(SCRIPT), "--slots", "1"], env=env, capture_output=True, text=True,
+                                timeout=60, cwd=tmp_path)
+        assert (result.returncode, result.stdout) == (0, "w0:1\nw1:1\nw4:1\n"), result.stderr
+
+
+def test_discover_hosts_script_reports_misconfiguration(tmp_path):
+    env = _script_env(HVDT_DISCOVERY_BACKEND="file", HVDT_HOSTS_FILE=str(tmp_path / "missing"))
+    result = subprocess.run([str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "does not exist" in result.stderr
+
+
+def test_discovery_does_not_import_heavy_modules():
+    code = (
+        "import sys, io, contextlib\n"
+        "from hvd_transient.discovery import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    cli.main(['--backend', 'local', '--hosts', 'a', '--store', sys.argv[1]])\n"
+        "heavy = [m for m in ('tensorflow', 'horovod', 'zarr', 'numpy', 'google.cloud.storage') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, "/nonexistent-store-dir"], capture_output=True, text=True,
+                            timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ""
