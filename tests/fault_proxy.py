@@ -85,12 +85,14 @@ class _QuietServer(ThreadingHTTPServer):
 class FaultProxy:
     """Forwards to ``upstream`` (http://127.0.0.1:port); faults are armed by the test."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, *, rewrite_path: Callable[[str], str] | None = None) -> None:
+        """``rewrite_path`` alters every forwarded path, e.g. to mimic a server that drops a parameter."""
         parts = urlsplit(upstream)
         if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost"):
             raise ValueError(f"upstream must be http://127.0.0.1:<port>, not {upstream!r}")
         self.upstream_host = parts.hostname
         self.upstream_port = parts.port or 80
+        self.rewrite_path = rewrite_path
         self._lock = threading.Lock()
         self._rules: list[_Rule] = []
         self.seen: list[Seen] = []
@@ -204,7 +206,8 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=60)
             try:
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
-                conn.request(self.command, self.path, body=body or None, headers=headers)
+                path = proxy.rewrite_path(self.path) if proxy.rewrite_path else self.path
+                conn.request(self.command, path, body=body or None, headers=headers)
                 resp = conn.getresponse()
                 return resp.status, resp.reason, resp.getheaders(), resp.read()
             finally:

@@ -82,8 +82,11 @@ class GCSEmulator:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage
 
-        options = {"api_endpoint": endpoint} if endpoint else None
-        return storage.Client(project=self.project, credentials=AnonymousCredentials(), client_options=options)
+        return storage.Client(
+            project=self.project,
+            credentials=AnonymousCredentials(),
+            client_options={"api_endpoint": endpoint or self.url},
+        )
 
     def new_bucket(self, prefix: str = "bkt") -> str:
         """Create a fresh, uniquely named bucket and return its name."""

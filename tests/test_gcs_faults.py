@@ -14,7 +14,7 @@ from google.cloud.storage.retry import DEFAULT_RETRY
 from ckpt_service.errors import PreconditionFailedError, StoreUnavailableError
 from ckpt_service.stores.gcs import MULTIPART_LIMIT, GCSStore
 from fault_proxy import FaultProxy, is_download, is_upload
-from gcs_emulator import GCSEmulator, gcs_emulator_session  # noqa: F401  (pytest fixture)
+from gcs_emulator import EmulatorError, GCSEmulator  # the gcs_emulator_session fixture comes from conftest.py
 
 # The library's retry policy with short waits, so absorbing faults costs milliseconds.
 FAST_RETRY = DEFAULT_RETRY.with_delay(initial=0.01, maximum=0.1, multiplier=2.0).with_timeout(20.0)
@@ -70,11 +70,16 @@ def test_503s_and_429s_on_download_are_absorbed(store: GCSStore, proxy: FaultPro
 
 
 def test_persistent_503s_become_a_typed_error(store: GCSStore, proxy: FaultProxy) -> None:
-    store.retry = DEFAULT_RETRY.with_delay(initial=0.01, maximum=0.05).with_timeout(0.5)
+    impatient = GCSStore(
+        store.bucket_name,
+        store.prefix,
+        client=store.client,
+        retry=DEFAULT_RETRY.with_delay(initial=0.01, maximum=0.05).with_timeout(0.5),
+    )
     proxy.fail_next(10**6, status=503, match=is_download)
-    store.put("k", b"v")
+    impatient.put("k", b"v")
     with pytest.raises(StoreUnavailableError, match="gave up after retrying"):
-        store.get("k")
+        impatient.get("k")
     assert proxy.outcomes(is_download).count("injected-503") >= 2  # it did retry
     proxy.reset()  # disarm the rest
 
@@ -140,3 +145,18 @@ def test_unmatched_requests_pass_through(store: GCSStore, proxy: FaultProxy) -> 
     store.delete("k")  # takes the 503, then is retried
     assert store.stat("k") is None
     assert [s.outcome for s in proxy.seen if s.request.method == "DELETE"] == ["injected-503", "forwarded"]
+
+
+def test_fixture_guard_rejects_an_emulator_that_ignores_preconditions(gcs_emulator_session: GCSEmulator) -> None:
+    """Seen through a proxy that strips ifGenerationMatch, the real server looks like a lax emulator."""
+
+    def strip_preconditions(path: str) -> str:
+        base, _, query = path.partition("?")
+        kept = [p for p in query.split("&") if p and not p.startswith("ifGenerationMatch=")]
+        return base + ("?" + "&".join(kept) if kept else "")
+
+    with FaultProxy(gcs_emulator_session.url, rewrite_path=strip_preconditions) as lax:
+        lax_emulator = GCSEmulator(lax.url, gcs_emulator_session.process, gcs_emulator_session.log_path)
+        with pytest.raises(EmulatorError, match="does not enforce ifGenerationMatch"):
+            lax_emulator.assert_enforces_preconditions()
+    gcs_emulator_session.assert_enforces_preconditions()  # and the real one passes

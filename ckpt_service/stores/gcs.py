@@ -253,9 +253,12 @@ class GCSStore(ObjectStore):
         yield from sorted(n[len(root):] for n in names if not n.endswith("/"))
 
     def close(self) -> None:
+        """Close the client this store created (a client passed in belongs to the caller)."""
+        if not self._owns_client:
+            return
         with self._lock:
             client, self._client, self._bucket = self._client, None, None
-        if client is not None and self._owns_client:
+        if client is not None:
             client.close()
 
 
