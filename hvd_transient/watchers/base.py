@@ -1,0 +1,204 @@
+"""``Notice`` and the ``Watcher`` base: background polling that never raises into its caller.
+
+A watcher runs one daemon thread per *poller* (GCE watches two keys at once).
+Each poller's ``poll()`` makes one request (a long-poll may block for a while)
+and returns a ``Notice`` or None, or raises. Errors are logged and retried with
+a capped, jittered exponential backoff (tenacity); a stop interrupts the
+backoff at once. The first notice from any poller wins, is kept, sets the
+event behind ``wait()``, and runs ``on_notice`` on the watcher's thread.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Sequence
+
+import tenacity
+
+log = logging.getLogger(__name__)
+
+NoticeCallback = Callable[["Notice"], None]
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A preemption (or terminating maintenance) notice for this machine.
+
+    ``detected_at`` and ``deadline`` are epoch seconds; the deadline is when
+    the machine may be gone (notice time + window on GCE, the ``time`` field
+    on AWS, ``NotBefore`` on Azure).
+    """
+
+    source: str
+    instance: str
+    detected_at: float
+    deadline: float
+    reason: str
+
+    def seconds_left(self, now: float | None = None) -> float:
+        return self.deadline - (time.time() if now is None else now)
+
+
+class Poller(abc.ABC):
+    """One thing a watcher watches, polled on its own thread."""
+
+    name: str = "poll"
+
+    @abc.abstractmethod
+    def poll(self) -> Notice | None:
+        """One request: a notice, None (nothing yet), or raise on any failure."""
+
+    def pause(self) -> float:
+        """Seconds to wait after a poll that found nothing (0 for a long-poll)."""
+        return 0.0
+
+
+class Watcher(abc.ABC):
+    """Base of every watcher. ``start()``, then ``wait()`` / ``notice`` / ``on_notice``; ``stop()``."""
+
+    source: ClassVar[str] = "?"
+
+    def __init__(self, *, window: float = 30.0, instance: str | None = None,
+                 on_notice: NoticeCallback | None = None, initial_backoff: float = 0.5,
+                 max_backoff: float = 30.0) -> None:
+        self.window = float(window)
+        self.instance = instance
+        self.on_notice = on_notice
+        self._initial_backoff = float(initial_backoff)
+        self._max_backoff = float(max_backoff)
+        self._lock = threading.Lock()
+        self._notice: Notice | None = None
+        self._found = threading.Event()  # a notice was seen
+        self._done = threading.Event()   # a notice was seen or stop() was called
+        self._stopped = False
+        self._threads: list[threading.Thread] = []
+
+    # ---- subclass API ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def _pollers(self) -> Sequence[Poller]:
+        """The pollers to run, each on its own thread (called by ``start``)."""
+
+    def _on_start(self) -> None:
+        """Hook run in ``start()`` on the caller's thread (e.g. to install a signal handler)."""
+
+    def _on_stop(self) -> None:
+        """Hook run in ``stop()`` on the caller's thread."""
+
+    def make_notice(self, reason: str, *, detected_at: float | None = None,
+                    deadline: float | None = None, instance: str | None = None) -> Notice:
+        now = time.time() if detected_at is None else detected_at
+        return Notice(source=self.source, instance=instance or self.instance or "unknown",
+                      detected_at=now, deadline=now + self.window if deadline is None else deadline,
+                      reason=reason)
+
+    # ---- public API -----------------------------------------------------------------------
+    def start(self) -> "Watcher":
+        """Start watching in the background (idempotent). Never raises."""
+        with self._lock:
+            if self._threads or self._stopped:
+                return self
+            try:
+                self._on_start()
+                pollers = list(self._pollers())
+            except Exception:  # a broken hook must not break the training loop
+                log.exception("%s watcher could not start; it will report nothing", self.source)
+                return self
+            for poller in pollers:
+                thread = threading.Thread(target=self._run, args=(poller,), daemon=True,
+                                          name=f"watcher-{self.source}-{poller.name}")
+                self._threads.append(thread)
+            for thread in self._threads:
+                thread.start()
+        log.info("%s watcher started (%s)", self.source, ", ".join(p.name for p in pollers))
+        return self
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop watching. Returns within about ``timeout`` seconds even if a request is
+        in flight: that daemon thread ends when its request does and reports nothing."""
+        with self._lock:
+            self._stopped = True
+            self._done.set()
+            threads = list(self._threads)
+        try:
+            self._on_stop()
+        except Exception:
+            log.exception("%s watcher: error while stopping", self.source)
+        end = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, end - time.monotonic()))
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the background threads to end; True if they all have."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for thread in list(self._threads):
+            thread.join(None if end is None else max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+    @property
+    def notice(self) -> Notice | None:
+        return self._notice
+
+    @property
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self._threads) and not self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Notice | None:
+        """Block until a notice is seen (returns it) or ``timeout`` passes (returns None)."""
+        self._found.wait(timeout)
+        return self._notice
+
+    def __enter__(self) -> "Watcher":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- the loop -------------------------------------------------------------------------
+    def _run(self, poller: Poller) -> None:
+        retrying = tenacity.Retrying(
+            wait=tenacity.wait_exponential_jitter(initial=self._initial_backoff, max=self._max_backoff,
+                                                  jitter=self._initial_backoff),
+            stop=tenacity.stop_when_event_set(self._done),
+            sleep=self._done.wait,  # stop() cuts a backoff short
+            before_sleep=lambda state: log.warning(
+                "%s watcher (%s): %s; retry %d in %.1f s", self.source, poller.name,
+                _describe(state.outcome.exception() if state.outcome else None),
+                state.attempt_number, state.upcoming_sleep),
+        )
+        while not self._done.is_set():
+            try:
+                notice = retrying(poller.poll)
+            except tenacity.RetryError:  # stopped while failing
+                return
+            except Exception:  # should not happen; never let the thread die silently
+                log.exception("%s watcher (%s): unexpected error", self.source, poller.name)
+                self._done.wait(self._max_backoff)
+                continue
+            if notice is not None:
+                self._report(notice)
+                return
+            pause = poller.pause()
+            if pause > 0:
+                self._done.wait(pause)
+
+    def _report(self, notice: Notice) -> None:
+        with self._lock:
+            if self._notice is not None or self._stopped:
+                return
+            self._notice = notice
+            self._found.set()
+            self._done.set()
+        log.warning("%s watcher: preemption notice for %s (%s), %.1f s to deadline",
+                    notice.source, notice.instance, notice.reason, notice.seconds_left())
+        if self.on_notice is not None:
+            try:
+                self.on_notice(notice)
+            except Exception:
+                log.exception("%s watcher: on_notice callback failed", self.source)
+
+
+def _describe(exc: BaseException | None) -> str:
+    return f"{type(exc).__name__}: {exc}" if exc is not None else "failed"

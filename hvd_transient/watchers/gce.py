@@ -1,0 +1,130 @@
+"""GCE preemption watcher: long-polls ``instance/preempted`` and ``instance/maintenance-event``.
+
+Each key is long-polled ETag-aware on its own thread: a plain GET first (the
+notice may already be there, and it yields the ETag), then
+``?wait_for_change=true&last_etag=E&timeout_sec=S``, which the server answers
+the moment the value changes (or at once if E is already stale). A request's
+read timeout is the long-poll timeout plus a margin, so a server that hangs
+costs at most that much before the watcher backs off and retries.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Callable, Sequence
+
+import requests
+
+from .base import Notice, NoticeCallback, Poller, Watcher
+from .errors import MetadataGarbageError, WatcherConfigError
+from .metadata_http import expect_status, new_session, printable_text
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "http://metadata.google.internal/computeMetadata/v1/"
+HEADERS = {"Metadata-Flavor": "Google"}
+MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
+
+
+def gce_base_url(base_url: str | None = None, env: dict[str, str] | None = None) -> str:
+    """The constructor's URL, else ``http://{GCE_METADATA_HOST}/computeMetadata/v1/``, else the real one."""
+    env = os.environ if env is None else env
+    if base_url:
+        url = base_url
+    elif env.get("GCE_METADATA_HOST"):
+        url = f"http://{env['GCE_METADATA_HOST'].rstrip('/')}/computeMetadata/v1/"
+    else:
+        url = DEFAULT_BASE_URL
+    if not url.startswith(("http://", "https://")):
+        raise WatcherConfigError(f"GCE metadata URL {url!r} needs an http:// scheme")
+    return url if url.endswith("/") else url + "/"
+
+
+class GceWatcher(Watcher):
+    """Watches a GCE VM's metadata server for preemption (and terminating maintenance)."""
+
+    source = "gce"
+
+    def __init__(self, base_url: str | None = None, *, window: float = 30.0,
+                 long_poll_timeout: int = 60, request_margin: float = 5.0,
+                 connect_timeout: float = 2.0, watch_maintenance: bool = True,
+                 instance: str | None = None, on_notice: NoticeCallback | None = None,
+                 initial_backoff: float = 0.5, max_backoff: float = 30.0) -> None:
+        super().__init__(window=window, instance=instance, on_notice=on_notice,
+                         initial_backoff=initial_backoff, max_backoff=max_backoff)
+        self.base_url = gce_base_url(base_url)
+        # GCE takes whole seconds for timeout_sec.
+        self.long_poll_timeout = max(1, int(round(long_poll_timeout)))
+        self.read_timeout = self.long_poll_timeout + float(request_margin)
+        self.connect_timeout = float(connect_timeout)
+        self.watch_maintenance = watch_maintenance
+
+    def _pollers(self) -> Sequence[Poller]:
+        pollers: list[Poller] = [_KeyPoller(self, "instance/preempted", _preempted_reason)]
+        if self.watch_maintenance:
+            pollers.append(_KeyPoller(self, "instance/maintenance-event", _maintenance_reason))
+        return pollers
+
+    def resolve_instance(self, session: requests.Session) -> str:
+        """This VM's name (asked once; the host name if the server has no ``instance/name``)."""
+        if self.instance is None:
+            reply = self._get(session, "instance/name")
+            if reply.status_code == 404:
+                self.instance = socket.gethostname()
+            else:
+                expect_status(reply, 200)
+                self.instance = printable_text(reply, "instance name")
+        return self.instance
+
+    def _get(self, session: requests.Session, key: str, params: dict[str, str] | None = None,
+             read_timeout: float | None = None) -> requests.Response:
+        return session.get(self.base_url + key, headers=HEADERS, params=params,
+                           timeout=(self.connect_timeout, read_timeout or self.read_timeout))
+
+
+class _KeyPoller(Poller):
+    def __init__(self, watcher: GceWatcher, key: str, interpret: Callable[[str], str | None]) -> None:
+        self.watcher, self.key, self.interpret = watcher, key, interpret
+        self.name = key.rsplit("/", 1)[-1]
+        self.session = new_session()
+        self.etag: str | None = None
+
+    def poll(self) -> Notice | None:
+        w = self.watcher
+        instance = w.resolve_instance(self.session)
+        if self.etag is None:
+            reply = w._get(self.session, self.key)
+        else:
+            reply = w._get(self.session, self.key, params={
+                "wait_for_change": "true", "last_etag": self.etag,
+                "timeout_sec": str(w.long_poll_timeout)})
+        detected_at = time.time()
+        expect_status(reply, 200)
+        if reply.headers.get("Metadata-Flavor") != "Google":
+            raise MetadataGarbageError(f"{reply.url} answered without 'Metadata-Flavor: Google': "
+                                       "not a GCE metadata server")
+        value = printable_text(reply, f"value of {self.key}")
+        reason = self.interpret(value)  # raises MetadataGarbageError on a value the API never has
+        if reason is not None:
+            return w.make_notice(reason, detected_at=detected_at, instance=instance)
+        self.etag = reply.headers.get("ETag")
+        return None
+
+    def pause(self) -> float:
+        # Without an ETag the server cannot long-poll for us: fall back to plain polling.
+        return 0.0 if self.etag else 1.0
+
+
+def _preempted_reason(value: str) -> str | None:
+    if value not in ("TRUE", "FALSE"):
+        raise MetadataGarbageError(f"instance/preempted is {value!r}, expected TRUE or FALSE")
+    return "preempted" if value == "TRUE" else None
+
+
+def _maintenance_reason(value: str) -> str | None:
+    if value not in MAINTENANCE_VALUES:
+        raise MetadataGarbageError(
+            f"instance/maintenance-event is {value!r}, expected one of {', '.join(MAINTENANCE_VALUES)}")
+    return f"maintenance-event {value}" if value == "TERMINATE_ON_HOST_MAINTENANCE" else None

@@ -1,0 +1,312 @@
+"""Preemption watchers against the real metadata emulator (HTTP on 127.0.0.1), plus auto-selection."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from hvd_transient.metadata_emulator import MetadataEmulator
+from hvd_transient.watchers import (
+    AwsWatcher,
+    AzureWatcher,
+    GceWatcher,
+    LocalWatcher,
+    Notice,
+    Watcher,
+    WatcherConfigError,
+    choose_kind,
+    make_watcher,
+    read_dmi,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+WAIT = 30  # upper bound for something that should happen soon; never a timing assertion
+FAST = {"initial_backoff": 0.05, "max_backoff": 0.3}
+
+
+@pytest.fixture
+def emu():
+    with MetadataEmulator(instances=["a", "b", "c"], port=0) as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def watchers():
+    """Collects started watchers and stops them even when a test fails."""
+    started: list[Watcher] = []
+    yield started
+    for w in started:
+        w.stop(timeout=0.1)  # a thread parked in a long-poll ends when the emulator stops
+
+
+def gce_watcher(emu: MetadataEmulator, inst: str, **kw) -> GceWatcher:
+    return GceWatcher(emu.gce_base_url(inst), long_poll_timeout=1, request_margin=1.0, **{**FAST, **kw})
+
+
+def make(kind: str, emu: MetadataEmulator, inst: str, **kw) -> Watcher:
+    if kind == "gce":
+        return gce_watcher(emu, inst, **kw)
+    cls = AwsWatcher if kind == "aws" else AzureWatcher
+    return cls(emu.root_url(inst), interval=0.05, request_timeout=1.0, **{**FAST, **kw})
+
+
+def requests_after(emu: MetadataEmulator, inst: str, n: int) -> bool:
+    """Wait until ``inst`` has served ``n`` more requests (the watcher is polling)."""
+    base = emu.instance(inst).requests
+    return emu.wait_for(lambda s: s[inst].requests >= base + n, timeout=WAIT)
+
+
+# ---- GCE -----------------------------------------------------------------------------------------
+def test_gce_watcher_sees_preemption_with_its_window(emu, watchers):
+    seen: list[Notice] = []
+    called = threading.Event()
+    w = gce_watcher(emu, "a", window=7, on_notice=lambda n: (seen.append(n), called.set()))
+    watchers.append(w.start())
+    assert requests_after(emu, "a", 4)  # name, plain reads and parked long-polls
+    assert w.notice is None and w.running
+
+    emu.preempt("a", window=7)
+    notice = w.wait(WAIT)
+    assert notice is not None and called.wait(WAIT) and seen == [notice]
+    assert (notice.source, notice.instance, notice.reason) == ("gce", "a", "preempted")
+    assert notice.detected_at >= emu.instance("a").notice_at
+    assert notice.deadline == pytest.approx(notice.detected_at + 7)
+    assert w.join(WAIT) and not w.running
+    assert emu.instance("b").preempted is False
+
+
+def test_gce_watcher_sees_a_notice_already_there_at_start(emu, watchers):
+    emu.preempt("b", window=30)
+    w = gce_watcher(emu, "b")
+    watchers.append(w.start())
+    notice = w.wait(WAIT)
+    assert notice is not None and notice.instance == "b"
+    assert notice.deadline == pytest.approx(notice.detected_at + 30)  # the default GCE window
+
+
+def test_gce_watcher_takes_its_url_from_gce_metadata_host(emu, watchers, monkeypatch):
+    monkeypatch.setenv("GCE_METADATA_HOST", emu.metadata_host("c"))
+    w = GceWatcher(long_poll_timeout=1, request_margin=1.0, **FAST)
+    assert w.base_url == emu.gce_base_url("c")
+    watchers.append(w.start())
+    emu.preempt("c")
+    assert w.wait(WAIT).instance == "c"
+
+
+def test_gce_watcher_acts_on_terminate_maintenance_only(emu, watchers):
+    w = gce_watcher(emu, "a", window=60)
+    watchers.append(w.start())
+    assert requests_after(emu, "a", 3)
+    emu.set_maintenance("a", "MIGRATE_ON_HOST_MAINTENANCE")
+    assert requests_after(emu, "a", 3)  # the watcher has read MIGRATE and polled again
+    assert w.notice is None
+
+    emu.set_maintenance("a", "TERMINATE_ON_HOST_MAINTENANCE")
+    notice = w.wait(WAIT)
+    assert notice is not None and "TERMINATE_ON_HOST_MAINTENANCE" in notice.reason
+    assert notice.deadline == pytest.approx(notice.detected_at + 60)
+    assert not emu.instance("a").preempted
+
+
+# ---- AWS and Azure ---------------------------------------------------------------------------------
+def test_aws_watcher_takes_the_deadline_from_the_notice_time(emu, watchers):
+    w = make("aws", emu, "b")
+    watchers.append(w.start())
+    assert requests_after(emu, "b", 3)
+    emu.preempt("b", window=120)
+    notice = w.wait(WAIT)
+    assert notice is not None and notice.source == "aws"
+    assert notice.instance.startswith("i-") and notice.reason == "spot-interruption terminate"
+    assert notice.deadline == int(emu.instance("b").deadline)  # the "time" field, whole seconds
+
+
+def test_azure_watcher_takes_the_deadline_from_not_before(emu, watchers):
+    w = make("azure", emu, "c")
+    watchers.append(w.start())
+    assert requests_after(emu, "c", 3)
+    emu.preempt("c", window=45)
+    notice = w.wait(WAIT)
+    assert notice is not None and notice.source == "azure" and notice.instance == "c"
+    assert notice.reason.startswith("scheduled-event Preempt")
+    assert notice.deadline == int(emu.instance("c").deadline)
+
+
+def test_azure_watcher_ignores_events_for_other_vms(emu, watchers):
+    w = make("azure", emu, "c", instance="some-other-vm")
+    watchers.append(w.start())
+    emu.preempt("c", window=45)
+    assert requests_after(emu, "c", 3)
+    assert w.notice is None
+
+
+# ---- faults --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["gce", "aws", "azure"])
+@pytest.mark.parametrize("fault", ["hang", "500", "garbage"])
+def test_watcher_survives_a_broken_server_and_detects_after_it_heals(emu, watchers, kind, fault):
+    emu.set_fault("a", fault)
+    w = make(kind, emu, "a", instance="a")
+    watchers.append(w.start())
+    # More faulty replies (or hung requests) than the watcher has pollers: a failure was
+    # survived and retried. (GCE polls two keys at once.)
+    retried = 3 if kind == "gce" else 2
+    assert emu.wait_for(lambda s: s["a"].fault_hits.get(fault, 0) >= retried, timeout=WAIT)
+    assert w.notice is None and w.running
+
+    emu.set_fault("a", "ok")
+    emu.preempt("a", window=60)
+    notice = w.wait(WAIT)
+    assert notice is not None and notice.source == kind and notice.instance == "a"
+
+
+def test_watcher_on_a_dead_server_reports_nothing_and_never_raises(watchers):
+    emu = MetadataEmulator(instances=["a"]).start()
+    url = emu.gce_base_url("a")
+    emu.stop()  # nothing listens there any more
+    w = GceWatcher(url, long_poll_timeout=1, request_margin=0.5, **FAST)
+    watchers.append(w.start())
+    assert w.wait(0.5) is None
+    w.stop()
+    assert w.join(WAIT)
+
+
+def test_stop_returns_during_a_long_poll_and_nothing_is_reported_after(emu, watchers):
+    seen: list[Notice] = []
+    w = GceWatcher(emu.gce_base_url("a"), long_poll_timeout=60, watch_maintenance=False,
+                   on_notice=seen.append, **FAST)
+    w.start()
+    assert requests_after(emu, "a", 3)  # name, plain read, then the long-poll that is now parked
+    w.stop(timeout=0.5)  # returns although the long-poll has ~60 s to go
+    assert not w.running
+
+    emu.preempt("a")  # the parked long-poll now returns TRUE to a stopped watcher
+    assert w.join(WAIT)
+    assert w.notice is None and seen == []
+
+
+def test_stop_cuts_a_backoff_short(emu, watchers):
+    emu.set_fault("a", "500")
+    w = make("gce", emu, "a", initial_backoff=60, max_backoff=60)
+    w.start()
+    assert emu.wait_for(lambda s: s["a"].fault_hits.get("500", 0) >= 1, timeout=WAIT)
+    w.stop(timeout=WAIT)
+    assert w.join(0)  # already ended: the 60 s backoff did not have to run out
+
+
+def test_a_failing_callback_does_not_lose_the_notice(emu, watchers):
+    def explode(_notice: Notice) -> None:
+        raise RuntimeError("callback bug")
+
+    w = make("gce", emu, "a", on_notice=explode)
+    watchers.append(w.start())
+    emu.preempt("a")
+    assert w.wait(WAIT) is not None and w.notice is not None
+
+
+# ---- local ---------------------------------------------------------------------------------------
+def test_local_watcher_sees_a_notice_file(tmp_path, watchers):
+    path = tmp_path / "preempt"
+    w = LocalWatcher(path, interval=0.02, window=9, instance="worker-1")
+    watchers.append(w.start())
+    assert w.wait(0.1) is None
+    path.write_text("")
+    notice = w.wait(WAIT)
+    assert (notice.source, notice.instance) == ("local", "worker-1")
+    assert notice.reason == f"notice file {path}"
+    assert notice.deadline == pytest.approx(notice.detected_at + 9)
+
+
+def test_local_notice_file_may_carry_deadline_and_reason(tmp_path, watchers, monkeypatch):
+    path = tmp_path / "preempt.json"
+    monkeypatch.setenv("HVDT_NOTICE_FILE", str(path))
+    w = LocalWatcher(interval=0.02)
+    watchers.append(w.start())
+    path.write_text(json.dumps({"deadline": 1234567890.5, "reason": "simulated spot eviction"}))
+    notice = w.wait(WAIT)
+    assert notice.deadline == 1234567890.5 and notice.reason == "simulated spot eviction"
+
+
+def test_local_watcher_turns_sigterm_into_a_notice(watchers):
+    assert threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM)
+    w = LocalWatcher(handle_sigterm=True, interval=0.02, window=5)
+    watchers.append(w.start())
+    handler = signal.getsignal(signal.SIGTERM)
+    assert handler not in (before, signal.SIG_DFL)  # guard: never SIGTERM ourselves unprotected
+    os.kill(os.getpid(), signal.SIGTERM)
+    notice = w.wait(WAIT)
+    assert notice.reason == "signal SIGTERM"
+    assert notice.deadline == pytest.approx(notice.detected_at + 5)
+    w.stop()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_local_watcher_installs_no_handler_off_the_main_thread(tmp_path, watchers):
+    before = signal.getsignal(signal.SIGTERM)
+    w = LocalWatcher(tmp_path / "x", handle_sigterm=True, interval=0.02)
+    starter = threading.Thread(target=w.start)
+    starter.start()
+    starter.join(WAIT)
+    watchers.append(w)
+    assert signal.getsignal(signal.SIGTERM) == before
+    (tmp_path / "x").touch()
+    assert w.wait(WAIT) is not None  # the file is still watched
+
+
+# ---- auto-selection (pure) ---------------------------------------------------------------------------
+GOOGLE = {"sys_vendor": "Google", "product_name": "Google Compute Engine"}
+AMAZON = {"sys_vendor": "Amazon EC2", "product_name": "m5.large"}
+AMAZON_XEN = {"sys_vendor": "Xen", "product_name": "HVM domU", "bios_version": "4.11.amazon"}
+AZURE = {"sys_vendor": "Microsoft Corporation", "product_name": "Virtual Machine",
+         "chassis_asset_tag": "7783-7084-3265-9085-8269-3286-77"}
+HYPERV = {"sys_vendor": "Microsoft Corporation", "product_name": "Virtual Machine",
+          "chassis_asset_tag": "None"}
+LAPTOP = {"sys_vendor": "LENOVO", "product_name": "20XW"}
+
+
+@pytest.mark.parametrize("env, dmi, kind", [
+    ({}, {}, "local"),
+    ({}, LAPTOP, "local"),
+    ({}, GOOGLE, "gce"),
+    ({}, AMAZON, "aws"),
+    ({}, AMAZON_XEN, "aws"),
+    ({}, AZURE, "azure"),
+    ({}, {k: v for k, v in AZURE.items() if k != "chassis_asset_tag"}, "azure"),
+    ({}, HYPERV, "local"),
+    ({"GCE_METADATA_HOST": "127.0.0.1:8080"}, LAPTOP, "gce"),
+    ({"GCE_METADATA_HOST": "127.0.0.1:8080"}, AMAZON, "gce"),
+    ({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:1"}, {}, "aws"),
+    ({"HVDT_AZURE_METADATA_ENDPOINT": "http://127.0.0.1:1"}, {}, "azure"),
+    ({"HVDT_WATCHER": "local"}, GOOGLE, "local"),
+    ({"HVDT_WATCHER": "AWS", "GCE_METADATA_HOST": "x"}, GOOGLE, "aws"),
+    ({"HVDT_WATCHER": "auto"}, GOOGLE, "gce"),
+])
+def test_choose_kind(env, dmi, kind):
+    assert choose_kind(env, dmi) == kind
+
+
+def test_choose_kind_rejects_an_unknown_forced_kind():
+    with pytest.raises(WatcherConfigError, match="HVDT_WATCHER"):
+        choose_kind({"HVDT_WATCHER": "openstack"}, {})
+
+
+def test_make_watcher_builds_the_chosen_kind_and_drops_foreign_options(tmp_path):
+    gce = make_watcher("auto", env={"GCE_METADATA_HOST": "127.0.0.1:9"}, dmi={}, window=12,
+                       path=str(tmp_path / "f"), long_poll_timeout=3)
+    assert isinstance(gce, GceWatcher) and gce.window == 12 and gce.long_poll_timeout == 3
+    assert gce.base_url == "http://127.0.0.1:9/computeMetadata/v1/"
+    local = make_watcher("auto", env={}, dmi=LAPTOP, path=str(tmp_path / "f"), long_poll_timeout=3)
+    assert isinstance(local, LocalWatcher) and local.path == str(tmp_path / "f")
+    assert isinstance(make_watcher("azure", endpoint="http://127.0.0.1:9"), AzureWatcher)
+    with pytest.raises(WatcherConfigError):
+        make_watcher("ibm")
+
+
+def test_read_dmi_reads_what_exists(tmp_path):
+    (tmp_path / "sys_vendor").write_text("Google\n")
+    (tmp_path / "product_name").write_text("Google Compute Engine\n")
+    assert read_dmi(tmp_path) == {"sys_vendor": "Google", "product_name": "Google Compute Engine"}
+    assert choose_kind({}, read_dmi(tmp_path)) == "gce"
