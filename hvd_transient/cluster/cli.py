@@ -1,0 +1,300 @@
+"""``hvd-transient cluster up|down|status``: the paper's topology on GCE Spot VMs.
+
+``up`` creates one on-demand CPU driver VM and N Spot GPU workers. It is
+idempotent: existing VMs are left alone, stopped ones (a Spot worker preempted
+with termination action STOP) are started again, missing ones (DELETE) are
+created again - so rerunning ``up`` after preemptions refills the cluster.
+``down`` deletes every VM labelled with the cluster's name; ``status`` lists
+them. ``--dry-run`` prints the exact REST requests and the equivalent
+``gcloud`` commands without credentials or network.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from hvd_transient.cluster.spec import (
+    CLUSTER_LABEL,
+    DRIVER,
+    ROLE_LABEL,
+    ClusterSpec,
+    ClusterSpecError,
+    parse_label_items,
+    plan_instances,
+)
+
+log = logging.getLogger(__name__)
+
+PROG = "hvd-transient cluster"
+DEFAULT_API_URL = "https://compute.googleapis.com/compute/v1"
+# Where a source checkout keeps the startup script (pip install -e . installs from one).
+DEFAULT_STARTUP_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "startup_script.sh"
+RESTARTABLE = frozenset({"TERMINATED", "STOPPED", "SUSPENDED"})
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--name", required=True, help="cluster name: VM name prefix and hvdt-cluster label")
+    parser.add_argument("--project", required=True, help="GCP project id")
+    parser.add_argument("--zones", default="", help="comma-separated zones (workers are spread round-robin)")
+    parser.add_argument("--api-url", help="Compute API base URL (default $HVDT_COMPUTE_API or Google's)")
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="output format")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{up,down,status}")
+
+    up = commands.add_parser("up", help="create (or refill) the cluster")
+    _add_common(up)
+    up.add_argument("--workers", type=int, required=True, help="number of Spot GPU worker VMs")
+    up.add_argument("--machine-type", default="n1-standard-8")
+    up.add_argument("--gpu-type", default="nvidia-tesla-t4", help="accelerator type, or 'none'")
+    up.add_argument("--gpus-per-worker", type=int, default=1)
+    up.add_argument("--image-family", default="debian-12")
+    up.add_argument("--image-project", default="debian-cloud")
+    up.add_argument("--boot-disk-gb", type=int, default=100)
+    up.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="extra labels (repeatable)")
+    up.add_argument("--termination-action", choices=("STOP", "DELETE"), default="STOP",
+                    help="what GCE does to a preempted worker (default STOP: rerun 'up' to restart it)")
+    up.add_argument("--driver-machine-type", default="n1-standard-4")
+    up.add_argument("--driver-zone", help="zone of the driver VM (default: the first zone)")
+    up.add_argument("--network", default="global/networks/default")
+    up.add_argument("--subnetwork")
+    up.add_argument("--no-external-ip", action="store_true", help="no external IPs (needs Cloud NAT for PyPI)")
+    up.add_argument("--service-account", default="default")
+    up.add_argument("--package", default="hvd-transient", help="pip requirement the VMs install")
+    up.add_argument("--store", help="run store URL (gs://bucket/run) given to every VM as HVDT_STORE")
+    up.add_argument("--ssh-user", default="hvdt")
+    up.add_argument("--ssh-public-key", metavar="FILE", help="public key horovodrun's ssh uses (e.g. ~/.ssh/id_ed25519.pub)")
+    up.add_argument("--startup-script", metavar="FILE", help=f"default: {DEFAULT_STARTUP_SCRIPT}")
+    up.add_argument("--dry-run", action="store_true", help="print the requests and gcloud commands; send nothing")
+    up.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the VMs (default 900)")
+
+    down = commands.add_parser("down", help="delete the cluster's VMs")
+    _add_common(down)
+    down.add_argument("--keep-driver", action="store_true", help="delete only the workers")
+    down.add_argument("--workers", type=int, default=0,
+                      help="with --dry-run: also print the deletes of this many planned workers")
+    down.add_argument("--dry-run", action="store_true")
+    down.add_argument("--timeout", type=float, default=900.0)
+
+    status = commands.add_parser("status", help="list the cluster's VMs")
+    _add_common(status)
+    return parser
+
+
+def _zones(text: str) -> tuple[str, ...]:
+    return tuple(z.strip() for z in text.split(",") if z.strip())
+
+
+def _read(path: str | Path, what: str) -> str:
+    try:
+        return Path(path).expanduser().read_text()
+    except OSError as exc:
+        raise ClusterSpecError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
+def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    script_path = args.startup_script or DEFAULT_STARTUP_SCRIPT
+    if not args.startup_script and not DEFAULT_STARTUP_SCRIPT.is_file():
+        raise ClusterSpecError(
+            "no startup script: this installation has no launch/startup_script.sh; pass --startup-script FILE"
+        )
+    gpu_type = None if (args.gpu_type or "none").lower() == "none" else args.gpu_type
+    return ClusterSpec(
+        name=args.name, project=args.project, zones=_zones(args.zones), workers=args.workers,
+        machine_type=args.machine_type, gpu_type=gpu_type, gpus_per_worker=args.gpus_per_worker,
+        image_family=args.image_family, image_project=args.image_project, boot_disk_gb=args.boot_disk_gb,
+        labels=parse_label_items(args.label), termination_action=args.termination_action,
+        driver_machine_type=args.driver_machine_type, driver_zone=args.driver_zone, network=args.network,
+        subnetwork=args.subnetwork, external_ip=not args.no_external_ip, service_account=args.service_account,
+        package=args.package, store=args.store, ssh_user=args.ssh_user,
+        ssh_public_key=_read(args.ssh_public_key, "ssh public key").strip() if args.ssh_public_key else None,
+        startup_script=_read(script_path, "startup script"), startup_script_path=str(script_path),
+    )
+
+
+def _api_url(args: argparse.Namespace) -> str:
+    import os
+
+    from hvd_transient.cluster.compute_api import API_URL_ENV
+
+    return (args.api_url or os.environ.get(API_URL_ENV) or DEFAULT_API_URL).rstrip("/")
+
+
+def _connect(args: argparse.Namespace, *, write: bool):
+    from hvd_transient.cluster.compute_api import READONLY_SCOPE, READWRITE_SCOPE, ComputeAPI
+
+    return ComputeAPI.connect(api_url=args.api_url, scopes=(READWRITE_SCOPE if write else READONLY_SCOPE,))
+
+
+# ---- dry runs -------------------------------------------------------------------------------
+
+
+def _print_dry_run(title: str, requests: list, commands: list[list[str]], fmt: str) -> None:
+    from hvd_transient.cluster.gcloud import render
+
+    if fmt == "json":
+        print(json.dumps({"requests": [r.to_dict() for r in requests], "gcloud": [render(c) for c in commands]},
+                         indent=2))
+        return
+    print(f"# {title} (dry run: nothing was sent)\n")
+    print("# Compute REST requests")
+    for request in requests:
+        print(request.render())
+        print()
+    print("# equivalent gcloud commands")
+    for command in commands:
+        print(render(command))
+
+
+def _up_dry_run(args: argparse.Namespace, spec: ClusterSpec) -> int:
+    from hvd_transient.cluster.gcloud import up_commands
+    from hvd_transient.cluster.rest_plan import up_requests
+
+    title = f"{PROG} up {spec.name}: 1 on-demand driver + {spec.workers} Spot workers"
+    _print_dry_run(title, up_requests(_api_url(args), spec), up_commands(spec), args.format)
+    return 0
+
+
+def _down_dry_run(args: argparse.Namespace) -> int:
+    from hvd_transient.cluster.gcloud import down_commands, status_command
+    from hvd_transient.cluster.rest_plan import down_requests, list_request
+
+    base = _api_url(args)
+    requests = [list_request(base, args.project, args.name)]
+    commands = [status_command(args.project, args.name)]
+    zones = _zones(args.zones)
+    if zones:  # the planned names; a real `down` deletes whatever the list returns
+        spec = ClusterSpec(name=args.name, project=args.project, zones=zones, workers=args.workers)
+        requests += down_requests(base, spec, keep_driver=args.keep_driver)
+        commands += down_commands(spec, keep_driver=args.keep_driver)
+    _print_dry_run(f"{PROG} down {args.name}: list the cluster's VMs, then DELETE each",
+                   requests, commands, args.format)
+    return 0
+
+
+# ---- real runs ------------------------------------------------------------------------------
+
+
+def _cluster_instances(api, project: str, name: str, zones: tuple[str, ...]) -> list[dict]:
+    from hvd_transient.cluster.rest_plan import cluster_filter
+
+    query = cluster_filter(name)
+    found = ([i for z in zones for i in api.list_instances(project, z, filter=query)] if zones
+             else list(api.aggregated_instances(project, filter=query)))
+    # the server filtered already; check again so a lenient filter can never widen a delete
+    return sorted((i for i in found if (i.get("labels") or {}).get(CLUSTER_LABEL) == name),
+                  key=lambda i: (i.get("labels", {}).get(ROLE_LABEL) != DRIVER, i["name"]))
+
+
+def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
+    from hvd_transient.cluster.compute_api import ComputeConflictError
+    from hvd_transient.cluster.rest_plan import instance_body
+
+    api = _connect(args, write=True)
+    pending: list[tuple[str, dict]] = []
+    for plan in plan_instances(spec):
+        kind = "Spot" if plan.spot else "on-demand"
+        current = api.get_instance(spec.project, plan.zone, plan.name)
+        if current is None:
+            try:
+                op = api.insert_instance(spec.project, plan.zone, instance_body(plan, spec))
+                pending.append((f"created {plan.name} ({plan.role}, {kind}, {plan.zone})", op))
+            except ComputeConflictError:  # created by a retried request or a concurrent `up`
+                print(f"exists  {plan.name}")
+        elif current.get("status") in RESTARTABLE:
+            op = api.start_instance(spec.project, plan.zone, plan.name)
+            pending.append((f"started {plan.name} ({plan.role}, {kind}, was {current['status']})", op))
+        else:
+            print(f"exists  {plan.name} ({current.get('status')})")
+    for message, op in pending:
+        api.wait_operation(op, timeout=args.timeout)
+        print(message)
+    labels = " ".join(f"--label {item}" for item in spec.worker_labels)
+    print(f"\nhost discovery for horovodrun (on {spec.name}-driver):\n"
+          f"  hvd-transient discover --backend gce --project {spec.project} --zone {','.join(spec.zones)} "
+          f"{labels}" + (" --use-ip" if len(spec.zones) > 1 else ""))
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from hvd_transient.cluster.compute_api import last_segment
+
+    api = _connect(args, write=True)
+    instances = _cluster_instances(api, args.project, args.name, _zones(args.zones))
+    pending = []
+    for instance in instances:
+        if args.keep_driver and instance.get("labels", {}).get(ROLE_LABEL) == DRIVER:
+            continue
+        zone = last_segment(instance["zone"])
+        pending.append((instance["name"], api.delete_instance(args.project, zone, instance["name"])))
+    for name, op in pending:
+        api.wait_operation(op, timeout=args.timeout)
+        print(f"deleted {name}")
+    if not pending:
+        print(f"no VMs labelled {CLUSTER_LABEL}={args.name} to delete")
+    return 0
+
+
+def describe(instance: dict[str, Any]) -> dict[str, Any]:
+    """One row of ``status`` from a Compute instance resource (pure)."""
+    from hvd_transient.cluster.compute_api import last_segment
+
+    scheduling = instance.get("scheduling") or {}
+    model = scheduling.get("provisioningModel") or ("SPOT" if scheduling.get("preemptible") else "STANDARD")
+    nics = instance.get("networkInterfaces") or [{}]
+    return {
+        "name": instance.get("name"),
+        "zone": last_segment(instance.get("zone", "")),
+        "role": (instance.get("labels") or {}).get(ROLE_LABEL, "?"),
+        "status": instance.get("status"),
+        "provisioning": "spot" if model in ("SPOT", "PREEMPTIBLE") or scheduling.get("preemptible") else "on-demand",
+        "machine_type": last_segment(instance.get("machineType", "")),
+        "gpus": sum(int(a.get("acceleratorCount", 0)) for a in instance.get("guestAccelerators") or []),
+        "internal_ip": nics[0].get("networkIP"),
+    }
+
+
+def _status(args: argparse.Namespace) -> int:
+    api = _connect(args, write=False)
+    rows = [describe(i) for i in _cluster_instances(api, args.project, args.name, _zones(args.zones))]
+    if args.format == "json":
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no VMs labelled {CLUSTER_LABEL}={args.name} in project {args.project}")
+        return 0
+    columns = ("name", "zone", "role", "status", "provisioning", "machine_type", "gpus", "internal_ip")
+    table = [[c.upper() for c in columns]] + [[str(row[c]) for c in columns] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    for line in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from hvd_transient.cluster.compute_api import ComputeAPIError, ComputeAuthError
+
+    try:
+        if args.command == "up":
+            spec = spec_from_args(args)
+            return _up_dry_run(args, spec) if args.dry_run else _up(args, spec)
+        if args.command == "down":
+            return _down_dry_run(args) if args.dry_run else _down(args)
+        return _status(args)
+    except (ClusterSpecError, ComputeAuthError) as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ComputeAPIError as exc:
+        print(f"{PROG} {args.command}: failed: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Startup script of every hvd-transient cluster VM (the driver and the workers).
+# `hvd-transient cluster up` passes it as the instance metadata key
+# `startup-script`; GCE runs it as root on every boot, so every step is
+# idempotent: a Spot worker restarted after a preemption (termination action
+# STOP) comes straight back ready without reinstalling anything.
+#
+# What it does:
+#   1. reads its settings from instance metadata (the hvdt-* keys that
+#      `cluster up` sets);
+#   2. installs OS packages: python3-venv, openssh-server, and the build tools
+#      Horovod's source build needs (cmake, g++, make);
+#   3. creates /opt/hvdt/venv and pip-installs TensorFlow, then Horovod (Gloo,
+#      built against that TensorFlow), then hvd-transient (hvdt-package);
+#   4. makes sure the ssh user exists (its key comes from the `ssh-keys`
+#      metadata, installed by the guest agent), puts the venv first on its PATH,
+#      also for the non-interactive sessions horovodrun opens, and that sshd runs;
+#   5. writes /etc/hvdt/env (HVDT_CLUSTER, HVDT_ROLE, HVDT_STORE) and touches
+#      /var/lib/hvdt/ready when the VM is ready for horovodrun.
+#
+# What it assumes:
+#   - a Debian or Ubuntu image with apt, curl and systemd. The default image
+#     (debian-12) has python3 3.11, inside hvd-transient's supported 3.10-3.11;
+#   - on GPU workers, an NVIDIA driver and CUDA that TensorFlow 2.15 can use
+#     (CUDA 12.2, cuDNN 8.9), e.g. a Deep Learning VM image (it honours the
+#     install-nvidia-driver=True key that `cluster up` sets) or your own image.
+#     This script installs no GPU driver;
+#   - outbound access to PyPI (the VMs get an external IP unless
+#     --no-external-ip, in which case use Cloud NAT);
+#   - cluster VMs reach each other on all TCP ports (Gloo picks ports at run
+#     time; the default network's default-allow-internal rule allows it) and
+#     the driver reaches workers on port 22;
+#   - the venv (/opt/hvdt/venv) and the training script sit at the same path on
+#     every VM, because horovodrun runs the driver's command line on each
+#     worker: run `/opt/hvdt/venv/bin/python train.py` from the same directory.
+#
+# Metadata keys (all optional):
+#   hvdt-role         driver | worker (default worker)
+#   hvdt-cluster      cluster name
+#   hvdt-package      pip requirement for hvd-transient (default hvd-transient);
+#                     any pip form: name==version, https URL of a wheel, git+https
+#   hvdt-store        run store URL, exported as HVDT_STORE
+#   hvdt-ssh-user     the user horovodrun connects as (default hvdt)
+#   hvdt-tensorflow   pip requirement for TensorFlow (default tensorflow==2.15.1 on
+#                     workers, tensorflow-cpu==2.15.1 on the driver)
+#   hvdt-horovod      pip requirement for Horovod (default horovod==0.28.1)
+#   hvdt-horovod-env  extra Horovod build variables, space-separated, e.g.
+#                     "HOROVOD_GPU_OPERATIONS=NCCL" (needs NCCL's dev package)
+set -euo pipefail
+
+METADATA=http://metadata.google.internal/computeMetadata/v1/instance/attributes
+meta() {  # meta KEY [DEFAULT]: a metadata attribute, or DEFAULT when it is not set
+  curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$METADATA/$1" 2>/dev/null || printf '%s' "${2:-}"
+}
+log() { echo "hvdt-startup: $*"; logger -t hvdt-startup -- "$*" 2>/dev/null || true; }
+
+ROLE=$(meta hvdt-role worker)
+CLUSTER=$(meta hvdt-cluster "")
+PACKAGE=$(meta hvdt-package hvd-transient)
+STORE=$(meta hvdt-store "")
+SSH_USER=$(meta hvdt-ssh-user hvdt)
+if [[ "$ROLE" == driver ]]; then default_tf=tensorflow-cpu==2.15.1; else default_tf=tensorflow==2.15.1; fi
+TENSORFLOW=$(meta hvdt-tensorflow "$default_tf")
+HOROVOD=$(meta hvdt-horovod horovod==0.28.1)
+HOROVOD_ENV=$(meta hvdt-horovod-env "")
+
+VENV=/opt/hvdt/venv
+STATE=/var/lib/hvdt
+mkdir -p "$STATE" /etc/hvdt
+rm -f "$STATE/ready"
+log "role=$ROLE cluster=$CLUSTER package=$PACKAGE"
+
+# 1. OS packages (skipped once installed).
+if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null || ! command -v sshd >/dev/null \
+    || ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq python3-venv python3-dev openssh-server cmake g++ make curl
+fi
+
+# 2. Python environment. TensorFlow must be importable before Horovod's sdist
+#    builds against it; numpy<2 and protobuf<5 keep TensorFlow 2.15 working.
+wanted="$TENSORFLOW|$HOROVOD|$HOROVOD_ENV|$PACKAGE"
+if [[ ! -x "$VENV/bin/python" || "$(cat "$STATE/installed" 2>/dev/null)" != "$wanted" ]]; then
+  python3 -m venv "$VENV"
+  printf 'numpy<2\nprotobuf<5\n' > /opt/hvdt/constraints.txt
+  pip=("$VENV/bin/pip" install --disable-pip-version-check -q -c /opt/hvdt/constraints.txt)
+  "${pip[@]}" --upgrade pip setuptools wheel
+  "${pip[@]}" "$TENSORFLOW"
+  # shellcheck disable=SC2086  # HOROVOD_ENV is a list of VAR=value words
+  env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 \
+    HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" $HOROVOD_ENV \
+    "${pip[@]}" --no-build-isolation "$HOROVOD"
+  "${pip[@]}" "$PACKAGE"
+  "$VENV/bin/python" -c "import horovod.tensorflow, hvd_transient" # fail the boot loudly, not the job later
+  printf '%s' "$wanted" > "$STATE/installed"
+  log "installed $wanted"
+fi
+
+# 3. The ssh user horovodrun connects as, with the venv on PATH even for
+#    non-interactive sessions (Debian's .bashrc returns early for those, so
+#    the line goes first).
+if ! id -u "$SSH_USER" >/dev/null 2>&1; then
+  useradd --create-home --shell /bin/bash "$SSH_USER"
+fi
+home=$(getent passwd "$SSH_USER" | cut -d: -f6)
+path_line="export PATH=$VENV/bin:\$PATH  # hvd-transient"
+if ! grep -qF "$path_line" "$home/.bashrc" 2>/dev/null; then
+  { echo "$path_line"; echo "[ -f /etc/hvdt/env ] && set -a && . /etc/hvdt/env && set +a"; \
+    cat "$home/.bashrc" 2>/dev/null || true; } > "$home/.bashrc.hvdt"
+  mv "$home/.bashrc.hvdt" "$home/.bashrc"
+  chown "$SSH_USER:" "$home/.bashrc"
+fi
+systemctl enable --now ssh 2>/dev/null || systemctl enable --now sshd
+
+# 4. Settings for training processes, and the readiness marker.
+cat > /etc/hvdt/env <<ENV
+HVDT_CLUSTER=$CLUSTER
+HVDT_ROLE=$ROLE
+HVDT_STORE=$STORE
+ENV
+touch "$STATE/ready"
+log "ready for horovodrun"

@@ -1,0 +1,244 @@
+"""`hvd-transient cluster`: pure request builders, dry runs, and up/status/down against the Compute stand-in."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fake_compute_api import FakeComputeAPI
+from hvd_transient.cluster import cli
+from hvd_transient.cluster.gcloud import create_command, render
+from hvd_transient.cluster.rest_plan import instance_body, up_requests
+from hvd_transient.cluster.spec import ClusterSpec, ClusterSpecError, parse_label_items, plan_instances
+from hvd_transient.discovery import cli as discover_cli
+
+REPO = Path(__file__).resolve().parent.parent
+PROJECT, ZA, ZB = "proj-1", "us-central1-a", "us-central1-b"
+
+
+def spec(**overrides):
+    values = dict(name="exp", project=PROJECT, zones=(ZA, ZB), workers=3, startup_script="#!/bin/bash\necho hi\n",
+                  labels=(("team", "ml"),), store="gs://bucket/run")
+    values.update(overrides)
+    return ClusterSpec(**values)
+
+
+def metadata(body):
+    return {item["key"]: item["value"] for item in body["metadata"]["items"]}
+
+
+# ---- pure -----------------------------------------------------------------------------------
+
+
+def test_plan_is_one_on_demand_driver_plus_spot_workers_round_robin():
+    plans = plan_instances(spec())
+    assert [(p.name, p.zone, p.role, p.spot, p.gpu_count) for p in plans] == [
+        ("exp-driver", ZA, "driver", False, 0),
+        ("exp-worker-0", ZA, "worker", True, 1),
+        ("exp-worker-1", ZB, "worker", True, 1),
+        ("exp-worker-2", ZA, "worker", True, 1),
+    ]
+    assert plan_instances(spec(driver_zone=ZB, workers=0))[0].zone == ZB
+
+
+def test_worker_body_is_spot_gpu_vm_with_startup_script():
+    worker = plan_instances(spec(termination_action="DELETE"))[2]
+    body = instance_body(worker, spec(termination_action="DELETE"))
+    assert body["scheduling"] == {"provisioningModel": "SPOT", "instanceTerminationAction": "DELETE",
+                                  "onHostMaintenance": "TERMINATE", "automaticRestart": False}
+    assert body["machineType"] == f"zones/{ZB}/machineTypes/n1-standard-8"
+    assert body["guestAccelerators"] == [{"acceleratorType": f"zones/{ZB}/acceleratorTypes/nvidia-tesla-t4",
+                                          "acceleratorCount": 1}]
+    assert body["labels"] == {"team": "ml", "hvdt-cluster": "exp", "hvdt-role": "worker"}
+    assert body["disks"][0]["initializeParams"]["sourceImage"] == "projects/debian-cloud/global/images/family/debian-12"
+    meta = metadata(body)
+    assert meta["startup-script"] == "#!/bin/bash\necho hi\n"
+    assert meta["hvdt-role"] == "worker" and meta["hvdt-store"] == "gs://bucket/run"
+    assert meta["install-nvidia-driver"] == "True"
+
+
+def test_driver_body_is_on_demand_cpu_vm():
+    body = instance_body(plan_instances(spec())[0], spec())
+    assert body["scheduling"] == {"provisioningModel": "STANDARD", "onHostMaintenance": "MIGRATE",
+                                  "automaticRestart": True}
+    assert "guestAccelerators" not in body
+    assert body["machineType"].endswith("/n1-standard-4")
+    assert "install-nvidia-driver" not in metadata(body)
+
+
+def test_built_in_gpu_machine_types_and_cpu_only_workers():
+    g2 = spec(machine_type="g2-standard-8", gpu_type="nvidia-l4")
+    body = instance_body(plan_instances(g2)[1], g2)
+    assert "guestAccelerators" not in body  # G2 machine types come with their L4
+    assert body["scheduling"]["onHostMaintenance"] == "TERMINATE"
+    cpu = spec(gpu_type=None)
+    body = instance_body(plan_instances(cpu)[1], cpu)
+    assert "guestAccelerators" not in body and "install-nvidia-driver" not in metadata(body)
+    assert body["scheduling"]["provisioningModel"] == "SPOT"
+
+
+def test_ssh_key_and_optional_network_settings():
+    s = spec(ssh_public_key="ssh-ed25519 AAAAC3Nza me@laptop", external_ip=False,
+             subnetwork="regions/us-central1/subnetworks/train")
+    body = instance_body(plan_instances(s)[1], s)
+    assert metadata(body)["ssh-keys"] == "hvdt:ssh-ed25519 AAAAC3Nza me@laptop"
+    assert body["networkInterfaces"] == [{"network": "global/networks/default",
+                                          "subnetwork": "regions/us-central1/subnetworks/train"}]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"name": "Exp"}, "--name"), ({"name": "x" * 41}, "--name"), ({"zones": ()}, "--zones"),
+    ({"workers": -1}, "--workers"), ({"termination_action": "HIBERNATE"}, "--termination-action"),
+    ({"labels": (("hvdt-role", "x"),)}, "set by the cluster command"), ({"labels": (("Team", "x"),)}, "label"),
+    ({"project": ""}, "--project"), ({"boot_disk_gb": 5}, "--boot-disk-gb"),
+])
+def test_invalid_specs_name_the_option(overrides, message):
+    with pytest.raises(ClusterSpecError, match=message):
+        spec(**overrides)
+
+
+def test_label_items():
+    assert parse_label_items(["b=2,a=1", "c="]) == (("a", "1"), ("b", "2"), ("c", ""))
+    with pytest.raises(ClusterSpecError):
+        parse_label_items(["novalue"])
+
+
+def test_gcloud_equivalent_of_a_worker():
+    s = spec(package="hvd-transient[gcs,plot]", startup_script_path="launch/startup_script.sh")
+    command = render(create_command(s, plan_instances(s)[1]))
+    for flag in ("gcloud compute instances create exp-worker-0", "--provisioning-model=SPOT",
+                 "--instance-termination-action=STOP", "--maintenance-policy=TERMINATE",
+                 "--accelerator=type=nvidia-tesla-t4,count=1", "--zone=us-central1-a",
+                 "--labels=hvdt-cluster=exp,hvdt-role=worker,team=ml",
+                 "--metadata-from-file=startup-script=launch/startup_script.sh"):
+        assert flag in command
+    # a metadata value with a comma switches gcloud to another delimiter
+    assert "'--metadata=^|^hvdt-cluster=exp|hvdt-role=worker|hvdt-package=hvd-transient[gcs,plot]|" in command
+    driver = render(create_command(s, plan_instances(s)[0]))
+    assert "--provisioning-model=STANDARD" in driver and "--accelerator" not in driver
+
+
+# ---- dry run: no credentials, no network --------------------------------------------------------
+
+
+UP = ["up", "--name", "exp", "--project", PROJECT, "--zones", f"{ZA},{ZB}", "--workers", "2",
+      "--label", "team=ml", "--store", "gs://bucket/run"]
+
+
+def test_dry_run_prints_exact_requests_and_gcloud_without_credentials(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDT_", "GOOGLE_", "CLOUDSDK_"))}
+    env.update(PYTHONPATH=str(REPO), GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "no-such-key.json"),
+               HOME=str(tmp_path))
+    result = subprocess.run([sys.executable, "-m", "hvd_transient.cli", "cluster", *UP, "--dry-run",
+                             "--format", "json"], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    script = (REPO / "launch" / "startup_script.sh").read_text()
+    expected = up_requests(cli.DEFAULT_API_URL, spec(workers=2, startup_script=script,
+                                                     startup_script_path=str(REPO / "launch" / "startup_script.sh")))
+    assert out["requests"] == [json.loads(json.dumps(r.to_dict())) for r in expected]
+    assert [r["url"].rsplit("/", 2)[-2] for r in out["requests"]] == [ZA, ZA, ZB]
+    assert len(out["gcloud"]) == 3 and all(c.startswith("gcloud compute instances create") for c in out["gcloud"])
+
+    text = subprocess.run([sys.executable, "-m", "hvd_transient.cli", "cluster", *UP, "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert f"POST {cli.DEFAULT_API_URL}/projects/{PROJECT}/zones/{ZB}/instances" in text.stdout
+    assert '"provisioningModel": "SPOT"' in text.stdout and "gcloud compute instances create exp-driver" in text.stdout
+
+
+def test_down_dry_run_lists_then_deletes(capsys):
+    assert cli.main(["down", "--name", "exp", "--project", PROJECT, "--zones", ZA, "--workers", "1",
+                     "--keep-driver", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "aggregated/instances?filter=%28labels.hvdt-cluster%20%3D%20%22exp%22%29" in out
+    assert f"DELETE {cli.DEFAULT_API_URL}/projects/{PROJECT}/zones/{ZA}/instances/exp-worker-0" in out
+    assert "exp-driver" not in out.split("# equivalent gcloud")[0].split("aggregated")[1]
+
+
+def test_bad_arguments_exit_2(capsys, tmp_path):
+    assert cli.main(["up", "--name", "exp", "--project", PROJECT, "--workers", "1", "--dry-run"]) == 2
+    assert "--zones" in capsys.readouterr().err
+    assert cli.main([*UP, "--ssh-public-key", str(tmp_path / "nope.pub"), "--dry-run"]) == 2
+    assert "cannot read ssh public key" in capsys.readouterr().err
+
+
+# ---- against the fake Compute API ---------------------------------------------------------------
+
+
+@pytest.fixture
+def compute(monkeypatch):
+    with FakeComputeAPI(page_size=2, operation_polls=2) as fake:
+        monkeypatch.setenv("HVDT_COMPUTE_API", fake.base_url)
+        monkeypatch.setenv("HVDT_COMPUTE_ANONYMOUS", "1")
+        yield fake
+
+
+def names(fake):
+    return sorted(i["name"] for i in fake.instances(PROJECT))
+
+
+def test_up_status_down_lifecycle(compute, capsys):
+    compute.add_instance(PROJECT, ZA, "other-vm", labels={"hvdt-cluster": "other"})
+    assert cli.main(UP) == 0
+    out = capsys.readouterr().out
+    assert "created exp-driver (driver, on-demand, us-central1-a)" in out
+    assert "--label hvdt-cluster=exp --label hvdt-role=worker --use-ip" in out
+    assert names(compute) == ["exp-driver", "exp-worker-0", "exp-worker-1", "other-vm"]
+    created = {i["name"]: i for i in compute.instances(PROJECT)}
+    assert all(i["status"] == "RUNNING" for i in created.values())  # operations were waited for
+    assert created["exp-worker-1"]["zone"].endswith(ZB)
+    assert created["exp-worker-1"]["scheduling"]["provisioningModel"] == "SPOT"
+    assert "startup-script" in metadata(created["exp-worker-0"])
+    assert compute.requests_matching("POST", "/wait")  # operations stayed RUNNING for two polls
+
+    assert cli.main(["status", "--name", "exp", "--project", PROJECT, "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["role"], r["status"], r["provisioning"], r["gpus"]) for r in rows] == [
+        ("exp-driver", "driver", "RUNNING", "on-demand", 0),
+        ("exp-worker-0", "worker", "RUNNING", "spot", 1),
+        ("exp-worker-1", "worker", "RUNNING", "spot", 1),
+    ]
+    assert cli.main(["status", "--name", "exp", "--project", PROJECT]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["NAME", "ZONE", "ROLE", "STATUS", "PROVISIONING", "MACHINE_TYPE", "GPUS",
+                                "INTERNAL_IP"]
+    assert table[2].split()[:5] == ["exp-worker-0", ZA, "worker", "RUNNING", "spot"]
+
+    # discovery finds exactly the workers, by the labels `up` printed
+    assert discover_cli.main(["--backend", "gce", "--project", PROJECT, "--zone", f"{ZA},{ZB}",
+                              "--label", "hvdt-cluster=exp", "--label", "hvdt-role=worker"]) == 0
+    assert capsys.readouterr().out == "exp-worker-0:1\nexp-worker-1:1\n"
+
+    assert cli.main(["down", "--name", "exp", "--project", PROJECT, "--keep-driver"]) == 0
+    assert names(compute) == ["exp-driver", "other-vm"]
+    assert cli.main(["down", "--name", "exp", "--project", PROJECT, "--zones", f"{ZA},{ZB}"]) == 0
+    assert "deleted exp-driver" in capsys.readouterr().out
+    assert names(compute) == ["other-vm"]  # another cluster's VM is never touched
+    assert cli.main(["down", "--name", "exp", "--project", PROJECT]) == 0
+    assert "no VMs labelled hvdt-cluster=exp" in capsys.readouterr().out
+
+
+def test_up_again_refills_preempted_workers(compute, capsys):
+    assert cli.main(UP) == 0
+    inserts = len(compute.requests_matching("POST", "/instances"))
+    compute.set_status(PROJECT, ZA, "exp-worker-0", "TERMINATED")  # preempted, termination action STOP
+    assert cli.main(["down", "--name", "exp", "--project", PROJECT, "--keep-driver", "--zones", ZB]) == 0  # lost
+    capsys.readouterr()
+
+    assert cli.main(UP) == 0
+    out = capsys.readouterr().out
+    assert "started exp-worker-0 (worker, Spot, was TERMINATED)" in out
+    assert "created exp-worker-1" in out and "exists  exp-driver (RUNNING)" in out
+    assert len(compute.requests_matching("POST", "/instances")) == inserts + 1  # only the missing one
+    assert all(i["status"] == "RUNNING" for i in compute.instances(PROJECT))
+
+
+def test_api_failure_is_reported_with_status_1(compute, capsys):
+    compute.fail_next(20, status=500)
+    assert cli.main(["status", "--name", "exp", "--project", PROJECT]) == 1
+    assert "HTTP 500" in capsys.readouterr().err
