@@ -201,11 +201,13 @@ class CheckpointManager:
             future = self._inflight
         if future is None:
             return None
-        result = future.result(timeout=timeout)  # raises concurrent.futures.TimeoutError (a TimeoutError)
-        with self._inflight_lock:
-            if self._inflight is future:
-                self._inflight = None
-        return result
+        try:
+            return future.result(timeout=timeout)  # concurrent.futures.TimeoutError is a TimeoutError
+        finally:
+            if future.done():  # its outcome is reported once, here
+                with self._inflight_lock:
+                    if self._inflight is future:
+                        self._inflight = None
 
     @property
     def save_in_flight(self) -> bool:
@@ -534,7 +536,8 @@ def _check_expected(entries: Mapping[str, TensorEntry], expected: Mapping[str, A
             arr = np.asarray(want)
             shape, dtype = arr.shape, arr.dtype
         entry = entries[name]
-        if tuple(entry.shape) != tuple(shape) or np.dtype(entry.dtype) != dtype:
+        # byte order is normalised to little-endian on save, so it is not a mismatch
+        if tuple(entry.shape) != tuple(shape) or np.dtype(entry.dtype) != dtype.newbyteorder("<"):
             problems.append(f"{name}: stored {entry.shape} {entry.dtype}, expected {tuple(shape)} {dtype}")
     extra = sorted(set(entries) - set(expected))
     if extra:

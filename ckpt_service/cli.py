@@ -1,0 +1,147 @@
+"""`hvd-transient ckpt ...`: the operator's view of a checkpoint store.
+
+    hvd-transient ckpt ls URL [--json]
+    hvd-transient ckpt inspect URL [--step N] [--json]
+    hvd-transient ckpt verify URL [--step N] [--json]     exit 1 on any corruption
+    hvd-transient ckpt gc URL --keep K
+    hvd-transient ckpt export URL --step N OUT.npz
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Any, Sequence
+
+import numpy as np
+
+from ckpt_service.errors import CheckpointError, NothingToRestoreError
+
+
+def _manager(url: str) -> Any:
+    from ckpt_service.manager import CheckpointManager
+
+    return CheckpointManager(url, max_to_keep=None)
+
+
+def _step(mgr: Any, step: int | None) -> int:
+    if step is not None:
+        return step
+    latest = mgr.latest_step()
+    if latest is None:
+        raise NothingToRestoreError(f"no committed checkpoint in {mgr.url}")
+    return int(latest)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    mgr = _manager(args.url)
+    rows = []
+    for step in mgr.all_steps():
+        try:
+            m = mgr.manifest(step)
+            rows.append({"step": step, "bytes": m.nbytes, "tensors": len(m.tensors),
+                         "writers": m.world_size, "created_at": m.created_at, "ok": True})
+        except CheckpointError as exc:
+            rows.append({"step": step, "ok": False, "error": str(exc)})
+    if args.json:
+        print(json.dumps({"url": mgr.url, "steps": rows}, indent=2))
+    elif not rows:
+        print(f"no committed checkpoints in {mgr.url}")
+    else:
+        print(f"{'step':>10}  {'MB':>10}  {'tensors':>7}  {'writers':>7}")
+        for r in rows:
+            if r["ok"]:
+                print(f"{r['step']:>10}  {r['bytes'] / 1e6:>10.2f}  {r['tensors']:>7}  {r['writers']:>7}")
+            else:
+                print(f"{r['step']:>10}  UNREADABLE: {r['error']}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    mgr = _manager(args.url)
+    step = _step(mgr, args.step)
+    m = mgr.manifest(step)
+    marker = mgr.commit_marker(step)
+    if args.json:
+        body = asdict(m)
+        body["commit"] = asdict(marker)
+        print(json.dumps(body, indent=2))
+        return 0
+    print(f"step {m.step}  format v{m.format_version}  writers {m.world_size}  {m.nbytes / 1e6:.2f} MB  "
+          f"lease generation {marker.lease_generation}")
+    print(f"metadata: {json.dumps(m.metadata)}")
+    for t in m.tensors:
+        print(f"  {t.name:<50} {str(list(t.shape)):<20} {t.dtype}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    mgr = _manager(args.url)
+    steps = [args.step] if args.step is not None else mgr.all_steps()
+    if not steps:
+        raise NothingToRestoreError(f"no committed checkpoint in {mgr.url}")
+    reports = [mgr.verify(s) for s in steps]
+    if args.json:
+        print(json.dumps({"url": mgr.url, "ok": all(r.ok for r in reports),
+                          "steps": [asdict(r) for r in reports]}, indent=2))
+    else:
+        for r in reports:
+            print(f"step {r.step}: {'OK' if r.ok else 'CORRUPT'} ({r.bytes_checked / 1e6:.2f} MB verified)")
+            for problem in r.problems:
+                print(f"  - {problem}")
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    if args.keep < 1:
+        raise SystemExit("--keep must be at least 1 (the latest committed step is never deleted)")
+    removed = _manager(args.url).gc(keep=args.keep)
+    print(f"removed steps: {removed or 'none'}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    ckpt = _manager(args.url).restore(step=args.step)
+    # Tensor names are the .npz keys; names were validated (relative, no '..') at save time.
+    np.savez(args.out, **ckpt.tensors, __metadata__=np.array(json.dumps(ckpt.metadata)))
+    print(f"exported step {ckpt.step} ({len(ckpt.tensors)} tensors) to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hvd-transient ckpt", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, func, has_step, has_json in (("ls", cmd_ls, False, True), ("inspect", cmd_inspect, True, True),
+                                           ("verify", cmd_verify, True, True)):
+        p = sub.add_parser(name)
+        p.add_argument("url", help="store URL: a directory, file:///dir, gs://bucket/prefix")
+        if has_step:
+            p.add_argument("--step", type=int, help="a committed step (default: latest; verify: all)")
+        if has_json:
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=func)
+    p = sub.add_parser("gc", help="delete all but the newest K committed steps")
+    p.add_argument("url")
+    p.add_argument("--keep", type=int, required=True)
+    p.set_defaults(func=cmd_gc)
+    p = sub.add_parser("export", help="write one step's tensors to a .npz file")
+    p.add_argument("url")
+    p.add_argument("--step", type=int, required=True)
+    p.add_argument("out")
+    p.set_defaults(func=cmd_export)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Shared bits for checkpoint-service tests: stores per backend, sample states, corruption."""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore
+
+BACKENDS = ["memory", "local", "gcs"]
+
+
+def make_backend_store(kind: str, tmp_path: Path, request) -> ObjectStore:
+    if kind == "memory":
+        return MemoryStore(uuid.uuid4().hex)
+    if kind == "local":
+        return LocalStore(tmp_path / "store", fsync=False)
+    from ckpt_service.stores.gcs import GCSStore
+
+    emu = request.getfixturevalue("gcs_emulator_session")
+    return GCSStore(emu.new_bucket("ckpt"), f"runs/{uuid.uuid4().hex[:8]}")
+
+
+def sample_state(seed: int = 0, scale: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "conv1/kernel:0": rng.standard_normal((3, 3, 16, 32 * scale)).astype(np.float32),
+        "conv1/bias:0": rng.standard_normal(32 * scale).astype(np.float32),
+        "dense/kernel:0": rng.standard_normal((512, 100 * scale)).astype(np.float32),
+        "bn/moving_mean:0": rng.standard_normal(64).astype(np.float64),
+        "optimizer/iter:0": np.array(1234, dtype=np.int64),
+        "mask": rng.integers(0, 2, 50).astype(bool),
+        "half": rng.standard_normal((20, 7)).astype(np.float16),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+        "big_endian": np.arange(10, dtype=">i4"),
+    }
+
+
+def assert_same_state(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for name, arr in want.items():
+        assert got[name].shape == arr.shape, name
+        assert got[name].dtype.newbyteorder("<") == arr.dtype.newbyteorder("<"), name
+        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+
+
+def flip_one_byte_of_a_chunk(store: ObjectStore, step: int) -> str:
+    """Corrupt the first data chunk of ``step``; return its key."""
+    prefix = f"steps/{step:012d}/data/"
+    key = next(k for k in store.list(prefix) if "/c/" in k)
+    data = bytearray(store.get(key))
+    data[len(data) // 2] ^= 0xFF
+    store.put(key, bytes(data))
+    return key

@@ -1,0 +1,43 @@
+"""Child process for crash-safety tests: commits step 1, then saves step 2 and SIGKILLs
+itself just before its N-th store write of that save (N=0: never; print the write count)."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from ckpt_service.manager import CheckpointManager
+from ckpt_service.stores import open_store
+from ckpt_helpers import sample_state
+
+
+class KillingStore:
+    """Delegates to a real store; dies like a preempted VM at a chosen write."""
+
+    def __init__(self, inner, kill_at: int) -> None:
+        self._inner, self.kill_at, self.armed, self.puts = inner, kill_at, False, 0
+
+    def put(self, key, data, **kw):
+        if self.armed:
+            self.puts += 1
+            if self.puts == self.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self._inner.put(key, data, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def main() -> None:
+    url, kill_at = sys.argv[1], int(sys.argv[2])
+    store = KillingStore(open_store(url), kill_at)
+    # io_threads=1 makes "the N-th write" a deterministic point of the save
+    mgr = CheckpointManager(store, max_to_keep=1, chunk_bytes=64 * 1024, io_threads=1)  # type: ignore[arg-type]
+    mgr.save(1, sample_state(1, scale=8), {"step": 1})
+    store.armed = True
+    mgr.save(2, sample_state(2, scale=8), {"step": 2})
+    print(f"puts={store.puts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""CheckpointManager against every store backend (GCS through fake-gcs-server)."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ckpt_service import layout
+from ckpt_service.errors import (
+    CorruptCheckpointError,
+    FormatVersionError,
+    NothingToRestoreError,
+    SaveAbandonedError,
+    StructureMismatchError,
+)
+from ckpt_service.manager import BadMetadataError, CheckpointManager, CommitConflictError
+from ckpt_service.manifest import CommitMarker, crc32c
+from ckpt_helpers import BACKENDS, assert_same_state, flip_one_byte_of_a_chunk, make_backend_store, sample_state
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request, tmp_path):
+    return make_backend_store(request.param, tmp_path, request)
+
+
+@pytest.fixture
+def mgr(store):
+    manager = CheckpointManager(store, max_to_keep=None, chunk_bytes=4096)
+    yield manager
+    manager.close()
+
+
+def save_multiwriter(mgr: CheckpointManager, step: int, state, world: int, **kw):
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = mgr.save(step, state, {"epoch": 1}, rank=rank, world_size=world, **kw)
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_round_trip_and_metadata(mgr) -> None:
+    state = sample_state()
+    manifest = mgr.save(7, state, {"epoch": 2, "lr": 0.1, "data": {"position": 640}})
+    assert manifest is not None and manifest.step == 7
+    ckpt = mgr.restore()
+    assert ckpt.step == 7
+    assert ckpt.metadata == {"epoch": 2, "lr": 0.1, "data": {"position": 640}}
+    assert_same_state(ckpt.tensors, state)
+    assert mgr.all_steps() == [7]
+
+
+def test_steps_are_listed_in_order_and_restorable_by_number(mgr) -> None:
+    for step in (30, 10, 20):
+        mgr.save(step, sample_state(step))
+    assert mgr.all_steps() == [10, 20, 30]
+    assert mgr.restore().step == 30
+    assert_same_state(mgr.restore(step=10).tensors, sample_state(10))
+    with pytest.raises(NothingToRestoreError, match="not committed"):
+        mgr.restore(step=15)
+
+
+@pytest.mark.parametrize("writers,readers", [(3, 1), (3, 2), (2, 4)])
+def test_n_writers_m_readers(mgr, writers, readers) -> None:
+    state = sample_state(scale=4)
+    results = save_multiwriter(mgr, 5, state, writers)
+    assert results[0] is not None and all(results[r] is None for r in range(1, writers))
+    manifest = mgr.manifest(5)
+    assert manifest.world_size == writers
+    assert {p.writer for p in manifest.pieces} == set(range(writers))
+    merged: dict[str, np.ndarray] = {}
+    for reader in range(readers):
+        part = mgr.restore(partition=(reader, readers)).tensors
+        assert not set(part) & set(merged), "readers must not overlap"
+        merged.update(part)
+    assert_same_state(merged, state)
+
+
+def test_uncommitted_step_is_invisible(mgr, store) -> None:
+    mgr.save(1, sample_state(1))
+
+    def failing_gather(record):
+        raise RuntimeError("coordinator vanished")
+
+    with pytest.raises(RuntimeError):
+        mgr.save(2, sample_state(2), gather=failing_gather)
+    assert any(k.startswith(layout.step_prefix(2)) for k in store.list("steps/")), "pieces were written"
+    assert mgr.all_steps() == [1]
+    assert mgr.restore().step == 1
+
+
+def test_missed_deadline_commits_nothing(mgr) -> None:
+    mgr.save(1, sample_state(1))
+    with pytest.raises(SaveAbandonedError, match="previous checkpoint stays the latest"):
+        mgr.save(2, sample_state(2), deadline=time.time() - 1)
+    assert mgr.all_steps() == [1]
+
+
+def test_second_commit_of_a_step_is_refused_and_first_stands(mgr) -> None:
+    first = sample_state(1)
+    mgr.save(3, first)
+    with pytest.raises(CommitConflictError, match="already committed"):
+        mgr.save(3, sample_state(2))
+    assert_same_state(mgr.restore(step=3).tensors, first)
+
+
+def test_flipped_byte_is_detected_and_restore_falls_back(mgr, store, caplog) -> None:
+    mgr.save(1, sample_state(1))
+    mgr.save(2, sample_state(2))
+    flip_one_byte_of_a_chunk(store, 2)
+    report = mgr.verify(2)
+    assert not report.ok and "crc32c" in report.problems[0]
+    assert mgr.verify(1).ok
+    with caplog.at_level(logging.WARNING):
+        ckpt = mgr.restore()
+    assert ckpt.step == 1
+    assert_same_state(ckpt.tensors, sample_state(1))
+    assert "step 2 failed verification" in caplog.text
+    with pytest.raises(CorruptCheckpointError):
+        mgr.restore(step=2)
+
+
+def test_tampered_manifest_is_corrupt(mgr, store) -> None:
+    mgr.save(1, sample_state(1))
+    marker = mgr.commit_marker(1)
+    body = json.loads(store.get(marker.manifest_key))
+    body["metadata"] = {"evil": True}
+    store.put(marker.manifest_key, json.dumps(body).encode())
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        mgr.restore(step=1)
+
+
+def test_format_version_mismatch_is_a_clear_error(mgr, store) -> None:
+    mgr.save(1, sample_state(1))
+    marker = mgr.commit_marker(1)
+    body = json.loads(store.get(marker.manifest_key))
+    body["format_version"] = 99
+    data = json.dumps(body).encode()
+    store.put(marker.manifest_key, data)
+    fixed = CommitMarker(1, marker.manifest_key, crc32c(data), marker.token, marker.committed_at)
+    store.put(layout.commit_key(1), fixed.to_json())
+    with pytest.raises(FormatVersionError, match="format version 99"):
+        mgr.restore(step=1)
+
+
+def test_expected_structure_mismatch(mgr) -> None:
+    state = sample_state()
+    mgr.save(1, state)
+    expected = dict(state)
+    expected["dense/kernel:0"] = np.zeros((512, 99), np.float32)
+    with pytest.raises(StructureMismatchError, match="dense/kernel:0"):
+        mgr.restore(expected=expected)
+    with pytest.raises(StructureMismatchError, match="missing"):
+        mgr.restore(expected={**state, "new_layer": ((3,), "float32")})
+    assert_same_state(mgr.restore(expected=state).tensors, state)
+
+
+def test_nothing_to_restore(mgr) -> None:
+    with pytest.raises(NothingToRestoreError, match="nothing to restore"):
+        mgr.restore()
+
+
+def test_bad_metadata(mgr) -> None:
+    with pytest.raises(BadMetadataError, match="JSON"):
+        mgr.save(1, sample_state(), {"x": object()})
+    assert mgr.all_steps() == []
+
+
+def test_async_save_stalls_only_for_the_snapshot_and_commits(mgr) -> None:
+    state = sample_state(scale=8)
+    assert mgr.save_async(1, state, {"epoch": 1})
+    # mutating the live state after the call must not leak into the checkpoint
+    original = {k: v.copy() for k, v in state.items()}
+    state["dense/kernel:0"][:] = 0
+    manifest = mgr.wait(timeout=60)
+    assert manifest is not None and manifest.step == 1
+    assert mgr.last_stats is not None and mgr.last_stats.stall_s >= 0
+    assert_same_state(mgr.restore().tensors, original)
+
+
+def test_async_save_while_busy_skips_or_waits(store) -> None:
+    gate = threading.Event()
+
+    def slow_gather(record):
+        gate.wait(30)
+        return [record]
+
+    mgr = CheckpointManager(store, max_to_keep=None)
+    try:
+        assert mgr.save_async(1, sample_state(1), gather=slow_gather)
+        assert mgr.save_in_flight
+        assert mgr.save_async(2, sample_state(2)) is False  # skipped: one in flight
+        with pytest.raises(TimeoutError):
+            mgr.wait(timeout=0.05)
+        gate.set()
+        assert mgr.save_async(3, sample_state(3), if_busy="wait")
+        mgr.wait(timeout=60)
+        assert mgr.all_steps() == [1, 3]
+    finally:
+        gate.set()
+        mgr.close()
+
+
+def test_background_error_surfaces_on_wait(mgr) -> None:
+    def broken_gather(record):
+        raise RuntimeError("network down")
+
+    mgr.save_async(1, sample_state(), gather=broken_gather)
+    with pytest.raises(RuntimeError, match="network down"):
+        mgr.wait(timeout=60)
+    assert mgr.all_steps() == []
+
+
+def test_retention_keeps_latest_and_every_n(store) -> None:
+    mgr = CheckpointManager(store, max_to_keep=2, keep_every_n_steps=100)
+    try:
+        for step in (50, 100, 150, 200, 250, 300):
+            mgr.save(step, {"w": np.full(10, step, np.float32)})
+        assert mgr.all_steps() == [100, 200, 250, 300]
+        assert not list(store.list(layout.step_prefix(50))), "deleted steps leave no data behind"
+    finally:
+        mgr.close()
+
+
+def test_gc_removes_abandoned_but_not_in_progress_steps(store) -> None:
+    mgr = CheckpointManager(store, max_to_keep=5, abandoned_after_s=0.0)
+
+    def failing_gather(record):
+        raise RuntimeError("died")
+
+    try:
+        with pytest.raises(RuntimeError):
+            mgr.save(1, sample_state(), gather=failing_gather)  # abandoned older attempt
+        mgr.save(2, sample_state())
+        with pytest.raises(RuntimeError):
+            mgr.save(3, sample_state(), gather=failing_gather)  # newer than latest: maybe in progress
+        # the retention pass that follows the commit of step 2 collected the abandoned step 1
+        assert not list(store.list(layout.step_prefix(1)))
+        assert mgr.gc() == []
+        assert list(store.list(layout.step_prefix(3))), "a step newer than the latest is never collected"
+        assert mgr.gc(keep=1) == [] and mgr.all_steps() == [2]
+    finally:
+        mgr.close()

@@ -1,0 +1,116 @@
+"""Property tests of the pure save plan: coverage, determinism, balance."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpt_service.errors import BadTensorNameError
+from ckpt_service.plan import (
+    MIN_PIECE_BYTES,
+    TensorSpec,
+    UnsupportedDtypeError,
+    make_save_plan,
+    plan_reads,
+    spec_of,
+)
+
+DTYPES = ["float32", "float16", "int64", "uint8", "bool", "float64"]
+
+spec_lists = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, 70), min_size=0, max_size=3),
+        st.sampled_from(DTYPES),
+    ),
+    min_size=1, max_size=12,
+).map(lambda xs: [TensorSpec(f"t{i}/w", tuple(shape), dt) for i, (shape, dt) in enumerate(xs)])
+
+
+def _assert_exact_cover(plan) -> None:
+    """Per dtype group, the pieces tile [0, group size) with no gap and no overlap."""
+    sizes = plan.group_sizes()
+    for group in {i.group for i in plan.items} | {g for g, n in sizes.items() if n}:
+        items = sorted((i for i in plan.items if i.group == group), key=lambda i: i.start)
+        cursor = 0
+        for item in items:
+            assert item.start == cursor, f"gap or overlap in {group} at {cursor}"
+            assert item.stop > item.start
+            cursor = item.stop
+        assert cursor == sizes.get(group, 0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=spec_lists, world=st.integers(1, 6), piece=st.sampled_from([None, 8, 64, 1000]))
+def test_every_element_is_assigned_exactly_once(specs, world, piece) -> None:
+    plan = make_save_plan(specs, world, piece_bytes=piece, chunk_bytes=32)
+    _assert_exact_cover(plan)
+    assert sum(p.spec.size for p in plan.placements) == sum(i.stop - i.start for i in plan.items)
+    assert all(0 <= i.rank < world for i in plan.items)
+    # placements tile each group too: tensors do not overlap each other
+    for group, size in plan.group_sizes().items():
+        ps = sorted((p for p in plan.placements if p.spec.dtype == group), key=lambda p: (p.offset, p.stop))
+        assert all(a.stop <= b.offset for a, b in zip(ps, ps[1:])) and ps[-1].stop == size
+    # pieces are whole chunks, except the last piece of a group
+    for item in plan.items:
+        assert item.start % item.chunk_elements == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(specs=spec_lists, world=st.integers(1, 6), seed=st.integers(0, 1000))
+def test_plan_does_not_depend_on_input_order(specs, world, seed) -> None:
+    shuffled = list(specs)
+    random.Random(seed).shuffle(shuffled)
+    assert make_save_plan(specs, world) == make_save_plan(shuffled, world)
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=spec_lists, world=st.integers(1, 8), piece=st.sampled_from([None, 16, 256, 4096]))
+def test_balance_bound(specs, world, piece) -> None:
+    plan = make_save_plan(specs, world, piece_bytes=piece)
+    loads = plan.bytes_per_rank()
+    assert sum(loads) == plan.total_bytes
+    largest_piece = max((i.nbytes for i in plan.items), default=0)
+    assert largest_piece <= plan.piece_bytes or largest_piece <= max(np.dtype(d).itemsize for d in DTYPES)
+    assert max(loads) <= plan.total_bytes / world + largest_piece
+
+
+def test_default_plan_is_within_a_quarter_of_ideal_for_large_states() -> None:
+    specs = [TensorSpec(f"layer{i}/kernel", (1000 + 37 * i, 256), "float32") for i in range(20)]
+    specs += [TensorSpec(f"layer{i}/bias", (256,), "float32") for i in range(20)]
+    for world in (2, 3, 4, 7):
+        plan = make_save_plan(specs, world)
+        ideal = plan.total_bytes / world
+        assert max(plan.bytes_per_rank()) <= 1.25 * ideal + MIN_PIECE_BYTES
+
+
+def test_tensors_for_rank_covers_all_nonempty_tensors() -> None:
+    specs = [TensorSpec("a", (1000,), "float32"), TensorSpec("b", (10,), "int64"), TensorSpec("c", (0,), "float32")]
+    plan = make_save_plan(specs, 3, piece_bytes=400)
+    union = set().union(*(plan.tensors_for_rank(r) for r in range(3)))
+    assert union == {"a", "b"}
+
+
+def test_read_partition_is_disjoint_and_complete() -> None:
+    plan = make_save_plan([TensorSpec(f"t{i}", (i * 10 + 1,), "float32") for i in range(9)], 1)
+    parts = plan_reads(plan.placements, 4)
+    names = [n for rank in range(4) for n in parts[rank]]
+    assert sorted(names) == sorted(p.spec.name for p in plan.placements)
+
+
+@pytest.mark.parametrize("name", ["", "/abs", "../up", "a/../b", "a\\b", "nul\x00"])
+def test_escaping_names_are_rejected(name: str) -> None:
+    with pytest.raises(BadTensorNameError):
+        spec_of(name, np.zeros(2))
+
+
+def test_object_dtype_is_rejected_with_a_clear_error() -> None:
+    with pytest.raises(UnsupportedDtypeError, match="numeric"):
+        spec_of("x", np.array(["a", "b"], dtype=object))
+
+
+def test_duplicate_names_rejected() -> None:
+    with pytest.raises(BadTensorNameError):
+        make_save_plan([TensorSpec("a", (1,), "float32"), TensorSpec("a", (2,), "int64")], 1)
