@@ -314,3 +314,31 @@ def test_discovery_does_not_import_heavy_modules():
                             timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ""
+
+
+# ---- gs:// stores: listed through the JSON API, without google-cloud-storage ------------------
+
+
+def test_gcs_store_exclusion_against_fake_gcs_server(gcs_emulator_session, capsys):
+    from ckpt_service.stores import open_store
+
+    emu = gcs_emulator_session
+    bucket = emu.new_bucket("leave")
+    publish_leaving(open_store(f"gs://{bucket}/runs/r1"), "w2")
+    publish_leaving(open_store(f"gs://{bucket}/runs/r2"), "w1")  # another run's notice must not count
+    argv = ["--backend", "local", "--hosts", "w1,w2,w3", "--store", f"gs://{bucket}/runs/r1"]
+    assert run(argv, capsys)[:2] == (0, "w1:1\nw3:1\n")
+    code, out, err = run(["--backend", "local", "--hosts", "w1", "--store", "gs://no-such-bucket-hvdt/r"], capsys)
+    assert (code, out) == (2, "") and "no-such-bucket-hvdt" in err
+
+    script = (
+        "import sys\n"
+        "from hvd_transient.discovery.cli import main\n"
+        "code = main(['--backend', 'local', '--hosts', 'w1,w2', '--store', sys.argv[1]])\n"
+        "sys.stderr.write('google.cloud.storage' if 'google.cloud.storage' in sys.modules else 'light')\n"
+        "sys.exit(code)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, f"gs://{bucket}/runs/r1"], capture_output=True,
+                            text=True, timeout=60, cwd=REPO, env={**os.environ, **emu.env})
+    assert (result.returncode, result.stdout) == (0, "w1:1\n"), result.stderr
+    assert result.stderr.endswith("light")

@@ -84,7 +84,7 @@ def make_session(scopes: Sequence[str], *, anonymous: bool) -> requests.Session:
         raise ComputeAuthError(
             "no Google credentials found: run 'gcloud auth application-default login', set "
             "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, or run on a GCE VM "
-            f"whose service account has the compute scope ({exc})"
+            f"whose service account has the scopes {', '.join(scopes)} ({exc})"
         ) from None
     return AuthorizedSession(credentials)
 

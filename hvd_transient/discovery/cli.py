@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="RUNNING instances carrying this label (repeat for AND)")
     gce.add_argument("--use-ip", action="store_true", help="print internal IPs instead of instance names")
     gce.add_argument("--api-url", help="Compute API base URL (default $HVDT_COMPUTE_API or Google's)")
-    gce.add_argument("--timeout", type=float, default=10.0, help="per-request timeout in seconds (default 10)")
+    gce.add_argument("--timeout", type=float, default=10.0, help="per-request timeout in seconds for the Compute and GCS APIs (default 10)")
     file_group = parser.add_argument_group("file backend")
     file_group.add_argument("--hosts-file", help="file of host[:slots] lines; '#' comments allowed")
     local = parser.add_argument_group("local backend")
@@ -101,27 +101,10 @@ def find_hosts(args: argparse.Namespace) -> list[Host]:
         hosts = local_hosts(args.hosts, args.state_file, slots or 1)
     hosts = unique(hosts)
     if args.store:
-        hosts = exclude_leaving(hosts, _leaving(args.store))
+        from hvd_transient.discovery.leaving import leaving_from_url
+
+        hosts = exclude_leaving(hosts, leaving_from_url(args.store, timeout=args.timeout))
     return hosts
-
-
-def _leaving(url: str) -> set[str]:
-    from ckpt_service.errors import BadStoreURLError, CheckpointError
-    from ckpt_service.stores import open_store
-    from hvd_transient.membership import leaving_hosts
-
-    try:
-        store = open_store(url)
-    except BadStoreURLError as exc:
-        raise DiscoveryConfigError(f"--store: {exc}") from None
-    except (CheckpointError, OSError) as exc:
-        raise DiscoveryError(f"cannot open store {url}: {exc}") from None
-    try:
-        return leaving_hosts(store)
-    except (CheckpointError, OSError) as exc:
-        raise DiscoveryError(f"cannot list leaving hosts in {url}: {exc}") from None
-    finally:
-        store.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
