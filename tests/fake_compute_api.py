@@ -15,8 +15,9 @@ terms (``status``, ``name``, ``labels.KEY``), optionally joined by ``AND``.
 Anything else is answered 400, as a typo would be by the real API.
 
 Test hooks: ``add_instance``, ``set_status``, ``add_mig``, ``fail_next`` (inject
-5xx), ``page_size`` (force pagination), ``operation_polls`` (operations stay
-RUNNING for that many polls) and ``requests`` (everything received).
+5xx), ``rejected_inserts`` (make an insert operation fail), ``page_size`` (force
+pagination), ``operation_polls`` (operations stay RUNNING for that many polls)
+and ``requests`` (everything received).
 """
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ class FakeComputeAPI:
         self._state = _State()
         self._lock = threading.Lock()
         self._failures: list[int] = []
+        self.rejected_inserts: dict[str, tuple[str, str]] = {}  # instance name -> (error code, message)
         self._ids = itertools.count(1000)
         self._ips = itertools.count(10)
         self._server: ThreadingHTTPServer | None = None
@@ -351,9 +353,14 @@ class FakeComputeAPI:
             raise HTTPError(409, "alreadyExists", f"The resource 'projects/{project}/zones/{zone}/instances/"
                                                   f"{name}' already exists")
         self._store(project, zone, body, status="PROVISIONING", ip=None)
+        rejection = self.rejected_inserts.get(name)
 
-        def done() -> None:
+        def done() -> tuple[str, str] | None:
+            if rejection:  # e.g. no Spot capacity: the operation fails and the VM never appears
+                self._state.instances.pop((project, zone, name), None)
+                return rejection
             self._state.instances[(project, zone, name)]["status"] = "RUNNING"
+            return None
 
         return self._operation(project, zone, "insert", name, done)
 

@@ -242,3 +242,33 @@ def test_api_failure_is_reported_with_status_1(compute, capsys):
     compute.fail_next(20, status=500)
     assert cli.main(["status", "--name", "exp", "--project", PROJECT]) == 1
     assert "HTTP 500" in capsys.readouterr().err
+
+
+def test_failed_operation_raises_with_the_operations_errors():
+    from hvd_transient.cluster.compute_api import ComputeAPI, ComputeAPIError
+
+    api = ComputeAPI(session=None, base_url="http://127.0.0.1:9/compute/v1")  # a DONE operation needs no call
+    done = {"name": "op-1", "status": "DONE", "operationType": "insert", "targetLink": ".../instances/exp-worker-0",
+            "error": {"errors": [{"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "message": "no T4 in us-central1-a"}]}}
+    with pytest.raises(ComputeAPIError, match="insert on .*exp-worker-0 failed: ZONE_RESOURCE_POOL_EXHAUSTED"):
+        api.wait_operation(done)
+    assert api.wait_operation({**done, "error": None})["status"] == "DONE"
+
+
+def test_describe_marks_spot_and_legacy_preemptible():
+    assert cli.describe({"name": "a", "scheduling": {"preemptible": True}})["provisioning"] == "spot"
+    assert cli.describe({"name": "b", "scheduling": {"provisioningModel": "SPOT"}})["provisioning"] == "spot"
+    assert cli.describe({"name": "c", "scheduling": {}})["provisioning"] == "on-demand"
+
+
+def test_up_reports_each_failed_operation_and_exits_1(compute, capsys):
+    compute.rejected_inserts["exp-worker-1"] = ("ZONE_RESOURCE_POOL_EXHAUSTED", "no Spot T4 capacity")
+    assert cli.main(UP) == 1
+    out, err = capsys.readouterr()
+    assert "created exp-driver" in out and "created exp-worker-0" in out  # the others still completed
+    assert "FAILED  exp-worker-1" in err and "ZONE_RESOURCE_POOL_EXHAUSTED" in err
+    assert "1 of 3 VM operations failed" in err
+    assert names(compute) == ["exp-driver", "exp-worker-0"]
+    del compute.rejected_inserts["exp-worker-1"]
+    assert cli.main(UP) == 0  # rerunning fills the gap
+    assert names(compute) == ["exp-driver", "exp-worker-0", "exp-worker-1"]

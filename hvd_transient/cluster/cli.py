@@ -15,7 +15,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hvd_transient.cluster.spec import (
     CLUSTER_LABEL,
@@ -26,6 +26,9 @@ from hvd_transient.cluster.spec import (
     parse_label_items,
     plan_instances,
 )
+
+if TYPE_CHECKING:  # the client imports requests and tenacity; dry runs and --help do without
+    from hvd_transient.cluster.compute_api import ComputeAPI
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +129,7 @@ def _api_url(args: argparse.Namespace) -> str:
     return (args.api_url or os.environ.get(API_URL_ENV) or DEFAULT_API_URL).rstrip("/")
 
 
-def _connect(args: argparse.Namespace, *, write: bool):
+def _connect(args: argparse.Namespace, *, write: bool) -> "ComputeAPI":
     from hvd_transient.cluster.compute_api import READONLY_SCOPE, READWRITE_SCOPE, ComputeAPI
 
     return ComputeAPI.connect(api_url=args.api_url, scopes=(READWRITE_SCOPE if write else READONLY_SCOPE,))
@@ -181,7 +184,7 @@ def _down_dry_run(args: argparse.Namespace) -> int:
 # ---- real runs ------------------------------------------------------------------------------
 
 
-def _cluster_instances(api, project: str, name: str, zones: tuple[str, ...]) -> list[dict]:
+def _cluster_instances(api: "ComputeAPI", project: str, name: str, zones: tuple[str, ...]) -> list[dict]:
     from hvd_transient.cluster.rest_plan import cluster_filter
 
     query = cluster_filter(name)
@@ -212,9 +215,11 @@ def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
             pending.append((f"started {plan.name} ({plan.role}, {kind}, was {current['status']})", op))
         else:
             print(f"exists  {plan.name} ({current.get('status')})")
-    for message, op in pending:
-        api.wait_operation(op, timeout=args.timeout)
-        print(message)
+    failed = _wait_all(api, pending, args.timeout)
+    if failed:
+        print(f"{PROG} up: {failed} of {len(pending)} VM operations failed (rerun 'up' to retry, "
+              "e.g. once Spot capacity is back, or add --zones)", file=sys.stderr)
+        return 1
     labels = " ".join(f"--label {item}" for item in spec.worker_labels)
     print(f"\nhost discovery for horovodrun (on {spec.name}-driver):\n"
           f"  hvd-transient discover --backend gce --project {spec.project} --zone {','.join(spec.zones)} "
@@ -233,12 +238,26 @@ def _down(args: argparse.Namespace) -> int:
             continue
         zone = last_segment(instance["zone"])
         pending.append((instance["name"], api.delete_instance(args.project, zone, instance["name"])))
-    for name, op in pending:
-        api.wait_operation(op, timeout=args.timeout)
-        print(f"deleted {name}")
+    failed = _wait_all(api, [(f"deleted {name}", op) for name, op in pending], args.timeout)
     if not pending:
         print(f"no VMs labelled {CLUSTER_LABEL}={args.name} to delete")
-    return 0
+    return 1 if failed else 0
+
+
+def _wait_all(api: "ComputeAPI", pending: list[tuple[str, dict]], timeout: float) -> int:
+    """Wait for every operation, reporting each; one failure (e.g. no Spot capacity) does not hide the rest."""
+    from hvd_transient.cluster.compute_api import ComputeAPIError
+
+    failed = 0
+    for message, op in pending:
+        try:
+            api.wait_operation(op, timeout=timeout)
+        except ComputeAPIError as exc:
+            failed += 1
+            print(f"FAILED  {message.split(' ', 1)[1]}: {exc}", file=sys.stderr)
+            continue
+        print(message)
+    return failed
 
 
 def describe(instance: dict[str, Any]) -> dict[str, Any]:
@@ -246,14 +265,14 @@ def describe(instance: dict[str, Any]) -> dict[str, Any]:
     from hvd_transient.cluster.compute_api import last_segment
 
     scheduling = instance.get("scheduling") or {}
-    model = scheduling.get("provisioningModel") or ("SPOT" if scheduling.get("preemptible") else "STANDARD")
+    spot = scheduling.get("provisioningModel") == "SPOT" or bool(scheduling.get("preemptible"))
     nics = instance.get("networkInterfaces") or [{}]
     return {
         "name": instance.get("name"),
         "zone": last_segment(instance.get("zone", "")),
         "role": (instance.get("labels") or {}).get(ROLE_LABEL, "?"),
         "status": instance.get("status"),
-        "provisioning": "spot" if model in ("SPOT", "PREEMPTIBLE") or scheduling.get("preemptible") else "on-demand",
+        "provisioning": "spot" if spot else "on-demand",
         "machine_type": last_segment(instance.get("machineType", "")),
         "gpus": sum(int(a.get("acceleratorCount", 0)) for a in instance.get("guestAccelerators") or []),
         "internal_ip": nics[0].get("networkIP"),
