@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from hvd_transient.cluster.compute_api import API_URL_ENV, DEFAULT_API_URL
 from hvd_transient.cluster.spec import (
     CLUSTER_LABEL,
     DRIVER,
@@ -27,13 +28,12 @@ from hvd_transient.cluster.spec import (
     plan_instances,
 )
 
-if TYPE_CHECKING:  # the client imports requests and tenacity; dry runs and --help do without
+if TYPE_CHECKING:
     from hvd_transient.cluster.compute_api import ComputeAPI
 
 log = logging.getLogger(__name__)
 
 PROG = "hvd-transient cluster"
-DEFAULT_API_URL = "https://compute.googleapis.com/compute/v1"
 # Where a source checkout keeps the startup script (pip install -e . installs from one).
 DEFAULT_STARTUP_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "startup_script.sh"
 RESTARTABLE = frozenset({"TERMINATED", "STOPPED", "SUSPENDED"})
@@ -123,8 +123,6 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 def _api_url(args: argparse.Namespace) -> str:
     import os
-
-    from hvd_transient.cluster.compute_api import API_URL_ENV
 
     return (args.api_url or os.environ.get(API_URL_ENV) or DEFAULT_API_URL).rstrip("/")
 
