@@ -74,9 +74,14 @@ def make_session(scopes: Sequence[str], *, anonymous: bool) -> requests.Session:
     """A plain session (anonymous) or an AuthorizedSession with application-default credentials."""
     if anonymous:
         return requests.Session()
-    import google.auth  # imported here: discovery against a stand-in never pays for it
-    import google.auth.exceptions
-    from google.auth.transport.requests import AuthorizedSession
+    try:  # imported here: discovery against a stand-in never pays for it
+        import google.auth
+        import google.auth.exceptions
+        from google.auth.transport.requests import AuthorizedSession
+    except ImportError:
+        raise ComputeAuthError(
+            "google-auth is not installed; install it (pip install google-auth) to use Google credentials"
+        ) from None
 
     try:
         credentials, _project = google.auth.default(scopes=list(scopes))
