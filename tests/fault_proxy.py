@@ -176,22 +176,24 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 payload = json.dumps(
                     {"error": {"code": rule.status, "message": f"injected by fault proxy: {rule.status}"}}
                 ).encode()
+                # Record before replying, so a client that has its answer always finds it in `seen`.
+                proxy._record(req, f"injected-{rule.status}", rule.status)
                 self.send_response(rule.status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
-                proxy._record(req, f"injected-{rule.status}", rule.status)
                 return
             status, reason, headers, data = self._forward(body)
             if rule is not None and rule.kind == "drop":
+                proxy._record(req, "dropped-response", status)
                 # RST instead of FIN: the client sees "connection reset by peer" after the
                 # server has already applied the request.
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 self.close_connection = True
                 self.connection.close()
-                proxy._record(req, "dropped-response", status)
                 return
+            proxy._record(req, "forwarded", status)
             self.send_response(status, reason)
             for name, value in headers:
                 if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
@@ -200,7 +202,6 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
-            proxy._record(req, "forwarded", status)
 
         def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
             conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=60)
