@@ -18,6 +18,7 @@ setup(
         "google-crc32c>=1.5",
         "requests>=2.28",
         "tenacity>=8.2",
+        "google-auth>=2.20",
     ],
     extras_require={
         # TensorFlow and Horovod are installed by `make setup` (Horovod needs a

@@ -102,6 +102,7 @@ class CheckpointManager:
         compression: str = "none",
         io_threads: int = 8,
         abandoned_after_s: float = 600.0,
+        gather_timeout_s: float = 600.0,
     ) -> None:
         self.store = open_store(store) if isinstance(store, str) else store
         self.max_to_keep = max_to_keep
@@ -109,6 +110,7 @@ class CheckpointManager:
         self.chunk_bytes = chunk_bytes
         self.compression = compression
         self.abandoned_after_s = abandoned_after_s
+        self.gather_timeout_s = gather_timeout_s
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ckpt-io")
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         self._inflight: Future[Manifest | None] | None = None
@@ -144,8 +146,9 @@ class CheckpointManager:
         coordinator, None on the other ranks.
         """
         t0 = time.perf_counter()
-        arrays = {name: np.asarray(value) for name, value in tensors.items()}
-        plan = self.plan(specs_of(arrays), world_size)
+        plan = self.plan(specs_of(tensors), world_size)
+        # Only this rank's share is converted: device tensors are copied to host for it alone.
+        arrays = {name: np.asarray(tensors[name]) for name in plan.tensors_for_rank(rank)}
         return self._save_planned(step, plan, arrays, _checked_metadata(metadata), rank, gather,
                                   coordinator, lease, deadline, stall_start=t0)
 
@@ -182,8 +185,7 @@ class CheckpointManager:
         else:
             self._raise_background_error()
         t0 = time.perf_counter()
-        specs = specs_of({k: np.asarray(v) for k, v in tensors.items()})
-        plan = self.plan(specs, world_size)
+        plan = self.plan(specs_of(tensors), world_size)
         mine = plan.tensors_for_rank(rank)
         snapshot = {name: np.array(tensors[name], copy=True) for name in mine}
         stall = time.perf_counter() - t0
@@ -239,11 +241,18 @@ class CheckpointManager:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         t_write = time.perf_counter()
-        record = self._write_share(step, plan, rank, arrays, deadline)
-        write_s = time.perf_counter() - t_write
         if gather is None:
             gather = single_rank_gather if world_size == 1 else StoreGather(
-                self.store, step, rank, world_size, coordinator=coordinator, deadline=deadline)
+                self.store, step, rank, world_size, coordinator=coordinator, deadline=deadline,
+                timeout_s=self.gather_timeout_s)
+        try:
+            record = self._write_share(step, plan, rank, arrays, deadline)
+        except Exception as exc:
+            # Every rank must still reach the gather, or the others would wait on it forever;
+            # the coordinator sees the error record and abandons the step.
+            gather({"rank": rank, "error": f"{type(exc).__name__}: {exc}", "pieces": [], "bytes": 0})
+            raise
+        write_s = time.perf_counter() - t_write
         records = gather(record)
         manifest = None
         if rank == coordinator:
@@ -277,6 +286,9 @@ class CheckpointManager:
 
     def _commit(self, step: int, plan: SavePlan, records: list[dict[str, Any]], metadata: dict[str, Any],
                 lease: Lease | None, deadline: float | None) -> Manifest:
+        failed = [f"rank {r['rank']}: {r['error']}" for r in records if r.get("error")]
+        if failed:
+            raise SaveAbandonedError(f"step {step}: writers failed ({'; '.join(failed)}); nothing was committed")
         pieces = sorted((PieceRecord(**p) for r in records for p in r["pieces"]),
                         key=lambda p: (p.group, p.index))
         got = [(p.group, p.index, p.start, p.stop) for p in pieces]

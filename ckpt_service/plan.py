@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -135,8 +135,13 @@ def validate_tensor_name(name: str) -> str:
     return name
 
 
-def spec_of(name: str, array: np.ndarray) -> TensorSpec:
-    dtype = np.dtype(array.dtype)
+def spec_of(name: str, array: Any) -> TensorSpec:
+    """Spec of an array-like without copying it: numpy arrays, and device tensors or
+    variables that expose ``shape`` and a numpy-convertible ``dtype`` (TensorFlow's
+    ``as_numpy_dtype``)."""
+    if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+        array = np.asarray(array)
+    dtype = np.dtype(getattr(array.dtype, "as_numpy_dtype", array.dtype))
     if dtype.kind not in "biufc" or dtype.fields is not None:
         raise UnsupportedDtypeError(
             f"tensor {name!r} has dtype {dtype}; only bool, integer, float and complex arrays can be "
@@ -145,8 +150,8 @@ def spec_of(name: str, array: np.ndarray) -> TensorSpec:
     return TensorSpec(validate_tensor_name(name), tuple(int(d) for d in array.shape), dtype.newbyteorder("<").name)
 
 
-def specs_of(tensors: Mapping[str, np.ndarray]) -> list[TensorSpec]:
-    return [spec_of(name, np.asarray(arr)) for name, arr in tensors.items()]
+def specs_of(tensors: Mapping[str, Any]) -> list[TensorSpec]:
+    return [spec_of(name, arr) for name, arr in tensors.items()]
 
 
 def default_piece_bytes(total_bytes: int, world_size: int) -> int:

@@ -210,3 +210,11 @@ def test_missing_credentials_is_a_typed_error_naming_the_fix(tmp_path: Path) -> 
     assert (name, is_permission_error) == (MissingCredentialsError.__name__, "True")
     assert "gcloud auth application-default login" in message
     assert "GOOGLE_APPLICATION_CREDENTIALS" in message
+
+
+def test_local_list_prefix_cannot_climb_out_of_the_root(tmp_path: Path) -> None:
+    from ckpt_service.errors import BadTensorNameError
+
+    store = LocalStore(tmp_path / "root", fsync=False)
+    with pytest.raises(BadTensorNameError):
+        list(store.list("../../etc/host"))

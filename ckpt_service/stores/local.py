@@ -3,8 +3,8 @@
 Writes go to a temporary file in the same directory and are published with
 ``os.replace``, so a reader never sees a partial object and a crash leaves at
 most a stray temporary file. Conditional writes take an ``flock`` on one lock
-file per store: they are rare (commit markers, the lease), so one lock is enough.
-The generation is the file's ``st_mtime_ns``, forced to increase under that lock.
+file per store, held only for the rename. The generation is the file's
+``st_mtime_ns``, forced to increase under that lock.
 """
 from __future__ import annotations
 
@@ -73,13 +73,12 @@ class LocalStore(ObjectStore):
         path = self._path(key)
         tmp = self._write_tmp(path, data)
         try:
-            if if_generation_match is None:
-                os.replace(tmp, path)
-                return path.stat().st_mtime_ns
+            # Every write, conditional or not, publishes under the lock with a strictly
+            # larger generation, so a stale compare-and-swap can never succeed.
             with self._store_lock():
                 info = self.stat(key)
                 have = 0 if info is None else info.generation
-                if have != if_generation_match:
+                if if_generation_match is not None and have != if_generation_match:
                     raise PreconditionFailedError(
                         f"{path}: generation is {have}, expected {if_generation_match}"
                     )
@@ -87,9 +86,9 @@ class LocalStore(ObjectStore):
                 new_gen = max(os.stat(tmp).st_mtime_ns, have + 1)
                 os.utime(tmp, ns=(new_gen, new_gen))
                 os.replace(tmp, path)
-                if self.fsync:
-                    _fsync_dir(path.parent)
-                return new_gen
+            if self.fsync and if_generation_match is not None:
+                _fsync_dir(path.parent)  # commit markers and the lease must survive a crash
+            return new_gen
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -108,6 +107,8 @@ class LocalStore(ObjectStore):
             parent = parent.parent
 
     def list(self, prefix: str = "") -> Iterator[str]:
+        if "/" in prefix:
+            check_key(prefix.rsplit("/", 1)[0])  # a prefix must not climb out of the root either
         base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
         if not base.is_dir():
             return
