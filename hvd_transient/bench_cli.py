@@ -1,0 +1,118 @@
+"""``hvd-transient bench NAME [ARGS...]``: run a benchmark script from ``bench/`` in the source checkout.
+
+``NAME`` is the script's file name with dashes for underscores (``ckpt-io`` runs
+``bench/ckpt_io.py``); ``ARGS`` are passed to it unchanged. ``bench all`` runs every
+benchmark in :data:`BENCHES` with its defaults, ``bench list`` lists them.
+
+The scripts are not part of the installed package: they are found relative to this
+module, which works for an editable install (``pip install -e .``, ``make setup``).
+Each runs in its own interpreter (the same one as this command), so it can spawn
+worker processes of its own.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+#: what ``bench all`` runs, in this order (names as typed on the command line)
+BENCHES: tuple[str, ...] = ("ckpt-io",)
+
+#: modules in bench/ that are not benchmarks
+_NOT_BENCHES = frozenset({"common", "conftest"})
+
+
+class BenchNotFoundError(LookupError):
+    """The benchmark (or the bench/ directory itself) does not exist."""
+
+
+def bench_dir() -> Path:
+    """``bench/`` of the checkout this package was installed from (editable install)."""
+    return Path(__file__).resolve().parent.parent / "bench"
+
+
+def script_name(name: str) -> str:
+    """``ckpt-io`` -> ``ckpt_io.py``. Rejects anything that is not a plain name."""
+    if not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise BenchNotFoundError(f"{name!r} is not a benchmark name (letters, digits, '-' or '_')")
+    return name.replace("-", "_") + ".py"
+
+
+def available(directory: Path | None = None) -> list[str]:
+    """Every benchmark script present in ``bench/``, as command-line names."""
+    directory = directory or bench_dir()
+    return sorted(p.stem.replace("_", "-") for p in directory.glob("*.py")
+                  if p.stem not in _NOT_BENCHES and not p.stem.startswith("_"))
+
+
+def find_script(name: str, directory: Path | None = None) -> Path:
+    directory = directory or bench_dir()
+    if not directory.is_dir():
+        raise BenchNotFoundError(
+            f"no bench/ directory at {directory}: the benchmarks live in the source checkout, not in the "
+            "installed package. Clone the repository and install it editable (`make setup`, or "
+            "`pip install -e '.[gcs,dev]'`), then run `hvd-transient bench` from there.")
+    script = directory / script_name(name)
+    if script.stem in _NOT_BENCHES or not script.is_file():
+        names = ", ".join(available(directory)) or "none"
+        raise BenchNotFoundError(f"no benchmark named {name!r} in {directory} (available: {names})")
+    return script
+
+
+def run_script(script: Path, args: Sequence[str]) -> int:
+    """Run one script with this interpreter from the repository root; return its exit code."""
+    cmd = [sys.executable, str(script), *args]
+    print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.run(cmd, cwd=script.parent.parent, check=False).returncode
+
+
+USAGE = f"""usage: hvd-transient bench NAME [ARGS...]
+       hvd-transient bench all     run every benchmark ({", ".join(BENCHES)}) with its defaults
+       hvd-transient bench list    list the benchmarks
+
+Runs bench/<NAME>.py (dashes for underscores) from the source checkout; ARGS go to the
+script, e.g. `hvd-transient bench ckpt-io --sizes-mb 10 --repeats 1`. Results are written
+to bench/results/. See `hvd-transient bench NAME --help` for a benchmark's options."""
+
+
+def _list() -> int:
+    directory = bench_dir()
+    if not directory.is_dir():
+        find_script(BENCHES[0], directory)  # raises the "no bench/ directory" error
+    present = set(available(directory))
+    for name in BENCHES:
+        print(name if name in present else f"{name}  (missing)")
+    for name in sorted(present - set(BENCHES)):
+        print(f"{name}  (not run by 'all')")
+    return 0
+
+
+def _all(args: Sequence[str]) -> int:
+    if args:
+        print("hvd-transient bench all: takes no arguments (it runs every benchmark with its defaults); "
+              "run one benchmark by name to pass options", file=sys.stderr)
+        return 2
+    scripts = [(name, find_script(name)) for name in BENCHES]  # all found before any runs
+    failed = [name for name, script in scripts if run_script(script, []) != 0]
+    if failed:
+        print(f"hvd-transient bench all: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    try:
+        if name == "list":
+            return _list()
+        if name == "all":
+            return _all(rest)
+        return run_script(find_script(name), rest)
+    except BenchNotFoundError as exc:
+        print(f"hvd-transient bench: {exc}", file=sys.stderr)
+        return 2

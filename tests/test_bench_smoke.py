@@ -1,0 +1,103 @@
+"""The checkpoint I/O benchmark runs end to end at a tiny size, and `hvd-transient bench` finds it.
+
+No timing is asserted: only that the benchmark measures what it says (every combination
+present, positive numbers), writes a valid JSON and a PNG, and cleans up after itself.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvd_transient import bench_cli, cli
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CKPT_IO = REPO_ROOT / "bench" / "ckpt_io.py"
+SUMMARY_KEYS = ("save_mb_per_s", "restore_mb_per_s", "async_stall_ms", "memcpy_ms", "stall_vs_memcpy",
+                "speedup_vs_savez")
+
+
+@pytest.fixture(scope="module")
+def ckpt_io_result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, Path]:
+    base = tmp_path_factory.mktemp("ckpt-io")
+    out, work = base / "results" / "ckpt_io.json", base / "work"
+    proc = subprocess.run(
+        [sys.executable, str(CKPT_IO), "--sizes-mb", "0.5", "--writers", "1,2", "--readers", "1,2",
+         "--stores", "local,gcs", "--baselines", "savez", "--repeats", "1", "--out", str(out),
+         "--tmpdir", str(work)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return json.loads(out.read_text()), out, work
+
+
+def test_results_have_the_summary_keys_and_the_machine(ckpt_io_result: tuple[dict, Path, Path]) -> None:
+    doc, _out, _work = ckpt_io_result
+    assert doc["name"] == "ckpt_io"
+    for key in SUMMARY_KEYS:
+        assert doc["summary"][key], f"summary.{key} is empty"
+    machine = doc["machine"]
+    for key in ("cpu_model", "cores", "memory_gib", "python", "numpy", "tensorflow", "date"):
+        assert key in machine
+    assert machine["cores"] >= 1
+    assert "ckpt_io.py" in doc["command"]
+
+
+def test_every_store_writer_and_reader_combination_was_measured(ckpt_io_result: tuple[dict, Path, Path]) -> None:
+    summary = ckpt_io_result[0]["summary"]
+    for store in ("local", "gcs"):
+        saves = summary["save_mb_per_s"][store]["0.5MB"]
+        assert {"1", "2"} <= set(saves) and saves["best_writers"] in (1, 2)
+        assert all(saves[w] > 0 for w in ("1", "2"))
+        assert set(summary["restore_mb_per_s"][store]["0.5MB"]) == {"1->1", "1->2", "2->1", "2->2"}
+        assert summary["speedup_vs_savez"][store]["0.5MB"] > 0
+    assert set(summary["async_stall_ms"]["0.5MB"]) == {"1", "2"}
+    assert summary["memcpy_ms"]["0.5MB"] > 0
+    assert summary["stall_vs_memcpy"]["0.5MB"]["1"] > 0
+
+
+def test_rows_carry_median_and_spread(ckpt_io_result: tuple[dict, Path, Path]) -> None:
+    rows = ckpt_io_result[0]["rows"]
+    methods = {(r["store"], r["op"], r["method"]) for r in rows}
+    assert ("local", "save", "np.savez") in methods
+    assert ("gcs", "save", "np.savez + 1 upload") in methods
+    assert ("mem", "memcpy", "np.copy of every array") in methods
+    for row in rows:
+        s = row["seconds"]
+        assert s["n"] == 1 and s["min"] <= s["median"] <= s["max"] and s["median"] > 0
+
+
+def test_plot_written_and_temporary_data_removed(ckpt_io_result: tuple[dict, Path, Path]) -> None:
+    _doc, out, work = ckpt_io_result
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not any(out.parent.glob("*.tmp"))
+    assert work.is_dir() and not any(work.iterdir()), f"left behind: {list(work.iterdir())}"
+
+
+def test_bench_list_names_ckpt_io(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "list"]) == 0
+    assert "ckpt-io" in capsys.readouterr().out.split()
+
+
+def test_names_map_to_scripts_and_bad_names_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_cli.script_name("ckpt-io") == "ckpt_io.py"
+    assert bench_cli.find_script("ckpt-io") == CKPT_IO
+    for missing in ("no-such-bench", "common"):
+        assert bench_cli.main([missing]) == 2
+        assert "available: ckpt-io" in capsys.readouterr().err
+    assert bench_cli.main(["../tests/conftest"]) == 2
+    assert "not a benchmark name" in capsys.readouterr().err
+
+
+def test_missing_bench_directory_says_to_use_a_checkout(tmp_path: Path) -> None:
+    with pytest.raises(bench_cli.BenchNotFoundError, match="source checkout"):
+        bench_cli.find_script("ckpt-io", tmp_path / "site-packages" / "bench")
+
+
+def test_arguments_and_exit_code_pass_through(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_cli.main(["ckpt-io", "--repeats", "0"]) == 2  # the script's own refusal
+    assert bench_cli.main(["all", "--repeats", "1"]) == 2
+    assert "takes no arguments" in capsys.readouterr().err
