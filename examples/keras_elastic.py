@@ -1,0 +1,72 @@
+"""A standard Horovod elastic Keras script, made preemption-safe by hvd-transient.
+
+The lines marked `# hvd-transient` are all it takes. Run it with, for example:
+
+    horovodrun --elastic -np 2 --min-np 1 --max-np 4 \\
+        --host-discovery-script launch/discover_hosts.sh --network-interfaces lo \\
+        python examples/keras_elastic.py --store /tmp/run1
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import horovod.tensorflow.keras as hvd
+import tensorflow as tf
+
+import hvd_transient.keras as hvdt  # hvd-transient
+from hvd_transient.workloads import MODELS, batches, load_cifar10, synthetic_cifar10
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--store", required=True, help="checkpoint store: directory or gs://bucket/prefix")
+    p.add_argument("--model", choices=sorted(MODELS), default="resnet32")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--steps-per-epoch", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--base-lr", type=float, default=0.01, help="single-worker learning rate")
+    p.add_argument("--save-every", type=int, default=50, help="periodic checkpoint interval (steps)")
+    p.add_argument("--batches-per-commit", type=int, default=10, help="Horovod in-memory commit cadence")
+    p.add_argument("--notice-window", type=float, default=30.0)
+    p.add_argument("--cifar10-npz", help="real CIFAR-10 (.npz with x_train, y_train); synthetic if absent")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="extra time per step, to stretch a tiny run over a preemption schedule")
+    args = p.parse_args()
+
+    hvd.init()
+    tf.random.set_seed(1234)  # identical initial weights on every worker
+    images, labels = load_cifar10(args.cifar10_npz) if args.cifar10_npz else synthetic_cifar10()
+    model = MODELS[args.model]()
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(args.base_lr, momentum=0.9)),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+
+    state = hvdt.elastic_state(model, store=args.store, batch=0, epoch=0)  # hvd-transient
+    callbacks = [
+        hvdt.TransientCallback(state, store=args.store, base_lr=args.base_lr,  # hvd-transient
+                               save_every_steps=args.save_every, notice_window_s=args.notice_window),
+        hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit),
+        hvd.elastic.UpdateBatchStateCallback(state),
+        hvd.elastic.UpdateEpochStateCallback(state),
+    ]
+    if args.step_seconds:
+        callbacks.append(tf.keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: time.sleep(args.step_seconds)))
+
+    @hvd.elastic.run
+    def train(state):
+        seed = 1000 * hvd.rank() + int(model.optimizer.iterations.numpy())
+        model.fit(batches(images, labels, args.batch_size, seed), steps_per_epoch=args.steps_per_epoch,
+                  initial_epoch=state.epoch, epochs=args.epochs, callbacks=callbacks,
+                  verbose=2 if hvd.rank() == 0 else 0)
+
+    train(state)
+    if hvd.rank() == 0:
+        print(f"done at step {int(model.optimizer.iterations.numpy())} on {hvd.size()} workers "
+              f"(pid {os.getpid()})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

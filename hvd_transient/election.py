@@ -1,0 +1,46 @@
+"""Who is the checkpoint master (pure): the lowest rank that is not leaving.
+
+Every rank evaluates this on the same agreed inputs (the notice vector from one
+collective), so all ranks agree without a further round of messages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class NoticeRound:
+    """The outcome of one notice collective: which ranks are leaving and by when."""
+
+    leaving: tuple[int, ...]
+    deadline: float | None  # the earliest deadline among the leaving ranks
+
+    @property
+    def any(self) -> bool:
+        return bool(self.leaving)
+
+
+def encode_notice(rank: int, size: int, deadline: float | None) -> np.ndarray:
+    """This rank's contribution; summing every rank's vector gives the whole picture."""
+    vec = np.zeros(2 * size, dtype=np.float64)
+    if deadline is not None:
+        vec[rank] = 1.0
+        vec[size + rank] = deadline
+    return vec
+
+
+def decode_notice(summed: np.ndarray, size: int) -> NoticeRound:
+    leaving = tuple(int(i) for i in np.flatnonzero(summed[:size] > 0.5))
+    deadline = min((float(summed[size + i]) for i in leaving), default=None)
+    return NoticeRound(leaving, deadline)
+
+
+def elect_master(size: int, leaving: Collection[int]) -> int:
+    """Lowest rank not leaving; if every rank is leaving, rank 0 still commits the last save."""
+    for rank in range(size):
+        if rank not in leaving:
+            return rank
+    return 0

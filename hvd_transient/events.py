@@ -1,0 +1,89 @@
+"""Structured JSON-lines event log, one object per process under the run's store prefix.
+
+Object stores cannot append, so each process keeps its events in memory and
+rewrites its own ``events/<host>.<pid>.jsonl`` on flush. Flushes are rate
+limited (GCS allows about one write per second per object) except for events
+that matter when a machine is about to disappear, which flush at once.
+The report and the benchmarks read every file back and merge them by time.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+from ckpt_service.stores.base import ObjectStore
+
+log = logging.getLogger(__name__)
+
+EVENTS_PREFIX = "events/"
+URGENT = frozenset({"notice", "notice_agreed", "election", "commit", "save_failed", "leave_published",
+                    "restore", "reset", "train_end", "start"})
+
+
+class EventLog:
+    def __init__(self, store: ObjectStore | None, host: str, *, min_flush_interval_s: float = 2.0) -> None:
+        self.store, self.host = store, host
+        self.key = f"{EVENTS_PREFIX}{host}.{os.getpid()}.jsonl"
+        self.min_flush_interval_s = min_flush_interval_s
+        self._events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._last_flush = 0.0
+        self._dirty = False
+
+    def emit(self, kind: str, /, **fields: Any) -> dict[str, Any]:
+        event = {"t": time.time(), "event": kind, "host": self.host, "pid": os.getpid(), **fields}
+        with self._lock:
+            self._events.append(event)
+            self._dirty = True
+        log.info("event %s %s", kind, {k: v for k, v in fields.items()})
+        if kind in URGENT or time.time() - self._last_flush >= self.min_flush_interval_s:
+            self.flush()
+        return event
+
+    def flush(self) -> None:
+        if self.store is None:
+            return
+        with self._lock:
+            if not self._dirty:
+                return
+            body = "".join(json.dumps(e, default=str) + "\n" for e in self._events).encode()
+            self._dirty = False
+            self._last_flush = time.time()
+        try:
+            self.store.put(self.key, body)
+        except Exception as exc:  # the log must never break training
+            log.warning("could not write the event log to %s: %s", self.store.url, exc)
+            with self._lock:
+                self._dirty = True
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._events)
+
+
+def read_events(store: ObjectStore) -> list[dict[str, Any]]:
+    """Every process's events, merged and sorted by time."""
+    events: list[dict[str, Any]] = []
+    for key in store.list(EVENTS_PREFIX):
+        if key.endswith(".jsonl"):
+            events.extend(_parse_lines(store.get(key)))
+    return sorted(events, key=lambda e: e.get("t", 0.0))
+
+
+def _parse_lines(data: bytes) -> Iterator[dict[str, Any]]:
+    for line in data.decode(errors="replace").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            log.warning("skipping an unreadable event line: %.80s", line)
+            continue
+        if isinstance(event, dict):
+            yield event

@@ -1,0 +1,234 @@
+"""Keras integration: preemption safety for a standard Horovod elastic Keras script.
+
+The four changed lines of a Horovod elastic script::
+
+    import horovod.tensorflow.keras as hvd
+    import hvd_transient.keras as hvdt                                        # (1)
+
+    hvd.init()
+    model.compile(optimizer=hvd.DistributedOptimizer(opt), loss=...)
+    state = hvdt.elastic_state(model, store=STORE, batch=0, epoch=0)         # (2) was hvd.elastic.KerasState
+    callbacks = [hvdt.TransientCallback(state, store=STORE, base_lr=LR),     # (3)
+                 hvd.elastic.CommitStateCallback(state, batches_per_commit=50),
+                 hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.UpdateEpochStateCallback(state)]
+
+    @hvd.elastic.run
+    def train(state):
+        model.fit(dataset, steps_per_epoch=..., epochs=EPOCHS - state.epoch, callbacks=callbacks)
+
+    train(state)
+
+``elastic_state`` builds the optimizer's slot variables on every worker before
+the state is made (joining workers otherwise deadlock in ``state.sync()``), and
+on a cold start restores the run's latest committed checkpoint on rank 0, from
+where Horovod's own sync broadcasts it. Without ``--elastic`` (a static job),
+pass ``state=None``: a notice then writes the emergency checkpoint and stops
+``fit``; the relaunch resumes through :func:`restore_model`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import numpy as np
+import tensorflow as tf
+
+from ckpt_service.manager import CheckpointManager
+from ckpt_service.manifest import crc32c
+from hvd_transient.hvd_collectives import HorovodCollectives
+from hvd_transient.lr_scaling import scaled_lr
+from hvd_transient.transient import StepOutcome, TransientConfig, TransientImpl
+
+log = logging.getLogger(__name__)
+
+
+def _optimizer_variables(optimizer: Any) -> list[tf.Variable]:
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def state_variables(model: tf.keras.Model) -> dict[str, tf.Variable]:
+    """Every variable that defines the training state, under stable, unique names.
+
+    Names carry the position because Keras variable names are not unique across
+    layers or models; restore checks shapes and dtypes against the live model.
+    """
+    named = {f"model/{i:04d}/{v.name}": v for i, v in enumerate(model.weights)}
+    if model.optimizer is not None:
+        named.update({f"optimizer/{i:04d}/{v.name}": v
+                      for i, v in enumerate(_optimizer_variables(model.optimizer))})
+    return named
+
+
+def build_optimizer_slots(model: tf.keras.Model) -> None:
+    """Create slot variables now, identically on every worker (horovod#2652)."""
+    if not model.built:
+        raise ValueError("build the model before making its elastic state (call it on one batch or "
+                         "use model.build(input_shape)); its variables must exist on every worker")
+    optimizer = model.optimizer
+    if optimizer is None:
+        raise ValueError("compile the model (with hvd.DistributedOptimizer) before making its elastic state")
+    if hasattr(optimizer, "build"):
+        optimizer.build(model.trainable_variables)
+    else:  # legacy optimizers create slots on the first apply_gradients
+        optimizer._create_all_weights(model.trainable_variables)  # noqa: SLF001
+
+
+def restore_model(model: tf.keras.Model, store: str) -> dict[str, Any] | None:
+    """Load the latest committed checkpoint of ``store`` into ``model``; its metadata, or None."""
+    variables = state_variables(model)
+    manager = CheckpointManager(store, max_to_keep=None)
+    try:
+        if manager.latest_step() is None:
+            return None
+        expected = {name: (tuple(v.shape), v.dtype.as_numpy_dtype) for name, v in variables.items()}
+        ckpt = manager.restore(expected=expected)
+    finally:
+        manager.close()
+    for name, var in variables.items():
+        var.assign(ckpt.tensors[name])
+    log.info("restored step %d from %s", ckpt.step, store)
+    return {**ckpt.metadata, "step": ckpt.step, "writers": ckpt.manifest.world_size}
+
+
+def elastic_state(model: tf.keras.Model, *, store: str, **state_kwargs: Any) -> Any:
+    """``hvd.elastic.KerasState`` that survives the whole cluster being lost.
+
+    Restores the latest committed checkpoint of this run (cold restart), resharded
+    from whatever number of writers produced it. Only rank 0 reads it: Horovod's
+    state sync then broadcasts it, and a worker joining a live job never has rank 0.
+    """
+    import horovod.tensorflow.keras as hvd
+
+    build_optimizer_slots(model)
+    restored = None
+    if hvd.rank() == 0:
+        restored = restore_model(model, store)
+        if restored is not None:
+            for key in ("epoch", "batch"):
+                if key in restored and key in state_kwargs:
+                    state_kwargs[key] = int(restored[key])
+    state = hvd.elastic.KerasState(model, **state_kwargs)
+    state.hvdt_restored = restored
+    return state
+
+
+def state_crc(tensors: Mapping[str, Any]) -> int:
+    """One checksum over a whole state, in name order (replicas, and a checkpoint, must agree)."""
+    total = 0
+    for name in sorted(tensors):
+        value = tensors[name]
+        array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+        total = (total * 1_000_003 + crc32c(np.ascontiguousarray(array))) % (1 << 61)
+    return total
+
+
+def weights_crc(model: tf.keras.Model) -> int:
+    return state_crc(state_variables(model))
+
+
+class TransientCallback(tf.keras.callbacks.Callback):
+    """Preemption-aware checkpointing, master election and LR scaling for ``model.fit``.
+
+    Args:
+        state: the ``hvd.elastic.KerasState`` (from :func:`elastic_state`), or None for a static job.
+        store: checkpoint store URL (local directory, ``file://``, ``gs://bucket/prefix``).
+        save_every_steps: periodic asynchronous sharded checkpoint interval (None: only on notice).
+        notice_window_s: how long a notice gives on this cloud (GCE: 30 s).
+        lr_scaling: ``linear`` | ``sqrt`` | ``none``: learning rate = f(active workers) x ``base_lr``.
+        base_lr: the single-worker learning rate (None: leave the learning rate alone).
+        watcher: ``auto`` | ``gce`` | ``aws`` | ``azure`` | ``local`` (env ``HVDT_WATCHER`` overrides).
+    """
+
+    def __init__(self, state: Any, *, store: str, save_every_steps: int | None = 500,
+                 check_every_steps: int = 1, notice_window_s: float = 30.0, leave_margin_s: float = 5.0,
+                 lr_scaling: str = "linear", base_lr: float | None = None, watcher: str = "auto",
+                 max_to_keep: int | None = 3, keep_every_n_steps: int | None = None,
+                 save_on_train_end: bool = True) -> None:
+        super().__init__()
+        scaled_lr(1.0, 1, lr_scaling)  # validate early
+        self.state = state
+        self.config = TransientConfig(
+            store=store, save_every_steps=save_every_steps, check_every_steps=check_every_steps,
+            notice_window_s=notice_window_s, leave_margin_s=leave_margin_s, watcher=watcher,
+            max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps, lr_scaling=lr_scaling,
+            base_lr=base_lr)
+        self.save_on_train_end = save_on_train_end
+        self.impl: TransientImpl | None = None
+        self.last_outcome = StepOutcome()
+        if state is not None:
+            state.register_reset_callbacks([self._on_reset])
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    def _snapshot(self) -> dict[str, tf.Variable]:
+        # Variables themselves: the checkpoint service copies only this rank's share to host memory.
+        return state_variables(self.model)
+
+    def _metadata(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"step": self._step(), "world_size": self.impl.comm.size() if self.impl else 1}
+        if self.state is not None:
+            meta.update(epoch=int(getattr(self.state, "epoch", 0)), batch=int(getattr(self.state, "batch", 0)))
+        lr = getattr(self.model.optimizer, "learning_rate", None)
+        if isinstance(lr, tf.Variable):
+            meta["lr"] = float(lr.numpy())
+        return meta
+
+    def _apply_lr(self) -> None:
+        if self.config.base_lr is None or self.impl is None:
+            return
+        size = self.impl.comm.size()
+        lr = scaled_lr(self.config.base_lr, size, self.config.lr_scaling)
+        try:
+            tf.keras.backend.set_value(self.model.optimizer.learning_rate, lr)
+        except (AttributeError, TypeError, ValueError) as exc:
+            log.warning("cannot set the learning rate (a schedule?): %s", exc)
+            return
+        self.impl.events.emit("lr", lr=lr, size=size, mode=self.config.lr_scaling)
+
+    # ---- Keras hooks -------------------------------------------------------------------
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        if self.impl is None:
+            self.impl = TransientImpl(self.config, HorovodCollectives())
+            restored = getattr(self.state, "hvdt_restored", None)
+            self.impl.events.emit("start", step=self._step(), rank=self.impl.comm.rank(),
+                                  size=self.impl.comm.size(), crc=weights_crc(self.model),
+                                  restored_step=restored.get("step") if restored else None)
+        self.impl.begin(self._step())
+        self._apply_lr()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        assert self.impl is not None
+        outcome = self.impl.after_step(self._step(), self._snapshot, self._metadata)
+        self.last_outcome = outcome
+        if outcome.emergency_step is not None and self.state is None:
+            self.model.stop_training = True  # static job: the relaunch resumes from the checkpoint
+            return
+        if outcome.departure_pending and self.state is not None:
+            # Every rank agreed on the departure, so every rank calls this collective here; it raises
+            # HostsUpdatedInterrupt as soon as discovery has dropped the leaving host.
+            self.state.check_host_updates()
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self.impl is None:
+            return
+        step = self._step()
+        self.impl.end(step)  # lets an in-flight background save finish first
+        if self.save_on_train_end:
+            # Only the master's view of the store decides, so every rank takes the same branch.
+            master = self.impl.run.master
+            needed = self.impl.manager.latest_step() != step if self.impl.comm.rank() == master else None
+            if self.impl.comm.broadcast_json(needed, master):
+                self.impl.save_now(step, self._snapshot(), self._metadata(), coordinator=master,
+                                   deadline=None, kind="final")
+        self.impl.events.emit("weights", step=step, crc=weights_crc(self.model), size=self.impl.comm.size(),
+                              rank=self.impl.comm.rank())
+
+    def _on_reset(self) -> None:
+        if self.impl is not None:
+            self.impl.note_reset(self._step())

@@ -1,0 +1,253 @@
+"""A transient cluster on one machine: real ``horovodrun`` over local host aliases.
+
+Each host alias (``localhost``, ``127.0.0.1``, ``127.0.1``...) is a separate
+Horovod host that starts without ssh, and a separate virtual instance of the
+metadata-server emulator, so a "preemption" is exactly what a GCE VM sees: a
+notice on its metadata server, then (optionally) SIGTERM to its worker when the
+window ends. Host discovery is the real ``launch/discover_hosts.sh`` over a
+state file this class rewrites, and drops hosts published as leaving.
+
+Used by the end-to-end tests, ``hvd-transient demo`` and the benchmarks.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ckpt_service.stores import open_store
+from hvd_transient.events import read_events
+from hvd_transient.membership import clear_leaving
+from hvd_transient.metadata_emulator import MetadataEmulator
+
+log = logging.getLogger(__name__)
+
+#: Names that resolve to this machine's loopback interface, each a distinct local host for Horovod.
+HOST_ALIASES = ("localhost", "127.0.0.1", "127.0.1", "127.1", "2130706433", "0x7f000001")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DISCOVERY_SCRIPT = REPO_ROOT / "launch" / "discover_hosts.sh"
+
+Event = dict[str, Any]
+
+
+class ClusterError(RuntimeError):
+    """The local cluster did not do what was expected in time."""
+
+
+@dataclass(frozen=True)
+class LocalClusterSpec:
+    store: str
+    hosts: tuple[str, ...]
+    command: tuple[str, ...]            # the training command each worker runs
+    workdir: Path
+    min_np: int = 1
+    max_np: int = 4
+    elastic: bool = True
+    gloo_timeout_s: int = 20
+    elastic_timeout_s: int = 60
+    extra_env: tuple[tuple[str, str], ...] = ()
+    #: metadata-emulator instances that exist from the start (hosts that may join later too)
+    instances: tuple[str, ...] = field(default=())
+
+
+class LocalCluster:
+    def __init__(self, spec: LocalClusterSpec) -> None:
+        self.spec = spec
+        self.store = open_store(spec.store)
+        self.state_file = spec.workdir / "hosts.txt"
+        self.log_path = spec.workdir / "horovodrun.log"
+        self.emulator = MetadataEmulator(instances=spec.instances or spec.hosts)
+        self.process: subprocess.Popen[bytes] | None = None
+        self._hosts = list(spec.hosts)
+        self.started_at = 0.0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> "LocalCluster":
+        self.spec.workdir.mkdir(parents=True, exist_ok=True)
+        self.emulator.start()
+        for host in self._hosts:  # new VMs may reuse names that left an earlier run
+            clear_leaving(self.store, host)
+        self._write_hosts()
+        env = self.environment()
+        cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(len(self._hosts))]
+        if self.spec.elastic:
+            cmd += ["--min-np", str(self.spec.min_np), "--max-np", str(self.spec.max_np),
+                    "--host-discovery-script", str(DISCOVERY_SCRIPT),
+                    "--elastic-timeout", str(self.spec.elastic_timeout_s)]
+        else:
+            cmd += ["-H", ",".join(f"{h}:1" for h in self._hosts)]
+        cmd += ["--gloo", "--network-interfaces", "lo", "--gloo-timeout-seconds", str(self.spec.gloo_timeout_s),
+                *self.spec.command]
+        log.info("starting %s", " ".join(cmd))
+        self.started_at = time.time()
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.spec.workdir)
+        return self
+
+    def environment(self) -> dict[str, str]:
+        venv_bin = str(Path(sys.executable).parent)
+        env = dict(os.environ)
+        env.update({
+            "PATH": f"{venv_bin}{os.pathsep}{env.get('PATH', '')}",
+            "HVDT_DISCOVERY_BACKEND": "local",
+            "HVDT_STATE_FILE": str(self.state_file),
+            "HVDT_STORE": self.spec.store,
+            "HVDT_CLI": str(Path(venv_bin) / "hvd-transient"),
+            "HVDT_WATCHER": "gce",
+            # each worker substitutes its own host name: one emulated VM per host alias
+            "GCE_METADATA_HOST": f"127.0.0.1:{self.emulator.port}/i/{{host}}",
+            "NO_GCE_CHECK": "true",
+            "PYTHONUNBUFFERED": "1",
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            # several TensorFlow workers share two cores: one thread pool each
+            "TF_NUM_INTRAOP_THREADS": "1",
+            "TF_NUM_INTEROP_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+        })
+        env.update(dict(self.spec.extra_env))
+        return env
+
+    def wait(self, timeout: float) -> int:
+        assert self.process is not None
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ClusterError(f"horovodrun did not finish within {timeout:.0f}s; log tail:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """Lose the whole cluster: horovodrun and every worker, at once."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        for pid in self.worker_pids().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.stop()
+        self.emulator.stop()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ control
+
+    def _write_hosts(self) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text("".join(f"{h}:1\n" for h in self._hosts))
+        os.replace(tmp, self.state_file)  # discovery must never read half a file
+
+    def add_host(self, host: str) -> None:
+        """A new VM appears: discovery lists it from now on."""
+        if host not in self.emulator.state():
+            self.emulator.add_instance(host)
+        clear_leaving(self.store, host)
+        self._hosts.append(host)
+        self._write_hosts()
+
+    def preempt(self, host: str, *, window_s: float = 30.0, kill_at_deadline: bool = True) -> float:
+        """Give ``host`` a preemption notice now; SIGTERM its worker when the window ends. Returns the time."""
+        pid = self.worker_pids().get(host) if kill_at_deadline else None
+        if kill_at_deadline and pid is None:
+            raise ClusterError(f"no live worker is known on {host}")
+        self.emulator.preempt(host, window=window_s, kill_pid=pid)
+        return time.time()
+
+    def kill(self, host: str, sig: int = signal.SIGKILL) -> None:
+        """The VM vanishes with no notice."""
+        pid = self.worker_pids().get(host)
+        if pid is None:
+            raise ClusterError(f"no live worker is known on {host}")
+        os.kill(pid, sig)
+
+    def set_metadata_fault(self, host: str, mode: str) -> None:
+        self.emulator.set_fault(host, mode)
+
+    # --------------------------------------------------------------- observing
+
+    def events(self) -> list[Event]:
+        return read_events(self.store)
+
+    def worker_pids(self) -> dict[str, int]:
+        """The latest worker process seen on each host (from the event log)."""
+        pids: dict[str, int] = {}
+        for e in self.events():
+            if e.get("event") == "start":
+                pids[e["host"]] = int(e["pid"])
+        return {h: p for h, p in pids.items() if _alive(p)}
+
+    def wait_for(self, predicate: Callable[[list[Event]], Any], timeout: float, what: str) -> Any:
+        """Poll the event log until ``predicate(events)`` is truthy; return its value."""
+        deadline = time.time() + timeout
+        while True:
+            result = predicate(self.events())
+            if result:
+                return result
+            if self.process is not None and self.process.poll() is not None:
+                result = predicate(self.events())
+                if result:
+                    return result
+                raise ClusterError(f"horovodrun exited ({self.process.returncode}) before {what}; "
+                                   f"log tail:\n{self.log_tail()}")
+            if time.time() > deadline:
+                raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}; log tail:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.2)
+
+    def wait_for_step(self, step: int, timeout: float, size: int | None = None) -> int:
+        def reached(events: list[Event]) -> int | None:
+            steps = [e["step"] for e in events if e.get("event") in ("progress", "first_step")
+                     and e.get("step", -1) >= step and (size is None or e.get("size") == size)]
+            return max(steps) if steps else None
+        return self.wait_for(reached, timeout, f"step {step}" + (f" on {size} workers" if size else ""))
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+
+def of(events: Sequence[Event], kind: str, **match: Any) -> list[Event]:
+    """Events of one kind whose fields equal ``match``."""
+    return [e for e in events if e.get("event") == kind and all(e.get(k) == v for k, v in match.items())]
+
+
+def default_hosts(n: int) -> tuple[str, ...]:
+    if n > len(HOST_ALIASES):
+        raise ValueError(f"at most {len(HOST_ALIASES)} local host aliases exist, asked for {n}")
+    return HOST_ALIASES[:n]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (exited, not yet reaped by the driver) is not alive for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+__all__ = ["ClusterError", "HOST_ALIASES", "LocalCluster", "LocalClusterSpec", "default_hosts", "of"]

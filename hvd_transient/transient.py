@@ -1,0 +1,295 @@
+"""The framework-free heart of preemption-safe training (Keras, custom loops, static jobs).
+
+:class:`TransientImpl` is driven at step boundaries by a thin framework layer
+(``hvd_transient.keras``) and talks to the other ranks only through a
+:class:`Collectives` object, so its logic runs the same under Horovod and under
+the in-process fakes of the unit tests.
+
+Per step boundary, on every rank, in the same order:
+
+1. every ``check_every_steps`` steps, one tiny allreduce tells all ranks which
+   ranks are under preemption notice and the earliest deadline;
+2. if some rank newly got a notice: wait (bounded) for an in-flight background
+   save; elect the master (lowest rank not leaving) and move the store lease to
+   it; write the **emergency sharded checkpoint** with every rank writing its
+   share (records gathered by collective, commit by the master before the
+   deadline, or abandoned cleanly); broadcast the outcome; the leaving ranks
+   publish themselves as leaving, so host discovery drops them and Horovod
+   shrinks the ring with no rollback;
+3. otherwise, every ``save_every_steps`` steps, start a periodic asynchronous
+   sharded checkpoint (the caller only pays for the host-memory snapshot).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
+
+import numpy as np
+
+from ckpt_service.errors import CheckpointError, NothingToRestoreError
+from ckpt_service.lease import Lease
+from ckpt_service.manager import Checkpoint, CheckpointManager, CommitConflictError
+from hvd_transient.election import NoticeRound, decode_notice, elect_master, encode_notice
+from hvd_transient.events import EventLog
+from hvd_transient.membership import publish_leaving
+
+log = logging.getLogger(__name__)
+
+
+class Collectives(Protocol):
+    """The few collectives the protocol needs; every rank calls each one in the same order."""
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def allreduce_sum(self, values: np.ndarray) -> np.ndarray: ...
+
+    def allgather_json(self, obj: Any) -> list[Any]: ...
+
+    def broadcast_json(self, obj: Any, root: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class TransientConfig:
+    store: str
+    save_every_steps: int | None = 500
+    check_every_steps: int = 1
+    notice_window_s: float = 30.0
+    #: seconds of the window kept for leaving the ring after the emergency commit
+    leave_margin_s: float = 5.0
+    watcher: str = "auto"
+    max_to_keep: int | None = 3
+    keep_every_n_steps: int | None = None
+    async_gather_timeout_s: float = 300.0
+    lr_scaling: str = "linear"
+    base_lr: float | None = None
+    progress_every_steps: int = 10
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    emergency_step: int | None = None   # step of an emergency checkpoint taken at this boundary
+    committed: bool = False             # whether it committed
+    leaving: bool = False               # this rank is leaving the job
+    departure_pending: bool = False     # some rank published itself as leaving
+
+
+@dataclass
+class _RunState:
+    master: int = 0
+    hosts: list[str] = field(default_factory=list)
+    handled_leavers: set[str] = field(default_factory=set)
+    departure_pending: bool = False
+    leaving: bool = False
+    last_step: int = -1
+    begun_at_step: int | None = None
+
+
+def default_host() -> str:
+    """The host name Horovod assigned this worker (one alias per slot locally), else the real one."""
+    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+
+
+class TransientImpl:
+    def __init__(self, config: TransientConfig, collectives: Collectives, *, host: str | None = None,
+                 watcher: Any = None, manager: CheckpointManager | None = None,
+                 events: EventLog | None = None) -> None:
+        self.config = config
+        self.comm = collectives
+        self.host = host or default_host()
+        self.manager = manager or CheckpointManager(
+            config.store, max_to_keep=config.max_to_keep, keep_every_n_steps=config.keep_every_n_steps,
+            gather_timeout_s=config.async_gather_timeout_s)
+        self.events = events or EventLog(self.manager.store, self.host)
+        self.lease = Lease(self.manager.store, f"{self.host}:{os.getpid()}")
+        self.watcher = watcher if watcher is not None else _make_watcher(config, self.host)
+        self.run = _RunState()
+        if self.watcher is not None:
+            self.watcher.start()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def begin(self, step: int) -> None:
+        """Every rank, each time training (re)starts on a new ring: learn the ring, elect, take the lease."""
+        rank, size = self.comm.rank(), self.comm.size()
+        self.run.hosts = [str(h) for h in self.comm.allgather_json(self.host)]
+        leaving = [r for r, h in enumerate(self.run.hosts) if h in self.run.handled_leavers]
+        previous_master = self.run.master if self.run.begun_at_step is not None else None
+        self.run.master = elect_master(size, leaving)
+        self.run.departure_pending = bool(leaving)
+        self.run.begun_at_step = step
+        self.run.last_step = step
+        if rank == self.run.master and not self.lease.held:
+            self.lease.acquire(steal=True)  # every rank agreed on this master
+        elif rank != self.run.master and self.lease.held:
+            self.lease.release()
+        self.events.emit("ring", step=step, rank=rank, size=size, master=self.run.master,
+                         master_host=self.run.hosts[self.run.master], previous_master=previous_master,
+                         lease_generation=self.lease.generation if rank == self.run.master else None)
+
+    def note_reset(self, step_after: int) -> int:
+        """Record a reset (called on every rank); returns how many steps were rolled back."""
+        rolled_back = max(0, self.run.last_step - step_after) if self.run.last_step >= 0 else 0
+        self.events.emit("reset", step=step_after, rolled_back=rolled_back, last_step=self.run.last_step)
+        self.run.last_step = step_after
+        return rolled_back
+
+    def end(self, step: int) -> None:
+        """Training finished on this rank: let the background save finish, flush the log."""
+        try:
+            self.manager.wait(timeout=self.config.async_gather_timeout_s)
+        except Exception as exc:  # a failed background save must not fail a finished run
+            log.warning("the last background checkpoint did not complete: %s", exc)
+        self.events.emit("train_end", step=step)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.events.flush()
+
+    # ------------------------------------------------------------ step boundary
+
+    def after_step(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
+                   metadata: Callable[[], dict[str, Any]]) -> StepOutcome:
+        """Every rank, after each optimizer step, with the global step number."""
+        self.run.last_step = step
+        first_after_begin = self.run.begun_at_step is not None and step == self.run.begun_at_step + 1
+        if first_after_begin:
+            self.events.emit("first_step", step=step, size=self.comm.size())
+        elif self.config.progress_every_steps and step % self.config.progress_every_steps == 0:
+            self.events.emit("progress", step=step, size=self.comm.size())
+        if self.config.check_every_steps and step % self.config.check_every_steps == 0:
+            round_ = self._notice_round()
+            new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
+            if new:
+                return self._emergency(step, round_, snapshot, metadata)
+        every = self.config.save_every_steps
+        if every and step > 0 and step % every == 0 and not self.run.departure_pending:
+            self._periodic_save(step, snapshot, metadata)
+        return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending)
+
+    def _notice_round(self) -> NoticeRound:
+        notice = self.watcher.notice if self.watcher is not None else None
+        rank, size = self.comm.rank(), self.comm.size()
+        if notice is not None and self.host not in self.run.handled_leavers:
+            if not self.run.leaving and not getattr(self, "_notice_logged", False):
+                self._notice_logged = True
+                self.events.emit("notice", source=notice.source, reason=notice.reason,
+                                 detected_at=notice.detected_at, deadline=notice.deadline)
+        deadline = notice.deadline if notice is not None else None
+        summed = self.comm.allreduce_sum(encode_notice(rank, size, deadline))
+        return decode_notice(summed, size)
+
+    def _emergency(self, step: int, round_: NoticeRound, snapshot: Callable[[], Mapping[str, Any]],
+                   metadata: Callable[[], dict[str, Any]]) -> StepOutcome:
+        rank, size = self.comm.rank(), self.comm.size()
+        deadline = (round_.deadline or time.time() + self.config.notice_window_s) - self.config.leave_margin_s
+        leaving_hosts = [self.run.hosts[r] for r in round_.leaving]
+        self.events.emit("notice_agreed", step=step, leaving=leaving_hosts, deadline=deadline, size=size)
+
+        # A background save still in flight gets part of the window; its commit (if it still
+        # holds the lease) is independent of the emergency step, so nothing can tear.
+        waited = self.manager.save_in_flight
+        if waited:
+            self.events.emit("wait_inflight", step=step)
+            try:
+                self.manager.wait(timeout=max(0.0, (deadline - time.time()) / 3))
+            except Exception as exc:
+                log.warning("in-flight checkpoint did not finish before the emergency save: %s", exc)
+
+        new_master = elect_master(size, round_.leaving)
+        if new_master != self.run.master:
+            if rank == self.run.master:
+                self.lease.release()
+            if rank == new_master:
+                self.lease.acquire(steal=True)
+            self.events.emit("election", step=step, old_master=self.run.master, new_master=new_master,
+                             old_master_host=self.run.hosts[self.run.master],
+                             new_master_host=self.run.hosts[new_master],
+                             lease_generation=self.lease.generation if rank == new_master else None)
+            self.run.master = new_master
+
+        committed = self.save_now(step, snapshot(), metadata(), coordinator=new_master, deadline=deadline,
+                                   kind="emergency")
+        self.run.handled_leavers.update(leaving_hosts)
+        self.run.departure_pending = True
+        if rank in round_.leaving:
+            self.run.leaving = True
+            publish_leaving(self.manager.store, self.host, deadline=round_.deadline)
+            self.events.emit("leave_published", step=step, deadline=round_.deadline, was_master=False)
+        return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
+                           departure_pending=True)
+
+    def save_now(self, step: int, tensors: Mapping[str, Any], meta: dict[str, Any], *, coordinator: int,
+                  deadline: float | None, kind: str) -> bool:
+        """Synchronous sharded save on every rank; returns (on every rank) whether it committed."""
+        rank, size = self.comm.rank(), self.comm.size()
+        self.events.emit("save_start", step=step, kind=kind, size=size)
+        t0 = time.time()
+        error = None
+        try:
+            self.manager.save(step, tensors, meta, rank=rank, world_size=size,
+                              gather=self.comm.allgather_json, coordinator=coordinator,
+                              lease=self.lease if rank == coordinator else None, deadline=deadline)
+        except CommitConflictError:
+            pass  # the step is already durable (a periodic save of the same step got there first)
+        except Exception as exc:  # reported below; training goes on either way
+            error = f"{type(exc).__name__}: {exc}"
+        stats = self.manager.last_stats
+        outcome = self.comm.broadcast_json({"ok": error is None, "error": error}, coordinator)
+        self.events.emit("save_end", step=step, kind=kind, seconds=time.time() - t0,
+                         bytes=stats.bytes_written if stats and stats.step == step else 0)
+        if outcome["ok"]:
+            if rank == coordinator:
+                self.events.emit("commit", step=step, kind=kind, size=size,
+                                 lease_generation=self.lease.generation)
+        else:
+            self.events.emit("save_failed", step=step, kind=kind, error=outcome["error"])
+        return bool(outcome["ok"])
+
+    def _periodic_save(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
+                       metadata: Callable[[], dict[str, Any]]) -> None:
+        rank, size = self.comm.rank(), self.comm.size()
+        master = self.run.master
+        t0 = time.perf_counter()
+        started = self.manager.save_async(
+            step, snapshot(), metadata(), rank=rank, world_size=size, coordinator=master,
+            lease=self.lease if rank == master else None, if_busy="skip")
+        if started:
+            self.events.emit("async_save", step=step, stall_ms=(time.perf_counter() - t0) * 1e3, size=size)
+
+    # --------------------------------------------------------------- cold start
+
+    def restore_latest(self) -> Checkpoint | None:
+        """The latest committed checkpoint of this run, or None if there is none."""
+        try:
+            ckpt = self.manager.restore()
+        except NothingToRestoreError:
+            return None
+        self.events.emit("restore", step=ckpt.step, writers=ckpt.manifest.world_size,
+                         bytes=ckpt.manifest.nbytes)
+        return ckpt
+
+
+def _make_watcher(config: TransientConfig, host: str) -> Any:
+    """The configured watcher; ``{host}`` in GCE_METADATA_HOST selects a per-host emulator instance."""
+    from hvd_transient.watchers import make_watcher
+
+    opts: dict[str, Any] = {"window": config.notice_window_s, "instance": host}
+    metadata_host = os.environ.get("GCE_METADATA_HOST", "")
+    if "{host}" in metadata_host:
+        opts["base_url"] = f"http://{metadata_host.format(host=host).rstrip('/')}/computeMetadata/v1/"
+    kind = os.environ.get("HVDT_WATCHER", config.watcher)
+    try:
+        return make_watcher(kind, **opts)
+    except Exception as exc:  # no watcher is bad, but must not stop training
+        log.error("no preemption watcher (%s); training continues without notices", exc)
+        return None
+
+
+__all__ = ["CheckpointError", "Collectives", "StepOutcome", "TransientConfig", "TransientImpl", "default_host"]
