@@ -35,6 +35,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -378,9 +379,26 @@ class WorkerPool:
             for r in range(size)]
         for p in self.processes:
             p.start()
+        self.broken = False
 
     def run(self, op: str, n: int | None = None, **kwargs: Any) -> list[Any]:
-        n = self.size if n is None else n
+        """Run ``op`` on ranks 0..n-1 and return their answers in rank order.
+
+        A worker's exception comes back as BenchError (the pool stays usable); an interrupt
+        or a worker that stops answering leaves the pool ``broken``: only ``close`` is left.
+        """
+        if self.broken:
+            raise BenchError(f"{op}: the worker pool is unusable after an earlier interruption")
+        try:
+            return self._run(op, self.size if n is None else n, kwargs)
+        except BenchError as exc:
+            self.broken = not exc.args[0].startswith(f"{op} failed on")
+            raise
+        except BaseException:
+            self.broken = True
+            raise
+
+    def _run(self, op: str, n: int, kwargs: dict[str, Any]) -> list[Any]:
         for rank in range(n):
             self.commands[rank].put((op, kwargs))
         got: dict[int, Any] = {}
@@ -412,7 +430,7 @@ class WorkerPool:
             with contextlib.suppress(Exception):
                 q.put(None)
         for p in self.processes:
-            p.join(timeout=30)
+            p.join(timeout=2 if self.broken else 30)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
@@ -502,7 +520,8 @@ class Bench:
             for store in self.cfg.stores:
                 self._store(store, label, state.nbytes, repeats)
         finally:
-            self.pool.run("detach")
+            if not self.pool.broken:
+                self.pool.run("detach")
             state.close()
         print(f"state {label} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
@@ -527,8 +546,10 @@ class Bench:
                 for writers in self.cfg.writers:
                     self._async(url, label, nbytes, repeats, writers, parent)
         finally:
-            self.pool.run("forget", url=url)
-            parent.store.delete_prefix("")
+            if not self.pool.broken:
+                self.pool.run("forget", url=url)
+                if store == "gcs":
+                    parent.store.delete_prefix("")  # frees the emulator's memory
             parent.close()
             if store == "local":
                 shutil.rmtree(url, ignore_errors=True)
@@ -938,8 +959,16 @@ def run(cfg: Config, tmpdir: Path | None) -> tuple[list[Row], float]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Clean up (workers, emulator, shared memory, temporary data) on Ctrl-C or SIGTERM, also when
+    # started in the background, where a shell leaves SIGINT ignored.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     if args.repeats < 1 or args.large_repeats < 1:
         print("ckpt_io: --repeats and --large-repeats must be at least 1", file=sys.stderr)
@@ -954,6 +983,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BenchError as exc:
         print(f"ckpt_io: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("ckpt_io: interrupted; temporary data removed, no results written", file=sys.stderr)
+        return 130
     summary = summarize(rows, cfg)
     summary["elapsed_s"] = elapsed
     table = table_rows(rows, cfg)

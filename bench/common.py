@@ -132,7 +132,16 @@ def machine_info() -> dict[str, Any]:
         "zarr": _version("zarr"),
         "google_cloud_storage": _version("google-cloud-storage"),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "load_average_at_start": _load_average(),
     }
+
+
+def _load_average() -> list[float] | None:
+    """1/5/15-minute load averages: on a shared machine they say how noisy a run was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def machine_line(info: Mapping[str, Any] | None = None) -> str:
