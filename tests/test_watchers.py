@@ -54,10 +54,16 @@ def make(kind: str, emu: MetadataEmulator, inst: str, **kw) -> Watcher:
     return cls(emu.root_url(inst), interval=0.05, request_timeout=1.0, **{**FAST, **kw})
 
 
-def requests_after(emu: MetadataEmulator, inst: str, n: int) -> bool:
-    """Wait until ``inst`` has served ``n`` more requests (the watcher is polling)."""
-    base = emu.instance(inst).requests
-    return emu.wait_for(lambda s: s[inst].requests >= base + n, timeout=WAIT)
+PREEMPTED = "/computeMetadata/v1/instance/preempted"
+MAINTENANCE = "/computeMetadata/v1/instance/maintenance-event"
+AWS_ACTION = "/latest/meta-data/spot/instance-action"
+AZURE_EVENTS = "/metadata/scheduledevents"
+
+
+def hits(emu: MetadataEmulator, inst: str, path: str, n: int) -> bool:
+    """Wait until ``inst`` has had ``n`` requests for ``path`` in all. Request n+1 on a
+    path starts only after the watcher has handled reply n."""
+    return emu.wait_for(lambda s: s[inst].path_hits.get(path, 0) >= n, timeout=WAIT)
 
 
 # ---- GCE -----------------------------------------------------------------------------------------
@@ -66,7 +72,7 @@ def test_gce_watcher_sees_preemption_with_its_window(emu, watchers):
     called = threading.Event()
     w = gce_watcher(emu, "a", window=7, on_notice=lambda n: (seen.append(n), called.set()))
     watchers.append(w.start())
-    assert requests_after(emu, "a", 4)  # name, plain reads and parked long-polls
+    assert hits(emu, "a", PREEMPTED, 2)  # a plain read, then a parked long-poll
     assert w.notice is None and w.running
 
     emu.preempt("a", window=7)
@@ -100,9 +106,10 @@ def test_gce_watcher_takes_its_url_from_gce_metadata_host(emu, watchers, monkeyp
 def test_gce_watcher_acts_on_terminate_maintenance_only(emu, watchers):
     w = gce_watcher(emu, "a", window=60)
     watchers.append(w.start())
-    assert requests_after(emu, "a", 3)
+    assert hits(emu, "a", MAINTENANCE, 2)
+    seen = emu.instance("a").path_hits[MAINTENANCE]
     emu.set_maintenance("a", "MIGRATE_ON_HOST_MAINTENANCE")
-    assert requests_after(emu, "a", 3)  # the watcher has read MIGRATE and polled again
+    assert hits(emu, "a", MAINTENANCE, seen + 2)  # the watcher has read MIGRATE and polled again
     assert w.notice is None
 
     emu.set_maintenance("a", "TERMINATE_ON_HOST_MAINTENANCE")
@@ -116,7 +123,7 @@ def test_gce_watcher_acts_on_terminate_maintenance_only(emu, watchers):
 def test_aws_watcher_takes_the_deadline_from_the_notice_time(emu, watchers):
     w = make("aws", emu, "b")
     watchers.append(w.start())
-    assert requests_after(emu, "b", 3)
+    assert hits(emu, "b", AWS_ACTION, 1)
     emu.preempt("b", window=120)
     notice = w.wait(WAIT)
     assert notice is not None and notice.source == "aws"
@@ -127,7 +134,7 @@ def test_aws_watcher_takes_the_deadline_from_the_notice_time(emu, watchers):
 def test_azure_watcher_takes_the_deadline_from_not_before(emu, watchers):
     w = make("azure", emu, "c")
     watchers.append(w.start())
-    assert requests_after(emu, "c", 3)
+    assert hits(emu, "c", AZURE_EVENTS, 1)
     emu.preempt("c", window=45)
     notice = w.wait(WAIT)
     assert notice is not None and notice.source == "azure" and notice.instance == "c"
@@ -136,10 +143,10 @@ def test_azure_watcher_takes_the_deadline_from_not_before(emu, watchers):
 
 
 def test_azure_watcher_ignores_events_for_other_vms(emu, watchers):
+    emu.preempt("c", window=45)
     w = make("azure", emu, "c", instance="some-other-vm")
     watchers.append(w.start())
-    emu.preempt("c", window=45)
-    assert requests_after(emu, "c", 3)
+    assert hits(emu, "c", AZURE_EVENTS, 2)  # the first reply, with c's event, has been handled
     assert w.notice is None
 
 
@@ -177,8 +184,8 @@ def test_stop_returns_during_a_long_poll_and_nothing_is_reported_after(emu, watc
     seen: list[Notice] = []
     w = GceWatcher(emu.gce_base_url("a"), long_poll_timeout=60, watch_maintenance=False,
                    on_notice=seen.append, **FAST)
-    w.start()
-    assert requests_after(emu, "a", 3)  # name, plain read, then the long-poll that is now parked
+    watchers.append(w.start())
+    assert hits(emu, "a", PREEMPTED, 2)  # a plain read, then the long-poll that is now parked
     w.stop(timeout=0.5)  # returns although the long-poll has ~60 s to go
     assert not w.running
 
@@ -190,7 +197,7 @@ def test_stop_returns_during_a_long_poll_and_nothing_is_reported_after(emu, watc
 def test_stop_cuts_a_backoff_short(emu, watchers):
     emu.set_fault("a", "500")
     w = make("gce", emu, "a", initial_backoff=60, max_backoff=60)
-    w.start()
+    watchers.append(w.start())
     assert emu.wait_for(lambda s: s["a"].fault_hits.get("500", 0) >= 1, timeout=WAIT)
     w.stop(timeout=WAIT)
     assert w.join(0)  # already ended: the 60 s backoff did not have to run out

@@ -77,7 +77,7 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
                 return
             path_instance, rest = _split_instance(path)
             name = self.registry.resolve(path_instance, self.headers.get("Host"))
-            fault = self.registry.begin_request(name)
+            fault = self.registry.begin_request(name, rest)
             if fault is None:  # stopping: drop the connection unanswered
                 self.close_connection = True
                 return

@@ -127,6 +127,7 @@ class InstanceSnapshot:
     kill_error: str | None
     requests: int
     fault_hits: dict[str, int]
+    path_hits: dict[str, int]
 
     def to_json(self) -> dict:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
@@ -153,7 +154,8 @@ class InstanceState:
     azure_incarnation: int = 1
     aws_tokens: dict[str, float] = field(default_factory=dict)  # token -> expiry epoch
     requests: int = 0
-    fault_hits: dict[str, int] = field(default_factory=dict)
+    fault_hits: dict[str, int] = field(default_factory=dict)  # fault -> requests that met it
+    path_hits: dict[str, int] = field(default_factory=dict)   # API path (no query) -> requests
 
     # ---- preemption life cycle -------------------------------------------------
     @property
@@ -272,5 +274,5 @@ class InstanceState:
             notice_at=self.notice_at, deadline=self.deadline, kill_pid=self.kill_pid,
             kill_signal=self.kill_signal.name if self.kill_signal else None,
             killed_at=self.killed_at, kill_error=self.kill_error,
-            requests=self.requests, fault_hits=dict(self.fault_hits),
+            requests=self.requests, fault_hits=dict(self.fault_hits), path_hits=dict(self.path_hits),
         )

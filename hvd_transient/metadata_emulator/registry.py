@@ -150,7 +150,7 @@ class Registry:
             host = _host_name(host_header or "")
             return host if host in self._instances else self._default
 
-    def begin_request(self, name: str) -> Fault | None:
+    def begin_request(self, name: str, path: str) -> Fault | None:
         """Count a request and return the fault to apply; blocks while the fault is ``hang``.
 
         Returns None when the server is stopping (the caller drops the connection).
@@ -158,6 +158,7 @@ class Registry:
         with self._cond:
             inst = self._get(name)
             inst.requests += 1
+            inst.path_hits[path] = inst.path_hits.get(path, 0) + 1
             if inst.fault is not Fault.OK:
                 inst.fault_hits[inst.fault.value] = inst.fault_hits.get(inst.fault.value, 0) + 1
             self._cond.notify_all()
