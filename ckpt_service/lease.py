@@ -65,19 +65,28 @@ class Lease:
             log.warning("lease object %s is unreadable; treating it as expired", self.key)
             return LeaseRecord("", 0.0, True, ""), info.generation
 
-    def acquire(self, *, steal: bool = False) -> int:
-        """Take the lease. ``steal=True`` is for an elected successor (all ranks agreed)."""
-        record, generation = self.read()
-        if record is not None and not steal and not record.usable_by(self.holder, self.clock()):
-            raise LeaseHeldError(
-                f"the checkpoint-master lease is held by {record.holder!r} until "
-                f"{time.strftime('%H:%M:%S', time.localtime(record.expires_at))}; wait for it to expire "
-                "or elect a new master"
-            )
-        try:
-            self.generation = self._write(generation, released=False)
-        except PreconditionFailedError:
-            raise LeaseHeldError(f"another process took the lease {self.key} at the same moment") from None
+    def acquire(self, *, steal: bool = False, attempts: int = 5) -> int:
+        """Take the lease. ``steal=True`` is for an elected successor (all ranks agreed).
+
+        A successor may race the predecessor's ``release()``; a lost compare-and-swap is
+        then simply re-read and tried again (``attempts`` times) rather than given up.
+        """
+        for attempt in range(attempts):
+            record, generation = self.read()
+            if record is not None and not steal and not record.usable_by(self.holder, self.clock()):
+                raise LeaseHeldError(
+                    f"the checkpoint-master lease is held by {record.holder!r} until "
+                    f"{time.strftime('%H:%M:%S', time.localtime(record.expires_at))}; wait for it to "
+                    "expire or elect a new master"
+                )
+            try:
+                self.generation = self._write(generation, released=False)
+                break
+            except PreconditionFailedError:
+                if attempt == attempts - 1:
+                    raise LeaseHeldError(
+                        f"the lease {self.key} kept changing under {self.holder}; another process is "
+                        "competing for it") from None
         if record is not None and record.holder not in ("", self.holder) and not record.released:
             log.warning("took over the checkpoint-master lease from %s", record.holder)
         return self.generation

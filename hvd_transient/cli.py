@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "cluster": ("hvd_transient.cluster.cli", "create, inspect and delete a GCE spot training cluster"),
     "demo": ("hvd_transient.demo", "run the local transient-cluster demo"),
     "report": ("hvd_transient.report", "timeline, cost and checkpoint report of a run"),
+    "stop": ("hvd_transient.control", "ask a running job to checkpoint and stop cleanly"),
     "bench": ("hvd_transient.bench_cli", "run the benchmarks in bench/"),
 }
 

@@ -13,29 +13,35 @@ import numpy as np
 
 @dataclass(frozen=True)
 class NoticeRound:
-    """The outcome of one notice collective: which ranks are leaving and by when."""
+    """The outcome of one notice collective: which ranks are leaving and by when,
+    and whether the operator asked the job to stop."""
 
     leaving: tuple[int, ...]
     deadline: float | None  # the earliest deadline among the leaving ranks
+    stop: bool = False
 
     @property
     def any(self) -> bool:
         return bool(self.leaving)
 
 
-def encode_notice(rank: int, size: int, deadline: float | None) -> np.ndarray:
-    """This rank's contribution; summing every rank's vector gives the whole picture."""
-    vec = np.zeros(2 * size, dtype=np.float64)
+def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = False) -> np.ndarray:
+    """This rank's contribution; summing every rank's vector gives the whole picture.
+
+    Layout: ``[leaving flag per rank | deadline per rank | stop]``.
+    """
+    vec = np.zeros(2 * size + 1, dtype=np.float64)
     if deadline is not None:
         vec[rank] = 1.0
         vec[size + rank] = deadline
+    vec[2 * size] = 1.0 if stop else 0.0
     return vec
 
 
 def decode_notice(summed: np.ndarray, size: int) -> NoticeRound:
     leaving = tuple(int(i) for i in np.flatnonzero(summed[:size] > 0.5))
     deadline = min((float(summed[size + i]) for i in leaving), default=None)
-    return NoticeRound(leaving, deadline)
+    return NoticeRound(leaving, deadline, bool(summed[2 * size] > 0.5))
 
 
 def elect_master(size: int, leaving: Collection[int]) -> int:

@@ -8,6 +8,7 @@ The report and the benchmarks read every file back and merge them by time.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 EVENTS_PREFIX = "events/"
 URGENT = frozenset({"notice", "notice_agreed", "election", "commit", "save_failed", "leave_published",
-                    "restore", "reset", "train_end", "start"})
+                    "restore", "reset", "train_end", "start", "ring", "weights"})
 
 
 class EventLog:
@@ -33,6 +34,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._last_flush = 0.0
         self._dirty = False
+        atexit.register(self.flush)  # rate-limited events must still reach the store
 
     def emit(self, kind: str, /, **fields: Any) -> dict[str, Any]:
         event = {"t": time.time(), "event": kind, "host": self.host, "pid": os.getpid(), **fields}

@@ -29,13 +29,14 @@ pass ``state=None``: a notice then writes the emergency checkpoint and stops
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from ckpt_service.manager import CheckpointManager
-from ckpt_service.manifest import crc32c
+from ckpt_service.stores import open_store
+from hvd_transient.checksums import state_crc
+from hvd_transient.control import clear_stop
 from hvd_transient.hvd_collectives import HorovodCollectives
 from hvd_transient.lr_scaling import scaled_lr
 from hvd_transient.transient import StepOutcome, TransientConfig, TransientImpl
@@ -104,6 +105,7 @@ def elastic_state(model: tf.keras.Model, *, store: str, **state_kwargs: Any) -> 
     build_optimizer_slots(model)
     restored = None
     if hvd.rank() == 0:
+        clear_stop(open_store(store))  # a stop request was for the previous launch
         restored = restore_model(model, store)
         if restored is not None:
             for key in ("epoch", "batch"):
@@ -114,18 +116,16 @@ def elastic_state(model: tf.keras.Model, *, store: str, **state_kwargs: Any) -> 
     return state
 
 
-def state_crc(tensors: Mapping[str, Any]) -> int:
-    """One checksum over a whole state, in name order (replicas, and a checkpoint, must agree)."""
-    total = 0
-    for name in sorted(tensors):
-        value = tensors[name]
-        array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-        total = (total * 1_000_003 + crc32c(np.ascontiguousarray(array))) % (1 << 61)
-    return total
-
-
 def weights_crc(model: tf.keras.Model) -> int:
-    return state_crc(state_variables(model))
+    """Checksum of the state that data parallelism keeps identical on every rank.
+
+    Trainable weights and optimizer slots are; per-rank statistics such as batch-norm
+    moving averages are not (each rank updates them from its own batches), so they are
+    left out here.
+    """
+    trainable = {id(v) for v in model.trainable_weights}
+    return state_crc({name: v for name, v in state_variables(model).items()
+                      if name.startswith("optimizer/") or id(v) in trainable})
 
 
 class TransientCallback(tf.keras.callbacks.Callback):
@@ -198,6 +198,7 @@ class TransientCallback(tf.keras.callbacks.Callback):
             restored = getattr(self.state, "hvdt_restored", None)
             self.impl.events.emit("start", step=self._step(), rank=self.impl.comm.rank(),
                                   size=self.impl.comm.size(), crc=weights_crc(self.model),
+                                  full_crc=state_crc(state_variables(self.model)),
                                   restored_step=restored.get("step") if restored else None)
         self.impl.begin(self._step())
         self._apply_lr()
@@ -206,6 +207,9 @@ class TransientCallback(tf.keras.callbacks.Callback):
         assert self.impl is not None
         outcome = self.impl.after_step(self._step(), self._snapshot, self._metadata)
         self.last_outcome = outcome
+        if outcome.stop:
+            self.model.stop_training = True  # every rank saw the same request at this step
+            return
         if outcome.emergency_step is not None and self.state is None:
             self.model.stop_training = True  # static job: the relaunch resumes from the checkpoint
             return

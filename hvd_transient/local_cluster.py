@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ckpt_service.stores import open_store
+from hvd_transient.control import clear_stop, request_stop
 from hvd_transient.events import read_events
 from hvd_transient.membership import clear_leaving
 from hvd_transient.metadata_emulator import MetadataEmulator
@@ -76,6 +77,7 @@ class LocalCluster:
         self.emulator.start()
         for host in self._hosts:  # new VMs may reuse names that left an earlier run
             clear_leaving(self.store, host)
+        clear_stop(self.store)
         self._write_hosts()
         env = self.environment()
         cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(len(self._hosts))]
@@ -176,6 +178,10 @@ class LocalCluster:
             raise ClusterError(f"no live worker is known on {host}")
         os.kill(pid, sig)
 
+    def request_stop(self) -> None:
+        """Ask the job to checkpoint and finish (as ``hvd-transient stop`` does)."""
+        request_stop(self.store, "local cluster")
+
     def set_metadata_fault(self, host: str, mode: str) -> None:
         self.emulator.set_fault(host, mode)
 
@@ -224,7 +230,7 @@ class LocalCluster:
             return "<no log>"
 
 
-def of(events: Sequence[Event], kind: str, **match: Any) -> list[Event]:
+def of(events: Sequence[Event], kind: str, /, **match: Any) -> list[Event]:
     """Events of one kind whose fields equal ``match``."""
     return [e for e in events if e.get("event") == kind and all(e.get(k) == v for k, v in match.items())]
 

@@ -33,6 +33,7 @@ import numpy as np
 from ckpt_service.errors import CheckpointError, NothingToRestoreError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import Checkpoint, CheckpointManager, CommitConflictError
+from hvd_transient.control import STOP_POLL_S, stop_requested
 from hvd_transient.election import NoticeRound, decode_notice, elect_master, encode_notice
 from hvd_transient.events import EventLog
 from hvd_transient.membership import publish_leaving
@@ -77,6 +78,7 @@ class StepOutcome:
     committed: bool = False             # whether it committed
     leaving: bool = False               # this rank is leaving the job
     departure_pending: bool = False     # some rank published itself as leaving
+    stop: bool = False                  # the operator asked the job to stop (every rank agrees)
 
 
 @dataclass
@@ -109,6 +111,8 @@ class TransientImpl:
         self.lease = Lease(self.manager.store, f"{self.host}:{os.getpid()}")
         self.watcher = watcher if watcher is not None else _make_watcher(config, self.host)
         self.run = _RunState()
+        self._stop_checked_at = float("-inf")
+        self._stop_seen = False
         if self.watcher is not None:
             self.watcher.start()
 
@@ -124,10 +128,7 @@ class TransientImpl:
         self.run.departure_pending = bool(leaving)
         self.run.begun_at_step = step
         self.run.last_step = step
-        if rank == self.run.master and not self.lease.held:
-            self.lease.acquire(steal=True)  # every rank agreed on this master
-        elif rank != self.run.master and self.lease.held:
-            self.lease.release()
+        self._move_lease(self.run.master)
         self.events.emit("ring", step=step, rank=rank, size=size, master=self.run.master,
                          master_host=self.run.hosts[self.run.master], previous_master=previous_master,
                          lease_generation=self.lease.generation if rank == self.run.master else None)
@@ -168,6 +169,9 @@ class TransientImpl:
             new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
             if new:
                 return self._emergency(step, round_, snapshot, metadata)
+            if round_.stop:
+                self.events.emit("stop_requested", step=step)
+                return StepOutcome(stop=True, departure_pending=self.run.departure_pending)
         every = self.config.save_every_steps
         if every and step > 0 and step % every == 0 and not self.run.departure_pending:
             self._periodic_save(step, snapshot, metadata)
@@ -182,8 +186,21 @@ class TransientImpl:
                 self.events.emit("notice", source=notice.source, reason=notice.reason,
                                  detected_at=notice.detected_at, deadline=notice.deadline)
         deadline = notice.deadline if notice is not None else None
-        summed = self.comm.allreduce_sum(encode_notice(rank, size, deadline))
+        summed = self.comm.allreduce_sum(encode_notice(rank, size, deadline, self._stop_requested()))
         return decode_notice(summed, size)
+
+    def _stop_requested(self) -> bool:
+        """The master looks at the store now and then; the collective shares its answer."""
+        if self.comm.rank() != self.run.master:
+            return False
+        now = time.monotonic()
+        if now - self._stop_checked_at >= STOP_POLL_S:
+            self._stop_checked_at = now
+            try:
+                self._stop_seen = stop_requested(self.manager.store)
+            except Exception as exc:  # an unreachable store must not stop training
+                log.warning("could not check for a stop request: %s", exc)
+        return self._stop_seen
 
     def _emergency(self, step: int, round_: NoticeRound, snapshot: Callable[[], Mapping[str, Any]],
                    metadata: Callable[[], dict[str, Any]]) -> StepOutcome:
@@ -204,10 +221,7 @@ class TransientImpl:
 
         new_master = elect_master(size, round_.leaving)
         if new_master != self.run.master:
-            if rank == self.run.master:
-                self.lease.release()
-            if rank == new_master:
-                self.lease.acquire(steal=True)
+            self._move_lease(new_master)
             self.events.emit("election", step=step, old_master=self.run.master, new_master=new_master,
                              old_master_host=self.run.hosts[self.run.master],
                              new_master_host=self.run.hosts[new_master],
@@ -224,6 +238,22 @@ class TransientImpl:
             self.events.emit("leave_published", step=step, deadline=round_.deadline, was_master=False)
         return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
                            departure_pending=True)
+
+    def _move_lease(self, master: int) -> None:
+        """Release the lease unless this rank is ``master``, which takes it (all ranks agreed).
+
+        A failure here is logged, never raised: a master without the lease cannot commit
+        (its saves are abandoned and reported), but training goes on.
+        """
+        try:
+            if self.comm.rank() == master:
+                if not self.lease.held:
+                    self.lease.acquire(steal=True)
+            elif self.lease.held:
+                self.lease.release()
+        except CheckpointError as exc:
+            log.error("checkpoint-master lease hand-over failed: %s", exc)
+            self.events.emit("lease_error", error=str(exc))
 
     def save_now(self, step: int, tensors: Mapping[str, Any], meta: dict[str, Any], *, coordinator: int,
                   deadline: float | None, kind: str) -> bool:

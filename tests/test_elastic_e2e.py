@@ -1,0 +1,211 @@
+"""End to end: real `horovodrun` over local host aliases, real metadata emulator, real stores.
+
+Each scenario drives a small Keras model through a preemption schedule and then
+checks the event log every worker wrote, the store, and the job's exit code.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_service.manager import CheckpointManager
+from hvd_transient.checksums import state_crc
+from hvd_transient.local_cluster import LocalCluster, LocalClusterSpec, of
+
+pytestmark = pytest.mark.horovod
+
+REPO = Path(__file__).resolve().parent.parent
+ELASTIC = str(REPO / "examples" / "keras_elastic.py")
+STATIC = str(REPO / "examples" / "keras_static.py")
+BASE_LR = 0.01
+
+
+def elastic_cmd(store: str, *, epochs: int, steps: int = 40, save_every: int = 25,
+                step_seconds: float = 0.05) -> tuple[str, ...]:
+    return (sys.executable, ELASTIC, "--store", store, "--model", "small_cnn", "--epochs", str(epochs),
+            "--steps-per-epoch", str(steps), "--save-every", str(save_every), "--base-lr", str(BASE_LR),
+            "--batches-per-commit", "5", "--step-seconds", str(step_seconds))
+
+
+def cluster(tmp_path: Path, name: str, store: str, hosts: tuple[str, ...], command: tuple[str, ...],
+            **kw) -> LocalCluster:
+    return LocalCluster(LocalClusterSpec(store=store, hosts=hosts, command=command, workdir=tmp_path / name,
+                                         **kw))
+
+
+def steps_by_host(events: list[dict]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for e in events:
+        if e["event"] in ("progress", "first_step", "reset", "train_end"):
+            out.setdefault(e["host"], []).append(e["step"])
+    return out
+
+
+def assert_all_committed_steps_verify(store: str) -> list[int]:
+    with CheckpointManager(store, max_to_keep=None) as mgr:
+        steps = mgr.all_steps()
+        for step in steps:
+            assert mgr.verify(step).ok, step
+    return steps
+
+
+def current_master(events: list[dict]) -> str:
+    return of(events, "ring")[-1]["master_host"]
+
+
+def test_worker_notice_join_and_master_notice(tmp_path: Path) -> None:
+    """Faulty metadata server, notice to a worker, a new host joins, notice to the master."""
+    store = str(tmp_path / "store")
+    hosts = ("localhost", "127.0.0.1", "127.0.1")
+    c = cluster(tmp_path, "run", store, hosts, elastic_cmd(store, epochs=1000),
+                instances=hosts + ("127.1",))
+    with c:
+        c.wait_for_step(10, 180, size=3)
+        master = current_master(c.events())
+        worker = next(h for h in hosts if h != master)
+        # A misbehaving metadata server must not disturb training, and the watcher must recover.
+        for mode in ("500", "garbage", "hang"):
+            c.set_metadata_fault(worker, mode)
+            reached = c.wait_for_step(0, 5)
+            c.wait_for_step(reached + 20, 120, size=3)
+        c.set_metadata_fault(worker, "ok")
+
+        # 1. a worker that is not the checkpoint master gets a notice
+        c.preempt(worker, window_s=40)
+        c.wait_for(lambda ev: of(ev, "ring", size=2, host=master), 120, "the ring to shrink to 2")
+        # 5. a new host appears
+        c.add_host("127.1")
+        c.wait_for(lambda ev: of(ev, "ring", size=3, host="127.1"), 180, "127.1 to join")
+        c.wait_for_step(max(e["step"] for e in of(c.events(), "ring", host="127.1")) + 10, 120, size=3)
+        # 2. the checkpoint master gets a notice
+        assert current_master(c.events()) == master
+        c.preempt(master, window_s=40)
+        c.wait_for(lambda ev: [e for e in of(ev, "ring", size=2) if e["t"] > of(ev, "election")[0]["t"]]
+                   if of(ev, "election") else None, 120, "a new master on a ring of 2")
+        c.request_stop()
+        assert c.wait(300) == 0, c.log_tail()
+        events = c.events()
+    survivors = {h for h in hosts + ("127.1",)} - {worker, master}
+
+    # no notice was invented while the metadata server misbehaved
+    assert {e["host"] for e in of(events, "notice")} == {worker, master}
+    observer = sorted(survivors)[0]
+    agreed = {e["leaving"][0]: e for e in of(events, "notice_agreed", host=observer)}
+    assert set(agreed) == {worker, master}
+
+    # emergency checkpoints committed before each deadline, by the master of the moment
+    commits = sorted(of(events, "commit", kind="emergency"), key=lambda e: e["t"])
+    assert len(commits) == 2, commits
+    first, second = commits
+    assert first["host"] == master and first["t"] < agreed[worker]["deadline"]
+    assert second["host"] in survivors, "the departing master must not be the one committing"
+    assert second["t"] < agreed[master]["deadline"]
+    election = of(events, "election", host=observer)
+    assert len(election) == 1
+    assert election[0]["old_master_host"] == master and election[0]["new_master_host"] == second["host"]
+    assert second["lease_generation"] > first["lease_generation"]  # the fencing token moved on
+
+    # both preempted hosts left gracefully: published, removed, no rollback for the survivors
+    assert {e["host"] for e in of(events, "leave_published")} == {worker, master}
+    assert all(e["rolled_back"] == 0 for e in of(events, "reset")), of(events, "reset")
+    for host, steps in steps_by_host(events).items():
+        assert steps == sorted(steps), f"{host}: step counter went back: {steps}"
+
+    # the ring followed the schedule and the LR followed the ring: 3 -> 2 -> 3 -> 2 workers
+    sizes = [e["size"] for e in of(events, "ring", host=observer)]
+    assert sizes == [3, 2, 3, 2], sizes
+    for e in of(events, "lr"):
+        assert e["lr"] == pytest.approx(BASE_LR * e["size"])
+
+    # the stop request ended the job on every rank at one step, after a final checkpoint;
+    # survivors finished with identical replicated state, and every committed step verifies
+    stop_steps = {e["step"] for e in of(events, "stop_requested")}
+    assert len(stop_steps) == 1
+    final = of(events, "weights")
+    assert {e["host"] for e in final} == survivors
+    assert len({e["crc"] for e in final}) == 1
+    steps = assert_all_committed_steps_verify(store)
+    assert steps[-1] == final[0]["step"]
+
+
+def test_whole_cluster_notice_during_async_save_then_cold_restart(tmp_path: Path, gcs_emulator_session) -> None:
+    """Every worker gets a notice while a periodic async save is in flight; the cluster is lost;
+    a relaunch on fewer workers resumes from exactly that checkpoint."""
+    store = f"gs://{gcs_emulator_session.new_bucket('e2e')}/run"
+    hosts = ("localhost", "127.0.0.1", "127.0.1")
+    c = cluster(tmp_path, "first", store, hosts, elastic_cmd(store, epochs=1000, save_every=1))
+    with c:
+        c.wait_for_step(15, 180, size=3)
+        for host in hosts:
+            c.preempt(host, window_s=60, kill_at_deadline=False)
+        c.wait_for(lambda ev: len(of(ev, "leave_published")) == 3, 120, "all three to publish leaving")
+        events = c.events()
+        c.stop()  # the whole cluster is gone
+    commit = of(events, "commit", kind="emergency")
+    assert len(commit) == 1
+    emergency_step = commit[0]["step"]
+    assert of(events, "wait_inflight"), "the notice should have met an in-flight periodic save"
+    steps = assert_all_committed_steps_verify(store)  # nothing torn
+    assert steps[-1] == emergency_step
+    with CheckpointManager(store) as mgr:
+        saved = mgr.restore(step=emergency_step)
+    assert saved.manifest.world_size == 3
+
+    # finish the epoch the checkpoint was taken in (40 steps per epoch), on two workers
+    relaunch = cluster(tmp_path, "second", store, ("localhost", "127.0.0.1"),
+                       elastic_cmd(store, epochs=emergency_step // 40 + 1, step_seconds=0.0))
+    with relaunch:
+        def new_starts(ev: list[dict]) -> list[dict]:
+            found = [e for e in of(ev, "start") if e["t"] >= relaunch.started_at]
+            return found if len(found) == 2 else []
+
+        starts = relaunch.wait_for(new_starts, 180, "both workers to start")
+        assert relaunch.wait(300) == 0, relaunch.log_tail()
+    restored = [e for e in starts if e.get("restored_step") is not None]
+    assert [e["restored_step"] for e in restored] == [emergency_step]  # rank 0 read it
+    # every rank starts bit-exact from the checkpoint: weights AND optimizer state
+    assert {e["full_crc"] for e in starts} == {state_crc(saved.tensors)}
+    assert {e["step"] for e in starts} == {emergency_step}
+
+
+def test_kill_without_notice_rolls_back_and_completes(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    c = cluster(tmp_path, "run", store, ("localhost", "127.0.0.1", "127.0.1"), elastic_cmd(store, epochs=1000),
+                gloo_timeout_s=10)
+    with c:
+        c.wait_for_step(20, 180, size=3)
+        c.kill("127.0.1")
+        ring = c.wait_for(lambda ev: of(ev, "ring", size=2, host="localhost"), 120, "the ring to shrink to 2")
+        c.wait_for_step(ring[0]["step"] + 10, 120, size=2)
+        c.request_stop()
+        assert c.wait(300) == 0, c.log_tail()
+        events = c.events()
+    assert not of(events, "leave_published")
+    assert of(events, "reset", host="localhost"), "Horovod's rollback path must run our reset hook"
+    final = of(events, "weights")
+    assert {e["host"] for e in final} == {"localhost", "127.0.0.1"} and len({e["crc"] for e in final}) == 1
+
+
+def test_static_job_checkpoints_on_notice_and_relaunch_resumes(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    cmd = (sys.executable, STATIC, "--store", store, "--model", "small_cnn", "--steps", "400",
+           "--save-every", "1000", "--step-seconds", "0.05")
+    c = cluster(tmp_path, "first", store, ("localhost", "127.0.0.1"), cmd, elastic=False)
+    with c:
+        c.wait_for_step(10, 180)
+        c.preempt("127.0.0.1", window_s=60, kill_at_deadline=False)
+        assert c.wait(300) == 0, c.log_tail()
+        events = c.events()
+    commit = of(events, "commit", kind="emergency")
+    assert len(commit) == 1 and commit[0]["step"] < 400
+    step = commit[0]["step"]
+    resumed = cluster(tmp_path, "second", store, ("localhost", "127.0.0.1"), cmd[:-2] + ("--step-seconds", "0"),
+                      elastic=False)
+    with resumed:
+        assert resumed.wait(300) == 0, resumed.log_tail()
+        events = resumed.events()
+    starts = [e for e in of(events, "start") if e["t"] >= resumed.started_at]
+    assert len(starts) == 2 and {e["step"] for e in starts} == {step}, "the relaunch must resume from the emergency checkpoint"
+    assert f"stopped at step 400 (resumed from {step})" in resumed.log_tail(80)
