@@ -906,7 +906,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baselines", type=_csv(str, ("savez", "tf")), default=("savez", "tf"),
                    help="baselines to run (tf = tf.train.Checkpoint, local store only)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per measurement")
-    p.add_argument("--large-repeats", type=int, default=1,
+    p.add_argument("--large-repeats", type=int, default=2,
                    help="repeats for states of at least --large-mb (keeps the default run short)")
     p.add_argument("--large-mb", type=float, default=1000.0, help="what counts as a large state")
     p.add_argument("--io-threads", type=int, default=8, help="CheckpointManager io_threads per process")
