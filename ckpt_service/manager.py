@@ -22,7 +22,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -164,6 +164,7 @@ class CheckpointManager:
         coordinator: int = 0,
         lease: Lease | None = None,
         if_busy: str = "skip",
+        on_done: Callable[[Manifest | None, BaseException | None], None] | None = None,
     ) -> bool:
         """Snapshot this rank's share into host memory, then persist and commit in the background.
 
@@ -172,6 +173,7 @@ class CheckpointManager:
         ``if_busy="skip"`` drops this request (returns False) and ``"wait"`` blocks until the
         previous one finishes. A multi-writer background save gathers records through the
         store unless ``gather`` is given (it then runs on the background thread).
+        ``on_done(manifest, error)`` is called on the background thread when it ends.
         """
         if if_busy not in ("skip", "wait"):
             raise ValueError(f"if_busy must be 'skip' or 'wait', not {if_busy!r}")
@@ -191,10 +193,13 @@ class CheckpointManager:
         stall = time.perf_counter() - t0
         meta = _checked_metadata(metadata)
         with self._inflight_lock:
-            self._inflight = self._bg.submit(
+            future = self._bg.submit(
                 self._save_planned, step, plan, snapshot, meta, rank, gather, coordinator, lease, None,
                 stall_s=stall,
             )
+            self._inflight = future
+        if on_done is not None:
+            future.add_done_callback(lambda f: on_done(None if f.exception() else f.result(), f.exception()))
         return True
 
     def wait(self, timeout: float | None = None) -> Manifest | None:

@@ -19,29 +19,32 @@ class NoticeRound:
     leaving: tuple[int, ...]
     deadline: float | None  # the earliest deadline among the leaving ranks
     stop: bool = False
+    busy: bool = False      # some rank is still persisting a background save
 
     @property
     def any(self) -> bool:
         return bool(self.leaving)
 
 
-def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = False) -> np.ndarray:
+def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = False,
+                  busy: bool = False) -> np.ndarray:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
-    Layout: ``[leaving flag per rank | deadline per rank | stop]``.
+    Layout: ``[leaving flag per rank | deadline per rank | stop | busy]``.
     """
-    vec = np.zeros(2 * size + 1, dtype=np.float64)
+    vec = np.zeros(2 * size + 2, dtype=np.float64)
     if deadline is not None:
         vec[rank] = 1.0
         vec[size + rank] = deadline
     vec[2 * size] = 1.0 if stop else 0.0
+    vec[2 * size + 1] = 1.0 if busy else 0.0
     return vec
 
 
 def decode_notice(summed: np.ndarray, size: int) -> NoticeRound:
     leaving = tuple(int(i) for i in np.flatnonzero(summed[:size] > 0.5))
     deadline = min((float(summed[size + i]) for i in leaving), default=None)
-    return NoticeRound(leaving, deadline, bool(summed[2 * size] > 0.5))
+    return NoticeRound(leaving, deadline, bool(summed[2 * size] > 0.5), bool(summed[2 * size + 1] > 0.5))
 
 
 def elect_master(size: int, leaving: Collection[int]) -> int:

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 EVENTS_PREFIX = "events/"
 URGENT = frozenset({"notice", "notice_agreed", "election", "commit", "save_failed", "leave_published",
-                    "restore", "reset", "train_end", "start", "ring", "weights"})
+                    "restore", "reset", "train_end", "start", "ring", "weights", "async_save"})
 
 
 class EventLog:

@@ -164,7 +164,10 @@ class TransientImpl:
             self.events.emit("first_step", step=step, size=self.comm.size())
         elif self.config.progress_every_steps and step % self.config.progress_every_steps == 0:
             self.events.emit("progress", step=step, size=self.comm.size())
-        if self.config.check_every_steps and step % self.config.check_every_steps == 0:
+        every = self.config.save_every_steps
+        save_due = bool(every) and step > 0 and step % every == 0 and not self.run.departure_pending
+        check_due = bool(self.config.check_every_steps) and step % self.config.check_every_steps == 0
+        if check_due or save_due:
             round_ = self._notice_round()
             new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
             if new:
@@ -172,9 +175,12 @@ class TransientImpl:
             if round_.stop:
                 self.events.emit("stop_requested", step=step)
                 return StepOutcome(stop=True, departure_pending=self.run.departure_pending)
-        every = self.config.save_every_steps
-        if every and step > 0 and step % every == 0 and not self.run.departure_pending:
-            self._periodic_save(step, snapshot, metadata)
+            # Every rank takes the same decision: a save starts only if no rank is still busy,
+            # so the writers of one step always meet in its gather.
+            if save_due and not round_.busy:
+                self._periodic_save(step, snapshot, metadata)
+            elif save_due:
+                self.events.emit("save_skipped", step=step, reason="previous save still in flight")
         return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending)
 
     def _notice_round(self) -> NoticeRound:
@@ -186,7 +192,8 @@ class TransientImpl:
                 self.events.emit("notice", source=notice.source, reason=notice.reason,
                                  detected_at=notice.detected_at, deadline=notice.deadline)
         deadline = notice.deadline if notice is not None else None
-        summed = self.comm.allreduce_sum(encode_notice(rank, size, deadline, self._stop_requested()))
+        summed = self.comm.allreduce_sum(encode_notice(rank, size, deadline, self._stop_requested(),
+                                                       self.manager.save_in_flight))
         return decode_notice(summed, size)
 
     def _stop_requested(self) -> bool:
@@ -287,9 +294,17 @@ class TransientImpl:
         rank, size = self.comm.rank(), self.comm.size()
         master = self.run.master
         t0 = time.perf_counter()
+        def done(manifest: Any, error: BaseException | None) -> None:
+            if error is not None:
+                self.events.emit("save_failed", step=step, kind="periodic", error=f"{type(error).__name__}: {error}")
+            elif manifest is not None:  # the coordinator
+                self.events.emit("commit", step=step, kind="periodic", size=size,
+                                 lease_generation=manifest.lease_generation)
+
         started = self.manager.save_async(
             step, snapshot(), metadata(), rank=rank, world_size=size, coordinator=master,
-            lease=self.lease if rank == master else None, if_busy="skip")
+            lease=self.lease if rank == master else None, if_busy="wait",  # not busy: agreed above
+            on_done=done)
         if started:
             self.events.emit("async_save", step=step, stall_ms=(time.perf_counter() - t0) * 1e3, size=size)
 

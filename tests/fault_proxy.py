@@ -20,6 +20,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -96,6 +97,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._rules: list[_Rule] = []
         self.seen: list[Seen] = []
+        self._latency: tuple[float, Matcher] | None = None
         self._server = _QuietServer(("127.0.0.1", 0), _handler_for(self))
         self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
 
@@ -130,6 +132,11 @@ class FaultProxy:
         """Forward the next matching request(s), then reset the connection instead of replying."""
         with self._lock:
             self._rules.append(_Rule("drop", count, match))
+
+    def slow_down(self, seconds: float, *, match: Matcher = is_upload) -> None:
+        """Hold every matching request ``seconds`` before forwarding it (a slow network)."""
+        with self._lock:
+            self._latency = (seconds, match) if seconds > 0 else None
 
     def reset(self) -> None:
         """Disarm every fault and forget what was seen."""
@@ -184,6 +191,9 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 self.end_headers()
                 self.wfile.write(payload)
                 return
+            latency = proxy._latency
+            if latency is not None and latency[1](req):
+                time.sleep(latency[0])  # the injected fault itself: a slow link
             status, reason, headers, data = self._forward(body)
             if rule is not None and rule.kind == "drop":
                 proxy._record(req, "dropped-response", status)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_service.manager import CheckpointManager
+from fault_proxy import FaultProxy
 from hvd_transient.checksums import state_crc
 from hvd_transient.local_cluster import LocalCluster, LocalClusterSpec, of
 
@@ -135,9 +136,17 @@ def test_whole_cluster_notice_during_async_save_then_cold_restart(tmp_path: Path
     a relaunch on fewer workers resumes from exactly that checkpoint."""
     store = f"gs://{gcs_emulator_session.new_bucket('e2e')}/run"
     hosts = ("localhost", "127.0.0.1", "127.0.1")
-    c = cluster(tmp_path, "first", store, hosts, elastic_cmd(store, epochs=1000, save_every=1))
-    with c:
+    # The workers reach the emulator through a slow link, so a periodic save is still being
+    # persisted when the notices arrive.
+    proxy = FaultProxy(gcs_emulator_session.url)
+    proxy.slow_down(1.0)  # each upload takes a second: a periodic save lasts several seconds
+    c = cluster(tmp_path, "first", store, hosts, elastic_cmd(store, epochs=1000, save_every=5),
+                extra_env=(("STORAGE_EMULATOR_HOST", proxy.url),))
+    with c, proxy:
         c.wait_for_step(15, 180, size=3)
+        seen = len(of(c.events(), "async_save"))
+        # a save that has just started (its start event is written at once) is still in flight
+        c.wait_for(lambda ev: len(of(ev, "async_save")) > seen, 120, "a new periodic save to start")
         for host in hosts:
             c.preempt(host, window_s=60, kill_at_deadline=False)
         c.wait_for(lambda ev: len(of(ev, "leave_published")) == 3, 120, "all three to publish leaving")
