@@ -5,6 +5,35 @@ rewrites its own ``events/<host>.<pid>.jsonl`` on flush. Flushes are rate
 limited (GCS allows about one write per second per object) except for events
 that matter when a machine is about to disappear, which flush at once.
 The report and the benchmarks read every file back and merge them by time.
+
+Every event has ``t`` (epoch seconds), ``event``, ``host`` and ``pid``; the kinds:
+
+=================  ==================================================================
+start              a worker process began training: step, rank, size, crc (replicated
+                   state), full_crc, restored_step (rank 0 of a cold restart)
+ring               (every rank) training (re)started on a ring: step, rank, size, master,
+                   master_host, previous_master, lease_generation (master only)
+lr                 learning rate set for the ring: lr, size, mode
+first_step         first step completed on a new ring: step, size
+progress           every N steps: step, size
+notice             this host's watcher saw a notice: source, reason, detected_at, deadline
+notice_agreed      (every rank) step at which all ranks acted: step, leaving (hosts),
+                   deadline (commit deadline), size
+wait_inflight      an in-flight background save was waited for before the emergency save
+election           master moved: step, old_master(_host), new_master(_host), lease_generation
+save_start/_end    step, kind (emergency|periodic|final), seconds, bytes (this rank's share)
+async_save         a periodic background save started: step, stall_ms, size
+save_skipped       a periodic save was skipped because one was still in flight
+commit             (master) step, kind, size, lease_generation
+save_failed        step, kind, error
+leave_published    this host published itself as leaving: step, deadline
+reset              Horovod reset the ring: step (after), rolled_back, last_step
+stop_requested     (every rank) an operator stop was agreed at: step
+train_end          step
+weights            step, crc (replicated state), size, rank
+restore            (rank 0) a checkpoint was restored: step, writers, bytes
+lease_error        error
+=================  ==================================================================
 """
 from __future__ import annotations
 
