@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 #: what ``bench all`` runs, in this order (names as typed on the command line)
-BENCHES: tuple[str, ...] = ("ckpt-io",)
+BENCHES: tuple[str, ...] = ("ckpt-io", "ckpt-overhead", "emergency-save", "preemption-cost", "restore")
 
 #: modules in bench/ that are not benchmarks
 _NOT_BENCHES = frozenset({"common", "conftest"})
