@@ -1,0 +1,173 @@
+"""The per-step protocol (notice agreement, election, emergency save, leave) with in-process ranks."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from ckpt_service.lease import Lease
+from ckpt_service.manager import CheckpointManager
+from ckpt_service.stores import MemoryStore
+from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
+from hvd_transient.control import request_stop
+from hvd_transient.election import decode_notice, elect_master, encode_notice
+from hvd_transient.lr_scaling import scaled_lr
+from hvd_transient.membership import leaving_hosts
+from hvd_transient.transient import TransientConfig, TransientImpl
+from hvd_transient.watchers import Notice
+
+HOSTS = ["h0", "h1", "h2"]
+STATE = {"w": np.arange(3000, dtype=np.float32), "b": np.ones(7, dtype=np.float64)}
+
+
+def notice(deadline_in: float = 30.0) -> Notice:
+    now = time.time()
+    return Notice("test", "vm", now, now + deadline_in, "preempted")
+
+
+@pytest.fixture
+def ranks():
+    url = f"memory://{uuid.uuid4().hex}"
+    group = ThreadGroup(3)
+    config = TransientConfig(store=url, save_every_steps=None, leave_margin_s=1.0, check_every_steps=1)
+    impls = [TransientImpl(config, FakeCollectives(group, r), host=HOSTS[r], watcher=FakeWatcher())
+             for r in range(3)]
+    group.run(lambda r: impls[r].begin(0))
+    return group, impls, url
+
+
+def step_all(group, impls, step):
+    return group.run(lambda r: impls[r].after_step(step, lambda: STATE, lambda: {"step": step}))
+
+
+def test_notice_to_a_worker(ranks) -> None:
+    group, impls, url = ranks
+    assert [i.run.master for i in impls] == [0, 0, 0]
+    assert step_all(group, impls, 1)[0].emergency_step is None
+    impls[2].watcher.notice = notice()
+    outcomes = step_all(group, impls, 2)
+    assert {o.emergency_step for o in outcomes} == {2}
+    assert all(o.committed for o in outcomes)
+    assert [o.leaving for o in outcomes] == [False, False, True]
+    assert all(o.departure_pending for o in outcomes)
+    store = impls[0].manager.store
+    assert leaving_hosts(store) == {"h2"}
+    ckpt = CheckpointManager(url).restore()
+    assert ckpt.step == 2 and ckpt.manifest.world_size == 3
+    np.testing.assert_array_equal(ckpt.tensors["w"], STATE["w"])
+    # the notice is acted on once: the next step is an ordinary one
+    assert all(o.emergency_step is None for o in step_all(group, impls, 3))
+
+
+def test_notice_to_the_master_moves_the_lease(ranks) -> None:
+    group, impls, url = ranks
+    assert impls[0].lease.held
+    impls[0].watcher.notice = notice()
+    outcomes = step_all(group, impls, 5)
+    assert all(o.committed for o in outcomes)
+    assert [i.run.master for i in impls] == [1, 1, 1]
+    assert not impls[0].lease.held and impls[1].lease.held
+    marker = CheckpointManager(url).commit_marker(5)
+    assert marker.lease_generation == impls[1].lease.generation
+    # after the ring shrinks (h0 gone), everyone agrees the master is the new rank 0 (was rank 1)
+
+
+def test_zombie_master_cannot_commit_after_hand_over(ranks) -> None:
+    group, impls, url = ranks
+    zombie = Lease(impls[0].manager.store, impls[0].lease.holder)
+    zombie.generation = impls[0].lease.generation  # what the old master believed it held
+    impls[0].watcher.notice = notice()
+    step_all(group, impls, 5)
+    from ckpt_service.errors import LeaseLostError
+
+    with pytest.raises(LeaseLostError):
+        CheckpointManager(url).save(6, STATE, lease=zombie)
+    assert CheckpointManager(url).all_steps() == [5]
+
+
+def test_every_rank_under_notice_still_commits(ranks) -> None:
+    group, impls, url = ranks
+    for impl in impls:
+        impl.watcher.notice = notice()
+    outcomes = step_all(group, impls, 9)
+    assert all(o.committed and o.leaving for o in outcomes)
+    assert leaving_hosts(impls[0].manager.store) == set(HOSTS)
+    assert CheckpointManager(url).latest_step() == 9
+
+
+def test_a_missed_deadline_abandons_cleanly_on_every_rank(ranks) -> None:
+    group, impls, url = ranks
+    impls[1].watcher.notice = notice(deadline_in=0.5)  # less than the leave margin: already too late
+    outcomes = step_all(group, impls, 4)
+    assert [o.committed for o in outcomes] == [False, False, False]
+    assert CheckpointManager(url).all_steps() == []
+    assert leaving_hosts(impls[0].manager.store) == {"h1"}  # it still leaves gracefully
+    assert any(e["event"] == "save_failed" for e in impls[0].events.events)
+
+
+def test_periodic_saves_are_agreed(ranks) -> None:
+    group, impls, url = ranks
+    for impl in impls:
+        impl.config = TransientConfig(store=url, save_every_steps=2, check_every_steps=1)
+    step_all(group, impls, 2)
+    for impl in impls:
+        impl.manager.wait(timeout=30)
+    assert CheckpointManager(url).all_steps() == [2]
+
+
+def test_stop_request_is_agreed_at_one_step(ranks) -> None:
+    group, impls, url = ranks
+    request_stop(impls[0].manager.store)
+    outcomes = step_all(group, impls, 1)
+    assert [o.stop for o in outcomes] == [True, True, True]
+
+
+def test_begin_after_a_leave_excludes_the_leaver() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    group3 = ThreadGroup(3)
+    config = TransientConfig(store=url, save_every_steps=None)
+    impls = [TransientImpl(config, FakeCollectives(group3, r), host=HOSTS[r], watcher=FakeWatcher())
+             for r in range(3)]
+    group3.run(lambda r: impls[r].begin(0))
+    impls[0].watcher.notice = notice()
+    step_all(group3, impls, 3)
+    # the ring re-forms without h0: the survivors are ranks 0 and 1 of a group of 2
+    group2 = ThreadGroup(2)
+    survivors = impls[1:]
+    for rank, impl in enumerate(survivors):
+        impl.comm = FakeCollectives(group2, rank)
+    group2.run(lambda r: survivors[r].begin(4))
+    assert [s.run.master for s in survivors] == [0, 0]
+    assert not any(s.run.departure_pending for s in survivors)
+    assert survivors[0].lease.held  # h1 was elected at the notice and keeps the lease
+
+
+def test_notice_vector_round_trip() -> None:
+    size = 4
+    summed = sum(encode_notice(r, size, 100.0 + r if r in (1, 3) else None, stop=(r == 0), busy=(r == 2))
+                 for r in range(size))
+    round_ = decode_notice(summed, size)
+    assert round_.leaving == (1, 3) and round_.deadline == 101.0 and round_.stop and round_.busy
+    quiet = decode_notice(sum(encode_notice(r, size, None) for r in range(size)), size)
+    assert not quiet.any and quiet.deadline is None and not quiet.stop and not quiet.busy
+
+
+@pytest.mark.parametrize("size,leaving,master", [(3, [], 0), (3, [0], 1), (3, [0, 1], 2), (3, [0, 1, 2], 0)])
+def test_elect_master(size, leaving, master) -> None:
+    assert elect_master(size, leaving) == master
+
+
+def test_lr_scaling() -> None:
+    assert scaled_lr(0.1, 4, "linear") == pytest.approx(0.4)
+    assert scaled_lr(0.1, 4, "sqrt") == pytest.approx(0.2)
+    assert scaled_lr(0.1, 4, "none") == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="unknown"):
+        scaled_lr(0.1, 2, "cubic")
+    with pytest.raises(ValueError):
+        scaled_lr(0.1, 0)
+
+
+def test_memory_store_is_isolated_per_url() -> None:
+    assert MemoryStore.named("a") is MemoryStore.named("a") and MemoryStore.named("a") is not MemoryStore.named("b")
