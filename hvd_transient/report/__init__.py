@@ -1,0 +1,111 @@
+"""``hvd-transient report RUN_URL``: timeline, preemptions, checkpoint cost and money of a run.
+
+RUN_URL is the ``--store`` the run wrote to (a directory, ``file://``, ``gs://``);
+the report reads the event log every worker wrote under ``events/`` there::
+
+    hvd-transient report gs://bucket/runs/r1 --json report.json --plot report.png \\
+        --instance-type n1-standard-8+nvidia-tesla-t4
+
+The analysis (:mod:`.analysis`) and the cost model (:mod:`.costs`) are pure; this
+module only reads the store and writes the outputs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import urlparse
+
+from hvd_transient.report.analysis import NoEventsError, RunAnalysis, analyze
+from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE, CostEstimate, estimate_costs
+
+log = logging.getLogger(__name__)
+
+
+class ReportError(RuntimeError):
+    """The report cannot be made (no event log, bad price file, unknown instance type...)."""
+
+
+def no_events_message(url: str) -> str:
+    return f"no event log under {url}: is this the --store of a run?"
+
+
+def load_events(url: str) -> list[dict[str, Any]]:
+    """Every event of the run at ``url``; ReportError if there are none."""
+    from ckpt_service.errors import CheckpointError
+    from ckpt_service.stores import open_store
+    from hvd_transient.events import read_events
+
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file") and not Path(parsed.path if parsed.scheme else url).expanduser().is_dir():
+        raise ReportError(no_events_message(url))  # never create a directory for a mistyped path
+    try:
+        events = read_events(open_store(url))
+    except (CheckpointError, OSError) as exc:
+        raise ReportError(f"cannot read the event log under {url}: {exc}") from None
+    if not events:
+        raise ReportError(no_events_message(url))
+    return events
+
+
+def build(events: Sequence[dict[str, Any]], *, instance_type: str = DEFAULT_INSTANCE_TYPE,
+          prices: str | None = None, driver_instance_type: str | None = None) -> tuple[RunAnalysis, CostEstimate]:
+    from hvd_transient.pricing import PriceTableError, load_price_table
+
+    try:
+        analysis = analyze(events)
+    except NoEventsError as exc:
+        raise ReportError(str(exc)) from None
+    try:
+        cost = estimate_costs(analysis, load_price_table(prices), instance_type, driver_instance_type)
+    except PriceTableError as exc:
+        raise ReportError(str(exc)) from None
+    return analysis, cost
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hvd-transient report", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("url", metavar="RUN_URL", help="the run's --store: directory, file:///dir or gs://bucket/prefix")
+    p.add_argument("--json", metavar="PATH", help="also write a machine-readable report here")
+    p.add_argument("--plot", metavar="PATH", help="also draw the run (worker lifetimes, steps) into this PNG")
+    p.add_argument("--instance-type", default=DEFAULT_INSTANCE_TYPE,
+                   help=f"price-table name of each worker VM (default {DEFAULT_INSTANCE_TYPE}; "
+                        "e.g. icac19/K80, g2-standard-8, n1-standard-8+2xnvidia-tesla-v100)")
+    p.add_argument("--driver-instance-type", metavar="NAME",
+                   help="also bill an on-demand driver VM of this type for the wall time (e.g. n1-standard-4)")
+    p.add_argument("--prices", metavar="FILE",
+                   help="price JSON that adds to / overrides the packaged table (default: $HVDT_PRICES)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        analysis, cost = build(load_events(args.url), instance_type=args.instance_type, prices=args.prices,
+                               driver_instance_type=args.driver_instance_type)
+    except ReportError as exc:
+        print(f"hvd-transient report: {exc}", file=sys.stderr)
+        return 2
+    from hvd_transient.report.render import render_text, to_json
+
+    sys.stdout.write(render_text(analysis, cost))
+    if args.json:
+        Path(args.json).write_text(json.dumps(to_json(analysis, cost), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        from hvd_transient.report.plot import PlotUnavailableError, plot_run
+
+        try:
+            plot_run(analysis, args.plot)
+        except PlotUnavailableError as exc:
+            print(f"hvd-transient report: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}")
+    return 0
+
+
+__all__ = ["ReportError", "build", "load_events", "main", "no_events_message", "parser"]

@@ -1,0 +1,132 @@
+"""A picture of the run in the spirit of Figure 1 of the ICAC'19 paper (matplotlib, Agg backend).
+
+Bottom panel: one horizontal bar per worker lifetime, coloured by how it ended,
+with markers for notices, departures, joins and commits. Top panel: the step
+reached over time and the ring size, on the same time axis.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from hvd_transient.report.analysis import FINISHED, KILLED, LOST, PREEMPTED, RunAnalysis
+
+log = logging.getLogger(__name__)
+
+OUTCOME_COLOURS = {FINISHED: "#4c9f70", PREEMPTED: "#e6a23c", KILLED: "#d1495b", LOST: "#8d8d8d"}
+COMMIT_STYLE = {  # kind -> (marker, colour, size)
+    "emergency": ("*", "#b2182b", 150),
+    "periodic": ("|", "#2166ac", 90),
+    "final": ("D", "#1b7837", 50),
+}
+
+
+class PlotUnavailableError(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotUnavailableError("--plot needs matplotlib: pip install 'hvd-transient[plot]' "
+                                   "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str | None = None) -> None:
+    """Write the figure to ``path`` (PNG, or whatever its suffix names)."""
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    a = analysis
+    rel = lambda t: t - a.started_at  # noqa: E731
+    workers = list(a.workers)
+    height = 2.2 + 0.42 * max(1, len(workers))
+    fig, (ax_steps, ax_bars) = plt.subplots(
+        2, 1, sharex=True, figsize=(11, height + 2.4),
+        gridspec_kw={"height_ratios": [2.4, height], "hspace": 0.08})
+
+    # ---- top: steps and ring size
+    if a.progress:
+        ax_steps.plot([rel(p.t) for p in a.progress], [p.step for p in a.progress], color="#333333",
+                      lw=1.6, marker=".", ms=3, label="step")
+    ax_steps.set_ylabel("step")
+    ax_steps.grid(alpha=0.3)
+    ax_size = ax_steps.twinx()
+    if a.rings:
+        xs = [rel(r.started_at) for r in a.rings] + [rel(a.ended_at)]
+        ys = [r.size for r in a.rings] + [a.rings[-1].size]
+        ax_size.step(xs, ys, where="post", color="#7b3294", lw=1.2, alpha=0.8, label="workers in ring")
+        ax_size.set_ylim(0, max(ys) + 1)
+        ax_size.yaxis.get_major_locator().set_params(integer=True)
+    ax_size.set_ylabel("workers in ring", color="#7b3294")
+    for c in a.commits:
+        marker, colour, size = COMMIT_STYLE.get(c.kind, ("o", "black", 30))
+        ax_steps.scatter([rel(c.t)], [c.step], marker=marker, color=colour, s=size * 0.6, zorder=4)
+    ax_steps.legend(handles=[Line2D([], [], color="#333333", lw=1.6, label="step"),
+                             Line2D([], [], color="#7b3294", lw=1.2, label="workers in ring")],
+                    loc="upper left", fontsize=8, framealpha=0.8)
+
+    # ---- bottom: one bar per worker lifetime
+    index = {(w.host, w.pid): i for i, w in enumerate(workers)}
+    for i, w in enumerate(workers):
+        ax_bars.barh(i, max(w.seconds, 0.05), left=rel(w.started_at), height=0.55,
+                     color=OUTCOME_COLOURS.get(w.outcome, "grey"), alpha=0.85, edgecolor="black", lw=0.5)
+        if w.notice_at is not None:
+            # above the bar, pointing at it: the departure marker sits on the bar a moment later
+            ax_bars.scatter([rel(w.notice_at)], [i - 0.42], marker="v", color="black", s=60, zorder=5,
+                            clip_on=False)
+    for p in a.preemptions:
+        i = index.get((p.host, p.pid))
+        if i is not None:
+            ax_bars.scatter([rel(p.departed_at)], [i], marker="X" if not p.notice else "P",
+                            color="#b2182b" if not p.notice else "#8c510a", s=70, zorder=5)
+    for j in a.joins:
+        i = index.get((j.host, j.pid))
+        if i is not None:
+            ax_bars.scatter([rel(j.t)], [i], marker=">", color="#2166ac", s=60, zorder=5)
+    label_of = {w.host: i for i, w in enumerate(workers)}
+    for c in a.commits:
+        marker, colour, size = COMMIT_STYLE.get(c.kind, ("o", "black", 30))
+        i = next((index[k] for k in index if k[0] == c.host
+                  and workers[index[k]].started_at <= c.t <= workers[index[k]].ended_at),
+                 label_of.get(c.host))
+        if i is not None:
+            ax_bars.scatter([rel(c.t)], [i], marker=marker, color=colour, s=size, zorder=6)
+    ax_bars.set_yticks(range(len(workers)))
+    ax_bars.set_yticklabels([f"{w.label}" for w in workers], fontsize=8)
+    ax_bars.invert_yaxis()
+    ax_bars.set_xlabel("seconds since the first worker started")
+    ax_bars.grid(axis="x", alpha=0.3)
+    ax_bars.set_xlim(left=min(0.0, *(rel(w.started_at) for w in workers)) - 0.5,
+                     right=max(rel(a.ended_at), *(rel(w.ended_at) for w in workers)) * 1.02 + 0.5)
+
+    handles = [Patch(color=colour, label=outcome) for outcome, colour in OUTCOME_COLOURS.items()
+               if any(w.outcome == outcome for w in workers)]
+    handles += [
+        Line2D([], [], ls="", marker="v", color="black", label="notice"),
+        Line2D([], [], ls="", marker="P", color="#8c510a", label="left (with notice)"),
+        Line2D([], [], ls="", marker="X", color="#b2182b", label="vanished (no notice)"),
+        Line2D([], [], ls="", marker=">", color="#2166ac", label="joined"),
+    ]
+    handles += [Line2D([], [], ls="", marker=m, color=col, label=f"{kind} commit")
+                for kind, (m, col, _s) in COMMIT_STYLE.items() if any(c.kind == kind for c in a.commits)]
+    ax_bars.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22 * 3 / height),
+                   ncol=min(5, len(handles)), fontsize=8, frameon=False)
+
+    done = "completed" if a.completed else "did not complete"
+    ax_steps.set_title(title or (f"{len(workers)} workers, {len(a.preemptions)} departures, "
+                                 f"{len(a.joins)} joins; {done} at step {a.final_step} in {a.wall_s:.0f} s"),
+                       fontsize=10)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    log.debug("wrote %s", path)
+
+
+__all__ = ["PlotUnavailableError", "plot_run"]

@@ -1,0 +1,177 @@
+"""Text and JSON renderings of a run analysis (pure: strings and dicts, no I/O)."""
+from __future__ import annotations
+
+from typing import Any
+
+from hvd_transient.report.analysis import Preemption, RunAnalysis
+from hvd_transient.report.costs import CostEstimate
+
+JSON_SCHEMA_VERSION = 1
+
+
+def _rel(analysis: RunAnalysis, t: float | None) -> float | None:
+    return None if t is None else t - analysis.started_at
+
+
+def _num(value: float | None, fmt: str = "{:.0f}", none: str = "-") -> str:
+    return none if value is None else fmt.format(value)
+
+
+def _yes(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "no")
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def render_timeline(analysis: RunAnalysis) -> str:
+    host_width = max((len(e.host) for e in analysis.timeline), default=4)
+    return "\n".join(f"{e.t - analysis.started_at:9.2f}s  {e.host.ljust(host_width)}  {e.text}"
+                     for e in analysis.timeline)
+
+
+def render_preemptions(analysis: RunAnalysis) -> str:
+    if not analysis.preemptions:
+        return "no preemptions or lost workers"
+    headers = ["t (s)", "host", "master", "notice", "step", "committed", "notice->commit ms", "deadline met",
+               "new master", "rolled back", "resume ms", "reset->step ms"]
+    rows = [[_num(_rel(analysis, p.departed_at), "{:.2f}"), p.host, _yes(p.was_master), _yes(p.notice),
+             _num(p.step), _yes(p.checkpoint_committed), _num(p.notice_to_commit_ms), _yes(p.deadline_met),
+             p.new_master or "-", str(p.steps_rolled_back),
+             _num(p.resume_ms) + (" (cold restart)" if p.cold_restart else ""),
+             _num(p.reset_to_first_step_ms)] for p in analysis.preemptions]
+    return table(headers, rows)
+
+
+def render_workers(analysis: RunAnalysis) -> str:
+    headers = ["worker", "from (s)", "to (s)", "seconds", "steps", "outcome", "ckpt stall s"]
+    rows = [[w.label, f"{_rel(analysis, w.started_at):.2f}", f"{_rel(analysis, w.ended_at):.2f}",
+             f"{w.seconds:.1f}", f"{_num(w.first_step)}..{_num(w.last_step)}", w.outcome,
+             f"{analysis.stall_s_by_worker.get(w.label, 0.0):.3f}"] for w in analysis.workers]
+    return table(headers, rows)
+
+
+def render_summary(analysis: RunAnalysis) -> str:
+    a = analysis
+    sizes = " -> ".join(str(r.size) for r in a.rings) or "-"
+    kinds: dict[str, int] = {}
+    for c in a.commits:
+        kinds[c.kind] = kinds.get(c.kind, 0) + 1
+    notices = sum(p.notice for p in a.preemptions)
+    lines = [
+        f"completed:            {_yes(a.completed)} ({a.ended_by})",
+        f"final step:           {_num(a.final_step)}   last committed step: {_num(a.last_committed_step)}",
+        f"wall time:            {a.wall_s:.1f} s   worker-seconds: {a.worker_seconds:.1f}",
+        f"workers:              {len(a.workers)} processes; ring sizes {sizes}",
+        f"preemptions:          {len(a.preemptions)} ({notices} with notice, "
+        f"{len(a.preemptions) - notices} without); joins: {len(a.joins)}",
+        "commits:              " + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
+        + (f"; {a.saves_failed} failed saves" if a.saves_failed else ""),
+        f"checkpoint stall:     {a.checkpoint_stall_s:.3f} s (largest per worker: async snapshot stalls + "
+        "emergency/final saves)",
+        f"bytes written:        {a.bytes_written / 1e6:.2f} MB (emergency and final saves; periodic "
+        "background saves do not log their size)",
+        "learning rate:        " + (" -> ".join(f"{c.lr:g}" for c in a.lr_changes) or "-"),
+        "final weights agree:  " + _yes(a.weights_consistent),
+    ]
+    return "\n".join(lines)
+
+
+def render_costs(cost: CostEstimate) -> str:
+    c = cost.comparison
+    cur = cost.currency
+    lines = [
+        f"instance type: {cost.instance_type}"
+        + (f"; driver {cost.driver_instance_type} on demand" if cost.driver_instance_type else ""),
+        table(["setup", "VM-seconds billed", f"cost ({cur})"], [
+            ["this run, transient (spot)", str(c.transient.vm_seconds), f"{c.transient.total:.4f}"],
+            ["same VM-seconds on demand", str(c.same_on_demand.vm_seconds), f"{c.same_on_demand.total:.4f}"],
+            ["one on-demand VM, whole job", str(c.single_on_demand.vm_seconds),
+             f"{c.single_on_demand.total:.4f}"],
+        ]),
+        f"savings: {100 * c.savings_vs_same_on_demand:.1f} % vs the same VMs on demand, "
+        f"{100 * c.savings_vs_single_on_demand:.1f} % vs one on-demand VM"
+        + (f"; speed-up vs one VM {c.speedup_vs_single:.2f}x" if c.speedup_vs_single else ""),
+        f"assumption: {cost.assumption}; each worker billed for its first-to-last event (per-second "
+        "billing with the price table's minimum)",
+    ]
+    return "\n".join(lines)
+
+
+def render_text(analysis: RunAnalysis, cost: CostEstimate | None) -> str:
+    parts = ["== timeline (seconds from the first worker start) ==", render_timeline(analysis), "",
+             "== workers ==", render_workers(analysis), "",
+             "== preemptions ==", render_preemptions(analysis), "",
+             "== summary ==", render_summary(analysis)]
+    if cost is not None:
+        parts += ["", "== cost ==", render_costs(cost)]
+    return "\n".join(parts) + "\n"
+
+
+def _preemption_json(a: RunAnalysis, p: Preemption) -> dict[str, Any]:
+    return {
+        "host": p.host, "pid": p.pid, "t_s": _rel(a, p.departed_at), "step": p.step,
+        "was_master": p.was_master, "notice": p.notice, "agreed_step": p.agreed_step,
+        "steps_rolled_back": p.steps_rolled_back, "resume_ms": p.resume_ms,
+        "reset_to_first_step_ms": p.reset_to_first_step_ms, "cold_restart": p.cold_restart,
+        "checkpoint_committed": p.checkpoint_committed, "notice_to_commit_ms": p.notice_to_commit_ms,
+        "deadline_met": p.deadline_met, "new_master": p.new_master,
+    }
+
+
+def to_json(analysis: RunAnalysis, cost: CostEstimate | None) -> dict[str, Any]:
+    """The machine-readable report; times are seconds from the first worker start (``started_at``)."""
+    a = analysis
+    doc: dict[str, Any] = {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "completed": a.completed,
+        "ended_by": a.ended_by,
+        "final_step": a.final_step,
+        "last_committed_step": a.last_committed_step,
+        "started_at": a.started_at,
+        "wall_s": a.wall_s,
+        "worker_seconds": a.worker_seconds,
+        "preemptions": [_preemption_json(a, p) for p in a.preemptions],
+        "joins": [{"host": j.host, "pid": j.pid, "t_s": _rel(a, j.t), "step": j.step, "size": j.size}
+                  for j in a.joins],
+        "rings": [{"t_s": _rel(a, r.started_at), "step": r.step, "size": r.size, "master_host": r.master_host,
+                   "hosts": list(r.hosts), "joined": list(r.joined), "relaunch": r.relaunch} for r in a.rings],
+        "lr_changes": [{"t_s": _rel(a, c.t), "lr": c.lr, "size": c.size} for c in a.lr_changes],
+        "commits": [{"t_s": _rel(a, c.t), "step": c.step, "kind": c.kind, "host": c.host, "size": c.size}
+                    for c in a.commits],
+        "workers": [{"host": w.host, "pid": w.pid, "start_s": _rel(a, w.started_at), "end_s": _rel(a, w.ended_at),
+                     "seconds": w.seconds, "outcome": w.outcome, "first_step": w.first_step,
+                     "last_step": w.last_step, "restored_step": w.restored_step} for w in a.workers],
+        "checkpoint_stall_s": a.checkpoint_stall_s,
+        "checkpoint_stall_s_by_worker": dict(a.stall_s_by_worker),
+        "bytes_written": a.bytes_written,
+        "saves_failed": a.saves_failed,
+        "weights_consistent": a.weights_consistent,
+        "event_count": a.event_count,
+        "instance_type": cost.instance_type if cost else None,
+        "cost_transient_usd": cost.transient_usd if cost else None,
+        "cost_on_demand_usd": cost.on_demand_usd if cost else None,
+        "cost_single_on_demand_usd": cost.single_on_demand_usd if cost else None,
+    }
+    if cost is not None:
+        c = cost.comparison
+        doc["cost"] = {
+            "currency": cost.currency,
+            "driver_instance_type": cost.driver_instance_type,
+            "vm_seconds_billed": c.transient.vm_seconds,
+            "single_seconds": cost.single_seconds,
+            "savings_vs_same_on_demand": c.savings_vs_same_on_demand,
+            "savings_vs_single_on_demand": c.savings_vs_single_on_demand,
+            "speedup_vs_single": c.speedup_vs_single,
+            "assumption": cost.assumption,
+        }
+    return doc
+
+
+__all__ = ["JSON_SCHEMA_VERSION", "render_costs", "render_preemptions", "render_summary", "render_text",
+           "render_timeline", "render_workers", "to_json"]
