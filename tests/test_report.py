@@ -166,6 +166,20 @@ def test_kill_without_notice_rolls_back() -> None:
     assert a.completed
 
 
+def test_kill_before_the_first_step_waits_for_the_next_ring() -> None:
+    """A worker that dies before the ring's first step: the old ring's first step is not a resume."""
+    log = Log()
+    log.start(0.0, ["A", "B", "C"])
+    log.ring(0.1, 0, ["A", "B", "C"], "A")                       # C's last event: its lr at 0.112
+    log.each(2.0, "first_step", ["A", "B"], step=1, size=3)
+    log.each(12.0, "reset", ["A", "B"], step=0, rolled_back=1, last_step=1)
+    log.ring(12.1, 0, ["A", "B"], "A")
+    log.each(12.5, "first_step", ["A", "B"], step=1, size=2)
+    (p,) = analyze(log.events).preemptions
+    assert p.host == "C" and p.steps_rolled_back == 1
+    assert p.resume_ms == pytest.approx(12500 - 112, abs=1)
+
+
 def test_join_is_not_a_relaunch() -> None:
     log = Log()
     log.start(0.0, ["A", "B"])
@@ -226,6 +240,25 @@ def test_whole_cluster_loss_then_cold_restart_on_fewer_workers() -> None:
     assert [p.resume_ms for p in a.preemptions] == pytest.approx([60500.0] * 3, abs=5)
     assert a.completed and a.final_step == 120
     assert {w.pid: w.restored_step for w in a.workers if w.pid in (201, 202)} == {201: 25, 202: None}
+    assert a.rings[0].ended_at == pytest.approx(T0 + 5.502)   # no ring ran until the relaunch
+
+
+def test_static_job_stopped_by_a_notice() -> None:
+    """Without elastic mode a notice checkpoints and stops every rank at the agreed step."""
+    log = Log()
+    log.start(0.0, ["A", "B"])
+    log.ring(0.1, 0, ["A", "B"], "A")
+    log.each(2.0, "first_step", ["A", "B"], step=1, size=2)
+    log.notice(5.0, "B")
+    log.each(5.1, "notice_agreed", ["A", "B"], step=25, leaving=["B"], deadline=T0 + 30.0, size=2)
+    log.add(5.4, "commit", "A", step=25, kind="emergency", size=2)
+    log.add(5.5, "leave_published", "B", step=25, deadline=T0 + 35.0)
+    log.each(5.6, "train_end", ["A", "B"], step=25)
+    log.each(5.7, "weights", ["A", "B"], step=25, crc=1, size=2)
+    a = analyze(log.events)
+    assert a.completed and a.ended_by == "notice (stopped for a relaunch)" and a.final_step == 25
+    (p,) = a.preemptions
+    assert p.host == "B" and p.checkpoint_committed and p.resume_ms is None
 
 
 def test_whole_cluster_killed_without_notice_is_lost_not_preempted() -> None:

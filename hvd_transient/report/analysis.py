@@ -73,6 +73,7 @@ class Ring:
     hosts: tuple[str, ...]       # members in rank order, as far as their ring events reached the log
     joined: tuple[str, ...]      # members that were in no earlier ring (empty for a (re)launch)
     relaunch: bool               # no member was in an earlier ring: a fresh launch / cold restart
+    ended_at: float              # the next ring's start, or when its last member's log ends
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class RunAnalysis:
     started_at: float
     ended_at: float
     completed: bool
-    ended_by: str                            # end of training | stop request | incomplete
+    ended_by: str  # end of training | stop request | notice (stopped for a relaunch) | incomplete
     final_step: int | None
     last_committed_step: int | None
     weights_consistent: bool | None          # every finishing worker reported the same weights crc
@@ -246,7 +247,7 @@ def analyze(events: Sequence[Event]) -> RunAnalysis:
     for e in events:
         by_proc[_key(e)].append(e)
 
-    rings, ring_members = _rings(events)
+    rings, ring_members = _rings(events, {k: _t(evs[-1]) for k, evs in by_proc.items()})
     last_ring_start = rings[-1].started_at if rings else None
 
     workers = {k: _worker(k, evs, rings, ring_members) for k, evs in by_proc.items()}
@@ -276,7 +277,13 @@ def analyze(events: Sequence[Event]) -> RunAnalysis:
     else:
         final_step = max((s for s in map(_step, _of(events, *_STEP_EVENTS)) if s is not None), default=None)
     stops = [e for e in _of(events, "stop_requested") if last_ring_start is None or _t(e) >= last_ring_start]
-    ended_by = ("stop request" if stops else "end of training") if completed else "incomplete"
+    # A static job stops at the agreed step of a notice (its relaunch resumes from that checkpoint).
+    static_stop = any(_step(e) == final_step for e in _of(events, "notice_agreed")
+                      if last_ring_start is None or _t(e) >= last_ring_start)
+    if not completed:
+        ended_by = "incomplete"
+    else:
+        ended_by = "stop request" if stops else "notice (stopped for a relaunch)" if static_stop else "end of training"
     weights = _of(events, "weights")
     consistent = len({e.get("crc") for e in weights}) == 1 if weights else None
 
@@ -306,17 +313,22 @@ def analyze(events: Sequence[Event]) -> RunAnalysis:
     )
 
 
-def _rings(events: Sequence[Event]) -> tuple[list[Ring], list[tuple[ProcessKey, ...]]]:
+def _rings(events: Sequence[Event], last_seen: Mapping[ProcessKey, float]
+           ) -> tuple[list[Ring], list[tuple[ProcessKey, ...]]]:
     rings: list[Ring] = []
     members_of: list[tuple[ProcessKey, ...]] = []
     seen: set[ProcessKey] = set()
-    for sig, members in _group_rings(_of(events, "ring")):
+    groups = _group_rings(_of(events, "ring"))
+    for i, (sig, members) in enumerate(groups):
         members = sorted(members, key=lambda e: (int(e.get("rank", 0) or 0), _t(e)))
         keys = tuple(_key(e) for e in members)
         new = [k for k in keys if k not in seen]
         relaunch = len(new) == len(keys)
+        members_gone = max(last_seen[k] for k in keys)
+        next_start = min(_t(e) for e in groups[i + 1][1]) if i + 1 < len(groups) else math.inf
         rings.append(Ring(
             started_at=min(_t(e) for e in members),
+            ended_at=min(members_gone, next_start),
             step=sig["step"] if sig["step"] is not None else 0,
             size=sig["size"],
             master_host=str(sig["master_host"]),
@@ -370,7 +382,6 @@ def _preemptions(events: Sequence[Event], workers: Mapping[ProcessKey, Worker], 
                   and _t(e) >= worker.started_at]
         agreement = agreed[-1] if agreed else None
         agreed_step = _step(agreement) if agreement is not None else None
-        leaving_together = {str(h) for h in (agreement.get("leaving") or [])} if agreement else {worker.host}
 
         ring = _ring_at(rings, _t(agreement) if agreement is not None else departed_at)
         was_master = ring is not None and ring.master_host == worker.host
@@ -391,13 +402,19 @@ def _preemptions(events: Sequence[Event], workers: Mapping[ProcessKey, Worker], 
         departing = {key}
         if agreement is not None:
             t_agreed = _t(agreement)
+            leaving_together = {str(h) for h in (agreement.get("leaving") or [])}
             departing |= {k for k, w in workers.items() if w.host in leaving_together
                           and w.outcome in (PREEMPTED, KILLED) and w.started_at <= t_agreed <= w.ended_at}
 
         def survivor(e: Event) -> bool:
             return _key(e) not in departing
 
-        resumed = next((e for e in _of(events, "first_step") if _t(e) > departed_at and survivor(e)), None)
+        def on_a_later_ring(e: Event) -> bool:
+            ring_of_e = _ring_at(rings, _t(e))
+            return ring_of_e is not None and ring_of_e.started_at > departed_at
+
+        resumed = next((e for e in _of(events, "first_step")
+                        if _t(e) > departed_at and survivor(e) and on_a_later_ring(e)), None)
         window_end = _t(resumed) if resumed is not None else math.inf
         resets = [e for e in _of(events, "reset") if departed_at < _t(e) <= window_end and survivor(e)]
         cold = False

@@ -38,6 +38,33 @@ def _pyplot() -> Any:
     return plt
 
 
+def _progress_segments(a: RunAnalysis) -> list[list[Any]]:
+    """Step points split at each relaunch: no line is drawn across a time with no cluster."""
+    cuts = [r.started_at for r in a.rings[1:] if r.relaunch]
+    segments: list[list[Any]] = [[]]
+    for point in a.progress:
+        while cuts and point.t >= cuts[0]:
+            cuts.pop(0)
+            if segments[-1]:
+                segments.append([])
+        segments[-1].append(point)
+    return [s for s in segments if s]
+
+
+def _ring_size_series(a: RunAnalysis) -> tuple[list[float], list[int]]:
+    """(time, workers) steps: each ring's size from its start, 0 while no ring runs."""
+    xs: list[float] = []
+    ys: list[int] = []
+    for i, ring in enumerate(a.rings):
+        xs.append(ring.started_at)
+        ys.append(ring.size)
+        next_start = a.rings[i + 1].started_at if i + 1 < len(a.rings) else None
+        if next_start is None or ring.ended_at < next_start:
+            xs.append(ring.ended_at)
+            ys.append(0 if next_start is not None or not a.completed else ring.size)
+    return xs, ys
+
+
 def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str | None = None) -> None:
     """Write the figure to ``path`` (PNG, or whatever its suffix names)."""
     plt = _pyplot()
@@ -53,16 +80,15 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
         gridspec_kw={"height_ratios": [2.4, height], "hspace": 0.08})
 
     # ---- top: steps and ring size
-    if a.progress:
-        ax_steps.plot([rel(p.t) for p in a.progress], [p.step for p in a.progress], color="#333333",
-                      lw=1.6, marker=".", ms=3, label="step")
+    for segment in _progress_segments(a):
+        ax_steps.plot([rel(p.t) for p in segment], [p.step for p in segment], color="#333333",
+                      lw=1.6, marker=".", ms=3)
     ax_steps.set_ylabel("step")
     ax_steps.grid(alpha=0.3)
     ax_size = ax_steps.twinx()
     if a.rings:
-        xs = [rel(r.started_at) for r in a.rings] + [rel(a.ended_at)]
-        ys = [r.size for r in a.rings] + [a.rings[-1].size]
-        ax_size.step(xs, ys, where="post", color="#7b3294", lw=1.2, alpha=0.8, label="workers in ring")
+        xs, ys = _ring_size_series(a)
+        ax_size.step([rel(x) for x in xs], ys, where="post", color="#7b3294", lw=1.2, alpha=0.8)
         ax_size.set_ylim(0, max(ys) + 1)
         ax_size.yaxis.get_major_locator().set_params(integer=True)
     ax_size.set_ylabel("workers in ring", color="#7b3294")
@@ -71,7 +97,7 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
         ax_steps.scatter([rel(c.t)], [c.step], marker=marker, color=colour, s=size * 0.6, zorder=4)
     ax_steps.legend(handles=[Line2D([], [], color="#333333", lw=1.6, label="step"),
                              Line2D([], [], color="#7b3294", lw=1.2, label="workers in ring")],
-                    loc="upper left", fontsize=8, framealpha=0.8)
+                    loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=2, fontsize=8, frameon=False)
 
     # ---- bottom: one bar per worker lifetime
     index = {(w.host, w.pid): i for i, w in enumerate(workers)}
@@ -123,7 +149,7 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
     done = "completed" if a.completed else "did not complete"
     ax_steps.set_title(title or (f"{len(workers)} workers, {len(a.preemptions)} departures, "
                                  f"{len(a.joins)} joins; {done} at step {a.final_step} in {a.wall_s:.0f} s"),
-                       fontsize=10)
+                       fontsize=10, loc="right")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     log.debug("wrote %s", path)
