@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_service.stores import LocalStore
+from ckpt_service.stores import LocalStore, ObjectStore, open_store
 from hvd_transient.events import EventLog
 from hvd_transient.pricing import load_price_table
 from hvd_transient.report import main
@@ -344,9 +344,8 @@ def test_real_run_log_fixture() -> None:
 # ----------------------------------------------------------------------------- CLI
 
 
-def write_log_through_eventlog(store_dir: Path) -> None:
+def write_log_through_eventlog(store: ObjectStore) -> None:
     """A worker-preemption run, written by the real EventLog (one log per host, real times)."""
-    store = LocalStore(store_dir)
     logs = {h: EventLog(store, h, min_flush_interval_s=0.0) for h in ("localhost", "127.0.0.1", "127.0.1")}
     hosts = list(logs)
     for rank, h in enumerate(hosts):
@@ -382,7 +381,7 @@ def write_log_through_eventlog(store_dir: Path) -> None:
 
 def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = tmp_path / "store"
-    write_log_through_eventlog(store)
+    write_log_through_eventlog(LocalStore(store))
     out_json, out_png = tmp_path / "report.json", tmp_path / "report.png"
     assert main([str(store), "--json", str(out_json), "--plot", str(out_png), "--instance-type", "icac19/K80"]) == 0
     stdout = capsys.readouterr().out
@@ -405,6 +404,19 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
     png = out_png.read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+
+def test_cli_reads_a_gcs_store(tmp_path: Path, gcs_emulator_session, capsys: pytest.CaptureFixture[str]) -> None:
+    """The real google-cloud-storage client against fake-gcs-server."""
+    url = f"gs://{gcs_emulator_session.new_bucket('report')}/run1"
+    write_log_through_eventlog(open_store(url))
+    out = tmp_path / "r.json"
+    assert main([url, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["completed"] and [p["host"] for p in doc["preemptions"]] == ["127.0.1"]
+    empty = f"gs://{gcs_emulator_session.new_bucket('report')}/nothing"
+    assert main([empty]) == 2
+    assert f"no event log under {empty}" in capsys.readouterr().err
 
 
 def test_cli_through_the_console_dispatcher(capsys: pytest.CaptureFixture[str]) -> None:

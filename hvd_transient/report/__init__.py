@@ -67,12 +67,16 @@ def build(events: Sequence[dict[str, Any]], *, instance_type: str = DEFAULT_INST
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hvd-transient report", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="hvd-transient report",
+        description="Timeline, preemptions, checkpoint cost and money of a run, read from the event log "
+                    "its workers wrote under RUN_URL/events/.",
+        epilog="The cost compares this run on spot VMs with the same VM-seconds on demand and with one "
+               "on-demand VM doing the whole job in the sum of the workers' seconds.")
     p.add_argument("url", metavar="RUN_URL", help="the run's --store: directory, file:///dir or gs://bucket/prefix")
     p.add_argument("--json", metavar="PATH", help="also write a machine-readable report here")
     p.add_argument("--plot", metavar="PATH", help="also draw the run (worker lifetimes, steps) into this PNG")
-    p.add_argument("--instance-type", default=DEFAULT_INSTANCE_TYPE,
+    p.add_argument("--instance-type", metavar="NAME", default=DEFAULT_INSTANCE_TYPE,
                    help=f"price-table name of each worker VM (default {DEFAULT_INSTANCE_TYPE}; "
                         "e.g. icac19/K80, g2-standard-8, n1-standard-8+2xnvidia-tesla-v100)")
     p.add_argument("--driver-instance-type", metavar="NAME",
