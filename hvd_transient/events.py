@@ -23,8 +23,8 @@ wait_inflight      an in-flight background save was waited for before the emerge
 election           master moved: step, old_master(_host), new_master(_host), lease_generation
 save_start/_end    step, kind (emergency|periodic|final), seconds, bytes (this rank's share)
 async_save         a periodic background save started: step, stall_ms, size
-save_skipped       a periodic save was skipped because one was still in flight
-commit             (master) step, kind, size, lease_generation
+save_skipped       a periodic save was skipped: reason (one still in flight | already committed)
+commit             (master) step, kind, size, lease_generation, bytes (periodic: whole step)
 save_failed        step, kind, error
 leave_published    this host published itself as leaving: step, deadline
 reset              Horovod reset the ring: step (after), rolled_back, last_step

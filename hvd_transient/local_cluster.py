@@ -57,6 +57,8 @@ class LocalClusterSpec:
     extra_env: tuple[tuple[str, str], ...] = ()
     #: metadata-emulator instances that exist from the start (hosts that may join later too)
     instances: tuple[str, ...] = field(default=())
+    #: extra horovodrun options, e.g. ("--verbose",)
+    horovodrun_args: tuple[str, ...] = ()
 
 
 class LocalCluster:
@@ -88,7 +90,7 @@ class LocalCluster:
         else:
             cmd += ["-H", ",".join(f"{h}:1" for h in self._hosts)]
         cmd += ["--gloo", "--network-interfaces", "lo", "--gloo-timeout-seconds", str(self.spec.gloo_timeout_s),
-                *self.spec.command]
+                *self.spec.horovodrun_args, *self.spec.command]
         log.info("starting %s", " ".join(cmd))
         self.started_at = time.time()
         self._log = open(self.log_path, "ab")

@@ -295,10 +295,13 @@ class TransientImpl:
         master = self.run.master
         t0 = time.perf_counter()
         def done(manifest: Any, error: BaseException | None) -> None:
-            if error is not None:
+            if isinstance(error, CommitConflictError):
+                # After a rollback the ring replays steps; this one is already durable.
+                self.events.emit("save_skipped", step=step, reason="already committed")
+            elif error is not None:
                 self.events.emit("save_failed", step=step, kind="periodic", error=f"{type(error).__name__}: {error}")
             elif manifest is not None:  # the coordinator
-                self.events.emit("commit", step=step, kind="periodic", size=size,
+                self.events.emit("commit", step=step, kind="periodic", size=size, bytes=manifest.nbytes,
                                  lease_generation=manifest.lease_generation)
 
         started = self.manager.save_async(

@@ -69,12 +69,11 @@ def load_cifar10(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def batches(images: np.ndarray, labels: np.ndarray, batch_size: int, seed: int) -> tf.data.Dataset:
-    """An endless stream of random batches; ``seed`` differs per worker."""
-    def gen():
-        rng = np.random.default_rng(seed)
-        while True:
-            idx = rng.integers(0, len(images), batch_size)
-            yield images[idx], labels[idx]
+    """An endless, shuffled stream of batches; ``seed`` differs per worker.
 
-    spec = (tf.TensorSpec((batch_size, 32, 32, 3), tf.float32), tf.TensorSpec((batch_size,), tf.int64))
-    return tf.data.Dataset.from_generator(gen, output_signature=spec).prefetch(2)
+    Built from tensors (no Python generator), so no Python thread feeds the
+    pipeline and tearing it down on an elastic reset never waits on one.
+    """
+    data = tf.data.Dataset.from_tensor_slices((images, labels))
+    return (data.shuffle(len(images), seed=seed, reshuffle_each_iteration=True).repeat()
+            .batch(batch_size, drop_remainder=True).prefetch(2))

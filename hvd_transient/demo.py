@@ -1,0 +1,196 @@
+"""`hvd-transient demo`: a transient GPU cluster's story, played on this machine.
+
+Real ``horovodrun`` over local host aliases (one per "VM"), a metadata-server
+emulator per host that delivers GCE preemption notices, the real discovery
+script, ResNet-32 on CIFAR-10-shaped data. By default a worker gets a notice,
+later the checkpoint master gets one, later a new VM joins; ``--schedule`` and
+``--lifetimes`` change that. Ends with the run report (time, cost, timeline).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Sequence
+
+from hvd_transient.local_cluster import HOST_ALIASES, LocalCluster, LocalClusterSpec, of
+from hvd_transient.schedule import Action, ScheduleError, default_schedule, lifetime_schedule, load_schedule
+
+log = logging.getLogger(__name__)
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "keras_elastic.py"
+SHOWN = {"notice": "notice", "notice_agreed": "all ranks agreed", "election": "new checkpoint master",
+         "commit": "checkpoint committed", "leave_published": "leaving the ring", "reset": "ring reset",
+         "save_failed": "checkpoint FAILED", "stop_requested": "stop"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hvd-transient demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=3, help="VMs at the start (local host aliases)")
+    p.add_argument("--store", help="checkpoint store URL (default: a new directory under --workdir)")
+    p.add_argument("--gcs-emulator", action="store_true",
+                   help="start a local fake-gcs-server and use gs://demo/<run> as the store")
+    p.add_argument("--workdir", default="hvdt-demo", help="where runs, logs and reports go")
+    p.add_argument("--model", choices=("resnet32", "small_cnn"), default="resnet32")
+    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--steps-per-epoch", type=int, default=25)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--save-every", type=int, default=50, help="periodic checkpoint interval (steps)")
+    p.add_argument("--window", type=float, default=30.0, help="preemption notice window (s)")
+    p.add_argument("--schedule", help="JSON schedule file (see hvd_transient/schedule.py)")
+    p.add_argument("--lifetimes", type=int, metavar="SEED",
+                   help="draw preemption times from ICAC'19-like VM lifetimes with this seed")
+    p.add_argument("--day-seconds", type=float, default=600.0,
+                   help="with --lifetimes: 24 hours of VM lifetime compressed into this many seconds")
+    p.add_argument("--cifar10-npz", help="real CIFAR-10 (.npz with x_train, y_train); synthetic if absent")
+    p.add_argument("--instance-type", help="price-table entry for the cost comparison")
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not 1 <= args.workers <= len(HOST_ALIASES) - 1:
+        print(f"--workers must be between 1 and {len(HOST_ALIASES) - 1} (one local alias stays spare "
+              "for a joining VM)", file=sys.stderr)
+        return 2
+    total_steps = args.epochs * args.steps_per_epoch
+    try:
+        schedule = (load_schedule(args.schedule) if args.schedule else
+                    lifetime_schedule(HOST_ALIASES[:args.workers], seed=args.lifetimes,
+                                      run_s=args.timeout, day_s=args.day_seconds)
+                    if args.lifetimes is not None else default_schedule(total_steps))
+    except ScheduleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    workdir = Path(args.workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=workdir))
+    with ExitStack() as stack:
+        store = args.store
+        extra_env: tuple[tuple[str, str], ...] = ()
+        if args.gcs_emulator:
+            from ckpt_service.gcs_emulator import gcs_emulator
+
+            emu = stack.enter_context(gcs_emulator())
+            bucket = emu.new_bucket("demo")
+            store = f"gs://{bucket}/{run_dir.name}"
+            extra_env = tuple(emu.env.items())
+        store = store or str(run_dir / "store")
+        command = (sys.executable, str(EXAMPLE), "--store", store, "--model", args.model,
+                   "--epochs", str(args.epochs), "--steps-per-epoch", str(args.steps_per_epoch),
+                   "--batch-size", str(args.batch_size), "--save-every", str(args.save_every),
+                   "--notice-window", str(args.window))
+        if args.cifar10_npz:
+            command += ("--cifar10-npz", str(Path(args.cifar10_npz).absolute()))
+        hosts = HOST_ALIASES[:args.workers]
+        spec = LocalClusterSpec(store=store, hosts=hosts, command=command, workdir=run_dir,
+                                max_np=len(HOST_ALIASES), instances=HOST_ALIASES, extra_env=extra_env)
+        print(f"hvd-transient demo: {args.workers} VMs ({', '.join(hosts)}), {args.model}, "
+              f"{total_steps} steps, store {store}")
+        print("schedule: " + "; ".join(a.describe() for a in schedule))
+        print(f"horovodrun log: {run_dir / 'horovodrun.log'}\n")
+        cluster = stack.enter_context(LocalCluster(spec))
+        rc = _play(cluster, schedule, args.window, args.timeout)
+        print(f"\nhorovodrun exited with {rc}\n")
+        return _report(store, args, rc, run_dir)  # while the store (maybe an emulator) is up
+
+
+def _play(cluster: LocalCluster, schedule: Sequence[Action], window: float, timeout: float) -> int:
+    """Run the schedule against the live cluster, printing progress as it goes."""
+    pending = list(schedule)
+    spares = [h for h in HOST_ALIASES if h not in cluster.spec.hosts]
+    shown = 0
+    first_step_t: float | None = None
+    last_status = 0.0
+    deadline = time.time() + timeout
+    assert cluster.process is not None
+    while cluster.process.poll() is None:
+        if time.time() > deadline:
+            print(f"giving up after {timeout:.0f} s", file=sys.stderr)
+            cluster.stop()
+            break
+        events = cluster.events()
+        state = _state(events)
+        if first_step_t is None and of(events, "first_step"):
+            first_step_t = of(events, "first_step")[0]["t"]
+        for e in events[shown:]:
+            if e["event"] in SHOWN:
+                print(_line(e, cluster.started_at))
+        shown = len(events)
+        elapsed = time.time() - first_step_t if first_step_t else 0.0
+        for action in list(pending):
+            if first_step_t is not None and action.due(state["step"], elapsed):
+                if _fire(cluster, action, state, spares, window):
+                    pending.remove(action)
+        if time.time() - last_status > 5:
+            last_status = time.time()
+            print(f"[{time.time() - cluster.started_at:7.1f}s] step {state['step']:>5}  "
+                  f"workers {state['size']}  master {state['master']}")
+        time.sleep(0.5)
+    for e in cluster.events()[shown:]:
+        if e["event"] in SHOWN:
+            print(_line(e, cluster.started_at))
+    return cluster.process.returncode if cluster.process.returncode is not None else -1
+
+
+def _state(events: list[dict[str, Any]]) -> dict[str, Any]:
+    rings = of(events, "ring")
+    steps = [e["step"] for e in events if "step" in e and e["event"] in ("progress", "first_step", "ring")]
+    size = rings[-1]["size"] if rings else 0
+    return {"step": max(steps, default=0), "size": size,
+            "master": rings[-1]["master_host"] if rings else "?",
+            # every rank of the latest ring wrote one ring event
+            "live": sorted({e["host"] for e in rings[-size:]}) if rings else []}
+
+
+def _fire(cluster: LocalCluster, action: Action, state: dict[str, Any], spares: list[str], window: float) -> bool:
+    target = action.target
+    if action.action == "join":
+        host = spares.pop(0) if target == "new" and spares else target
+        print(f"  >>> a new VM appears: {host}")
+        cluster.add_host(host)
+        return True
+    live = [h for h in state["live"] if h in cluster.worker_pids()]
+    if target == "master":
+        target = state["master"]
+    elif target == "worker":
+        others = [h for h in live if h != state["master"]]
+        if not others:
+            return False  # wait until there is a worker that is not the master
+        target = others[-1]
+    if target not in cluster.worker_pids():
+        return False
+    if action.action == "notice":
+        print(f"  >>> preemption notice to {target} ({window:.0f} s window)")
+        cluster.preempt(target, window_s=window)
+    else:
+        print(f"  >>> {target} vanishes without notice")
+        cluster.kill(target)
+    return True
+
+
+def _line(e: dict[str, Any], t0: float) -> str:
+    detail = {k: e[k] for k in ("step", "size", "leaving", "new_master_host", "kind", "rolled_back", "error")
+              if k in e}
+    return f"[{e['t'] - t0:7.1f}s] {e['host']:>10}  {SHOWN[e['event']]:<22} {json.dumps(detail)}"
+
+
+def _report(store: str, args: argparse.Namespace, rc: int, run_dir: Path) -> int:
+    from hvd_transient import report
+
+    argv = [store, "--plot", str(run_dir / "timeline.png")]
+    if args.json:
+        argv += ["--json", args.json]
+    if args.instance_type:
+        argv += ["--instance-type", args.instance_type]
+    status = report.main(argv)
+    return rc if rc != 0 else status
