@@ -1,0 +1,679 @@
+"""Training throughput and per-save stall with periodic checkpoints, ours against Horovod's recipe.
+
+ResNet-32 (CIFAR-10 shapes, synthetic data) trains under a real ``horovodrun -np 2``
+(Gloo, loopback, a static job) and, side by side in ONE job, runs these configurations
+(see ``bench/overhead_worker.py`` for exactly what each calls):
+
+* ``none``: no checkpointing;
+* ``save_weights``: the baseline Horovod's docs recommend: rank 0 alone saves synchronously
+  with ``model.save_weights`` (TensorFlow checkpoint format) every K steps;
+* ``tf_checkpoint`` (optional): rank 0 alone, ``tf.train.Checkpoint(model, optimizer).write``;
+* ``ours_sync``: hvd-transient, every rank writes its share (``TransientImpl.save_now``:
+  ``CheckpointManager.save``, records gathered by Horovod collectives, rank 0 commits);
+* ``ours_async``: hvd-transient's periodic ``save_async`` exactly as ``TransientCallback``
+  runs it (the caller pays only the snapshot; persisting runs on a background thread).
+
+Both ``ours`` configurations also run the per-step notice collective of ``TransientCallback``.
+Each configuration trains in *windows* of K steps (K = the save interval) whose first step
+saves, interleaved round by round with the others, so every window holds one save and
+its after-effects, and slow phases of a shared machine hit every configuration alike.
+
+Measured per configuration and interval: steps/s (median over windows), overhead against
+``none`` (paired with the ``none`` window of the same round), the per-save stall (the time
+the step loop is blocked in the checkpoint call at a save step, minus that call's median
+at other steps; slowest rank), and, as references, ``np.copy`` of the whole state and
+reading every variable into host memory on one rank.
+
+Results: ``bench/results/ckpt_overhead.json`` (+ ``.md``, ``.png``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from common import (
+    BenchError,
+    Panel,
+    Spread,
+    command_line,
+    machine_info,
+    machine_line,
+    markdown_table,
+    plot_panels,
+    print_table,
+    spread,
+    write_results,
+)
+
+log = logging.getLogger("ckpt_overhead")
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "overhead_worker.py"
+DEFAULT_OUT = REPO / "bench" / "results" / "ckpt_overhead.json"
+#: local host aliases, one Horovod slot each (see hvd_transient.local_cluster.HOST_ALIASES)
+HOST_ALIASES = ("localhost", "127.0.0.1", "127.0.1", "127.1", "2130706433", "0x7f000001")
+
+CONFIGS = ("none", "save_weights", "tf_checkpoint", "ours_sync", "ours_async")
+DEFAULT_CONFIGS = ("none", "save_weights", "ours_sync", "ours_async")
+LABELS = {
+    "none": "no checkpoint",
+    "save_weights": "rank 0 model.save_weights (Horovod docs)",
+    "tf_checkpoint": "rank 0 tf.train.Checkpoint.write",
+    "ours_sync": "hvd-transient sync sharded",
+    "ours_async": "hvd-transient async (TransientCallback)",
+}
+#: steps of the untimed warm-up window each checkpointing configuration gets (its first save)
+WARMUP_WINDOW_STEPS = 3
+GOAL_OVERHEAD_PCT = 1.0
+GOAL_STALL_VS_MEMCPY = 2.0
+
+
+# --------------------------------------------------------------------------- the plan (pure)
+
+
+@dataclass(frozen=True)
+class Window:
+    config: str
+    interval: int
+    steps: int
+    index: int          # round number; -1 for the warm-up window
+    start_step: int     # the configuration's own step count at the window's first step
+
+
+def windows_per_interval(steps: int, interval: int) -> int:
+    """Measured windows for one configuration and interval: ``steps`` in whole intervals, at least one."""
+    return max(1, round(steps / interval))
+
+
+def plan_windows(configs: Sequence[str], intervals: Sequence[int], steps: int) -> list[Window]:
+    """Warm-up windows first, then rounds; in each round every configuration runs one window per interval.
+
+    The configuration order rotates from round to round, and a configuration's step count
+    starts every window at a multiple of its interval, so the window's first step saves.
+    """
+    plan = [Window(c, k, min(WARMUP_WINDOW_STEPS, k), -1, k)
+            for k in intervals for c in configs if c != "none"]
+    counts = {k: windows_per_interval(steps, k) for k in intervals}
+    for r in range(max(counts.values())):
+        order = list(configs[r % len(configs):]) + list(configs[:r % len(configs)])
+        for k in intervals:
+            if r < counts[k]:
+                plan += [Window(c, k, k, r, k * (r + 2)) for c in order]
+    return plan
+
+
+# --------------------------------------------------------------------------- analysis (pure)
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    """One window as both ranks saw it."""
+
+    config: str
+    interval: int
+    index: int
+    window_s: float                        # rank 0's wall time, barrier to barrier
+    step_s: tuple[float, ...]              # rank 0: training step + checkpoint call, per step
+    hook_s: tuple[tuple[float, ...], ...]  # per rank: time in the checkpoint call, per step
+    save_steps: tuple[int, ...]
+    finish_s: float                        # waiting for the background save after the last step (max rank)
+    persisted_at: int | None = None        # rank 0: step index by which its background save had finished
+    manager_blocked_s: float | None = None  # CheckpointManager's own stall figure (async: the snapshot), max rank
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_s)
+
+    def median_step_s(self) -> float:
+        others = [s for i, s in enumerate(self.step_s) if i not in self.save_steps]
+        return statistics.median(others or self.step_s)
+
+    def stalls_s(self) -> list[float]:
+        """Per save: the slowest rank's time in the checkpoint call beyond its median call at other steps."""
+        out = []
+        for i in self.save_steps:
+            per_rank = []
+            for hooks in self.hook_s:
+                others = [h for j, h in enumerate(hooks) if j not in self.save_steps]
+                per_rank.append(hooks[i] - (statistics.median(others) if others else 0.0))
+            out.append(max(per_rank))
+        return out
+
+    def median_hook_s(self) -> float:
+        """Rank 0's time in the checkpoint call at steps that do not save (the per-step protocol)."""
+        others = [h for j, h in enumerate(self.hook_s[0]) if j not in self.save_steps]
+        return statistics.median(others) if others else 0.0
+
+    def in_call_fraction(self) -> float:
+        """Share of the window rank 0 spent inside checkpoint calls or waiting for a background save.
+
+        An upper bound on what the calls cost: a collective in the call also absorbs waiting for
+        a slower rank, which would otherwise happen in the next training step's allreduce.
+        """
+        return (sum(self.hook_s[0]) + self.finish_s) / self.window_s
+
+
+def merge_ranks(rank_docs: Sequence[Mapping[str, Any]]) -> list[WindowResult]:
+    """Join the ranks' window records (same order on every rank) into WindowResults; warm-ups dropped."""
+    docs = sorted(rank_docs, key=lambda d: d["rank"])
+    if not docs or docs[0]["rank"] != 0:
+        raise BenchError("rank 0's results are missing")
+    counts = {len(d["windows"]) for d in docs}
+    if len(counts) != 1:
+        raise BenchError(f"the ranks recorded different numbers of windows: {sorted(counts)}")
+    out = []
+    for per_rank in zip(*(d["windows"] for d in docs)):
+        w0 = per_rank[0]
+        if w0["index"] < 0:
+            continue
+        blocked = [w["snapshot_or_save_s"] for w in per_rank if "snapshot_or_save_s" in w]
+        out.append(WindowResult(
+            config=w0["config"], interval=w0["interval"], index=w0["index"], window_s=w0["window_s"],
+            step_s=tuple(t + h for t, h in zip(w0["train_s"], w0["hook_s"])),
+            hook_s=tuple(tuple(w["hook_s"]) for w in per_rank), save_steps=tuple(w0["save_steps"]),
+            finish_s=max(w["finish_s"] for w in per_rank), persisted_at=w0.get("persisted_at"),
+            manager_blocked_s=max(blocked) if blocked else None))
+    return out
+
+
+@dataclass(frozen=True)
+class ConfigStats:
+    config: str
+    interval: int
+    windows: int
+    steps_per_s: Spread
+    overhead_pct: Spread | None     # window time against the `none` window of the same round - 1
+    in_call_pct: Spread             # share of the window inside checkpoint calls (rank 0)
+    median_step_ms: float
+    per_step_call_ms: float         # checkpoint call at steps that do not save
+    stall_ms: Spread | None         # per save, slowest rank
+    snapshot_ms: float | None       # CheckpointManager.last_stats.stall_s (ours_async: the snapshot copy)
+    finish_ms: float                # background save still running at the window's end
+    persisted_within_steps: float | None  # ours_async: steps until the background save had finished
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("steps_per_s", "overhead_pct", "in_call_pct", "stall_ms"):
+            value = getattr(self, key)
+            d[key] = value.as_dict() if value is not None else None
+        d["label"] = LABELS.get(self.config, self.config)
+        return d
+
+
+def config_stats(results: Sequence[WindowResult]) -> list[ConfigStats]:
+    by_key: dict[tuple[str, int], list[WindowResult]] = {}
+    for w in results:
+        by_key.setdefault((w.config, w.interval), []).append(w)
+    none = {(w.interval, w.index): w for w in results if w.config == "none"}
+    out = []
+    for (config, interval), windows in by_key.items():
+        paired = [(w.window_s / none[(interval, w.index)].window_s - 1) * 100 for w in windows
+                  if config != "none" and (interval, w.index) in none]
+        stalls = [s * 1000 for w in windows for s in w.stalls_s()]
+        snapshots = [w.manager_blocked_s * 1000 for w in windows if w.manager_blocked_s is not None]
+        persisted = [w.persisted_at + 1 for w in windows if w.persisted_at is not None]
+        out.append(ConfigStats(
+            config=config, interval=interval, windows=len(windows),
+            steps_per_s=spread([w.steps / w.window_s for w in windows]),
+            overhead_pct=spread(paired) if paired else None,
+            in_call_pct=spread([w.in_call_fraction() * 100 for w in windows]),
+            median_step_ms=statistics.median(w.median_step_s() * 1000 for w in windows),
+            per_step_call_ms=statistics.median(w.median_hook_s() * 1000 for w in windows),
+            stall_ms=spread(stalls) if stalls else None,
+            snapshot_ms=statistics.median(snapshots) if snapshots and config == "ours_async" else None,
+            finish_ms=statistics.median(w.finish_s * 1000 for w in windows),
+            persisted_within_steps=statistics.median(persisted) if persisted and config == "ours_async" else None))
+    order = {c: i for i, c in enumerate(CONFIGS)}
+    return sorted(out, key=lambda s: (s.interval, order.get(s.config, 99)))
+
+
+def goal_interval(intervals: Sequence[int]) -> int:
+    """The interval the goal is stated for (200 steps), else the longest one measured."""
+    return 200 if 200 in intervals else max(intervals)
+
+
+def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals: Sequence[int]) -> dict[str, Any]:
+    find = {(s.config, s.interval): s for s in stats}
+    memcpy_ms = copies["memcpy_s"] * 1000
+    host_read_ms = copies["host_read_s"] * 1000
+    at = goal_interval(intervals)
+
+    def med(value: Spread | None) -> float | None:
+        return value.median if value is not None else None
+
+    def by_interval(config: str, attr: str) -> dict[str, float | None]:
+        return {str(k): med(getattr(find[(config, k)], attr)) if (config, k) in find else None for k in intervals}
+
+    summary: dict[str, Any] = {
+        "goal_interval": at,
+        "memcpy_ms": memcpy_ms,
+        "host_read_ms": host_read_ms,
+        "state_bytes": copies["state_bytes"],
+        "state_tensors": copies["tensors"],
+        "steps_per_s": {c: {str(k): find[(c, k)].steps_per_s.median for k in intervals if (c, k) in find}
+                        for c in dict.fromkeys(s.config for s in stats)},
+    }
+    for config, prefix in (("ours_async", "async"), ("ours_sync", "sync"), ("save_weights", "baseline"),
+                           ("tf_checkpoint", "tf_checkpoint")):
+        if (config, at) not in find:
+            continue
+        s = find[(config, at)]
+        summary[f"{prefix}_overhead_pct"] = med(s.overhead_pct)
+        summary[f"{prefix}_overhead_range_pct"] = [s.overhead_pct.min, s.overhead_pct.max] if s.overhead_pct else None
+        summary[f"{prefix}_in_call_pct"] = med(s.in_call_pct)
+        summary[f"{prefix}_stall_ms"] = med(s.stall_ms)
+        summary[f"{prefix}_per_step_call_ms"] = s.per_step_call_ms
+        summary[f"{prefix}_median_step_ms"] = s.median_step_ms
+        summary[f"{prefix}_overhead_pct_by_interval"] = by_interval(config, "overhead_pct")
+        summary[f"{prefix}_in_call_pct_by_interval"] = by_interval(config, "in_call_pct")
+        summary[f"{prefix}_stall_ms_by_interval"] = by_interval(config, "stall_ms")
+    if "none" in {s.config for s in stats} and ("none", at) in find:
+        summary["none_median_step_ms"] = find[("none", at)].median_step_ms
+    if summary.get("async_stall_ms") is not None:
+        stall = summary["async_stall_ms"]
+        summary["async_snapshot_ms"] = find[("ours_async", at)].snapshot_ms
+        summary["async_stall_vs_memcpy"] = stall / memcpy_ms if memcpy_ms > 0 else None
+        summary["async_stall_vs_host_read"] = stall / host_read_ms if host_read_ms > 0 else None
+        overhead = summary["async_overhead_pct"]
+        summary["goal"] = {
+            "overhead_pct_max": GOAL_OVERHEAD_PCT, "stall_vs_memcpy_max": GOAL_STALL_VS_MEMCPY,
+            "overhead_met": overhead is not None and overhead <= GOAL_OVERHEAD_PCT,
+            "in_call_met": summary["async_in_call_pct"] <= GOAL_OVERHEAD_PCT,
+            "stall_met": stall <= GOAL_STALL_VS_MEMCPY * memcpy_ms,
+        }
+    return summary
+
+
+# --------------------------------------------------------------------------- tables and plot
+
+
+def _pct(s: Spread | None, signed: bool = True) -> str:
+    if s is None:
+        return "-"
+    f = "{:+.1f}%" if signed else "{:.1f}%"
+    if s.n < 2:
+        return f.format(s.median)
+    return f"{f.format(s.median)} ({f.format(s.min)}..{f.format(s.max)})"
+
+
+def _ms(s: Spread | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s.median:,.1f}" if s.n < 2 else f"{s.median:,.1f} ({s.min:,.1f}-{s.max:,.1f})"
+
+
+TABLE_COLUMNS = ("checkpointing", "every", "windows", "steps/s", "overhead vs none", "time in ckpt calls",
+                 "median step ms", "per-step call ms", "stall ms per save", "stall / step", "of which snapshot ms")
+
+
+def table_rows(stats: Sequence[ConfigStats]) -> list[list[str]]:
+    rows = []
+    for s in stats:
+        r = s.steps_per_s
+        rate = f"{r.median:.2f}" if r.n < 2 else f"{r.median:.2f} ({r.min:.2f}-{r.max:.2f})"
+        ratio = f"{s.stall_ms.median / s.median_step_ms:.2f}" if s.stall_ms else "-"
+        rows.append([LABELS.get(s.config, s.config), str(s.interval), str(s.windows), rate,
+                     _pct(s.overhead_pct), _pct(s.in_call_pct, signed=False) if s.config != "none" else "-",
+                     f"{s.median_step_ms:.0f}", f"{s.per_step_call_ms:.2f}" if s.config != "none" else "-",
+                     _ms(s.stall_ms), ratio, f"{s.snapshot_ms:.1f}" if s.snapshot_ms is not None else "-"])
+    return rows
+
+
+def goal_text(summary: Mapping[str, Any]) -> str:
+    if "goal" not in summary:
+        return "goal not evaluated (ours_async was not run)"
+    g, at = summary["goal"], summary["goal_interval"]
+    overhead, in_call = summary["async_overhead_pct"], summary["async_in_call_pct"]
+    stall, memcpy, read = summary["async_stall_ms"], summary["memcpy_ms"], summary["host_read_ms"]
+    low, high = summary["async_overhead_range_pct"] or (overhead, overhead)
+    return (f"goal check (async, every {at} steps): throughput overhead {overhead:+.2f}% "
+            f"(windows {low:+.1f}%..{high:+.1f}%; goal <= {GOAL_OVERHEAD_PCT:g}%: "
+            f"{'met' if g['overhead_met'] else 'NOT met'}); time inside checkpoint calls {in_call:.2f}% "
+            f"({'within' if g['in_call_met'] else 'above'} {GOAL_OVERHEAD_PCT:g}%); stall {stall:.1f} ms vs "
+            f"np.copy of the state {memcpy:.2f} ms = {stall / memcpy:.1f}x (goal <= {GOAL_STALL_VS_MEMCPY:g}x: "
+            f"{'met' if g['stall_met'] else 'NOT met'}); reading the variables into host memory alone takes "
+            f"{read:.1f} ms")
+
+
+def make_plot(path: Path, stats: Sequence[ConfigStats], summary: Mapping[str, Any],
+              intervals: Sequence[int]) -> Path | None:
+    configs = list(dict.fromkeys(s.config for s in stats))
+    cats = tuple(f"every {k}" for k in intervals)
+    find = {(s.config, s.interval): s for s in stats}
+
+    def series(attr: str, configs_: Sequence[str]) -> tuple[dict[str, list[float | None]], dict[str, list[Any]]]:
+        vals: dict[str, list[float | None]] = {}
+        errs: dict[str, list[Any]] = {}
+        for c in configs_:
+            got = [getattr(find[(c, k)], attr) if (c, k) in find else None for k in intervals]
+            vals[LABELS[c]] = [g.median if g is not None else None for g in got]
+            errs[LABELS[c]] = [(g.min, g.max) if g is not None else None for g in got]
+        return vals, errs
+
+    saving = [c for c in configs if c != "none"]
+    rate_vals, rate_errs = series("steps_per_s", configs)
+    over_vals, over_errs = series("overhead_pct", saving)
+    call_vals, call_errs = series("in_call_pct", saving)
+    stall_vals, stall_errs = series("stall_ms", saving)
+    stall_vals["np.copy of the state (1 rank)"] = [summary["memcpy_ms"]] * len(intervals)
+    stall_vals["read variables to host (1 rank)"] = [summary["host_read_ms"]] * len(intervals)
+    panels = [
+        Panel("training throughput (steps/s)", "steps/s", cats, rate_vals, rate_errs),
+        Panel("throughput overhead vs no checkpoint (%, paired windows)", "%", cats, over_vals, over_errs),
+        Panel("time inside checkpoint calls (% of the window, rank 0)", "%", cats, call_vals, call_errs),
+        Panel("stall per save (ms, slowest rank, log)", "ms", cats, stall_vals, stall_errs, log_y=True),
+    ]
+    return plot_panels(path, panels, title="checkpoint overhead during training (Horovod, 2 ranks)", columns=2)
+
+
+# --------------------------------------------------------------------------- running horovodrun
+
+
+def join_url(base: str, name: str) -> str:
+    if "://" in base:
+        return base.rstrip("/") + "/" + name
+    return str(Path(base) / name)
+
+
+def _worker_env(np_: int, notice_file: Path) -> dict[str, str]:
+    venv_bin = str(Path(sys.executable).parent)
+    threads = str(max(1, (os.cpu_count() or 1) // np_))
+    env = dict(os.environ)
+    env.update({
+        "PATH": f"{venv_bin}{os.pathsep}{env.get('PATH', '')}",
+        # the user's own --model module is importable from where the command was started
+        "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p),
+        "PYTHONUNBUFFERED": "1",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "TF_NUM_INTRAOP_THREADS": threads,  # the ranks share the machine's cores
+        "TF_NUM_INTEROP_THREADS": "1",
+        "OMP_NUM_THREADS": threads,
+        # the notice watcher of TransientCallback: a local notice file that never appears
+        "HVDT_WATCHER": "local",
+        "HVDT_NOTICE_FILE": str(notice_file),
+        "NO_GCE_CHECK": "true",
+    })
+    return env
+
+
+_PROGRESS = re.compile(r"^\[0\]<stderr>:(\[\d+/\d+\].*)$")
+
+
+def run_horovod(plan: Mapping[str, Any], np_: int, work: Path, timeout_s: float) -> list[dict[str, Any]]:
+    plan_path, out_dir, log_path = work / "plan.json", work / "ranks", work / "horovodrun.log"
+    plan_path.write_text(json.dumps(plan, indent=1))
+    hosts = ",".join(f"{h}:1" for h in HOST_ALIASES[:np_])
+    cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(np_), "-H", hosts, "--gloo",
+           "--network-interfaces", "lo", sys.executable, str(WORKER), "--plan", str(plan_path),
+           "--out", str(out_dir)]
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, env=_worker_env(np_, work / "no-notice"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                            cwd=work, text=True, errors="replace")
+    timed_out = threading.Event()
+
+    def kill_group() -> None:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def on_timeout() -> None:
+        timed_out.set()
+        kill_group()
+
+    timer = threading.Timer(timeout_s, on_timeout)
+    timer.daemon = True
+    timer.start()
+    try:
+        with open(log_path, "w") as log_file:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log_file.write(line)
+                match = _PROGRESS.match(line.rstrip("\n"))
+                if match:
+                    print("  " + match.group(1), file=sys.stderr, flush=True)
+        code = proc.wait()
+    except BaseException:
+        kill_group()
+        proc.wait()
+        raise
+    finally:
+        timer.cancel()
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+    if timed_out.is_set():
+        raise BenchError(f"horovodrun did not finish within {timeout_s:.0f} s (--timeout); log tail:\n{tail}")
+    if code != 0:
+        raise BenchError(f"horovodrun exited with {code}; log tail:\n{tail}")
+    docs = []
+    for rank in range(np_):
+        path = out_dir / f"rank-{rank}.json"
+        if not path.exists():
+            raise BenchError(f"rank {rank} wrote no results ({path}); log tail:\n{tail}")
+        docs.append(json.loads(path.read_text()))
+    return docs
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _csv(kind: type, allowed: Sequence[str] | None = None):
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            values = tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
+        if not values:
+            raise argparse.ArgumentTypeError("give at least one value")
+        if allowed is not None and (bad := [v for v in values if v not in allowed]):
+            raise argparse.ArgumentTypeError(f"unknown value(s) {bad}; choose from {', '.join(allowed)}")
+        if kind is int and any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: values must be positive")
+        return tuple(dict.fromkeys(values))
+    return parse
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ckpt_overhead",
+        description="Training throughput and per-save stall under Horovod: no checkpoint, rank-0 "
+                    "model.save_weights (Horovod's recipe), hvd-transient sync sharded and async saves.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default="resnet32",
+                       help="resnet32 | small_cnn | package.module:function | path/to/file.py:function "
+                            "(a function returning a Keras model, compiled or not; modules are imported "
+                            "from the current directory and PYTHONPATH)")
+    model.add_argument("--saved-model", type=Path, help="a saved Keras model (tf.keras.models.load_model)")
+    p.add_argument("--store", help="where hvd-transient writes (directory, file://, gs://bucket/prefix); "
+                                   "default: a temporary directory. A run-specific prefix under it is removed "
+                                   "at the end unless --keep")
+    p.add_argument("--steps", type=_positive, default=200,
+                   help="measured steps per configuration and interval (whole intervals, at least one)")
+    p.add_argument("--batch-size", type=_positive, default=32, help="per-rank batch size")
+    p.add_argument("--intervals", type=_csv(int), default=(50, 200), help="save every K steps")
+    p.add_argument("--np", dest="np_", type=_positive, default=2, help="Horovod ranks (local host aliases)")
+    p.add_argument("--configs", type=_csv(str, CONFIGS), default=DEFAULT_CONFIGS,
+                   help="configurations to run (none is always run)")
+    p.add_argument("--check-every", type=_positive, default=1,
+                   help="TransientCallback check_every_steps: the notice collective runs every N steps")
+    p.add_argument("--warmup-steps", type=int, default=20, help="untimed steps at the start")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before horovodrun is killed")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (.md and .png beside it)")
+    p.add_argument("--no-plot", dest="plot", action="store_false")
+    p.add_argument("--markdown", action="store_true", help="also print the markdown table")
+    p.add_argument("--tmpdir", type=Path, help="parent of the temporary work directory (removed at the end)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints and the horovodrun log")
+    return p
+
+
+def _model_spec(args: argparse.Namespace) -> dict[str, str]:
+    if args.saved_model is not None:
+        path = args.saved_model.expanduser().resolve()
+        if not path.exists():
+            raise BenchError(f"--saved-model {args.saved_model}: no such file or directory")
+        return {"kind": "saved", "value": str(path)}
+    if args.model in ("resnet32", "small_cnn"):
+        return {"kind": "builtin", "value": args.model}
+    module, _, func = args.model.rpartition(":")
+    if not module or not func:
+        raise BenchError(f"--model {args.model!r}: use resnet32, small_cnn, module:function or file.py:function")
+    if module.endswith(".py"):
+        path = Path(module).expanduser().resolve()
+        if not path.is_file():
+            raise BenchError(f"--model {args.model!r}: no such file {path}")
+        return {"kind": "function", "value": f"{path}:{func}"}
+    return {"kind": "function", "value": args.model}
+
+
+def _remove_store(url: str) -> None:
+    if "://" not in url or url.startswith("file://"):
+        shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
+        return
+    from ckpt_service.stores import open_store
+
+    try:
+        store = open_store(url)
+        store.delete_prefix("")
+        store.close()
+    except Exception as exc:  # clean-up must not hide the results
+        print(f"ckpt_overhead: could not remove {url}: {exc}", file=sys.stderr)
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
+    if args.np_ > len(HOST_ALIASES):
+        print(f"ckpt_overhead: --np at most {len(HOST_ALIASES)} on one machine", file=sys.stderr)
+        return 2
+    if args.store and args.store.startswith("memory://"):
+        print("ckpt_overhead: memory:// stores live in one process; use a directory or gs://", file=sys.stderr)
+        return 2
+    configs = ("none", *[c for c in args.configs if c != "none"])
+    try:
+        model = _model_spec(args)
+    except BenchError as exc:
+        print(f"ckpt_overhead: {exc}", file=sys.stderr)
+        return 2
+    if args.tmpdir is not None:
+        args.tmpdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ckpt-overhead-", dir=args.tmpdir))
+    store_base = join_url(args.store, f"ckpt-overhead-{uuid.uuid4().hex[:8]}") if args.store else str(work / "store")
+    windows = plan_windows(configs, args.intervals, args.steps)
+    plan = {
+        "model": model, "batch_size": args.batch_size, "warmup_steps": args.warmup_steps, "seed": args.seed,
+        "check_every_steps": args.check_every,
+        "windows": [asdict(w) for w in windows], "baseline_dir": str(work / "baseline"),
+        "stores": {f"{c}-{k}": join_url(store_base, f"{c}-{k}") for c in configs for k in args.intervals},
+    }
+    machine = machine_info()
+    print(f"machine: {machine_line(machine)}", file=sys.stderr, flush=True)
+    measured = sum(w.steps for w in windows if w.index >= 0)
+    print(f"{len(windows)} windows, {measured} measured steps on {args.np_} ranks", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    try:
+        docs = run_horovod(plan, args.np_, work, args.timeout)
+    except BenchError as exc:
+        print(f"ckpt_overhead: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ckpt_overhead: interrupted; no results written", file=sys.stderr)
+        return 130
+    finally:
+        if not args.keep:
+            if args.store:
+                _remove_store(store_base)
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"kept: {work} and {store_base}", file=sys.stderr)
+    elapsed = time.perf_counter() - started
+    stats = config_stats(merge_ranks(docs))
+    rank0 = docs[0]
+    summary = summarize(stats, rank0, args.intervals)
+    summary["elapsed_s"] = elapsed
+    table = table_rows(stats)
+    title = (f"checkpoint overhead: {rank0['model_name']} ({rank0['params']:,} parameters, state "
+             f"{rank0['state_bytes'] / 1e6:.1f} MB in {rank0['tensors']} tensors), batch {args.batch_size}, "
+             f"{args.np_} ranks")
+    print()
+    print_table(TABLE_COLUMNS, table, title=title)
+    goal = goal_text(summary)
+    print(f"\nnp.copy of the state: {summary['memcpy_ms']:.2f} ms; reading the variables into host memory: "
+          f"{summary['host_read_ms']:.2f} ms (rank 0, medians of {len(rank0['memcpy_samples'])})")
+    print(goal)
+    md_table = markdown_table(TABLE_COLUMNS, table)
+    if args.markdown:
+        print()
+        print(md_table)
+    notes = [
+        "each window is K steps (K = the save interval) whose first step saves; windows of all configurations "
+        "are interleaved round by round; warm-up windows (each configuration's first save) are not counted",
+        "overhead vs none: window time / the `none` window of the same round and interval - 1 (median over "
+        "rounds; the range shows how noisy the machine was)",
+        "time in ckpt calls: share of the window rank 0 spent inside the checkpoint call or waiting for a "
+        "background save at the window end; an upper bound for the calls (a collective also absorbs waiting "
+        "for the slower rank), blind to background work slowing the training steps",
+        "stall: slowest rank's time in the checkpoint call at the save step minus its median call at other steps",
+        "ours_* also run TransientCallback's per-step notice collective (per-step call ms)",
+        "model.save_weights / tf.train.Checkpoint do not fsync; the hvd-transient local store fsyncs every object",
+        "a background save still running at the end of a window is waited for and counted in that window",
+    ]
+    params = {"model": model, "batch_size": args.batch_size, "intervals": args.intervals, "steps": args.steps,
+              "np": args.np_, "configs": configs, "warmup_steps": args.warmup_steps,
+              "check_every_steps": args.check_every,
+              "store": args.store or "temporary directory", "seed": args.seed,
+              "tf_intra_op_threads": max(1, (os.cpu_count() or 1) // args.np_)}
+    rows = [s.as_dict() for s in stats]
+    rows += [{"config": "reference", "label": "np.copy of every state array (rank 0)",
+              "ms": spread([x * 1000 for x in rank0["memcpy_samples"]]).as_dict()},
+             {"config": "reference", "label": "read every variable into host memory (rank 0)",
+              "ms": spread([x * 1000 for x in rank0["host_read_samples"]]).as_dict()}]
+    params["model_info"] = {k: rank0[k] for k in ("model_name", "params", "state_bytes", "tensors", "loss")}
+    out = write_results(args.out, name="ckpt_overhead", summary=summary, rows=rows, params=params, notes=notes,
+                        machine=machine)
+    md = out.with_suffix(".md")
+    md.write_text(f"# ckpt_overhead results\n\nMachine: {machine_line(machine)}  \nCommand: `{command_line()}`  \n"
+                  f"Run time: {elapsed:.0f} s.\n\n{title}\n\n{md_table}\n\n"
+                  f"np.copy of the state: {summary['memcpy_ms']:.2f} ms; reading every variable into host "
+                  f"memory: {summary['host_read_ms']:.2f} ms.\n\n{goal}\n")
+    print(f"\nresults: {out}\ntables:  {md}")
+    if args.plot:
+        png = make_plot(out.with_suffix(".png"), stats, summary, args.intervals)
+        if png is not None:
+            print(f"plot:    {png}")
+    print(f"elapsed: {elapsed:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
