@@ -1,0 +1,132 @@
+"""Timestamps inside Horovod's elastic machinery, for the resume-time breakdown of ``preemption_cost.py``.
+
+Two modes, both wrappers that leave the wrapped program unchanged:
+
+``_hvd_trace.py worker TRACE_DIR SCRIPT [ARGS...]``
+    Runs a training script (``examples/keras_elastic.py`` or ``bench/plain_elastic_worker.py``)
+    as ``__main__`` after wrapping three points of ``horovod.common.elastic``, so each worker
+    appends JSON lines to ``TRACE_DIR/trace-<host>-<pid>.jsonl``:
+
+    hosts_updated   the driver's host-change notification reached this worker (only the
+                    coordinator, rank 0, gets it): driver_t (the driver's clock, whole seconds)
+    interrupt       ``check_host_updates`` raised HostsUpdatedInterrupt on this rank
+    reset_begin     the elastic loop caught the interrupt or failure (after rolling the state
+                    back on a failure) and starts ``hvd.shutdown(); hvd.init()``
+    reset_done      ``hvd.init()`` returned: the rendezvous on the new ring is complete
+
+``_hvd_trace.py discover LOG CLI [ARGS...]``
+    Host discovery as ``horovodrun`` runs it each second: runs the console script ``CLI``
+    (``hvd-transient``) with ARGS in this process and appends one JSON line per call to LOG
+    (start and end time, exit code, the hosts printed), so the benchmark sees when discovery
+    stopped listing a leaving host. LocalCluster's discovery script runs it when
+    ``HVDT_CLI`` is set to ``python _hvd_trace.py discover LOG hvd-transient``.
+
+Events are appended to local files (one small write each), not to the run's store.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import runpy
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+USAGE = ("usage: _hvd_trace.py worker TRACE_DIR SCRIPT [ARGS...]\n"
+         "       _hvd_trace.py discover LOG CLI [ARGS...]")
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+class Tracer:
+    def __init__(self, trace_dir: Path) -> None:
+        self.host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        self.path = trace_dir / f"trace-{self.host}-{os.getpid()}.jsonl"
+
+    def __call__(self, kind: str, **fields: Any) -> None:
+        _append(self.path, {"t": time.time(), "event": kind, "host": self.host, "pid": os.getpid(), **fields})
+
+    def install(self) -> None:
+        """Wrap Horovod's elastic loop; must run before ``horovod.tensorflow`` is imported."""
+        import horovod.common.elastic as elastic
+        from horovod.common.exceptions import HostsUpdatedInterrupt
+
+        if "horovod.tensorflow.elastic" in sys.modules:
+            raise RuntimeError("install the trace before importing horovod.tensorflow: "
+                               "it binds run_fn at import time")
+        trace = self
+        run_fn = elastic.run_fn
+        on_hosts_updated = elastic.State.on_hosts_updated
+        check_host_updates = elastic.State.check_host_updates
+
+        def traced_run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
+            def traced_reset() -> None:
+                trace("reset_begin")
+                reset()
+                trace("reset_done")
+            return run_fn(func, traced_reset)
+
+        def traced_on_hosts_updated(state: Any, timestamp: Any, update_res: Any) -> None:
+            trace("hosts_updated", driver_t=timestamp, result=int(update_res))
+            on_hosts_updated(state, timestamp, update_res)
+
+        def traced_check_host_updates(state: Any) -> None:
+            try:
+                check_host_updates(state)
+            except HostsUpdatedInterrupt:
+                trace("interrupt")
+                raise
+
+        elastic.run_fn = traced_run_fn
+        elastic.State.on_hosts_updated = traced_on_hosts_updated
+        elastic.State.check_host_updates = traced_check_host_updates
+
+
+def run_worker(trace_dir: str, script: str, args: Sequence[str]) -> None:
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    Tracer(Path(trace_dir)).install()
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_discovery(log: str, cli: str, args: Sequence[str]) -> int:
+    """One discovery call, recorded; the hosts go to stdout exactly as the CLI printed them."""
+    from hvd_transient.cli import main as cli_main  # the console script's own entry point
+
+    del cli  # the entry point is imported, not exec'd: same code, same process start-up
+    started = time.time()
+    out = io.StringIO()
+    code = 1
+    try:
+        with contextlib.redirect_stdout(out):
+            code = int(cli_main(list(args)) or 0)
+    finally:
+        printed = out.getvalue()
+        sys.stdout.write(printed)
+        sys.stdout.flush()
+        _append(Path(log), {"t": started, "end": time.time(), "code": code,
+                            "hosts": [line.split(":")[0] for line in printed.split()]})
+    return code
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) < 3 or argv[0] not in ("worker", "discover"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    mode, target, program, *rest = argv
+    if mode == "worker":
+        run_worker(target, program, rest)
+        return 0
+    return run_discovery(target, program, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

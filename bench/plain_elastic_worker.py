@@ -1,0 +1,138 @@
+"""The baseline for ``bench/preemption_cost.py``: a standard Horovod elastic Keras script, no hvd-transient.
+
+Same model, data, learning rate and in-memory commit cadence as ``examples/keras_elastic.py``,
+written the way Horovod's own elastic Keras example is (``hvd.elastic.KerasState``, the
+commit / batch / epoch callbacks, the learning rate rescaled on reset). Nothing watches for
+preemption notices: when a VM's notice window ends its worker is killed, Horovod counts that
+as a failure, blacklists the host and rolls the survivors back to their last in-memory commit.
+
+The only addition is measurement: a few lines record events in the same log format as
+hvd-transient (``hvd_transient.events.EventLog``; no checkpointing, no callbacks of the
+plugin), so the benchmark reads both runs the same way:
+
+    start       first time training begins in this process: step, rank, size
+    ring        training (re)starts on a ring: step, rank, size, master (0), master_host (rank 0's host
+                when this rank is rank 0, else None)
+    first_step  first step completed on a new ring: step, size
+    progress    every 10 steps: step, size
+    reset       Horovod reset the ring: step (after), rolled_back, last_step
+    train_end   step
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+
+import horovod.tensorflow.keras as hvd
+import tensorflow as tf
+
+from ckpt_service.stores import open_store
+from hvd_transient.events import EventLog
+from hvd_transient.workloads import MODELS, batches, load_cifar10, synthetic_cifar10
+
+PROGRESS_EVERY_STEPS = 10
+
+
+class StepEvents(tf.keras.callbacks.Callback):
+    """Writes the measurement events; takes no part in training."""
+
+    def __init__(self, log: EventLog) -> None:
+        super().__init__()
+        self.log = log
+        self.started = False
+        self.ring_step: int | None = None
+        self.last_step = -1
+
+    def _step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        step, rank, size = self._step(), hvd.rank(), hvd.size()
+        if not self.started:
+            self.started = True
+            self.log.emit("start", step=step, rank=rank, size=size)
+        self.log.emit("ring", step=step, rank=rank, size=size, master=0,
+                      master_host=self.log.host if rank == 0 else None)
+        self.ring_step = step
+        self.last_step = step
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        step = self._step()
+        self.last_step = step
+        if self.ring_step is not None and step == self.ring_step + 1:
+            self.log.emit("first_step", step=step, size=hvd.size())
+        elif step % PROGRESS_EVERY_STEPS == 0:
+            self.log.emit("progress", step=step, size=hvd.size())
+
+    def on_reset(self) -> None:
+        """Horovod calls this after a reset, once the state was rolled back (if it was)."""
+        step = self._step()
+        self.log.emit("reset", step=step, rolled_back=max(0, self.last_step - step), last_step=self.last_step)
+        self.last_step = step
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.log.emit("train_end", step=self._step())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--events-store", required=True, help="store URL the measurement events are written to")
+    p.add_argument("--model", choices=sorted(MODELS), default="resnet32")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--steps-per-epoch", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--base-lr", type=float, default=0.01, help="single-worker learning rate")
+    p.add_argument("--batches-per-commit", type=int, default=10, help="Horovod in-memory commit cadence")
+    p.add_argument("--cifar10-npz", help="real CIFAR-10 (.npz with x_train, y_train); synthetic if absent")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="extra time per step")
+    args = p.parse_args()
+
+    hvd.init()
+    tf.random.set_seed(1234)  # identical initial weights on every worker
+    images, labels = load_cifar10(args.cifar10_npz) if args.cifar10_npz else synthetic_cifar10()
+    model = MODELS[args.model]()
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(args.base_lr * hvd.size(),
+                                                                              momentum=0.9)),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    # Slot variables must exist before the state is made (the documented workaround for
+    # horovod#2652); the plugin's elastic_state does the same, so both runs train identically.
+    model.optimizer.build(model.trainable_variables)
+
+    host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    events = StepEvents(EventLog(open_store(args.events_store), host))
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+
+    def on_state_reset() -> None:
+        tf.keras.backend.set_value(model.optimizer.learning_rate, args.base_lr * hvd.size())
+        events.on_reset()
+
+    state.register_reset_callbacks([on_state_reset])
+    callbacks = [
+        hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit),
+        hvd.elastic.UpdateBatchStateCallback(state),
+        hvd.elastic.UpdateEpochStateCallback(state),
+        events,
+    ]
+    if args.step_seconds:
+        callbacks.append(tf.keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: time.sleep(args.step_seconds)))
+
+    @hvd.elastic.run
+    def train(state):
+        seed = 1000 * hvd.rank() + int(model.optimizer.iterations.numpy())
+        model.fit(batches(images, labels, args.batch_size, seed), steps_per_epoch=args.steps_per_epoch,
+                  initial_epoch=state.epoch, epochs=args.epochs, callbacks=callbacks,
+                  verbose=2 if hvd.rank() == 0 else 0)
+
+    train(state)
+    events.log.flush()
+    if hvd.rank() == 0:
+        print(f"done at step {int(model.optimizer.iterations.numpy())} on {hvd.size()} workers "
+              f"(pid {os.getpid()})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
