@@ -1,0 +1,163 @@
+"""The ckpt-overhead and emergency-save benchmarks run end to end at tiny sizes.
+
+No timing is asserted: only that each benchmark measures every configuration it says it
+does, writes the summary keys the README documents, a PNG, and cleans up after itself.
+The windows plan and the stall arithmetic are checked as pure functions.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH = REPO_ROOT / "bench"
+OVERHEAD = BENCH / "ckpt_overhead.py"
+EMERGENCY = BENCH / "emergency_save.py"
+
+sys.path.insert(0, str(BENCH))  # the benchmark scripts import their helpers as top-level modules
+import ckpt_overhead  # noqa: E402
+
+OVERHEAD_KEYS = ("async_overhead_pct", "async_stall_ms", "memcpy_ms", "baseline_overhead_pct", "sync_overhead_pct",
+                 "async_in_call_pct", "baseline_stall_ms", "sync_stall_ms", "host_read_ms", "steps_per_s", "goal")
+EMERGENCY_KEYS = ("sharded_speedup_vs_single", "max_state_mb_in_30s", "notice_to_commit_s", "single_writer_s",
+                  "fits_in_30s")
+
+USER_MODEL = textwrap.dedent("""
+    import tensorflow as tf
+
+    def build():
+        model = tf.keras.Sequential([tf.keras.Input(shape=(8,)), tf.keras.layers.Dense(16, activation="relu"),
+                                     tf.keras.layers.Dense(3)])
+        model.compile(optimizer=tf.keras.optimizers.Adam(1e-3),
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+""")
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+# --------------------------------------------------------------------------- ckpt-overhead
+
+
+def test_every_window_starts_with_a_save_and_configurations_alternate() -> None:
+    configs = ("none", "save_weights", "ours_sync", "ours_async")
+    plan = ckpt_overhead.plan_windows(configs, (50, 200), 200)
+    measured = [w for w in plan if w.index >= 0]
+    warmups = [w for w in plan if w.index < 0]
+    assert {(w.config, w.interval) for w in warmups} == {(c, k) for c in configs[1:] for k in (50, 200)}
+    assert all(plan.index(w) < plan.index(measured[0]) for w in warmups)
+    for w in plan:
+        assert w.start_step % w.interval == 0 and w.start_step > 0
+    for config in configs:
+        for interval, windows in ((50, 4), (200, 1)):
+            mine = [w for w in measured if (w.config, w.interval) == (config, interval)]
+            assert len(mine) == windows and all(w.steps == interval for w in mine)
+            assert len({w.start_step for w in mine}) == windows  # never the same checkpoint step twice
+    # each round runs every configuration once, in a rotated order
+    round0 = [w.config for w in measured if w.index == 0 and w.interval == 50]
+    round1 = [w.config for w in measured if w.index == 1 and w.interval == 50]
+    assert sorted(round0) == sorted(configs) and round0 != round1
+
+
+def test_stall_is_the_slowest_rank_beyond_its_usual_call() -> None:
+    window = {"config": "ours_sync", "interval": 4, "index": 0, "steps": 4, "save_steps": [0], "finish_s": 0.0,
+              "persisted_at": 0, "train_s": [0.1, 0.1, 0.1, 0.1]}
+    docs = [{"rank": 0, "windows": [dict(window, hook_s=[0.05, 0.01, 0.01, 0.01], window_s=0.5)]},
+            {"rank": 1, "windows": [dict(window, hook_s=[0.08, 0.02, 0.02, 0.02], window_s=0.5)]}]
+    none = {"config": "none", "interval": 4, "index": 0, "steps": 4, "save_steps": [], "finish_s": 0.0,
+            "train_s": [0.1] * 4, "hook_s": [0.0] * 4, "window_s": 0.4}
+    docs[0]["windows"].append(none)
+    docs[1]["windows"].append(none)
+    stats = {s.config: s for s in ckpt_overhead.config_stats(ckpt_overhead.merge_ranks(docs))}
+    assert stats["ours_sync"].stall_ms.median == pytest.approx(60.0)  # rank 1: 80 ms - its usual 20 ms
+    assert stats["ours_sync"].overhead_pct.median == pytest.approx(25.0)  # 0.5 s against 0.4 s
+    assert stats["ours_sync"].per_step_call_ms == pytest.approx(10.0)
+    assert stats["none"].overhead_pct is None
+
+
+def test_bad_model_arguments_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    for args, message in ((["--model", "no_colon"], "module:function"),
+                          (["--model", str(tmp_path / "missing.py") + ":build"], "no such file"),
+                          (["--saved-model", str(tmp_path / "nothing")], "no such file")):
+        proc = subprocess.run([sys.executable, str(OVERHEAD), *args, "--out", str(tmp_path / "o.json")],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.horovod
+def test_ckpt_overhead_runs_a_users_model_under_horovodrun(tmp_path: Path) -> None:
+    (tmp_path / "user_model.py").write_text(USER_MODEL)
+    out, work = tmp_path / "results" / "ckpt_overhead.json", tmp_path / "work"
+    _run([str(OVERHEAD), "--model", f"{tmp_path / 'user_model.py'}:build", "--steps", "3", "--intervals", "3",
+          "--warmup-steps", "2", "--batch-size", "8", "--configs", "save_weights,tf_checkpoint,ours_sync,ours_async",
+          "--out", str(out), "--tmpdir", str(work)], timeout=240)
+    doc = json.loads(out.read_text())
+    assert doc["name"] == "ckpt_overhead"
+    for key in OVERHEAD_KEYS:
+        assert key in doc["summary"], f"summary.{key} missing"
+    summary = doc["summary"]
+    assert summary["memcpy_ms"] > 0 and summary["async_stall_ms"] is not None
+    assert set(summary["steps_per_s"]) == {"none", "save_weights", "tf_checkpoint", "ours_sync", "ours_async"}
+    assert summary["state_bytes"] > 0
+    assert doc["params"]["model_info"]["loss"].startswith("sparse")  # the model's own compiled loss was kept
+    rows = [r for r in doc["rows"] if r["config"] != "reference"]
+    assert {(r["config"], r["interval"]) for r in rows} == {
+        (c, 3) for c in ("none", "save_weights", "tf_checkpoint", "ours_sync", "ours_async")}
+    for row in rows:
+        assert row["steps_per_s"]["median"] > 0
+        assert (row["stall_ms"] is None) == (row["config"] == "none")
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "goal check" in out.with_suffix(".md").read_text()
+    assert work.is_dir() and not any(work.iterdir()), f"left behind: {list(work.iterdir())}"
+
+
+# --------------------------------------------------------------------------- emergency-save
+
+
+@pytest.fixture(scope="module")
+def emergency_result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, Path]:
+    base = tmp_path_factory.mktemp("emergency")
+    out, work = base / "results" / "emergency_save.json", base / "work"
+    _run([str(EMERGENCY), "--sizes-mb", "1,10", "--writers", "1,2", "--repeats", "1", "--stores", "local,gcs",
+          "--out", str(out), "--tmpdir", str(work)], timeout=120)
+    return json.loads(out.read_text()), out, work
+
+
+def test_emergency_save_summary_has_the_keys_per_store(emergency_result: tuple[dict, Path, Path]) -> None:
+    doc, _out, _work = emergency_result
+    summary = doc["summary"]
+    for key in EMERGENCY_KEYS:
+        assert key in summary, f"summary.{key} missing"
+    assert summary["largest_size"] == "10MB"
+    for store in ("local", "gcs"):
+        speedup = summary["sharded_speedup_vs_single"][store]
+        assert speedup["best"] > 0 and speedup["best_writers"] in (1, 2) and {"1", "2"} <= set(speedup)
+        capacity = summary["max_state_mb_in_30s"][store]
+        assert capacity["extrapolated"] is True and capacity["mb"] > 0
+        assert set(summary["notice_to_commit_s"][store]["1MB"]) == {"1", "2"}
+    assert doc["machine"]["cores"] >= 1 and "emergency_save.py" in doc["command"]
+
+
+def test_emergency_save_measures_every_combination_and_cleans_up(emergency_result: tuple[dict, Path, Path]) -> None:
+    doc, out, work = emergency_result
+    combos = {(r["store"], r["size"], r["method"], r["writers"]) for r in doc["rows"]}
+    for store in ("local", "gcs"):
+        for size in ("1MB", "10MB"):
+            assert {(store, size, "hvd-transient", 1), (store, size, "hvd-transient", 2),
+                    (store, size, "single writer np.savez", 1)} <= combos
+    for row in doc["rows"]:
+        s = row["seconds"]
+        assert s["n"] == 1 and s["median"] > 0 and row["bytes_written"] >= row["state_bytes"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "EXTRAPOLATED" in out.with_suffix(".md").read_text()
+    assert work.is_dir() and not any(work.iterdir()), f"left behind: {list(work.iterdir())}"
