@@ -2,10 +2,12 @@
 
 Two modes, both wrappers that leave the wrapped program unchanged:
 
-``_hvd_trace.py worker TRACE_DIR SCRIPT [ARGS...]``
+``_hvd_trace.py worker [--startup] TRACE_DIR SCRIPT [ARGS...]``
     Runs a training script (``examples/keras_elastic.py`` or ``bench/plain_elastic_worker.py``)
     as ``__main__`` after wrapping three points of ``horovod.common.elastic``, so each worker
     appends JSON lines to ``TRACE_DIR/trace-<host>-<pid>.jsonl``:
+
+    exec            the interpreter is up (before the script imports TensorFlow)
 
     hosts_updated   the driver's host-change notification reached this worker (only the
                     coordinator, rank 0, gets it): driver_t (the driver's clock, whole seconds)
@@ -13,6 +15,13 @@ Two modes, both wrappers that leave the wrapped program unchanged:
     reset_begin     the elastic loop caught the interrupt or failure (after rolling the state
                     back on a failure) and starts ``hvd.shutdown(); hvd.init()``
     reset_done      ``hvd.init()`` returned: the rendezvous on the new ring is complete
+
+    With ``--startup`` (for ``bench/restore.py``; imports TensorFlow and hvd_transient.keras
+    before the script does, which it would do anyway) also:
+
+    init_done       the first ``hvd.init()`` returned
+    restore_begin   ``hvd_transient.keras.restore_model`` called (rank 0 of a cold start)
+    restore_end     it returned: step (None without a checkpoint)
 
 ``_hvd_trace.py discover LOG CLI [ARGS...]``
     Host discovery as ``horovodrun`` runs it each second: runs the console script ``CLI``
@@ -36,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-USAGE = ("usage: _hvd_trace.py worker TRACE_DIR SCRIPT [ARGS...]\n"
+USAGE = ("usage: _hvd_trace.py worker [--startup] TRACE_DIR SCRIPT [ARGS...]\n"
          "       _hvd_trace.py discover LOG CLI [ARGS...]")
 
 
@@ -89,9 +98,40 @@ class Tracer:
         elastic.State.check_host_updates = traced_check_host_updates
 
 
-def run_worker(trace_dir: str, script: str, args: Sequence[str]) -> None:
+    def install_startup(self) -> None:
+        """Time the first ``hvd.init`` and the checkpoint restore of a cold start."""
+        import horovod.tensorflow as hvd_tf
+        import horovod.tensorflow.keras as hvd_keras
+
+        import hvd_transient.keras as hvdt
+
+        trace = self
+        init, restore_model = hvd_tf.init, hvdt.restore_model
+
+        def traced_init(*args: Any, **kwargs: Any) -> Any:
+            result = init(*args, **kwargs)
+            trace("init_done")
+            return result
+
+        def traced_restore_model(model: Any, store: str) -> Any:
+            trace("restore_begin")
+            restored = restore_model(model, store)
+            trace("restore_end", step=restored.get("step") if restored else None)
+            return restored
+
+        # the script calls hvd.init through horovod.tensorflow.keras; elastic_state looks
+        # restore_model up in its module at call time
+        hvd_keras.init = traced_init
+        hvdt.restore_model = traced_restore_model
+
+
+def run_worker(trace_dir: str, script: str, args: Sequence[str], *, startup: bool = False) -> None:
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
-    Tracer(Path(trace_dir)).install()
+    tracer = Tracer(Path(trace_dir))
+    tracer("exec")
+    tracer.install()
+    if startup:
+        tracer.install_startup()
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).resolve().parent))
     runpy.run_path(script, run_name="__main__")
@@ -118,12 +158,15 @@ def run_discovery(log: str, cli: str, args: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
+    startup = len(argv) > 1 and argv[0] == "worker" and argv[1] == "--startup"
+    if startup:
+        argv = [argv[0], *argv[2:]]
     if len(argv) < 3 or argv[0] not in ("worker", "discover"):
         print(USAGE, file=sys.stderr)
         return 2
     mode, target, program, *rest = argv
     if mode == "worker":
-        run_worker(target, program, rest)
+        run_worker(target, program, rest, startup=startup)
         return 0
     return run_discovery(target, program, rest)
 
