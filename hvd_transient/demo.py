@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw preemption times from ICAC'19-like VM lifetimes with this seed")
     p.add_argument("--day-seconds", type=float, default=600.0,
                    help="with --lifetimes: 24 hours of VM lifetime compressed into this many seconds")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="extra time per step (stretches a small model's run over the schedule)")
     p.add_argument("--cifar10-npz", help="real CIFAR-10 (.npz with x_train, y_train); synthetic if absent")
     p.add_argument("--instance-type", help="price-table entry for the cost comparison")
     p.add_argument("--json", help="write the report as JSON here")
@@ -91,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "--notice-window", str(args.window))
         if args.cifar10_npz:
             command += ("--cifar10-npz", str(Path(args.cifar10_npz).absolute()))
+        if args.step_seconds:
+            command += ("--step-seconds", str(args.step_seconds))
         hosts = HOST_ALIASES[:args.workers]
         spec = LocalClusterSpec(store=store, hosts=hosts, command=command, workdir=run_dir,
                                 max_np=len(HOST_ALIASES), instances=HOST_ALIASES, extra_env=extra_env)
@@ -108,7 +112,7 @@ def _play(cluster: LocalCluster, schedule: Sequence[Action], window: float, time
     """Run the schedule against the live cluster, printing progress as it goes."""
     pending = list(schedule)
     spares = [h for h in HOST_ALIASES if h not in cluster.spec.hosts]
-    shown = 0
+    shown: set[tuple[Any, ...]] = set()  # files flush at different times: events arrive out of order
     first_step_t: float | None = None
     last_status = 0.0
     deadline = time.time() + timeout
@@ -122,10 +126,7 @@ def _play(cluster: LocalCluster, schedule: Sequence[Action], window: float, time
         state = _state(events)
         if first_step_t is None and of(events, "first_step"):
             first_step_t = of(events, "first_step")[0]["t"]
-        for e in events[shown:]:
-            if e["event"] in SHOWN:
-                print(_line(e, cluster.started_at))
-        shown = len(events)
+        _print_new(events, shown, cluster.started_at)
         elapsed = time.time() - first_step_t if first_step_t else 0.0
         for action in list(pending):
             if first_step_t is not None and action.due(state["step"], elapsed):
@@ -136,10 +137,16 @@ def _play(cluster: LocalCluster, schedule: Sequence[Action], window: float, time
             print(f"[{time.time() - cluster.started_at:7.1f}s] step {state['step']:>5}  "
                   f"workers {state['size']}  master {state['master']}")
         time.sleep(0.5)
-    for e in cluster.events()[shown:]:
-        if e["event"] in SHOWN:
-            print(_line(e, cluster.started_at))
+    _print_new(cluster.events(), shown, cluster.started_at)
     return cluster.process.returncode if cluster.process.returncode is not None else -1
+
+
+def _print_new(events: list[dict[str, Any]], shown: set[tuple[Any, ...]], t0: float) -> None:
+    for e in events:
+        key = (e["t"], e["host"], e.get("pid"), e["event"])
+        if e["event"] in SHOWN and key not in shown:
+            shown.add(key)
+            print(_line(e, t0))
 
 
 def _state(events: list[dict[str, Any]]) -> dict[str, Any]:

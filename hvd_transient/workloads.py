@@ -71,9 +71,13 @@ def load_cifar10(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 def batches(images: np.ndarray, labels: np.ndarray, batch_size: int, seed: int) -> tf.data.Dataset:
     """An endless, shuffled stream of batches; ``seed`` differs per worker.
 
-    Built from tensors (no Python generator), so no Python thread feeds the
-    pipeline and tearing it down on an elastic reset never waits on one.
+    Built from tensors (no Python generator thread feeds it).
     """
     data = tf.data.Dataset.from_tensor_slices((images, labels))
+    # No autotuning: its model thread can hold up the iterator's destruction for tens of
+    # seconds on a busy CPU, and an elastic reset destroys the iterator while the VM's
+    # notice window is running.
+    options = tf.data.Options()
+    options.autotune.enabled = False
     return (data.shuffle(len(images), seed=seed, reshuffle_each_iteration=True).repeat()
-            .batch(batch_size, drop_remainder=True).prefetch(2))
+            .batch(batch_size, drop_remainder=True).prefetch(2).with_options(options))

@@ -1,0 +1,34 @@
+"""The main job, `hvd-transient demo`, end to end (small model, so it runs in about a minute)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.horovod
+
+CLI = str(Path(sys.executable).parent / "hvd-transient")
+
+
+def test_demo_plays_the_default_story_and_reports(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [CLI, "demo", "--model", "small_cnn", "--epochs", "40", "--steps-per-epoch", "20",
+         "--save-every", "40", "--step-seconds", "0.05", "--workdir", str(tmp_path / "runs"), "--json", str(report), "--timeout", "600"],
+        capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    body = json.loads(report.read_text())
+    assert body["completed"] is True
+    assert body["final_step"] >= 40 * 20
+    preemptions = body["preemptions"]
+    assert [p["was_master"] for p in preemptions] == [False, True]
+    for p in preemptions:
+        assert p["notice"] and p["checkpoint_committed"] and p["steps_rolled_back"] == 0
+        assert p["resume_ms"] > 0
+    assert len(body["joins"]) == 1
+    assert body["cost_transient_usd"] < body["cost_on_demand_usd"]
+    assert "preemption notice to" in out.stdout and "== cost ==" in out.stdout
+    assert list((tmp_path / "runs").glob("run-*/timeline.png"))
