@@ -124,7 +124,7 @@ def main() -> None:
     def train(state):
         seed = 1000 * hvd.rank() + int(model.optimizer.iterations.numpy())
         model.fit(batches(images, labels, args.batch_size, seed), steps_per_epoch=args.steps_per_epoch,
-                  initial_epoch=state.epoch, epochs=args.epochs, callbacks=callbacks,
+                  epochs=args.epochs - state.epoch, callbacks=callbacks,
                   verbose=2 if hvd.rank() == 0 else 0)
 
     train(state)
