@@ -45,11 +45,12 @@ def main() -> None:
 
     state = hvdt.elastic_state(model, store=args.store, batch=0, epoch=0)  # hvd-transient
     callbacks = [
-        hvdt.TransientCallback(state, store=args.store, base_lr=args.base_lr,  # hvd-transient
-                               save_every_steps=args.save_every, notice_window_s=args.notice_window),
         hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit),
         hvd.elastic.UpdateBatchStateCallback(state),
         hvd.elastic.UpdateEpochStateCallback(state),
+        # last, so the checkpoint's data position includes the batch just finished
+        hvdt.TransientCallback(state, store=args.store, base_lr=args.base_lr,  # hvd-transient
+                               save_every_steps=args.save_every, notice_window_s=args.notice_window),
     ]
     if args.step_seconds:
         callbacks.append(tf.keras.callbacks.LambdaCallback(

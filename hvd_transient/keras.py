@@ -8,10 +8,10 @@ The four changed lines of a Horovod elastic script::
     hvd.init()
     model.compile(optimizer=hvd.DistributedOptimizer(opt), loss=...)
     state = hvdt.elastic_state(model, store=STORE, batch=0, epoch=0)         # (2) was hvd.elastic.KerasState
-    callbacks = [hvdt.TransientCallback(state, store=STORE, base_lr=LR),     # (3)
-                 hvd.elastic.CommitStateCallback(state, batches_per_commit=50),
+    callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=50),
                  hvd.elastic.UpdateBatchStateCallback(state),
-                 hvd.elastic.UpdateEpochStateCallback(state)]
+                 hvd.elastic.UpdateEpochStateCallback(state),
+                 hvdt.TransientCallback(state, store=STORE, base_lr=LR)]     # (3)
 
     @hvd.elastic.run
     def train(state):
