@@ -485,3 +485,19 @@ def test_report_of_a_real_preemption(tmp_path: Path) -> None:
     assert p["steps_rolled_back"] == 0 and p["checkpoint_committed"] is True
     assert p["resume_ms"] is not None and p["resume_ms"] > 0
     assert doc["completed"] is True and [r["size"] for r in doc["rings"]] == [2, 1]
+
+
+def test_bytes_written_counts_periodic_commits_and_synchronous_shares() -> None:
+    from hvd_transient.report.analysis import analyze
+
+    events = [
+        {"t": 0.0, "event": "start", "host": "a", "pid": 1, "step": 0, "rank": 0, "size": 1},
+        {"t": 0.1, "event": "ring", "host": "a", "pid": 1, "step": 0, "rank": 0, "size": 1,
+         "master": 0, "master_host": "a"},
+        {"t": 1.0, "event": "commit", "host": "a", "pid": 1, "step": 50, "kind": "periodic", "size": 1,
+         "bytes": 1000},
+        {"t": 2.0, "event": "save_end", "host": "a", "pid": 1, "step": 60, "kind": "final", "seconds": 0.1,
+         "bytes": 300},
+        {"t": 2.1, "event": "train_end", "host": "a", "pid": 1, "step": 60},
+    ]
+    assert analyze(events).bytes_written == 1300

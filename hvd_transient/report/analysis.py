@@ -151,7 +151,7 @@ class RunAnalysis:
     timeline: tuple[TimelineEntry, ...]
     stall_s_by_worker: Mapping[str, float]   # worker label -> seconds training waited for checkpoints
     checkpoint_stall_s: float                # the largest per-worker stall
-    bytes_written: int                       # sum of save_end bytes (emergency and final saves)
+    bytes_written: int                       # emergency/final save_end bytes + periodic commit bytes
     started_at: float
     ended_at: float
     completed: bool
@@ -264,7 +264,10 @@ def analyze(events: Sequence[Event]) -> RunAnalysis:
         seconds += sum(float(e.get("seconds", 0.0) or 0.0) for e in _of(evs, "save_end")
                        if e.get("kind") in BLOCKING_SAVE_KINDS)
         stall[workers[key].label] = seconds
-    bytes_written = sum(int(e.get("bytes", 0) or 0) for e in _of(events, "save_end"))
+    # Synchronous saves log each rank's share (save_end); a periodic commit logs its whole step.
+    bytes_written = (sum(int(e.get("bytes", 0) or 0) for e in _of(events, "save_end"))
+                     + sum(int(e.get("bytes", 0) or 0) for e in _of(events, "commit")
+                           if e.get("kind") == "periodic"))
 
     finals = _of(events, "train_end", "weights")
     final_ring_finals = [e for e in finals if last_ring_start is None or _t(e) >= last_ring_start]

@@ -74,8 +74,7 @@ def render_summary(analysis: RunAnalysis) -> str:
         + (f"; {a.saves_failed} failed saves" if a.saves_failed else ""),
         f"checkpoint stall:     {a.checkpoint_stall_s:.3f} s (largest per worker: async snapshot stalls + "
         "emergency/final saves)",
-        f"bytes written:        {a.bytes_written / 1e6:.2f} MB (emergency and final saves; periodic "
-        "background saves do not log their size)",
+        f"bytes written:        {a.bytes_written / 1e6:.2f} MB (all committed and attempted saves)",
         "learning rate:        " + (" -> ".join(f"{c.lr:g}" for c in a.lr_changes) or "-"),
         "final weights agree:  " + _yes(a.weights_consistent),
     ]
