@@ -247,6 +247,23 @@ def goal_interval(intervals: Sequence[int]) -> int:
     return 200 if 200 in intervals else max(intervals)
 
 
+def throughput_noise_pct(stats: Sequence[ConfigStats]) -> float | None:
+    """How much identical windows without checkpointing varied: half their steps/s range, % of the median."""
+    rates = [x for s in stats if s.config == "none" for x in s.steps_per_s.samples]
+    if len(rates) < 2:
+        return None
+    return (max(rates) - min(rates)) / 2 / statistics.median(rates) * 100
+
+
+def goal_verdict(value: float | None, noise: float | None, limit: float) -> bool | None:
+    """True/False when the measurement can tell; None when the noise is as large as the limit itself."""
+    if value is None:
+        return None
+    if noise is not None and noise >= limit:
+        return False if value - noise > limit else None
+    return value <= limit
+
+
 def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals: Sequence[int]) -> dict[str, Any]:
     find = {(s.config, s.interval): s for s in stats}
     memcpy_ms = copies["memcpy_s"] * 1000
@@ -263,6 +280,8 @@ def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals
         "goal_interval": at,
         "memcpy_ms": memcpy_ms,
         "host_read_ms": host_read_ms,
+        "notice_collective_ms": copies["notice_collective_s"] * 1000 if "notice_collective_s" in copies else None,
+        "throughput_noise_pct": throughput_noise_pct(stats),
         "state_bytes": copies["state_bytes"],
         "state_tensors": copies["tensors"],
         "steps_per_s": {c: {str(k): find[(c, k)].steps_per_s.median for k in intervals if (c, k) in find}
@@ -290,10 +309,18 @@ def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals
         summary["async_stall_vs_memcpy"] = stall / memcpy_ms if memcpy_ms > 0 else None
         summary["async_stall_vs_host_read"] = stall / host_read_ms if host_read_ms > 0 else None
         overhead = summary["async_overhead_pct"]
+        collective = summary["notice_collective_ms"]
+        if collective is not None and ("none", at) in find:
+            # The loop's blocked time per interval if no rank waited for another: one save stall and
+            # interval - 1 notice collectives, over the interval's time without checkpointing.
+            summary["async_blocking_estimate_pct"] = (
+                (stall + (at - 1) * collective) / (at * find[("none", at)].median_step_ms) * 100)
         summary["goal"] = {
             "overhead_pct_max": GOAL_OVERHEAD_PCT, "stall_vs_memcpy_max": GOAL_STALL_VS_MEMCPY,
-            "overhead_met": overhead is not None and overhead <= GOAL_OVERHEAD_PCT,
-            "in_call_met": summary["async_in_call_pct"] <= GOAL_OVERHEAD_PCT,
+            # None: the machine's noise is larger than the goal, so the measurement cannot decide
+            "overhead_met": goal_verdict(overhead, summary["throughput_noise_pct"], GOAL_OVERHEAD_PCT),
+            "blocking_estimate_met": (summary["async_blocking_estimate_pct"] <= GOAL_OVERHEAD_PCT
+                                      if "async_blocking_estimate_pct" in summary else None),
             "stall_met": stall <= GOAL_STALL_VS_MEMCPY * memcpy_ms,
         }
     return summary
@@ -340,14 +367,20 @@ def goal_text(summary: Mapping[str, Any]) -> str:
     g, at = summary["goal"], summary["goal_interval"]
     overhead, in_call = summary["async_overhead_pct"], summary["async_in_call_pct"]
     stall, memcpy, read = summary["async_stall_ms"], summary["memcpy_ms"], summary["host_read_ms"]
-    low, high = summary["async_overhead_range_pct"] or (overhead, overhead)
-    return (f"goal check (async, every {at} steps): throughput overhead {overhead:+.2f}% "
-            f"(windows {low:+.1f}%..{high:+.1f}%; goal <= {GOAL_OVERHEAD_PCT:g}%: "
-            f"{'met' if g['overhead_met'] else 'NOT met'}); time inside checkpoint calls {in_call:.2f}% "
-            f"({'within' if g['in_call_met'] else 'above'} {GOAL_OVERHEAD_PCT:g}%); stall {stall:.1f} ms vs "
-            f"np.copy of the state {memcpy:.2f} ms = {stall / memcpy:.1f}x (goal <= {GOAL_STALL_VS_MEMCPY:g}x: "
-            f"{'met' if g['stall_met'] else 'NOT met'}); reading the variables into host memory alone takes "
-            f"{read:.1f} ms")
+    noise = summary["throughput_noise_pct"]
+    verdict = {True: "met", False: "NOT met",
+               None: f"cannot be decided here: identical windows varied by +-{noise or 0:.1f}%"}[g["overhead_met"]]
+    text = (f"goal check (async, every {at} steps): throughput overhead {overhead:+.2f}% "
+            f"(goal <= {GOAL_OVERHEAD_PCT:g}%: {verdict}); time inside checkpoint calls {in_call:.2f}% "
+            f"(an upper bound: it includes waiting for the slower rank)")
+    if "async_blocking_estimate_pct" in summary:
+        text += (f"; blocked-time estimate {summary['async_blocking_estimate_pct']:.2f}% (one stall + "
+                 f"{at - 1} notice collectives of {summary['notice_collective_ms']:.2f} ms, over {at} steps "
+                 f"without checkpointing; {'within' if g['blocking_estimate_met'] else 'above'} "
+                 f"{GOAL_OVERHEAD_PCT:g}%, background contention not included)")
+    return text + (f"; stall {stall:.1f} ms vs np.copy of the state {memcpy:.2f} ms = {stall / memcpy:.1f}x "
+                   f"(goal <= {GOAL_STALL_VS_MEMCPY:g}x: {'met' if g['stall_met'] else 'NOT met'}); reading the "
+                   f"variables into host memory alone takes {read:.1f} ms")
 
 
 def make_plot(path: Path, stats: Sequence[ConfigStats], summary: Mapping[str, Any],
@@ -628,8 +661,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print_table(TABLE_COLUMNS, table, title=title)
     goal = goal_text(summary)
-    print(f"\nnp.copy of the state: {summary['memcpy_ms']:.2f} ms; reading the variables into host memory: "
-          f"{summary['host_read_ms']:.2f} ms (rank 0, medians of {len(rank0['memcpy_samples'])})")
+    references = (f"np.copy of the state: {summary['memcpy_ms']:.2f} ms; reading every variable into host memory: "
+                  f"{summary['host_read_ms']:.2f} ms; the notice allreduce alone: "
+                  f"{summary['notice_collective_ms']:.2f} ms (rank 0, medians of {len(rank0['memcpy_samples'])})")
+    print("\n" + references)
     print(goal)
     md_table = markdown_table(TABLE_COLUMNS, table)
     if args.markdown:
@@ -644,7 +679,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "background save at the window end; an upper bound for the calls (a collective also absorbs waiting "
         "for the slower rank), blind to background work slowing the training steps",
         "stall: slowest rank's time in the checkpoint call at the save step minus its median call at other steps",
-        "ours_* also run TransientCallback's per-step notice collective (per-step call ms)",
+        "ours_* also run TransientCallback's per-step notice collective (per-step call ms); its cost alone, "
+        "ranks arriving together, is the notice_collective_ms reference",
+        "throughput_noise_pct: half the range of the `none` windows' steps/s, % of their median; when it is "
+        "at least the 1% goal, the throughput verdict is left undecided (null) unless the overhead exceeds the "
+        "goal by more than the noise",
+        "async_blocking_estimate_pct: (async stall + (K - 1) x notice_collective_ms) / (K x median step "
+        "without checkpointing): the loop's blocked time if no rank waited for another; background "
+        "contention is not included",
         "model.save_weights / tf.train.Checkpoint do not fsync; the hvd-transient local store fsyncs every object",
         "a background save still running at the end of a window is waited for and counted in that window",
     ]
@@ -657,15 +699,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows += [{"config": "reference", "label": "np.copy of every state array (rank 0)",
               "ms": spread([x * 1000 for x in rank0["memcpy_samples"]]).as_dict()},
              {"config": "reference", "label": "read every variable into host memory (rank 0)",
-              "ms": spread([x * 1000 for x in rank0["host_read_samples"]]).as_dict()}]
+              "ms": spread([x * 1000 for x in rank0["host_read_samples"]]).as_dict()},
+             {"config": "reference", "label": "notice allreduce alone, ranks arriving together (rank 0)",
+              "ms": spread([x * 1000 for x in rank0["notice_collective_samples"]]).as_dict()}]
     params["model_info"] = {k: rank0[k] for k in ("model_name", "params", "state_bytes", "tensors", "loss")}
     out = write_results(args.out, name="ckpt_overhead", summary=summary, rows=rows, params=params, notes=notes,
                         machine=machine)
     md = out.with_suffix(".md")
     md.write_text(f"# ckpt_overhead results\n\nMachine: {machine_line(machine)}  \nCommand: `{command_line()}`  \n"
                   f"Run time: {elapsed:.0f} s.\n\n{title}\n\n{md_table}\n\n"
-                  f"np.copy of the state: {summary['memcpy_ms']:.2f} ms; reading every variable into host "
-                  f"memory: {summary['host_read_ms']:.2f} ms.\n\n{goal}\n")
+                  f"{references}.\n\n{goal}\n")
     print(f"\nresults: {out}\ntables:  {md}")
     if args.plot:
         png = make_plot(out.with_suffix(".png"), stats, summary, args.intervals)

@@ -329,6 +329,26 @@ def copy_timings(model: tf.keras.Model) -> dict[str, Any]:
             "host_read_s": statistics.median(reads), "host_read_samples": reads}
 
 
+def notice_collective_timings() -> dict[str, Any]:
+    """The per-step notice allreduce of TransientCallback on its own, every rank arriving together.
+
+    Inside training the same call also absorbs waiting for a slower rank; this is its own cost.
+    """
+    from hvd_transient.election import encode_notice
+    from hvd_transient.hvd_collectives import HorovodCollectives
+
+    comm = HorovodCollectives()
+    vector = encode_notice(comm.rank(), comm.size(), None)
+    comm.allreduce_sum(vector)
+    samples = []
+    for _ in range(COPY_REPEATS):
+        barrier()
+        t0 = time.perf_counter()
+        comm.allreduce_sum(vector)
+        samples.append(time.perf_counter() - t0)
+    return {"notice_collective_s": statistics.median(samples), "notice_collective_samples": samples}
+
+
 def run(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     hvd.init()
     rank = hvd.rank()
@@ -362,7 +382,8 @@ def run(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         for saver in savers.values():
             saver.close()
     doc = {"rank": rank, "size": hvd.size(), "warmup_s": warmup_s, "params": int(model.count_params()),
-           "model_name": model.name, "loss": loss_name, "windows": results, **copy_timings(model)}
+           "model_name": model.name, "loss": loss_name, "windows": results, **copy_timings(model),
+           **notice_collective_timings()}
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f"rank-{rank}.json.tmp"
     tmp.write_text(json.dumps(doc))

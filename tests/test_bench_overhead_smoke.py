@@ -23,7 +23,8 @@ sys.path.insert(0, str(BENCH))  # the benchmark scripts import their helpers as 
 import ckpt_overhead  # noqa: E402
 
 OVERHEAD_KEYS = ("async_overhead_pct", "async_stall_ms", "memcpy_ms", "baseline_overhead_pct", "sync_overhead_pct",
-                 "async_in_call_pct", "baseline_stall_ms", "sync_stall_ms", "host_read_ms", "steps_per_s", "goal")
+                 "async_in_call_pct", "baseline_stall_ms", "sync_stall_ms", "host_read_ms", "steps_per_s", "goal",
+                 "notice_collective_ms", "throughput_noise_pct", "async_blocking_estimate_pct")
 EMERGENCY_KEYS = ("sharded_speedup_vs_single", "max_state_mb_in_30s", "notice_to_commit_s", "single_writer_s",
                   "fits_in_30s")
 
@@ -82,6 +83,14 @@ def test_stall_is_the_slowest_rank_beyond_its_usual_call() -> None:
     assert stats["ours_sync"].overhead_pct.median == pytest.approx(25.0)  # 0.5 s against 0.4 s
     assert stats["ours_sync"].per_step_call_ms == pytest.approx(10.0)
     assert stats["none"].overhead_pct is None
+
+
+def test_the_goal_is_left_undecided_when_the_noise_is_as_large_as_the_goal() -> None:
+    verdict = ckpt_overhead.goal_verdict
+    assert verdict(0.5, 0.2, 1.0) is True and verdict(1.5, 0.2, 1.0) is False
+    assert verdict(0.5, 5.0, 1.0) is None and verdict(-7.0, 5.0, 1.0) is None
+    assert verdict(8.0, 5.0, 1.0) is False  # above the goal by more than the noise
+    assert verdict(None, 0.1, 1.0) is None
 
 
 def test_bad_model_arguments_are_refused_before_anything_starts(tmp_path: Path) -> None:
