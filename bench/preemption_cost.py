@@ -353,7 +353,8 @@ def resume_marks(rec: RunRecord) -> tuple[dict[str, float], float | None, float 
         departed = leave["t"] if leave is not None else None
         if departed is not None:
             marks["left"] = departed
-            dropped = next((d for d in rec.discovery if d["t"] >= departed and rec.target not in d["hosts"]
+            # the first call that read the store after the publication (it may have started before)
+            dropped = next((d for d in rec.discovery if d["end"] >= departed and rec.target not in d["hosts"]
                             and d.get("code") == 0), None)
             if dropped is not None:
                 marks["discovery"] = dropped["end"]

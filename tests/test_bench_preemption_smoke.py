@@ -70,7 +70,8 @@ def test_graceful_leave_is_measured_from_the_published_departure() -> None:
              ev(101.31, "interrupt", "127.0.0.1")]
     trace += [ev(101.5, "reset_done", h) for h in SURVIVORS]
     discovery = [{"t": 99.0, "end": 99.1, "code": 0, "hosts": [*SURVIVORS, TARGET]},
-                 {"t": 101.0, "end": 101.1, "code": 0, "hosts": list(SURVIVORS)}]
+                 # started before the publication, read the store after it
+                 {"t": 100.15, "end": 101.1, "code": 0, "hosts": list(SURVIVORS)}]
     m = pc.analyze(record("ours", events, trace, discovery, killed_at=None))
     assert m.steps_rolled_back == 0 and (m.step_before, m.step_after) == (50, 50) and m.resets == 1
     assert m.resume_ms == pytest.approx(1500.0)           # leave_published -> latest survivor's first step
