@@ -39,6 +39,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -58,6 +59,9 @@ from common import (
 )
 
 log = logging.getLogger("preemption_cost")
+
+# google-api-core warns about the Python version on import (gs:// stores): noise here.
+warnings.filterwarnings("ignore", category=FutureWarning, module="google.api_core")
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
