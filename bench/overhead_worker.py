@@ -23,7 +23,9 @@ Configurations (what runs after each ``train_on_batch`` step):
 
 At the end of a window the worker waits for an in-flight background save (timed, and
 counted in the window) and meets the other ranks in a barrier, so no window inherits
-work from the previous one. Each rank writes ``rank-<r>.json`` into ``--out``.
+work from the previous one. Besides wall time, each window records the process's CPU time
+(every thread: training, Horovod, the background save), which other work on a shared
+machine disturbs far less. Each rank writes ``rank-<r>.json`` into ``--out``.
 """
 from __future__ import annotations
 
@@ -282,7 +284,7 @@ def run_window(model: tf.keras.Model, batches: Sequence[tuple[np.ndarray, np.nda
     train_s, hook_s, saves = [], [], []
     persisted_at: int | None = None  # first step after which no background save was in flight
     barrier()
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     for i in range(window.steps):
         local = window.start_step + i
         x, y = batches[i % len(batches)]
@@ -299,13 +301,13 @@ def run_window(model: tf.keras.Model, batches: Sequence[tuple[np.ndarray, np.nda
             persisted_at = i
     t_steps = time.perf_counter()
     saver.finish_window()
-    t_finish = time.perf_counter()
+    t_finish, cpu_end = time.perf_counter(), time.process_time()
     barrier()
     t_end = time.perf_counter()
     return {"config": window.config, "interval": window.interval, "index": window.index, "steps": window.steps,
             "train_s": train_s, "hook_s": hook_s, "save_steps": saves, "persisted_at": persisted_at,
             "window_s": t_end - t_start,
-            "finish_s": t_finish - t_steps, **saver.save_stats()}
+            "finish_s": t_finish - t_steps, "cpu_s": cpu_end - cpu_start, **saver.save_stats()}
 
 
 def copy_timings(model: tf.keras.Model) -> dict[str, Any]:

@@ -24,7 +24,8 @@ import ckpt_overhead  # noqa: E402
 
 OVERHEAD_KEYS = ("async_overhead_pct", "async_stall_ms", "memcpy_ms", "baseline_overhead_pct", "sync_overhead_pct",
                  "async_in_call_pct", "baseline_stall_ms", "sync_stall_ms", "host_read_ms", "steps_per_s", "goal",
-                 "notice_collective_ms", "throughput_noise_pct", "async_blocking_estimate_pct")
+                 "notice_collective_ms", "throughput_noise_pct", "async_blocking_estimate_pct",
+                 "async_cpu_overhead_pct", "cpu_noise_pct")
 EMERGENCY_KEYS = ("sharded_speedup_vs_single", "max_state_mb_in_30s", "notice_to_commit_s", "single_writer_s",
                   "fits_in_30s")
 
@@ -72,15 +73,17 @@ def test_every_window_starts_with_a_save_and_configurations_alternate() -> None:
 def test_stall_is_the_slowest_rank_beyond_its_usual_call() -> None:
     window = {"config": "ours_sync", "interval": 4, "index": 0, "steps": 4, "save_steps": [0], "finish_s": 0.0,
               "persisted_at": 0, "train_s": [0.1, 0.1, 0.1, 0.1]}
-    docs = [{"rank": 0, "windows": [dict(window, hook_s=[0.05, 0.01, 0.01, 0.01], window_s=0.5)]},
-            {"rank": 1, "windows": [dict(window, hook_s=[0.08, 0.02, 0.02, 0.02], window_s=0.5)]}]
+    docs = [{"rank": 0, "windows": [dict(window, hook_s=[0.05, 0.01, 0.01, 0.01], window_s=0.5, cpu_s=0.6)]},
+            {"rank": 1, "windows": [dict(window, hook_s=[0.08, 0.02, 0.02, 0.02], window_s=0.5, cpu_s=0.6)]}]
     none = {"config": "none", "interval": 4, "index": 0, "steps": 4, "save_steps": [], "finish_s": 0.0,
-            "train_s": [0.1] * 4, "hook_s": [0.0] * 4, "window_s": 0.4}
+            "train_s": [0.1] * 4, "hook_s": [0.0] * 4, "window_s": 0.4, "cpu_s": 0.5}
     docs[0]["windows"].append(none)
     docs[1]["windows"].append(none)
     stats = {s.config: s for s in ckpt_overhead.config_stats(ckpt_overhead.merge_ranks(docs))}
     assert stats["ours_sync"].stall_ms.median == pytest.approx(60.0)  # rank 1: 80 ms - its usual 20 ms
     assert stats["ours_sync"].overhead_pct.median == pytest.approx(25.0)  # 0.5 s against 0.4 s
+    assert stats["ours_sync"].cpu_overhead_pct.median == pytest.approx(20.0)  # 1.2 CPU-s against 1.0
+    assert stats["ours_sync"].cpu_ms_per_step.median == pytest.approx(300.0)  # both ranks, per step
     assert stats["ours_sync"].per_step_call_ms == pytest.approx(10.0)
     assert stats["none"].overhead_pct is None
 
