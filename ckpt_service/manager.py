@@ -409,28 +409,39 @@ class CheckpointManager:
         missing = [n for n in wanted if n not in entries]
         if missing:
             raise StructureMismatchError(f"step {step} has no tensors named {missing}")
-        needed = [p for p in manifest.pieces
-                  if any(_overlaps(entries[n], p) for n in wanted)]
+        # Per needed piece, the hull of the elements the wanted tensors occupy in it: a reader
+        # fetches only the chunks under that range (all of them, for a full restore).
+        reads: list[tuple[PieceRecord, int, int]] = []
+        for piece in manifest.pieces:
+            spans = [(max(entries[n].offset, piece.start), min(entries[n].offset + entries[n].size, piece.stop))
+                     for n in wanted if _overlaps(entries[n], piece)]
+            if spans:
+                reads.append((piece, min(a for a, _ in spans), max(b for _, b in spans)))
         out = {n: np.empty(entries[n].size, dtype=entries[n].dtype) for n in wanted}
-        for piece, flat in zip(needed, self._io.map(self._read_piece, needed)):
+        for (piece, lo_read, _hi), flat in zip(reads, self._io.map(lambda r: self._read_piece(*r), reads)):
             for name in wanted:
                 entry = entries[name]
                 if _overlaps(entry, piece):
                     lo, hi = max(entry.offset, piece.start), min(entry.offset + entry.size, piece.stop)
-                    out[name][lo - entry.offset:hi - entry.offset] = flat[lo - piece.start:hi - piece.start]
+                    out[name][lo - entry.offset:hi - entry.offset] = flat[lo - lo_read:hi - lo_read]
         tensors = {n: out[n].reshape(entries[n].shape) for n in wanted}
         return Checkpoint(step, tensors, dict(manifest.metadata), manifest)
 
-    def _read_piece(self, piece: PieceRecord) -> np.ndarray:
+    def _read_piece(self, piece: PieceRecord, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        """Group elements [start, stop) (default: the whole piece) from one piece, verified."""
+        start = piece.start if start is None else start
+        stop = piece.stop if stop is None else stop
         where = f"{self.url}/{piece.key}"
+        lo, hi = start - piece.start, stop - piece.start  # positions inside the piece
         objects: dict[str, bytes | None] = {}
-        for key in chunk_keys(piece.stop - piece.start, piece.chunk_elements):
+        for key in chunk_keys(piece.stop - piece.start, piece.chunk_elements, lo, hi):
             try:
                 objects[key] = self.store.get(piece.key + key)
             except KeyError:
                 objects[key] = None
-        flat = decode_piece(objects, where=where)
-        if flat.size != piece.stop - piece.start or crc32c(flat) != piece.crc32c:
+        flat = decode_piece(objects, where=where, start=lo, stop=hi)  # verifies each chunk's crc32c
+        whole = (start, stop) == (piece.start, piece.stop)
+        if flat.size != hi - lo or (whole and crc32c(flat) != piece.crc32c):
             raise CorruptCheckpointError(
                 f"{where} (group {piece.group}, elements {piece.start}-{piece.stop}) does not match its "
                 "recorded crc32c")
