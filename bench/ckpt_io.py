@@ -627,15 +627,13 @@ class Bench:
 
 
 def snapshot_share(cfg: Config, label: str, writers: int) -> float:
-    """Largest fraction of the state one rank copies in ``save_async`` (whole tensors it touches)."""
+    """Largest fraction of the state one rank copies in ``save_async`` (exactly its planned pieces)."""
     from ckpt_service.plan import TensorSpec, make_save_plan
 
     size_mb = next(s for s in cfg.sizes_mb if size_label(s) == label)
     specs = [TensorSpec(n, shape, DTYPE.name) for n, shape in state_layout(int(size_mb * MB))]
-    nbytes = {s.name: s.nbytes for s in specs}
     plan = make_save_plan(specs, writers)
-    total = sum(nbytes.values())
-    return max(sum(nbytes[n] for n in plan.tensors_for_rank(r)) / total for r in range(writers))
+    return max(plan.bytes_per_rank()) / plan.total_bytes
 
 
 # --------------------------------------------------------------------------- reporting
