@@ -43,7 +43,8 @@ def available(directory: Path | None = None) -> list[str]:
     """Every benchmark script present in ``bench/``, as command-line names."""
     directory = directory or bench_dir()
     return sorted(p.stem.replace("_", "-") for p in directory.glob("*.py")
-                  if p.stem not in _NOT_BENCHES and not p.stem.startswith("_"))
+                  if p.stem not in _NOT_BENCHES and not p.stem.startswith("_")
+                  and not p.stem.endswith("_worker"))  # scripts the benchmarks launch
 
 
 def find_script(name: str, directory: Path | None = None) -> Path:
@@ -54,7 +55,7 @@ def find_script(name: str, directory: Path | None = None) -> Path:
             "installed package. Clone the repository and install it editable (`make setup`, or "
             "`pip install -e '.[gcs,dev]'`), then run `hvd-transient bench` from there.")
     script = directory / script_name(name)
-    if script.stem in _NOT_BENCHES or not script.is_file():
+    if script.stem in _NOT_BENCHES or script.stem.endswith("_worker") or not script.is_file():
         names = ", ".join(available(directory)) or "none"
         raise BenchNotFoundError(f"no benchmark named {name!r} in {directory} (available: {names})")
     return script

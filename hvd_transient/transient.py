@@ -226,6 +226,7 @@ class TransientImpl:
             except Exception as exc:
                 log.warning("in-flight checkpoint did not finish before the emergency save: %s", exc)
 
+        was_master = rank == self.run.master
         new_master = elect_master(size, round_.leaving)
         if new_master != self.run.master:
             self._move_lease(new_master)
@@ -242,7 +243,7 @@ class TransientImpl:
         if rank in round_.leaving:
             self.run.leaving = True
             publish_leaving(self.manager.store, self.host, deadline=round_.deadline)
-            self.events.emit("leave_published", step=step, deadline=round_.deadline, was_master=False)
+            self.events.emit("leave_published", step=step, deadline=round_.deadline, was_master=was_master)
         return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
                            departure_pending=True)
 

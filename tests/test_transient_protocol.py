@@ -71,6 +71,8 @@ def test_notice_to_the_master_moves_the_lease(ranks) -> None:
     assert not impls[0].lease.held and impls[1].lease.held
     marker = CheckpointManager(url).commit_marker(5)
     assert marker.lease_generation == impls[1].lease.generation
+    leave = [e for e in impls[0].events.events if e["event"] == "leave_published"]
+    assert len(leave) == 1 and leave[0]["was_master"] is True
     # after the ring shrinks (h0 gone), everyone agrees the master is the new rank 0 (was rank 1)
 
 
