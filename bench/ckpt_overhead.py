@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from common import (
+    install_interrupt_handlers,
     BenchError,
     Panel,
     Spread,
@@ -641,14 +642,10 @@ def _remove_store(url: str) -> None:
         print(f"ckpt_overhead: could not remove {url}: {exc}", file=sys.stderr)
 
 
-def _interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    install_interrupt_handlers()
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     if args.np_ > len(HOST_ALIASES):
         print(f"ckpt_overhead: --np at most {len(HOST_ALIASES)} on one machine", file=sys.stderr)

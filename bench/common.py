@@ -320,3 +320,16 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
         ax.set_yscale("log")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def install_interrupt_handlers() -> None:
+    """Turn SIGINT and SIGTERM into KeyboardInterrupt, so a benchmark cleans up its workers,
+    emulator and temporary data also when started in the background (where SIGINT is ignored)."""
+    import signal
+
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)

@@ -34,7 +34,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ import numpy as np
 warnings.filterwarnings("ignore", category=FutureWarning, module="google.api_core")
 
 from common import (  # noqa: E402
+    install_interrupt_handlers,
     MB,
     BenchError,
     Panel,
@@ -642,14 +642,10 @@ def run(cfg: Config, user_store: str | None, tmpdir: Path | None) -> tuple[list[
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    install_interrupt_handlers()
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     if args.repeats < 1 or args.large_repeats < 1:
         print("emergency_save: --repeats and --large-repeats must be at least 1", file=sys.stderr)

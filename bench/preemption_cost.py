@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from common import (
+    install_interrupt_handlers,
     BenchError,
     Panel,
     Spread,
@@ -769,14 +769,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    install_interrupt_handlers()
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     # hvd-transient's workers have normally left before their deadline: the emulator then reports a
     # SIGTERM it could not deliver, which is the expected outcome (rows record "killed")

@@ -23,7 +23,6 @@ import contextlib
 import json
 import logging
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import ckpt_io
 from common import (
+    install_interrupt_handlers,
     BenchError,
     Panel,
     Spread,
@@ -464,14 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    install_interrupt_handlers()
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     if min(args.repeats, args.large_repeats, args.restart_repeats) < 1:
         print("restore: --repeats, --large-repeats and --restart-repeats must be at least 1", file=sys.stderr)
