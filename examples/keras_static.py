@@ -5,6 +5,7 @@ rank writes its share of an emergency checkpoint, ``fit`` stops, and the job
 exits cleanly; relaunching the same command resumes from that checkpoint.
 
     horovodrun -np 2 -H localhost:1,127.0.0.1:1 python examples/keras_static.py --store /tmp/run2
+    horovodrun -np 2 -H localhost:2 --mpi python examples/keras_static.py --store /tmp/run2
 """
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def main() -> None:
         model.fit(batches(images, labels, args.batch_size, seed=1000 * hvd.rank() + start),
                   steps_per_epoch=remaining, epochs=1, callbacks=callbacks, verbose=0)
     if hvd.rank() == 0:
-        print(f"stopped at step {int(model.optimizer.iterations.numpy())} (resumed from {start})", flush=True)
+        controller = "MPI" if hvd.mpi_enabled() else "Gloo"
+        print(f"stopped at step {int(model.optimizer.iterations.numpy())} (resumed from {start}) "
+              f"on {hvd.size()} processes over {controller}", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,11 @@ class LocalClusterSpec:
     min_np: int = 1
     max_np: int = 4
     elastic: bool = True
+    #: static jobs only: "gloo" or "mpi" (Horovod's elastic mode always uses Gloo)
+    controller: str = "gloo"
+    #: processes per host alias; more than one only for static jobs (an elastic host is
+    #: blacklisted as a whole, so the elastic path keeps one slot per alias)
+    slots: int = 1
     gloo_timeout_s: int = 20
     elastic_timeout_s: int = 60
     extra_env: tuple[tuple[str, str], ...] = ()
@@ -63,6 +68,13 @@ class LocalClusterSpec:
 
 class LocalCluster:
     def __init__(self, spec: LocalClusterSpec) -> None:
+        if spec.controller not in ("gloo", "mpi"):
+            raise ValueError(f"controller must be 'gloo' or 'mpi', not {spec.controller!r}")
+        if spec.elastic and (spec.controller != "gloo" or spec.slots != 1):
+            raise ValueError("an elastic local cluster runs one Gloo slot per host alias "
+                             "(Horovod's elastic mode always uses Gloo); use elastic=False for MPI or slots > 1")
+        if spec.slots < 1:
+            raise ValueError(f"slots must be at least 1, not {spec.slots}")
         self.spec = spec
         self.store = open_store(spec.store)
         self.state_file = spec.workdir / "hosts.txt"
@@ -82,21 +94,29 @@ class LocalCluster:
         clear_stop(self.store)
         self._write_hosts()
         env = self.environment()
-        cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(len(self._hosts))]
-        if self.spec.elastic:
-            cmd += ["--min-np", str(self.spec.min_np), "--max-np", str(self.spec.max_np),
-                    "--host-discovery-script", str(DISCOVERY_SCRIPT),
-                    "--elastic-timeout", str(self.spec.elastic_timeout_s)]
-        else:
-            cmd += ["-H", ",".join(f"{h}:1" for h in self._hosts)]
-        cmd += ["--gloo", "--network-interfaces", "lo", "--gloo-timeout-seconds", str(self.spec.gloo_timeout_s),
-                *self.spec.horovodrun_args, *self.spec.command]
+        cmd = self.horovodrun_command()
         log.info("starting %s", " ".join(cmd))
         self.started_at = time.time()
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.spec.workdir)
         return self
+
+    def horovodrun_command(self) -> list[str]:
+        spec = self.spec
+        cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(len(self._hosts) * spec.slots)]
+        if spec.elastic:
+            cmd += ["--min-np", str(spec.min_np), "--max-np", str(spec.max_np),
+                    "--host-discovery-script", str(DISCOVERY_SCRIPT),
+                    "--elastic-timeout", str(spec.elastic_timeout_s)]
+        else:
+            cmd += ["-H", ",".join(f"{h}:{spec.slots}" for h in self._hosts)]
+        if spec.controller == "mpi":
+            # horovodrun adds mpirun's --allow-run-as-root itself; ``lo`` keeps OpenMPI's TCP on loopback
+            cmd += ["--mpi", "--network-interfaces", "lo"]
+        else:
+            cmd += ["--gloo", "--network-interfaces", "lo", "--gloo-timeout-seconds", str(spec.gloo_timeout_s)]
+        return [*cmd, *spec.horovodrun_args, *spec.command]
 
     def environment(self) -> dict[str, str]:
         venv_bin = str(Path(sys.executable).parent)

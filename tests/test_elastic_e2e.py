@@ -5,6 +5,7 @@ checks the event log every worker wrote, the store, and the job's exit code.
 """
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -197,24 +198,36 @@ def test_kill_without_notice_rolls_back_and_completes(tmp_path: Path) -> None:
     assert {e["host"] for e in final} == {"localhost", "127.0.0.1"} and len({e["crc"] for e in final}) == 1
 
 
-def test_static_job_checkpoints_on_notice_and_relaunch_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_static_job_checkpoints_on_notice_and_relaunch_resumes(tmp_path: Path, controller: str) -> None:
+    """``horovodrun -np N`` without discovery: the notice stops the job after a checkpoint; a relaunch resumes.
+
+    Gloo: two host aliases, one notified. MPI: one VM with two slots (mpirun has no host aliases),
+    whose notice reaches both ranks, as a preempted multi-GPU VM's would.
+    """
     store = str(tmp_path / "store")
     cmd = (sys.executable, STATIC, "--store", store, "--model", "small_cnn", "--steps", "400",
            "--save-every", "1000", "--step-seconds", "0.05")
-    c = cluster(tmp_path, "first", store, ("localhost", "127.0.0.1"), cmd, elastic=False)
+    if controller == "mpi":
+        hosts, slots, target = (socket.gethostname(),), 2, socket.gethostname()
+    else:
+        hosts, slots, target = ("localhost", "127.0.0.1"), 1, "127.0.0.1"
+    kw = dict(elastic=False, controller=controller, slots=slots)
+    c = cluster(tmp_path, "first", store, hosts, cmd, **kw)
     with c:
         c.wait_for_step(10, 180)
-        c.preempt("127.0.0.1", window_s=60, kill_at_deadline=False)
+        c.preempt(target, window_s=60, kill_at_deadline=False)
         assert c.wait(300) == 0, c.log_tail()
         events = c.events()
+    assert {e["size"] for e in of(events, "ring")} == {2}
     commit = of(events, "commit", kind="emergency")
     assert len(commit) == 1 and commit[0]["step"] < 400
     step = commit[0]["step"]
-    resumed = cluster(tmp_path, "second", store, ("localhost", "127.0.0.1"), cmd[:-2] + ("--step-seconds", "0"),
-                      elastic=False)
+    resumed = cluster(tmp_path, "second", store, hosts, cmd[:-2] + ("--step-seconds", "0"), **kw)
     with resumed:
         assert resumed.wait(300) == 0, resumed.log_tail()
         events = resumed.events()
     starts = [e for e in of(events, "start") if e["t"] >= resumed.started_at]
     assert len(starts) == 2 and {e["step"] for e in starts} == {step}, "the relaunch must resume from the emergency checkpoint"
-    assert f"stopped at step 400 (resumed from {step})" in resumed.log_tail(80)
+    over = {"gloo": "Gloo", "mpi": "MPI"}[controller]
+    assert f"stopped at step 400 (resumed from {step}) on 2 processes over {over}" in resumed.log_tail(80)
