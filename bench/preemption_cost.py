@@ -17,8 +17,13 @@ Horovod's rank 0 (``master``). Per preemption, from the event log every worker w
 (plus Horovod-internal timestamps from ``bench/_hvd_trace.py`` and the discovery calls):
 
 * steps rolled back: the survivors' step before the reset minus the step after it;
-* resume: from the worker leaving (``leave_published``; baseline: the kill) to the survivors'
-  next completed step (``first_step`` on the new ring), with a breakdown into phases;
+* resume: from the worker leaving the ring to the survivors' next completed step (``first_step``
+  on the new ring), with a breakdown into phases. The worker leaves the ring when the survivors
+  raise HostsUpdatedInterrupt (ours: it trained with them until then) or when it is killed
+  (baseline); this is the time no training happens, Spotnik's "ring repair";
+* publication to resume (ours): from ``leave_published`` to that next step, which adds how long
+  Horovod's driver took to notice the departure (discovery poll + notification) while the ring,
+  the leaving worker included, kept training;
 * notice to resume, and the time from ``horovodrun`` starting to global step T (the same T
   for every run; chosen from the first run's step rate unless ``--total-steps`` is given).
 
@@ -279,16 +284,16 @@ class Measurement:
     step_before: int | None
     step_after: int | None
     resets: int
-    resume_ms: float | None          # worker gone (leave_published / kill) -> survivors' next step
+    resume_ms: float | None          # worker leaves the ring (interrupt / kill) -> survivors' next step
+    publish_to_resume_ms: float | None  # ours: leave_published -> survivors' next step
     notice_to_resume_ms: float | None
-    pause_ms: float | None           # survivors' last step on the old ring -> first step on the new one
     stall_ms: float | None           # ours: every rank blocked by the emergency checkpoint
-    lost_s: float | None             # stall + pause + rolled-back steps at the survivors' step rate
+    lost_s: float | None             # stall + resume + rolled-back steps at the survivors' step rate
     train_to_t_s: float | None       # first step of the run -> global step T
     total_steps: int
     exit_code: int | None
     job_s: float | None              # horovodrun start -> exit
-    left_at_s: float | None          # notice -> worker gone (leave_published / kill), seconds
+    left_at_s: float | None          # notice -> leave_published / kill, seconds
     killed: bool                     # the worker was still there at the deadline and got SIGTERM
     rate_before: float | None
     rate_after: float | None
@@ -307,9 +312,9 @@ PHASE_TEXT = {
     "emergency_save": "emergency checkpoint committed",
     "left": "host published as leaving",
     "killed": "notice window ends: SIGTERM",
-    "discovery": "discovery stops listing the host (1 s poll + script start-up)",
+    "discovery": "discovery stops listing the host (1 s poll + script start-up; training goes on)",
     "notified": "driver notifies the coordinator",
-    "interrupt": "survivors raise HostsUpdatedInterrupt (next step's check)",
+    "interrupt": "survivors raise HostsUpdatedInterrupt: the worker leaves the ring",
     "failure_detected": "survivors see the failure (collective error)",
     "rendezvous": "hvd.shutdown + hvd.init: new ring (a rank stuck in a collective waits out the Gloo timeout)",
     "restart": "state sync + fit restarts (ring event)",
@@ -434,17 +439,19 @@ def analyze(rec: RunRecord) -> Measurement:
                  if "left" in marks_abs and "agreed" in marks_abs else None)
     else:
         last_old, stall = departed, 0.0
-    pause = (first - last_old) * 1000.0 if first is not None and last_old is not None else None
+    resume = (first - last_old) * 1000.0 if first is not None and last_old is not None else None
     lost = None
-    if pause is not None and stall is not None:
+    if resume is not None and stall is not None:
         redo = rolled / rate_after if rolled and rate_after else 0.0
-        lost = (stall + pause) / 1000.0 + redo
+        lost = (stall + resume) / 1000.0 + redo
     return Measurement(
         variant=rec.plan.variant, scenario=rec.plan.scenario, repeat=rec.plan.repeat, target=rec.target,
         master=rec.master, steps_rolled_back=rolled, step_before=before, step_after=after, resets=resets,
-        resume_ms=(first - departed) * 1000.0 if first is not None and departed is not None else None,
+        resume_ms=resume,
+        publish_to_resume_ms=((first - departed) * 1000.0 if rec.plan.variant == "ours"
+                              and first is not None and departed is not None else None),
         notice_to_resume_ms=(first - rec.notice_at) * 1000.0 if first is not None else None,
-        pause_ms=pause, stall_ms=stall, lost_s=lost,
+        stall_ms=stall, lost_s=lost,
         train_to_t_s=min(reached) - min(began) if reached and began else None,
         total_steps=rec.total_steps, exit_code=rec.exit_code,
         job_s=rec.ended_at - rec.launched_at if rec.ended_at else None,
@@ -493,13 +500,12 @@ def summarize(ms: Sequence[Measurement], records: Sequence[RunRecord], cfg: Conf
         mine = [m for m in ok if m.variant == variant]
         rolled = _spread_or_none([m.steps_rolled_back for m in mine])
         resume = _spread_or_none([m.resume_ms for m in mine])
-        pause = _spread_or_none([m.pause_ms for m in mine])
+        publish = _spread_or_none([m.publish_to_resume_ms for m in mine])
         lost = _spread_or_none([m.lost_s for m in mine])
         summary[f"{variant}_steps_rolled_back"] = rolled.median if rolled else None
         summary[f"{variant}_steps_rolled_back_max"] = rolled.max if rolled else None
         summary[f"{variant}_resume_ms_median"] = resume.median if resume else None
         summary[f"{variant}_resume_ms_max"] = resume.max if resume else None
-        summary[f"{variant}_pause_ms_median"] = pause.median if pause else None
         summary[f"{variant}_lost_s_median"] = lost.median if lost else None
         summary[f"{variant}_runs"] = {"ok": len(mine), "failed": sum(1 for m in ms if m.variant == variant and m.error)}
     for scenario in cfg.scenarios:
@@ -514,7 +520,7 @@ def summarize(ms: Sequence[Measurement], records: Sequence[RunRecord], cfg: Conf
                 "steps_rolled_back": _sd(_spread_or_none([m.steps_rolled_back for m in mine])),
                 "resume_ms": _sd(_spread_or_none([m.resume_ms for m in mine])),
                 "notice_to_resume_ms": _sd(_spread_or_none([m.notice_to_resume_ms for m in mine])),
-                "pause_ms": _sd(_spread_or_none([m.pause_ms for m in mine])),
+                "publish_to_resume_ms": _sd(_spread_or_none([m.publish_to_resume_ms for m in mine])),
                 "stall_ms": _sd(_spread_or_none([m.stall_ms for m in mine])),
                 "lost_s": _sd(_spread_or_none([m.lost_s for m in mine])),
                 "train_to_t_s": _sd(_spread_or_none([m.train_to_t_s for m in mine])),
@@ -526,6 +532,8 @@ def summarize(ms: Sequence[Measurement], records: Sequence[RunRecord], cfg: Conf
         summary["scenarios"][scenario] = entry
     o, b = summary["ours_resume_ms_median"], summary["baseline_resume_ms_median"]
     summary["resume_speedup"] = b / o if o and b else None
+    summary["ours_publish_to_resume_ms_median"] = publish_all.median if (publish_all := _spread_or_none(
+        [m.publish_to_resume_ms for m in ok if m.variant == "ours"])) else None
     ours = [m for m in ok if m.variant == "ours"]
     summary["goal_zero_rollback_met"] = bool(ours) and all(m.steps_rolled_back == 0 for m in ours)
     summary["goal_resume_under_1s_met"] = (summary.get("ours_resume_ms_median") or math.inf) <= RESUME_GOAL_MS
@@ -568,8 +576,8 @@ def _fmt_steps(s: Mapping[str, Any] | None) -> str:
     return f"{s['median']:g} ({s['min']:g}-{s['max']:g})"
 
 
-MAIN_COLUMNS = ("preempted", "variant", "runs", "steps rolled back", "resume ms (leave/kill -> next step)",
-                "training paused ms", "time lost s", "notice -> next step ms", "s to step T", "job s")
+MAIN_COLUMNS = ("preempted", "variant", "runs", "steps rolled back", "resume ms (leaves ring -> next step)",
+                "published -> next step ms", "time lost s", "notice -> next step ms", "s to step T", "job s")
 
 
 def main_table(summary: Mapping[str, Any], cfg: Config) -> list[list[str]]:
@@ -581,7 +589,7 @@ def main_table(summary: Mapping[str, Any], cfg: Config) -> list[list[str]]:
                 continue
             who = "checkpoint master (rank 0)" if scenario == "master" else "worker (not rank 0)"
             rows.append([who, LABELS[variant], str(e["runs"]), _fmt_steps(e["steps_rolled_back"]),
-                         _fmt_ms(e["resume_ms"]), _fmt_ms(e["pause_ms"]), _fmt_s2(e["lost_s"]),
+                         _fmt_ms(e["resume_ms"]), _fmt_ms(e.get("publish_to_resume_ms")), _fmt_s2(e["lost_s"]),
                          _fmt_ms(e["notice_to_resume_ms"]), _fmt_s(e["train_to_t_s"]), _fmt_s(e["job_s"])])
     return rows
 
@@ -590,7 +598,7 @@ def phase_table(summary: Mapping[str, Any], cfg: Config) -> tuple[list[str], lis
     cols = [(s, v) for s in cfg.scenarios for v in cfg.variants if summary["scenarios"].get(s, {}).get(v)]
     header = ["phase (ends when ...)", *(f"{LABELS[v]}, {s}" for s, v in cols)]
     rows = []
-    for variant, order, start in (("ours", OURS_MARKS, "left"), ("baseline", BASELINE_MARKS, "killed")):
+    for variant, order, start in (("ours", OURS_MARKS, "interrupt"), ("baseline", BASELINE_MARKS, "killed")):
         if variant not in cfg.variants:
             continue
         resume = order[order.index(start) + 1:]
@@ -604,14 +612,14 @@ def phase_table(summary: Mapping[str, Any], cfg: Config) -> tuple[list[str], lis
 
 
 def run_rows(ms: Sequence[Measurement]) -> tuple[list[str], list[list[str]]]:
-    header = ["run", "preempted", "rolled back", "step before -> after", "resume ms", "paused ms", "lost s",
+    header = ["run", "preempted", "rolled back", "step before -> after", "resume ms", "published -> next ms", "lost s",
               "notice -> resume ms", "s to step T", "job s", "killed", "exit", "error"]
     rows = []
     for m in ms:
         rows.append([f"{m.variant} {m.scenario} #{m.repeat}", m.target, str(m.steps_rolled_back),
                      f"{m.step_before} -> {m.step_after}" if m.step_before is not None else "-",
                      f"{m.resume_ms:,.0f}" if m.resume_ms is not None else "-",
-                     f"{m.pause_ms:,.0f}" if m.pause_ms is not None else "-",
+                     f"{m.publish_to_resume_ms:,.0f}" if m.publish_to_resume_ms is not None else "-",
                      f"{m.lost_s:.2f}" if m.lost_s is not None else "-",
                      f"{m.notice_to_resume_ms:,.0f}" if m.notice_to_resume_ms is not None else "-",
                      f"{m.train_to_t_s:.1f}" if m.train_to_t_s is not None else "-",
@@ -638,15 +646,15 @@ def make_plot(path: Path, summary: Mapping[str, Any], cfg: Config) -> Path | Non
 
     panels = []
     for key, title, ylabel, scale in (
-            ("resume_ms", "resume: leave (ours) / kill (baseline) -> next step", "seconds", 1e-3),
+            ("resume_ms", "resume: worker leaves the ring -> survivors' next step", "seconds", 1e-3),
             ("steps_rolled_back", "steps rolled back", "steps", 1.0),
-            ("lost_s", "training time lost (stall + pause + redone steps)", "seconds", 1.0),
+            ("lost_s", "training time lost (stall + resume + redone steps)", "seconds", 1.0),
             ("train_to_t_s", f"first step -> step T={summary.get('total_steps')}", "seconds", 1.0)):
         vals, errs = series(key, scale)
         panels.append(Panel(title, ylabel, cats, vals, errs))
     # resume breakdown of ours (median ms per phase, per scenario)
     if "ours" in cfg.variants:
-        resume = OURS_MARKS[OURS_MARKS.index("left") + 1:]
+        resume = OURS_MARKS[OURS_MARKS.index("left") + 1:]  # publication -> next step
         vals = {f"ours, {s}": [(summary["scenarios"][s]["ours"]["phases_ms"].get(p) or {}).get("median")
                                for p in resume] for s in scen if summary["scenarios"][s].get("ours")}
         panels.append(Panel("hvd-transient resume breakdown (ms, median)", "ms", resume, vals))
@@ -710,7 +718,8 @@ def run_all(cfg: Config, tmp: Path) -> tuple[list[Measurement], list[RunRecord],
             measurements.append(m)
             records.append(rec)
             print(f"run {plan.name}: {m.target} preempted, rolled back {m.steps_rolled_back}, resume "
-                  f"{m.resume_ms or float('nan'):,.0f} ms, paused {m.pause_ms or float('nan'):,.0f} ms, "
+                  f"{m.resume_ms or float('nan'):,.0f} ms (from publication "
+                  f"{m.publish_to_resume_ms or float('nan'):,.0f} ms), "
                   f"lost {m.lost_s or float('nan'):.2f} s, step T={total} "
                   f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     return measurements, records, time.perf_counter() - started
@@ -720,7 +729,7 @@ def _failed(plan: RunPlan, total: int | None, exc: Exception) -> Measurement:
     text = f"{type(exc).__name__}: {exc}".splitlines()[0]
     return Measurement(variant=plan.variant, scenario=plan.scenario, repeat=plan.repeat, target="", master="",
                        steps_rolled_back=0, step_before=None, step_after=None, resets=0, resume_ms=None,
-                       notice_to_resume_ms=None, pause_ms=None, stall_ms=None, lost_s=None, train_to_t_s=None,
+                       publish_to_resume_ms=None, notice_to_resume_ms=None, stall_ms=None, lost_s=None, train_to_t_s=None,
                        total_steps=total or 0, exit_code=None,
                        job_s=None, left_at_s=None, killed=False, rate_before=None, rate_after=None, marks={},
                        phases_ms={}, error=text)
@@ -818,12 +827,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(ph_header, ph_rows, title="where the time goes (ms after the previous phase; median (min-max))")
     run_header, runs = run_rows(measurements)
     notes = [
-        "resume: ours from leave_published (the host published as leaving), baseline from the SIGTERM at the "
-        "end of the notice window, to the latest survivor's first completed step on the new ring",
+        "resume: from the worker leaving the ring (ours: the survivors' HostsUpdatedInterrupt, until which the "
+        "leaving worker trained with them; baseline: the SIGTERM at the end of the notice window) to the latest "
+        "survivor's first completed step on the new ring: the time no training happens",
+        "published -> next step (ours): from leave_published to that step; adds Horovod's discovery poll and "
+        "notification, during which the ring, the leaving worker included, keeps training",
         "steps rolled back: survivors' step before the reset minus the step after it (summed over resets)",
-        "training paused: from the survivors' last step on the old ring (ours: their HostsUpdatedInterrupt; "
-        "baseline: the kill) to their first step on the new ring; until then ours keeps training",
-        "time lost: emergency-checkpoint stall (ours) + pause + rolled-back steps / survivors' step rate",
+        "time lost: emergency-checkpoint stall (ours) + resume + rolled-back steps / survivors' step rate",
         f"s to step T: from the run's first step to global step T ({summary['total_steps']}); after the "
         "preemption both run on 2 workers, but ours drops the leaving worker a few seconds after the notice "
         "while the baseline keeps 3 workers until the kill; job s: horovodrun start to exit",

@@ -53,7 +53,7 @@ def record(variant: str, events: list[dict], trace: list[dict], discovery: list[
                         kill_error=None, exit_code=0, ended_at=130.0, rate_before=12.0)
 
 
-def test_graceful_leave_is_measured_from_the_published_departure() -> None:
+def test_graceful_leave_is_measured_from_leaving_the_ring() -> None:
     events = [ev(90.0, "first_step", h, step=1, size=3) for h in (*SURVIVORS, TARGET)]
     events += [ev(100.01, "notice", TARGET, detected_at=100.001),
                ev(100.1, "notice_agreed", "localhost", step=40),
@@ -74,9 +74,9 @@ def test_graceful_leave_is_measured_from_the_published_departure() -> None:
                  {"t": 100.15, "end": 101.1, "code": 0, "hosts": list(SURVIVORS)}]
     m = pc.analyze(record("ours", events, trace, discovery, killed_at=None))
     assert m.steps_rolled_back == 0 and (m.step_before, m.step_after) == (50, 50) and m.resets == 1
-    assert m.resume_ms == pytest.approx(1500.0)           # leave_published -> latest survivor's first step
+    assert m.resume_ms == pytest.approx(400.0)            # training went on until the interrupt
+    assert m.publish_to_resume_ms == pytest.approx(1500.0)  # leave_published -> latest survivor's first step
     assert m.notice_to_resume_ms == pytest.approx(1710.0)
-    assert m.pause_ms == pytest.approx(400.0)             # training went on until the interrupt
     assert m.stall_ms == pytest.approx(110.0)             # the emergency checkpoint blocked every rank
     assert m.lost_s == pytest.approx(0.51)
     assert m.train_to_t_s == pytest.approx(16.71)
@@ -84,7 +84,9 @@ def test_graceful_leave_is_measured_from_the_published_departure() -> None:
     assert m.phases_ms["discovery"] == pytest.approx(890.0)   # until the call that dropped the host ended
     assert m.phases_ms["notified"] == pytest.approx(100.0)
     assert m.phases_ms["rendezvous"] == pytest.approx(190.0)
-    assert sum(v for k, v in m.phases_ms.items() if k in pc.OURS_MARKS[4:]) == pytest.approx(m.resume_ms)
+    assert sum(v for k, v in m.phases_ms.items() if k in pc.OURS_MARKS[4:]) == pytest.approx(m.publish_to_resume_ms)
+    after_interrupt = pc.OURS_MARKS[pc.OURS_MARKS.index("interrupt") + 1:]
+    assert sum(v for k, v in m.phases_ms.items() if k in after_interrupt) == pytest.approx(m.resume_ms)
     assert not m.killed
 
 
@@ -99,8 +101,8 @@ def test_failure_path_counts_the_rollback_and_the_redone_steps() -> None:
     trace += [ev(110.9, "reset_done", h) for h in SURVIVORS]
     m = pc.analyze(record("baseline", events, trace, [], killed_at=110.0))
     assert m.steps_rolled_back == 7 and (m.step_before, m.step_after) == (57, 50)
-    assert m.resume_ms == pytest.approx(1200.0) and m.pause_ms == pytest.approx(1200.0)
-    assert m.lost_s == pytest.approx(1.2 + 7 / 10.0)       # pause + the 7 steps redone at 10 steps/s
+    assert m.resume_ms == pytest.approx(1200.0) and m.publish_to_resume_ms is None
+    assert m.lost_s == pytest.approx(1.2 + 7 / 10.0)       # resume + the 7 steps redone at 10 steps/s
     assert m.phases_ms["killed"] == pytest.approx(10000.0)  # the notice window nobody used
     assert m.phases_ms["failure_detected"] == pytest.approx(100.0)
     assert m.train_to_t_s is None                          # step T (100) never reached in this log
