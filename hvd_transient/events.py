@@ -1,9 +1,10 @@
 """Structured JSON-lines event log, one object per process under the run's store prefix.
 
 Object stores cannot append, so each process keeps its events in memory and
-rewrites its own ``events/<host>.<pid>.jsonl`` on flush. Flushes are rate
-limited (GCS allows about one write per second per object) except for events
-that matter when a machine is about to disappear, which flush at once.
+rewrites its own ``events/<host>.<pid>.jsonl`` on flush. A background thread
+does the writing, rate limited (GCS allows about one write per second per
+object) except for the events others follow while the job runs; the few that
+matter when a machine is about to disappear are written before ``emit`` returns.
 The report and the benchmarks read every file back and merge them by time.
 
 Every event has ``t`` (epoch seconds), ``event``, ``host`` and ``pid``; the kinds:
@@ -50,19 +51,31 @@ from ckpt_service.stores.base import ObjectStore
 log = logging.getLogger(__name__)
 
 EVENTS_PREFIX = "events/"
-URGENT = frozenset({"notice", "notice_agreed", "election", "commit", "save_failed", "leave_published",
-                    "restore", "reset", "train_end", "start", "ring", "weights", "async_save"})
+#: written to the store before emit() returns: the process may vanish right after these
+#: (a leaving worker is aborted by Horovod once the ring is reset without it)
+DURABLE = frozenset({"notice", "notice_agreed", "leave_published", "train_end", "weights"})
+#: written at once by the background writer, bypassing the rate limit (the report and the
+#: benchmarks follow these while the job runs)
+URGENT = frozenset({"election", "commit", "save_failed", "restore", "reset", "start", "ring", "async_save",
+                    "stop_requested"})
 
 
 class EventLog:
+    """Events of one process; a background thread writes them so ``emit`` never waits on the store."""
+
     def __init__(self, store: ObjectStore | None, host: str, *, min_flush_interval_s: float = 2.0) -> None:
         self.store, self.host = store, host
         self.key = f"{EVENTS_PREFIX}{host}.{os.getpid()}.jsonl"
         self.min_flush_interval_s = min_flush_interval_s
         self._events: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()        # guards the list and the flags
+        self._write_lock = threading.Lock()  # one store write at a time, in order
         self._last_flush = 0.0
         self._dirty = False
+        self._urgent = False
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._writer: threading.Thread | None = None
         atexit.register(self.flush)  # rate-limited events must still reach the store
 
     def emit(self, kind: str, /, **fields: Any) -> dict[str, Any]:
@@ -70,26 +83,63 @@ class EventLog:
         with self._lock:
             self._events.append(event)
             self._dirty = True
+            self._urgent |= kind in URGENT
         log.info("event %s %s", kind, {k: v for k, v in fields.items()})
-        if kind in URGENT or time.time() - self._last_flush >= self.min_flush_interval_s:
+        if kind in DURABLE or self._closed.is_set():
             self.flush()
+        else:
+            self._start_writer()
+            self._wake.set()
         return event
 
     def flush(self) -> None:
+        """Write every event so far to the store now (on the calling thread)."""
         if self.store is None:
             return
-        with self._lock:
-            if not self._dirty:
-                return
-            body = "".join(json.dumps(e, default=str) + "\n" for e in self._events).encode()
-            self._dirty = False
-            self._last_flush = time.time()
-        try:
-            self.store.put(self.key, body)
-        except Exception as exc:  # the log must never break training
-            log.warning("could not write the event log to %s: %s", self.store.url, exc)
+        with self._write_lock:
             with self._lock:
-                self._dirty = True
+                if not self._dirty:
+                    return
+                body = "".join(json.dumps(e, default=str) + "\n" for e in self._events).encode()
+                self._dirty = self._urgent = False
+                self._last_flush = time.monotonic()
+            try:
+                self.store.put(self.key, body)
+            except Exception as exc:  # the log must never break training
+                log.warning("could not write the event log to %s: %s", self.store.url, exc)
+                with self._lock:
+                    self._dirty = True
+
+    def close(self) -> None:
+        """Stop the background writer and write what is left."""
+        self._closed.set()
+        self._wake.set()
+        if self._writer is not None and self._writer is not threading.current_thread():
+            self._writer.join(timeout=30)
+        self.flush()
+
+    def _start_writer(self) -> None:
+        if self._writer is None and self.store is not None:
+            with self._lock:
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write_loop, name="hvdt-events", daemon=True)
+                    self._writer.start()
+
+    def _write_loop(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                dirty, urgent = self._dirty, self._urgent
+                wait = self._last_flush + self.min_flush_interval_s - time.monotonic()
+            if not dirty:
+                continue
+            if not urgent and wait > 0:
+                # rate limit (GCS takes about one write per second per object); an urgent
+                # event arriving meanwhile cuts the wait short
+                if self._wake.wait(wait):
+                    continue  # re-evaluate with the newer state; _wake stays set so no event is missed
+            self.flush()
 
     @property
     def events(self) -> list[dict[str, Any]]:
