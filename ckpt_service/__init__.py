@@ -31,13 +31,14 @@ from ckpt_service.errors import (
 
 if TYPE_CHECKING:
     from ckpt_service.lease import Lease, LeaseHeldError
-    from ckpt_service.manager import Checkpoint, CheckpointManager, CommitConflictError
+    from ckpt_service.manager import BadSnapshotError, Checkpoint, CheckpointManager, CommitConflictError
 
 _LAZY = {
     "CheckpointManager": "ckpt_service.manager",
     "Checkpoint": "ckpt_service.manager",
     "CommitConflictError": "ckpt_service.manager",
     "BadMetadataError": "ckpt_service.manager",
+    "BadSnapshotError": "ckpt_service.manager",
     "Lease": "ckpt_service.lease",
     "LeaseHeldError": "ckpt_service.lease",
     "StoreGather": "ckpt_service.gather",

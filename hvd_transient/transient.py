@@ -32,7 +32,7 @@ import numpy as np
 
 from ckpt_service.errors import CheckpointError, NothingToRestoreError
 from ckpt_service.lease import Lease
-from ckpt_service.manager import Checkpoint, CheckpointManager, CommitConflictError
+from ckpt_service.manager import Checkpoint, CheckpointManager, CommitConflictError, ShareSnapshot
 from hvd_transient.control import STOP_POLL_S, stop_requested
 from hvd_transient.election import NoticeRound, decode_notice, elect_master, encode_notice
 from hvd_transient.events import EventLog
@@ -156,8 +156,15 @@ class TransientImpl:
     # ------------------------------------------------------------ step boundary
 
     def after_step(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
-                   metadata: Callable[[], dict[str, Any]]) -> StepOutcome:
-        """Every rank, after each optimizer step, with the global step number."""
+                   metadata: Callable[[], dict[str, Any]],
+                   share_snapshot: ShareSnapshot | None = None) -> StepOutcome:
+        """Every rank, after each optimizer step, with the global step number.
+
+        ``snapshot()`` gives the state's tensors by name, ``metadata()`` the checkpoint
+        metadata; both are called only when a save happens. With ``share_snapshot`` (see
+        :data:`~ckpt_service.manager.ShareSnapshot`), saves take this rank's share from it and
+        ``snapshot()`` only needs to give shapes and dtypes (e.g. TensorSpecs).
+        """
         self.run.last_step = step
         first_after_begin = self.run.begun_at_step is not None and step == self.run.begun_at_step + 1
         if first_after_begin:
@@ -171,14 +178,14 @@ class TransientImpl:
             round_ = self._notice_round()
             new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
             if new:
-                return self._emergency(step, round_, snapshot, metadata)
+                return self._emergency(step, round_, snapshot, metadata, share_snapshot)
             if round_.stop:
                 self.events.emit("stop_requested", step=step)
                 return StepOutcome(stop=True, departure_pending=self.run.departure_pending)
             # Every rank takes the same decision: a save starts only if no rank is still busy,
             # so the writers of one step always meet in its gather.
             if save_due and not round_.busy:
-                self._periodic_save(step, snapshot, metadata)
+                self._periodic_save(step, snapshot, metadata, share_snapshot)
             elif save_due:
                 self.events.emit("save_skipped", step=step, reason="previous save still in flight")
         return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending)
@@ -210,7 +217,7 @@ class TransientImpl:
         return self._stop_seen
 
     def _emergency(self, step: int, round_: NoticeRound, snapshot: Callable[[], Mapping[str, Any]],
-                   metadata: Callable[[], dict[str, Any]]) -> StepOutcome:
+                   metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None) -> StepOutcome:
         rank, size = self.comm.rank(), self.comm.size()
         deadline = (round_.deadline or time.time() + self.config.notice_window_s) - self.config.leave_margin_s
         leaving_hosts = [self.run.hosts[r] for r in round_.leaving]
@@ -237,7 +244,7 @@ class TransientImpl:
             self.run.master = new_master
 
         committed = self.save_now(step, snapshot(), metadata(), coordinator=new_master, deadline=deadline,
-                                   kind="emergency")
+                                   kind="emergency", share_snapshot=share_snapshot)
         self.run.handled_leavers.update(leaving_hosts)
         self.run.departure_pending = True
         if rank in round_.leaving:
@@ -264,7 +271,7 @@ class TransientImpl:
             self.events.emit("lease_error", error=str(exc))
 
     def save_now(self, step: int, tensors: Mapping[str, Any], meta: dict[str, Any], *, coordinator: int,
-                  deadline: float | None, kind: str) -> bool:
+                  deadline: float | None, kind: str, share_snapshot: ShareSnapshot | None = None) -> bool:
         """Synchronous sharded save on every rank; returns (on every rank) whether it committed."""
         rank, size = self.comm.rank(), self.comm.size()
         self.events.emit("save_start", step=step, kind=kind, size=size)
@@ -273,7 +280,8 @@ class TransientImpl:
         try:
             self.manager.save(step, tensors, meta, rank=rank, world_size=size,
                               gather=self.comm.allgather_json, coordinator=coordinator,
-                              lease=self.lease if rank == coordinator else None, deadline=deadline)
+                              lease=self.lease if rank == coordinator else None, deadline=deadline,
+                              snapshot=share_snapshot)
         except CommitConflictError:
             pass  # the step is already durable (a periodic save of the same step got there first)
         except Exception as exc:  # reported below; training goes on either way
@@ -291,7 +299,7 @@ class TransientImpl:
         return bool(outcome["ok"])
 
     def _periodic_save(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
-                       metadata: Callable[[], dict[str, Any]]) -> None:
+                       metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None) -> None:
         rank, size = self.comm.rank(), self.comm.size()
         master = self.run.master
         t0 = time.perf_counter()
@@ -308,7 +316,7 @@ class TransientImpl:
         started = self.manager.save_async(
             step, snapshot(), metadata(), rank=rank, world_size=size, coordinator=master,
             lease=self.lease if rank == master else None, if_busy="wait",  # not busy: agreed above
-            on_done=done)
+            on_done=done, snapshot=share_snapshot)
         if started:
             self.events.emit("async_save", step=step, stall_ms=(time.perf_counter() - t0) * 1e3, size=size)
 

@@ -17,8 +17,10 @@ from ckpt_service.errors import (
     SaveAbandonedError,
     StructureMismatchError,
 )
-from ckpt_service.manager import BadMetadataError, CheckpointManager, CommitConflictError
+from ckpt_service.manager import BadMetadataError, BadSnapshotError, CheckpointManager, CommitConflictError
 from ckpt_service.manifest import CommitMarker, crc32c
+from ckpt_service.plan import SavePlan, spec_of
+from ckpt_service.stores import MemoryStore
 from ckpt_helpers import BACKENDS, assert_same_state, flip_one_byte_of_a_chunk, make_backend_store, sample_state
 
 
@@ -289,3 +291,101 @@ def test_partitioned_restore_reads_only_the_chunks_it_needs(tmp_path) -> None:
         store.put(key, bytes(data))
         with pytest.raises(CorruptCheckpointError, match="crc32c"):
             mgr.restore(step=1, names=["small"])
+
+
+# ------------------------------------------------------------------ share snapshots
+
+
+def share_of(state: dict[str, np.ndarray], plan: SavePlan, rank: int) -> list[np.ndarray]:
+    """What a share snapshot returns, computed independently: slices of each group's flat buffer."""
+    groups: dict[str, list[np.ndarray]] = {}
+    for p in plan.placements:  # sorted by (group, name), i.e. buffer order
+        groups.setdefault(p.spec.dtype, []).append(state[p.spec.name].reshape(-1).astype(p.spec.dtype))
+    flat = {g: np.concatenate(parts) for g, parts in groups.items()}
+    return [flat[item.group][item.start:item.stop].copy() for item in plan.for_rank(rank)]
+
+
+def specs_only(state: dict[str, np.ndarray]) -> dict[str, object]:
+    return {name: spec_of(name, arr) for name, arr in state.items()}
+
+
+def test_share_snapshot_supplies_the_data_of_a_multiwriter_save(mgr) -> None:
+    state = sample_state(scale=4)
+    calls: list[int] = []
+
+    def snapshot(plan: SavePlan, rank: int) -> list[np.ndarray]:
+        calls.append(rank)
+        return share_of(state, plan, rank)
+
+    # the tensors only give shapes and dtypes: zeros here, so restoring `state` proves where data came from
+    zeros = {name: np.zeros_like(arr) for name, arr in state.items()}
+    save_multiwriter(mgr, 4, zeros, 3, snapshot=snapshot)
+    assert sorted(calls) == [0, 1, 2]
+    assert_same_state(mgr.restore().tensors, state)
+
+
+def test_async_save_from_a_share_snapshot_of_specs(mgr) -> None:
+    state = sample_state(scale=8)
+    assert mgr.save_async(1, specs_only(state), {"epoch": 1},
+                          snapshot=lambda plan, rank: share_of(state, plan, rank))
+    manifest = mgr.wait(timeout=60)
+    assert manifest is not None and manifest.step == 1
+    assert_same_state(mgr.restore().tensors, state)
+
+
+def test_plans_are_cached_per_specs_and_world_size() -> None:
+    with CheckpointManager(MemoryStore(), chunk_bytes=4096) as mgr:
+        specs = list(specs_only(sample_state()).values())
+        assert mgr.plan(specs, 2) is mgr.plan(tuple(specs), 2)
+        assert mgr.plan(specs, 3) is not mgr.plan(specs, 2)
+        assert mgr.plan(specs, 3).world_size == 3
+        for world in range(4, 20):  # evicts the oldest
+            mgr.plan(specs, world)
+        assert mgr.plan(specs, 19) is mgr.plan(specs, 19)
+
+
+def _too_long(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    return [np.concatenate([arrays[0], arrays[0][:1]])] + arrays[1:]
+
+
+def _wrong_dtype(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    return [arrays[0].astype(np.float64 if arrays[0].dtype != np.float64 else np.float32)] + arrays[1:]
+
+
+@pytest.mark.parametrize("spoil,match", [
+    (_too_long, "expected"),
+    (_wrong_dtype, "expected"),
+    (lambda arrays: arrays[:-1], "returned .* arrays"),
+    (lambda arrays: [arrays[0].reshape(1, -1)] + arrays[1:], "expected"),
+])
+def test_a_bad_share_snapshot_is_refused_and_commits_nothing(spoil, match) -> None:
+    state = sample_state()
+    with CheckpointManager(MemoryStore(), max_to_keep=None) as mgr:
+        mgr.save(1, state)
+
+        def bad(plan: SavePlan, rank: int) -> list[np.ndarray]:
+            return spoil(share_of(state, plan, rank))
+
+        with pytest.raises(BadSnapshotError, match=match):
+            mgr.save_async(2, state, snapshot=bad)
+        assert not mgr.save_in_flight
+        with pytest.raises(BadSnapshotError, match=match):
+            mgr.save(3, state, snapshot=bad)
+        assert mgr.all_steps() == [1]
+        assert_same_state(mgr.restore().tensors, state)
+
+
+def test_big_endian_snapshot_arrays_are_stored_little_endian() -> None:
+    state = {"w": np.arange(100, dtype=np.float32)}
+    with CheckpointManager(MemoryStore()) as mgr:
+        mgr.save(1, state, snapshot=lambda plan, rank: [a.astype(">f4") for a in share_of(state, plan, rank)])
+        assert_same_state(mgr.restore().tensors, state)
+
+
+def test_specs_without_a_share_snapshot_are_an_error() -> None:
+    with CheckpointManager(MemoryStore()) as mgr:
+        with pytest.raises(BadSnapshotError, match="holds no data"):
+            mgr.save(1, specs_only(sample_state()))
+        with pytest.raises(BadSnapshotError, match="holds no data"):
+            mgr.save_async(1, specs_only(sample_state()))
+        assert mgr.all_steps() == []

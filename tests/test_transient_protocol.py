@@ -119,6 +119,36 @@ def test_periodic_saves_are_agreed(ranks) -> None:
     assert CheckpointManager(url).all_steps() == [2]
 
 
+def test_saves_take_the_share_from_a_share_snapshot(ranks) -> None:
+    """Periodic and emergency saves pass the share snapshot through; the tensors then only give specs."""
+    from ckpt_service.manager import _prepare_share
+    from ckpt_service.plan import spec_of
+
+    group, impls, url = ranks
+    for impl in impls:
+        impl.config = TransientConfig(store=url, save_every_steps=2, check_every_steps=1)
+    specs = {name: spec_of(name, arr) for name, arr in STATE.items()}
+    calls: list[tuple[int, int]] = []
+
+    def share(plan, rank):
+        calls.append((plan.world_size, rank))
+        return [flat for _, flat in _prepare_share(plan, rank, STATE)]
+
+    def step_with_share(step):
+        return group.run(lambda r: impls[r].after_step(step, lambda: specs, lambda: {"step": step}, share))
+
+    step_with_share(2)  # periodic
+    for impl in impls:
+        impl.manager.wait(timeout=30)
+    impls[2].watcher.notice = notice()
+    assert all(o.committed for o in step_with_share(3))  # emergency
+    assert sorted(calls) == [(3, 0), (3, 0), (3, 1), (3, 1), (3, 2), (3, 2)]
+    for step in (2, 3):
+        ckpt = CheckpointManager(url).restore(step=step)
+        np.testing.assert_array_equal(ckpt.tensors["w"], STATE["w"])
+        np.testing.assert_array_equal(ckpt.tensors["b"], STATE["b"])
+
+
 def test_stop_request_is_agreed_at_one_step(ranks) -> None:
     group, impls, url = ranks
     request_stop(impls[0].manager.store)

@@ -1,0 +1,156 @@
+"""FusedSnapshot: one-call device-to-host snapshot of a rank's checkpoint share of TF variables."""
+from __future__ import annotations
+
+import logging
+import uuid
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from ckpt_service.manager import CheckpointManager, _prepare_share  # noqa: E402
+from ckpt_service.plan import make_save_plan  # noqa: E402
+from hvd_transient.keras import TransientCallback, build_optimizer_slots, state_variables  # noqa: E402
+from hvd_transient.tf_snapshot import FusedSnapshot, SnapshotPlanError  # noqa: E402
+from hvd_transient.workloads import MODELS  # noqa: E402
+
+
+def small_model() -> tf.keras.Model:
+    tf.keras.utils.set_random_seed(0)
+    model = MODELS["small_cnn"]()
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    build_optimizer_slots(model)
+    rng = np.random.default_rng(1)
+    for var in state_variables(model).values():  # slots start at zero: give every element a distinct value
+        if var.dtype.is_floating:
+            var.assign(rng.standard_normal(var.shape).astype(var.dtype.as_numpy_dtype))
+    return model
+
+
+def mixed_variables() -> dict[str, tf.Variable]:
+    rng = np.random.default_rng(2)
+    variables = dict(state_variables(small_model()))  # float32 weights and slots, int64 iterations
+    variables.update({
+        "extra/half": tf.Variable(rng.standard_normal((33, 5)).astype(np.float16)),
+        "extra/double": tf.Variable(rng.standard_normal(17)),
+        "extra/mask": tf.Variable(rng.integers(0, 2, 301).astype(bool)),
+        "extra/count": tf.Variable(np.arange(40, dtype=np.int32).reshape(8, 5)),
+        "extra/complex": tf.Variable((rng.standard_normal(9) + 1j).astype(np.complex64)),
+        "extra/scalar": tf.Variable(np.int64(7)),
+        "extra/empty": tf.Variable(np.zeros((0, 3), np.float32)),
+    })
+    return variables
+
+
+def plans(specs, world: int):
+    """The default plan, and one whose small pieces cut through many variables."""
+    yield make_save_plan(specs, world)
+    yield make_save_plan(specs, world, piece_bytes=1024, chunk_bytes=256)
+
+
+def assert_same_bytes(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert g.tobytes() == w.tobytes()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("make_variables", [lambda: state_variables(small_model()), mixed_variables],
+                         ids=["small_cnn", "mixed_dtypes"])
+def test_fused_share_equals_the_per_variable_share(world, make_variables, caplog) -> None:
+    variables = make_variables()
+    fused = FusedSnapshot(variables)
+    with caplog.at_level(logging.WARNING, logger="hvd_transient.tf_snapshot"):
+        for plan in plans(list(fused.specs.values()), world):
+            for rank in range(world):
+                want = [flat for _, flat in _prepare_share(plan, rank, variables)]
+                assert_same_bytes(fused(plan, rank), want)
+                assert_same_bytes(fused(plan, rank), want)  # the cached function
+    assert "one by one" not in caplog.text, "every dtype of the plan should take the fused path"
+
+
+def test_snapshot_is_the_state_at_call_time() -> None:
+    model = small_model()
+    variables = dict(state_variables(model))
+    variables["whole"] = tf.Variable(np.arange(1000, dtype=np.float32))
+    # the last case's only piece is one whole variable: the graph's output is the variable's read
+    cases = [(variables, 1, None), (variables, 2, 1024), ({"whole": variables["whole"]}, 1, None)]
+    for chosen, world, piece_bytes in cases:
+        fused = FusedSnapshot(chosen)
+        plan = make_save_plan(list(fused.specs.values()), world, piece_bytes=piece_bytes, chunk_bytes=256)
+        for rank in range(world):
+            before = [flat for _, flat in _prepare_share(plan, rank, chosen)]
+            got = fused(plan, rank)
+            # in-place updates right after the call: assign_add, assign and an optimizer step
+            for var in chosen.values():
+                if var.dtype == tf.float32:
+                    var.assign_add(tf.ones_like(var))
+            variables["whole"].assign(tf.zeros_like(variables["whole"]))
+            model.optimizer.apply_gradients([(tf.ones_like(v), v) for v in model.trainable_variables])
+            assert_same_bytes(got, before)
+
+
+def test_async_save_of_a_keras_model_through_the_fused_snapshot() -> None:
+    model = small_model()
+    variables = state_variables(model)
+    expected = {name: var.numpy() for name, var in variables.items()}
+    fused = FusedSnapshot(variables)
+    with CheckpointManager(f"memory://{uuid.uuid4().hex}", chunk_bytes=1024) as mgr:
+        assert mgr.save_async(5, fused.specs, {"epoch": 1}, snapshot=fused)
+        for var in variables.values():  # the training step that follows the save
+            var.assign_add(tf.ones_like(var))
+        assert mgr.wait(timeout=60) is not None
+        got = mgr.restore(expected={n: (a.shape, a.dtype) for n, a in expected.items()}).tensors
+    for name, arr in expected.items():
+        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+
+
+def test_traced_once_per_plan_and_rank(caplog) -> None:
+    fused = FusedSnapshot(state_variables(small_model()))
+    specs = list(fused.specs.values())
+    with caplog.at_level(logging.INFO, logger="hvd_transient.tf_snapshot"):
+        plan = make_save_plan(specs, 2, piece_bytes=1024)
+        fused(plan, 0)
+        fused(plan, 0)
+        fused(make_save_plan(specs, 2, piece_bytes=1024), 0)  # an equal plan from elsewhere
+        assert caplog.text.count("traced") == 1
+        fused(plan, 1)
+        assert caplog.text.count("traced") == 2
+
+
+def test_falls_back_to_reading_one_by_one(monkeypatch, caplog) -> None:
+    variables = mixed_variables()
+    fused = FusedSnapshot(variables)
+
+    def failing() -> list[tf.Tensor]:
+        raise tf.errors.InvalidArgumentError(None, None, "no kernel for this dtype")
+
+    monkeypatch.setattr(FusedSnapshot, "_build", lambda self, *args: failing)
+    plan = make_save_plan(list(fused.specs.values()), 2, piece_bytes=1024)
+    with caplog.at_level(logging.WARNING, logger="hvd_transient.tf_snapshot"):
+        for rank in range(2):
+            got = fused(plan, rank)
+            assert_same_bytes(got, [flat for _, flat in _prepare_share(plan, rank, variables)])
+    assert "one by one" in caplog.text
+
+
+def test_a_plan_of_other_tensors_is_refused() -> None:
+    fused = FusedSnapshot(state_variables(small_model()))
+    other = make_save_plan([*fused.specs.values()][:-1], 1)
+    with pytest.raises(SnapshotPlanError, match="not made from this snapshot's variables"):
+        fused(other, 0)
+
+
+def test_callback_reuses_the_snapshot_while_the_variables_stay_the_same() -> None:
+    model = small_model()
+    callback = TransientCallback(None, store=f"memory://{uuid.uuid4().hex}", watcher="local")
+    callback.set_model(model)
+    first = callback._fused_snapshot()
+    assert callback._snapshot() is first.specs
+    callback._fits += 1  # a new fit of the same model keeps its traced functions
+    assert callback._fused_snapshot() is first
+    plan = make_save_plan(list(first.specs.values()), 1)
+    assert_same_bytes(callback._share_snapshot(plan, 0),
+                      [flat for _, flat in _prepare_share(plan, 0, state_variables(model))])
