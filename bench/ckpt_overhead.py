@@ -136,6 +136,7 @@ class WindowResult:
     cpu_s: tuple[float, ...] = ()          # per rank: process CPU time (all threads) in the window
     persisted_at: int | None = None        # rank 0: step index by which its background save had finished
     manager_blocked_s: float | None = None  # CheckpointManager's own stall figure (async: the snapshot), max rank
+    round_steps: tuple[int, ...] = ()      # steps whose call ran the notice collective (the same on every rank)
 
     @property
     def steps(self) -> int:
@@ -146,15 +147,26 @@ class WindowResult:
         return statistics.median(others or self.step_s)
 
     def stalls_s(self) -> list[float]:
-        """Per save: the slowest rank's time in the checkpoint call beyond its median call at other steps."""
+        """Per save: the slowest rank's time in the checkpoint call beyond its median call at other steps.
+
+        The save step's call also runs the notice collective, so it is compared with the other
+        steps that ran one (all of them with ``--check-every 1``): the stall is the save's own cost.
+        """
         out = []
         for i in self.save_steps:
             per_rank = []
             for hooks in self.hook_s:
                 others = [h for j, h in enumerate(hooks) if j not in self.save_steps]
-                per_rank.append(hooks[i] - (statistics.median(others) if others else 0.0))
+                alike = [h for j, h in enumerate(hooks) if j not in self.save_steps
+                         and (j in self.round_steps) == (i in self.round_steps)]
+                ref = alike or others
+                per_rank.append(hooks[i] - (statistics.median(ref) if ref else 0.0))
             out.append(max(per_rank))
         return out
+
+    def notice_rounds_between_saves(self) -> int:
+        """Notice collectives this window ran at steps that did not save."""
+        return sum(1 for j in self.round_steps if j not in self.save_steps)
 
     def median_hook_s(self) -> float:
         """Rank 0's time in the checkpoint call at steps that do not save (the per-step protocol)."""
@@ -190,7 +202,8 @@ def merge_ranks(rank_docs: Sequence[Mapping[str, Any]]) -> list[WindowResult]:
             hook_s=tuple(tuple(w["hook_s"]) for w in per_rank), save_steps=tuple(w0["save_steps"]),
             finish_s=max(w["finish_s"] for w in per_rank), persisted_at=w0.get("persisted_at"),
             cpu_s=tuple(w.get("cpu_s", 0.0) for w in per_rank),
-            manager_blocked_s=max(blocked) if blocked else None))
+            manager_blocked_s=max(blocked) if blocked else None,
+            round_steps=tuple(w0.get("round_steps", ()))))
     return out
 
 
@@ -210,6 +223,7 @@ class ConfigStats:
     snapshot_ms: float | None       # CheckpointManager.last_stats.stall_s (ours_async: the snapshot copy)
     finish_ms: float                # background save still running at the window's end
     persisted_within_steps: float | None  # ours_async: steps until the background save had finished
+    notice_rounds_per_window: float | None = None  # ours: notice collectives at non-save steps, median
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -246,7 +260,9 @@ def config_stats(results: Sequence[WindowResult]) -> list[ConfigStats]:
             stall_ms=spread(stalls) if stalls else None,
             snapshot_ms=statistics.median(snapshots) if snapshots and config == "ours_async" else None,
             finish_ms=statistics.median(w.finish_s * 1000 for w in windows),
-            persisted_within_steps=statistics.median(persisted) if persisted and config == "ours_async" else None))
+            persisted_within_steps=statistics.median(persisted) if persisted and config == "ours_async" else None,
+            notice_rounds_per_window=(statistics.median(w.notice_rounds_between_saves() for w in windows)
+                                      if config.startswith("ours") else None)))
     order = {c: i for i, c in enumerate(CONFIGS)}
     return sorted(out, key=lambda s: (s.interval, order.get(s.config, 99)))
 
@@ -290,7 +306,7 @@ def notice_rounds_between_saves(interval: int, check_every: int) -> int:
 
 
 def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals: Sequence[int],
-              check_every: int = 1) -> dict[str, Any]:
+              check_every: int | None = 1) -> dict[str, Any]:
     find = {(s.config, s.interval): s for s in stats}
     memcpy_ms = copies["memcpy_s"] * 1000
     host_read_ms = copies["host_read_s"] * 1000
@@ -346,7 +362,9 @@ def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals
         if collective is not None and ("none", at) in find:
             # The loop's blocked time per interval if no rank waited for another: one save stall and
             # the notice collectives of the other steps, over the interval's time without checkpointing.
-            rounds = notice_rounds_between_saves(at, check_every)
+            counted = find[("ours_async", at)].notice_rounds_per_window
+            # the rounds the run really made (adaptive cadence); the formula for a fixed --check-every
+            rounds = counted if counted is not None else notice_rounds_between_saves(at, check_every or 1)
             summary["async_notice_rounds_per_interval"] = rounds
             summary["async_blocking_estimate_pct"] = (
                 (stall + rounds * collective) / (at * find[("none", at)].median_step_ms) * 100)
@@ -574,6 +592,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ckpt_overhead",
@@ -596,8 +621,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--np", dest="np_", type=_positive, default=2, help="Horovod ranks (local host aliases)")
     p.add_argument("--configs", type=_csv(str, CONFIGS), default=DEFAULT_CONFIGS,
                    help="configurations to run (none is always run)")
-    p.add_argument("--check-every", type=_positive, default=1,
-                   help="TransientCallback check_every_steps: the notice collective runs every N steps")
+    p.add_argument("--check-every", type=_positive, default=None,
+                   help="TransientCallback check_every_steps: the notice collective runs every N steps "
+                        "(default: adaptive, about once per --check-interval seconds, as TransientCallback)")
+    p.add_argument("--check-interval", type=_seconds, default=1.0,
+                   help="TransientCallback check_interval_s for the adaptive notice cadence")
     p.add_argument("--warmup-steps", type=int, default=20, help="untimed steps at the start")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before horovodrun is killed")
@@ -666,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     windows = plan_windows(configs, args.intervals, args.steps)
     plan = {
         "model": model, "batch_size": args.batch_size, "warmup_steps": args.warmup_steps, "seed": args.seed,
-        "check_every_steps": args.check_every,
+        "check_every_steps": args.check_every, "check_interval_s": args.check_interval,
         "windows": [asdict(w) for w in windows], "baseline_dir": str(work / "baseline"),
         "stores": {f"{c}-{k}": join_url(store_base, f"{c}-{k}") for c in configs for k in args.intervals},
     }
@@ -731,8 +759,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "goal by more than the noise",
         "*_stall_ms: median over every save of the configuration, all intervals (the stall does not depend on "
         "the interval); *_stall_ms_by_interval: per interval",
-        "async_blocking_estimate_pct: (async stall + the notice collectives of the other K - 1 steps (every "
-        "--check-every steps) x notice_collective_ms) / (K x median step "
+        "async_blocking_estimate_pct: (async stall + the notice collectives the run made at the other K - 1 "
+        "steps (adaptive: about one per --check-interval s; or every --check-every steps) x notice_collective_ms) "
+        "/ (K x median step "
         "without checkpointing): the loop's blocked time if no rank waited for another; background "
         "contention is not included",
         "model.save_weights / tf.train.Checkpoint do not fsync; the hvd-transient local store fsyncs every object",
@@ -740,7 +769,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     params = {"model": model, "batch_size": args.batch_size, "intervals": args.intervals, "steps": args.steps,
               "np": args.np_, "configs": configs, "warmup_steps": args.warmup_steps,
-              "check_every_steps": args.check_every,
+              "check_every_steps": args.check_every, "check_interval_s": args.check_interval,
               "store": args.store or "temporary directory", "seed": args.seed,
               "tf_intra_op_threads": max(1, (os.cpu_count() or 1) // args.np_)}
     rows = [s.as_dict() for s in stats]

@@ -161,6 +161,10 @@ class Saver:
     def after_step(self, local: int) -> None:
         pass
 
+    def notice_rounds(self) -> int:
+        """Notice collectives run so far (hvd-transient configurations only)."""
+        return 0
+
     def busy(self) -> bool:
         """A save started by this configuration is still running in the background."""
         return False
@@ -204,30 +208,39 @@ class TransientSaver(Saver):
     """The TransientCallback machinery (``TransientImpl``) on a store of its own."""
 
     def __init__(self, interval: int, model: tf.keras.Model, store: str, *, asynchronous: bool,
-                 check_every_steps: int = 1) -> None:
+                 check_every_steps: int | None = None, check_interval_s: float = 1.0) -> None:
         super().__init__(interval)
         from hvd_transient.hvd_collectives import HorovodCollectives
         from hvd_transient.keras import state_variables
+        from hvd_transient.tf_snapshot import FusedSnapshot
         from hvd_transient.transient import TransientConfig, TransientImpl
 
         self.model, self.asynchronous = model, asynchronous
-        self._variables = state_variables
+        # as TransientCallback: the variables listed once, this rank's share read by one fused call
+        self._fused = FusedSnapshot(state_variables(model))
         config = TransientConfig(store=store, save_every_steps=interval if asynchronous else None,
-                                 check_every_steps=check_every_steps, watcher="local")
+                                 check_every_steps=check_every_steps, check_interval_s=check_interval_s,
+                                 watcher="local")
         self.impl = TransientImpl(config, HorovodCollectives())
         self.impl.begin(0)  # a collective: every rank builds the savers in the same order
 
     def _snapshot(self) -> dict[str, Any]:
-        return self._variables(self.model)
+        return self._fused.specs
+
+    def _share(self, plan: Any, rank: int) -> list[np.ndarray]:
+        return self._fused(plan, rank)
+
+    def notice_rounds(self) -> int:
+        return self.impl.notice_rounds
 
     def _metadata(self) -> dict[str, Any]:
         return {"step": int(self.model.optimizer.iterations.numpy()), "world_size": hvd.size()}
 
     def after_step(self, local: int) -> None:
-        self.impl.after_step(local, self._snapshot, self._metadata)
+        self.impl.after_step(local, self._snapshot, self._metadata, self._share)
         if not self.asynchronous and self.due(local):
             self.impl.save_now(local, self._snapshot(), self._metadata(), coordinator=self.impl.run.master,
-                               deadline=None, kind="periodic")
+                               deadline=None, kind="periodic", share_snapshot=self._share)
 
     def busy(self) -> bool:
         return self.impl.manager.save_in_flight
@@ -259,7 +272,8 @@ def make_saver(config: str, interval: int, model: tf.keras.Model, plan: dict[str
         return cls(interval, model, directory)
     if config in ("ours_sync", "ours_async"):
         return TransientSaver(interval, model, plan["stores"][name], asynchronous=config == "ours_async",
-                              check_every_steps=plan.get("check_every_steps", 1))
+                              check_every_steps=plan.get("check_every_steps"),
+                              check_interval_s=plan.get("check_interval_s", 1.0))
     raise WorkerError(f"unknown configuration {config!r}")
 
 
@@ -281,7 +295,7 @@ def barrier() -> None:
 
 def run_window(model: tf.keras.Model, batches: Sequence[tuple[np.ndarray, np.ndarray]], saver: Saver,
                window: Window) -> dict[str, Any]:
-    train_s, hook_s, saves = [], [], []
+    train_s, hook_s, saves, rounds = [], [], [], []
     persisted_at: int | None = None  # first step after which no background save was in flight
     barrier()
     t_start, cpu_start = time.perf_counter(), time.process_time()
@@ -291,8 +305,11 @@ def run_window(model: tf.keras.Model, batches: Sequence[tuple[np.ndarray, np.nda
         t0 = time.perf_counter()
         model.train_on_batch(x, y)  # returns host values: the step has finished
         t1 = time.perf_counter()
+        before = saver.notice_rounds()
         saver.after_step(local)
         t2 = time.perf_counter()
+        if saver.notice_rounds() > before:
+            rounds.append(i)
         train_s.append(t1 - t0)
         hook_s.append(t2 - t1)
         if saver.due(local) and not isinstance(saver, NoSaver):
@@ -305,7 +322,8 @@ def run_window(model: tf.keras.Model, batches: Sequence[tuple[np.ndarray, np.nda
     barrier()
     t_end = time.perf_counter()
     return {"config": window.config, "interval": window.interval, "index": window.index, "steps": window.steps,
-            "train_s": train_s, "hook_s": hook_s, "save_steps": saves, "persisted_at": persisted_at,
+            "train_s": train_s, "hook_s": hook_s, "save_steps": saves, "round_steps": rounds,
+            "persisted_at": persisted_at,
             "window_s": t_end - t_start,
             "finish_s": t_finish - t_steps, "cpu_s": cpu_end - cpu_start, **saver.save_stats()}
 

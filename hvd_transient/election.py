@@ -20,6 +20,7 @@ class NoticeRound:
     deadline: float | None  # the earliest deadline among the leaving ranks
     stop: bool = False
     busy: bool = False      # some rank is still persisting a background save
+    elapsed_s: float = 0.0  # mean over ranks of the seconds since each one's previous round
 
     @property
     def any(self) -> bool:
@@ -27,24 +28,41 @@ class NoticeRound:
 
 
 def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = False,
-                  busy: bool = False) -> np.ndarray:
+                  busy: bool = False, elapsed_s: float = 0.0) -> np.ndarray:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
-    Layout: ``[leaving flag per rank | deadline per rank | stop | busy]``.
+    Layout: ``[leaving flag per rank | deadline per rank | stop | busy | elapsed us]``.
+    The elapsed time travels in whole microseconds, so the sum is exact and every rank
+    derives the same next check step from it.
     """
-    vec = np.zeros(2 * size + 2, dtype=np.float64)
+    vec = np.zeros(2 * size + 3, dtype=np.float64)
     if deadline is not None:
         vec[rank] = 1.0
         vec[size + rank] = deadline
     vec[2 * size] = 1.0 if stop else 0.0
     vec[2 * size + 1] = 1.0 if busy else 0.0
+    vec[2 * size + 2] = float(round(max(0.0, elapsed_s) * 1e6))
     return vec
 
 
 def decode_notice(summed: np.ndarray, size: int) -> NoticeRound:
     leaving = tuple(int(i) for i in np.flatnonzero(summed[:size] > 0.5))
     deadline = min((float(summed[size + i]) for i in leaving), default=None)
-    return NoticeRound(leaving, deadline, bool(summed[2 * size] > 0.5), bool(summed[2 * size + 1] > 0.5))
+    return NoticeRound(leaving, deadline, bool(summed[2 * size] > 0.5), bool(summed[2 * size + 1] > 0.5),
+                       float(summed[2 * size + 2]) / 1e6 / size)
+
+
+def steps_until_next_check(elapsed_s: float, steps: int, interval_s: float, max_steps: int) -> int:
+    """How many steps to train before the next notice collective (pure; same on every rank).
+
+    Aims at one collective per ``interval_s`` at the recent step rate: frequent enough that a
+    notice costs at most about ``interval_s`` of its window, rare enough that the collective's
+    fixed cost (a few ms on a loaded ring) stays a small share of the step time.
+    """
+    if steps <= 0 or elapsed_s <= 0.0:
+        return 1
+    per_interval = interval_s * steps / elapsed_s + 1e-9  # + 1e-9: 1.0 / 0.1 must give 10
+    return int(max(1, min(max_steps, per_interval)))
 
 
 def elect_master(size: int, leaving: Collection[int]) -> int:

@@ -138,6 +138,9 @@ class TransientCallback(tf.keras.callbacks.Callback):
         state: the ``hvd.elastic.KerasState`` (from :func:`elastic_state`), or None for a static job.
         store: checkpoint store URL (local directory, ``file://``, ``gs://bucket/prefix``).
         save_every_steps: periodic asynchronous sharded checkpoint interval (None: only on notice).
+        check_interval_s: how often (seconds) the ranks run their one tiny notice collective; the
+            step count between checks adapts to the measured step rate, so a notice costs at most
+            about this much of its window. ``check_every_steps=N`` fixes it to every N steps instead.
         notice_window_s: how long a notice gives on this cloud (GCE: 30 s).
         lr_scaling: ``linear`` | ``sqrt`` | ``none``: learning rate = f(active workers) x ``base_lr``.
         base_lr: the single-worker learning rate (None: leave the learning rate alone).
@@ -145,7 +148,8 @@ class TransientCallback(tf.keras.callbacks.Callback):
     """
 
     def __init__(self, state: Any, *, store: str, save_every_steps: int | None = 500,
-                 check_every_steps: int = 1, notice_window_s: float = 30.0, leave_margin_s: float = 5.0,
+                 check_every_steps: int | None = None, check_interval_s: float = 1.0,
+                 notice_window_s: float = 30.0, leave_margin_s: float = 5.0,
                  lr_scaling: str = "linear", base_lr: float | None = None, watcher: str = "auto",
                  max_to_keep: int | None = 3, keep_every_n_steps: int | None = None,
                  save_on_train_end: bool = True) -> None:
@@ -154,6 +158,7 @@ class TransientCallback(tf.keras.callbacks.Callback):
         self.state = state
         self.config = TransientConfig(
             store=store, save_every_steps=save_every_steps, check_every_steps=check_every_steps,
+            check_interval_s=check_interval_s,
             notice_window_s=notice_window_s, leave_margin_s=leave_margin_s, watcher=watcher,
             max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps, lr_scaling=lr_scaling,
             base_lr=base_lr)

@@ -7,8 +7,9 @@ the in-process fakes of the unit tests.
 
 Per step boundary, on every rank, in the same order:
 
-1. every ``check_every_steps`` steps, one tiny allreduce tells all ranks which
-   ranks are under preemption notice and the earliest deadline;
+1. about once per ``check_interval_s`` (the step count adapts to the step rate all
+   ranks measured; or every ``check_every_steps`` steps if set), one tiny allreduce
+   tells all ranks which ranks are under preemption notice and the earliest deadline;
 2. if some rank newly got a notice: wait (bounded) for an in-flight background
    save; elect the master (lowest rank not leaving) and move the store lease to
    it; write the **emergency sharded checkpoint** with every rank writing its
@@ -34,7 +35,8 @@ from ckpt_service.errors import CheckpointError, NothingToRestoreError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import Checkpoint, CheckpointManager, CommitConflictError, ShareSnapshot
 from hvd_transient.control import STOP_POLL_S, stop_requested
-from hvd_transient.election import NoticeRound, decode_notice, elect_master, encode_notice
+from hvd_transient.election import (NoticeRound, decode_notice, elect_master, encode_notice,
+                                   steps_until_next_check)
 from hvd_transient.events import EventLog
 from hvd_transient.membership import publish_leaving
 
@@ -59,7 +61,10 @@ class Collectives(Protocol):
 class TransientConfig:
     store: str
     save_every_steps: int | None = 500
-    check_every_steps: int = 1
+    #: notice collective every N steps; None: adaptive, about once per ``check_interval_s``
+    check_every_steps: int | None = None
+    check_interval_s: float = 1.0
+    max_check_every_steps: int = 1000
     notice_window_s: float = 30.0
     #: seconds of the window kept for leaving the ring after the emergency commit
     leave_margin_s: float = 5.0
@@ -70,6 +75,14 @@ class TransientConfig:
     lr_scaling: str = "linear"
     base_lr: float | None = None
     progress_every_steps: int = 10
+
+    def __post_init__(self) -> None:
+        if self.check_every_steps is not None and self.check_every_steps < 1:
+            raise ValueError(f"check_every_steps must be None (adaptive) or at least 1, not {self.check_every_steps}")
+        if not self.check_interval_s > 0:
+            raise ValueError(f"check_interval_s must be positive, not {self.check_interval_s}")
+        if self.max_check_every_steps < 1:
+            raise ValueError(f"max_check_every_steps must be at least 1, not {self.max_check_every_steps}")
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,9 @@ class _RunState:
     leaving: bool = False
     last_step: int = -1
     begun_at_step: int | None = None
+    next_check_step: int = 0            # adaptive cadence: the next step with a notice round
+    last_round_step: int = 0
+    last_round_at: float = 0.0          # time.monotonic() of this rank's previous round
 
 
 def default_host() -> str:
@@ -100,8 +116,9 @@ def default_host() -> str:
 class TransientImpl:
     def __init__(self, config: TransientConfig, collectives: Collectives, *, host: str | None = None,
                  watcher: Any = None, manager: CheckpointManager | None = None,
-                 events: EventLog | None = None) -> None:
+                 events: EventLog | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # step-rate measurement for the adaptive notice cadence
         self.comm = collectives
         self.host = host or default_host()
         self.manager = manager or CheckpointManager(
@@ -112,6 +129,7 @@ class TransientImpl:
         self.watcher = watcher if watcher is not None else _make_watcher(config, self.host)
         self.run = _RunState()
         self._stop_checked_at = float("-inf")
+        self.notice_rounds = 0  # notice collectives run so far (benchmarks count them)
         self._stop_seen = False
         if self.watcher is not None:
             self.watcher.start()
@@ -128,6 +146,9 @@ class TransientImpl:
         self.run.departure_pending = bool(leaving)
         self.run.begun_at_step = step
         self.run.last_step = step
+        # a new ring checks at its first step, then adapts to the step rate it measures
+        self.run.next_check_step = step + 1
+        self.run.last_round_step, self.run.last_round_at = step, self.clock()
         self._move_lease(self.run.master)
         self.events.emit("ring", step=step, rank=rank, size=size, master=self.run.master,
                          master_host=self.run.hosts[self.run.master], previous_master=previous_master,
@@ -151,7 +172,7 @@ class TransientImpl:
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
-        self.events.flush()
+        self.events.close()
 
     # ------------------------------------------------------------ step boundary
 
@@ -173,9 +194,12 @@ class TransientImpl:
             self.events.emit("progress", step=step, size=self.comm.size())
         every = self.config.save_every_steps
         save_due = bool(every) and step > 0 and step % every == 0 and not self.run.departure_pending
-        check_due = bool(self.config.check_every_steps) and step % self.config.check_every_steps == 0
+        if self.config.check_every_steps:
+            check_due = step % self.config.check_every_steps == 0
+        else:
+            check_due = step >= self.run.next_check_step
         if check_due or save_due:
-            round_ = self._notice_round()
+            round_ = self._notice_round(step)
             new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
             if new:
                 return self._emergency(step, round_, snapshot, metadata, share_snapshot)
@@ -190,7 +214,10 @@ class TransientImpl:
                 self.events.emit("save_skipped", step=step, reason="previous save still in flight")
         return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending)
 
-    def _notice_round(self) -> NoticeRound:
+    def _notice_round(self, step: int) -> NoticeRound:
+        now = self.clock()
+        elapsed, steps = now - self.run.last_round_at, step - self.run.last_round_step
+        self.run.last_round_step, self.run.last_round_at = step, now
         notice = self.watcher.notice if self.watcher is not None else None
         rank, size = self.comm.rank(), self.comm.size()
         if notice is not None and self.host not in self.run.handled_leavers:
@@ -200,8 +227,13 @@ class TransientImpl:
                                  detected_at=notice.detected_at, deadline=notice.deadline)
         deadline = notice.deadline if notice is not None else None
         summed = self.comm.allreduce_sum(encode_notice(rank, size, deadline, self._stop_requested(),
-                                                       self.manager.save_in_flight))
-        return decode_notice(summed, size)
+                                                       self.manager.save_in_flight, elapsed))
+        round_ = decode_notice(summed, size)
+        self.notice_rounds += 1
+        # Every rank got the same sum, so every rank picks the same next check step.
+        self.run.next_check_step = step + steps_until_next_check(
+            round_.elapsed_s, steps, self.config.check_interval_s, self.config.max_check_every_steps)
+        return round_
 
     def _stop_requested(self) -> bool:
         """The master looks at the store now and then; the collective shares its answer."""

@@ -88,6 +88,17 @@ def test_stall_is_the_slowest_rank_beyond_its_usual_call() -> None:
     assert stats["none"].overhead_pct is None
 
 
+def test_stall_leaves_out_the_notice_collective_the_save_step_also_ran() -> None:
+    # steps 0 (the save) and 2 ran the notice collective (12 ms); 1 and 3 ran nothing (0.1 ms)
+    window = {"config": "ours_async", "interval": 4, "index": 0, "steps": 4, "save_steps": [0], "finish_s": 0.0,
+              "persisted_at": 1, "train_s": [0.1] * 4, "round_steps": [0, 2], "window_s": 0.5, "cpu_s": 0.6,
+              "hook_s": [0.015, 0.0001, 0.012, 0.0001]}
+    docs = [{"rank": 0, "windows": [window]}, {"rank": 1, "windows": [window]}]
+    stats = ckpt_overhead.config_stats(ckpt_overhead.merge_ranks(docs))[0]
+    assert stats.stall_ms.median == pytest.approx(3.0)       # 15 ms - the other round step's 12 ms
+    assert stats.notice_rounds_per_window == 1               # step 2; the save step's round is in its stall
+
+
 def test_the_goal_is_left_undecided_when_the_noise_is_as_large_as_the_goal() -> None:
     verdict = ckpt_overhead.goal_verdict
     assert verdict(0.5, 0.2, 1.0) is True and verdict(1.5, 0.2, 1.0) is False

@@ -12,7 +12,7 @@ from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
 from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 from hvd_transient.control import request_stop
-from hvd_transient.election import decode_notice, elect_master, encode_notice
+from hvd_transient.election import decode_notice, elect_master, encode_notice, steps_until_next_check
 from hvd_transient.lr_scaling import scaled_lr
 from hvd_transient.membership import leaving_hosts
 from hvd_transient.transient import TransientConfig, TransientImpl
@@ -203,3 +203,64 @@ def test_lr_scaling() -> None:
 
 def test_memory_store_is_isolated_per_url() -> None:
     assert MemoryStore.named("a") is MemoryStore.named("a") and MemoryStore.named("a") is not MemoryStore.named("b")
+
+
+# ------------------------------------------------------------------ adaptive notice cadence
+
+def test_notice_vector_carries_the_mean_elapsed_time_exactly() -> None:
+    size = 3
+    summed = sum(encode_notice(r, size, None, elapsed_s=0.1 * (r + 1)) for r in range(size))
+    assert decode_notice(summed, size).elapsed_s == pytest.approx(0.2, abs=1e-6)
+
+
+@pytest.mark.parametrize("elapsed,steps,interval,cap,expected", [
+    (1.0, 10, 1.0, 1000, 10),    # 0.1 s steps: a check every 10 steps is one per second
+    (4.0, 2, 1.0, 1000, 1),      # steps slower than the interval: every step
+    (0.01, 100, 1.0, 1000, 1000),  # very fast steps: capped
+    (0.5, 0, 1.0, 1000, 1),      # nothing measured yet
+    (0.0, 5, 1.0, 1000, 1),
+])
+def test_steps_until_next_check(elapsed, steps, interval, cap, expected) -> None:
+    assert steps_until_next_check(elapsed, steps, interval, cap) == expected
+
+
+def test_adaptive_cadence_is_agreed_and_still_catches_a_notice() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    group = ThreadGroup(3)
+    now = {"t": 0.0}
+    config = TransientConfig(store=url, save_every_steps=None, leave_margin_s=1.0, check_interval_s=1.0)
+    assert config.check_every_steps is None  # adaptive is the default
+    # rank 2's clock runs 50% fast: the ranks still pick one cadence from the summed vector
+    clocks = [lambda: now["t"], lambda: now["t"], lambda: now["t"] * 1.5]
+    impls = [TransientImpl(config, FakeCollectives(group, r), host=HOSTS[r], watcher=FakeWatcher(),
+                           clock=clocks[r]) for r in range(3)]
+    group.run(lambda r: impls[r].begin(0))
+    checked_at = []
+    for step in range(1, 31):
+        now["t"] = step * 0.1  # 0.1 s per step
+        before = impls[0].notice_rounds
+        step_all(group, impls, step)
+        if impls[0].notice_rounds > before:
+            checked_at.append(step)
+        assert len({i.run.next_check_step for i in impls}) == 1
+        assert len({i.notice_rounds for i in impls}) == 1
+    # first step of the ring, then every ~1 s of steps (mean step 0.1167 s -> 8 steps)
+    assert checked_at[0] == 1 and len(checked_at) < 6
+    assert all(b - a == 8 for a, b in zip(checked_at[1:], checked_at[2:]))
+    impls[1].watcher.notice = notice()
+    emergency = None
+    for step in range(31, 60):
+        now["t"] = step * 0.1
+        outcomes = step_all(group, impls, step)
+        if outcomes[0].emergency_step is not None:
+            emergency = step
+            break
+    assert emergency is not None and emergency - 31 < 9, "the notice waits at most one check interval"
+    assert all(o.committed for o in outcomes)
+
+
+def test_bad_cadence_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="check_every_steps"):
+        TransientConfig(store="memory://x", check_every_steps=0)
+    with pytest.raises(ValueError, match="check_interval_s"):
+        TransientConfig(store="memory://x", check_interval_s=0.0)
