@@ -188,7 +188,11 @@ class CheckpointManager:
         Returns the committed manifest on the coordinator, None on the other ranks.
         """
         t0 = time.perf_counter()
-        plan, share = self._plan_and_share(tensors, rank, world_size, snapshot)
+        try:
+            plan, share = self._plan_and_share(tensors, rank, world_size, snapshot)
+        except Exception as exc:
+            self._report_failed_share(step, rank, world_size, gather, coordinator, deadline, exc)
+            raise
         return self._save_planned(step, plan, share, _checked_metadata(metadata), rank, gather,
                                   coordinator, lease, deadline, stall_start=t0)
 
@@ -231,7 +235,12 @@ class CheckpointManager:
             self._raise_background_error()
         t0 = time.perf_counter()
         # The snapshot is exactly this rank's pieces, in contiguous host buffers.
-        plan, share = self._plan_and_share(tensors, rank, world_size, snapshot)
+        try:
+            plan, share = self._plan_and_share(tensors, rank, world_size, snapshot)
+        except Exception as exc:
+            # the other ranks' background saves gather through the store; tell the coordinator
+            self._report_failed_share(step, rank, world_size, gather, coordinator, None, exc)
+            raise
         stall = time.perf_counter() - t0
         meta = _checked_metadata(metadata)
         with self._inflight_lock:
@@ -243,6 +252,25 @@ class CheckpointManager:
         if on_done is not None:
             future.add_done_callback(lambda f: on_done(None if f.exception() else f.result(), f.exception()))
         return True
+
+    def _report_failed_share(self, step: int, rank: int, world_size: int, gather: Gather | None,
+                             coordinator: int, deadline: float | None, exc: BaseException) -> None:
+        """A rank that could not build its share still reaches the gather with an error record.
+
+        Otherwise the other ranks would wait on it (a collective gather: forever; the store
+        gather: until its timeout) before the coordinator abandons the step.
+        """
+        if world_size <= 1:
+            return
+        if gather is None:
+            if rank == coordinator:
+                return  # the others post their records to the store and do not wait for this rank
+            gather = StoreGather(self.store, step, rank, world_size, coordinator=coordinator, deadline=deadline,
+                                 timeout_s=self.gather_timeout_s)
+        try:
+            gather({"rank": rank, "error": f"{type(exc).__name__}: {exc}", "pieces": [], "bytes": 0})
+        except Exception as gather_exc:  # the caller needs the original error, not this one
+            log.warning("could not report the failed share of step %d to the other ranks: %s", step, gather_exc)
 
     def wait(self, timeout: float | None = None) -> Manifest | None:
         """Block until the in-flight async save is done; re-raise its error. TimeoutError if not done."""

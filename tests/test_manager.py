@@ -389,3 +389,40 @@ def test_specs_without_a_share_snapshot_are_an_error() -> None:
         with pytest.raises(BadSnapshotError, match="holds no data"):
             mgr.save_async(1, specs_only(sample_state()))
         assert mgr.all_steps() == []
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_rank_whose_snapshot_fails_tells_the_coordinator_at_once(asynchronous: bool) -> None:
+    """The coordinator abandons the step on the failed rank's error record, not after its gather timeout."""
+    state = sample_state()
+    store = MemoryStore()
+    managers = [CheckpointManager(store, max_to_keep=None, gather_timeout_s=3600.0) for _ in range(2)]
+    try:
+        managers[0].save(1, state)
+        outcome: dict[str, BaseException | None] = {}
+
+        def coordinator() -> None:
+            try:
+                managers[0].save(2, state, rank=0, world_size=2)
+                outcome["rank0"] = None
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                outcome["rank0"] = exc
+
+        def broken(plan: SavePlan, rank: int) -> list[np.ndarray]:
+            raise RuntimeError("device lost")
+
+        thread = threading.Thread(target=coordinator)
+        thread.start()
+        with pytest.raises(RuntimeError, match="device lost"):
+            if asynchronous:
+                managers[1].save_async(2, state, rank=1, world_size=2, snapshot=broken)
+            else:
+                managers[1].save(2, state, rank=1, world_size=2, snapshot=broken)
+        thread.join(timeout=120)  # a hang guard only: without the error record it would wait an hour
+        assert not thread.is_alive()
+        assert isinstance(outcome["rank0"], SaveAbandonedError)
+        assert "rank 1: RuntimeError: device lost" in str(outcome["rank0"])
+        assert managers[0].all_steps() == [1]
+    finally:
+        for m in managers:
+            m.close()
