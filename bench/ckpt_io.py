@@ -51,13 +51,15 @@ import numpy as np
 # google-api-core warns about the Python version on import, in every worker: noise here.
 warnings.filterwarnings("ignore", category=FutureWarning, module="google.api_core")
 
-from common import (  # noqa: E402
+from common import (
     install_interrupt_handlers,
-    MB,
+    # noqa: E402,
     BenchError,
-    command_line,
+    MB,
     Panel,
     Spread,
+    command_line,
+    csv_list,
     fmt_spread_s,
     machine_info,
     machine_line,
@@ -874,34 +876,18 @@ def make_plot(path: Path, rows: Sequence[Row], cfg: Config) -> Path | None:
 # --------------------------------------------------------------------------- command line
 
 
-def _csv(kind: type, allowed: Sequence[Any] | None = None):
-    def parse(text: str) -> tuple[Any, ...]:
-        try:
-            values = tuple(kind(v) for v in text.split(",") if v.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
-        if not values:
-            raise argparse.ArgumentTypeError("give at least one value")
-        if allowed is not None and (bad := [v for v in values if v not in allowed]):
-            raise argparse.ArgumentTypeError(f"unknown value(s) {bad}; choose from {', '.join(map(str, allowed))}")
-        if kind in (int, float) and any(v <= 0 for v in values):
-            raise argparse.ArgumentTypeError(f"{text!r}: values must be positive")
-        return values
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ckpt_io",
         description="Checkpoint save/restore throughput: ckpt_service (N writer / M reader processes) "
                     "against np.savez and tf.train.Checkpoint, on a local directory and fake-gcs-server.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--sizes-mb", type=_csv(float), default=(10.0, 100.0, 1000.0),
+    p.add_argument("--sizes-mb", type=csv_list(float), default=(10.0, 100.0, 1000.0),
                    help="state sizes in MB (10**6 bytes), float32")
-    p.add_argument("--writers", type=_csv(int), default=(1, 2, 4), help="writer process counts")
-    p.add_argument("--readers", type=_csv(int), default=(1, 2, 4), help="reader process counts for restore")
-    p.add_argument("--stores", type=_csv(str, ("local", "gcs")), default=("local", "gcs"))
-    p.add_argument("--baselines", type=_csv(str, ("savez", "tf")), default=("savez", "tf"),
+    p.add_argument("--writers", type=csv_list(int), default=(1, 2, 4), help="writer process counts")
+    p.add_argument("--readers", type=csv_list(int), default=(1, 2, 4), help="reader process counts for restore")
+    p.add_argument("--stores", type=csv_list(str, ("local", "gcs")), default=("local", "gcs"))
+    p.add_argument("--baselines", type=csv_list(str, ("savez", "tf")), default=("savez", "tf"),
                    help="baselines to run (tf = tf.train.Checkpoint, local store only)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per measurement")
     p.add_argument("--large-repeats", type=int, default=2,
@@ -955,7 +941,6 @@ def run(cfg: Config, tmpdir: Path | None) -> tuple[list[Row], float]:
                 pool.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,10 +52,13 @@ from common import (
     Panel,
     Spread,
     command_line,
+    csv_list,
     machine_info,
     machine_line,
     markdown_table,
     plot_panels,
+    positive_int,
+    positive_seconds,
     print_table,
     spread,
     write_results,
@@ -569,36 +572,6 @@ def run_horovod(plan: Mapping[str, Any], np_: int, work: Path, timeout_s: float)
 # --------------------------------------------------------------------------- command line
 
 
-def _csv(kind: type, allowed: Sequence[str] | None = None):
-    def parse(text: str) -> tuple[Any, ...]:
-        try:
-            values = tuple(kind(v.strip()) for v in text.split(",") if v.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
-        if not values:
-            raise argparse.ArgumentTypeError("give at least one value")
-        if allowed is not None and (bad := [v for v in values if v not in allowed]):
-            raise argparse.ArgumentTypeError(f"unknown value(s) {bad}; choose from {', '.join(allowed)}")
-        if kind is int and any(v <= 0 for v in values):
-            raise argparse.ArgumentTypeError(f"{text!r}: values must be positive")
-        return tuple(dict.fromkeys(values))
-    return parse
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ckpt_overhead",
@@ -614,17 +587,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="where hvd-transient writes (directory, file://, gs://bucket/prefix); "
                                    "default: a temporary directory. A run-specific prefix under it is removed "
                                    "at the end unless --keep")
-    p.add_argument("--steps", type=_positive, default=200,
+    p.add_argument("--steps", type=positive_int, default=200,
                    help="measured steps per configuration and interval (whole intervals, at least one)")
-    p.add_argument("--batch-size", type=_positive, default=32, help="per-rank batch size")
-    p.add_argument("--intervals", type=_csv(int), default=(50, 200), help="save every K steps")
-    p.add_argument("--np", dest="np_", type=_positive, default=2, help="Horovod ranks (local host aliases)")
-    p.add_argument("--configs", type=_csv(str, CONFIGS), default=DEFAULT_CONFIGS,
+    p.add_argument("--batch-size", type=positive_int, default=32, help="per-rank batch size")
+    p.add_argument("--intervals", type=csv_list(int), default=(50, 200), help="save every K steps")
+    p.add_argument("--np", dest="np_", type=positive_int, default=2, help="Horovod ranks (local host aliases)")
+    p.add_argument("--configs", type=csv_list(str, CONFIGS), default=DEFAULT_CONFIGS,
                    help="configurations to run (none is always run)")
-    p.add_argument("--check-every", type=_positive, default=None,
+    p.add_argument("--check-every", type=positive_int, default=None,
                    help="TransientCallback check_every_steps: the notice collective runs every N steps "
                         "(default: adaptive, about once per --check-interval seconds, as TransientCallback)")
-    p.add_argument("--check-interval", type=_seconds, default=1.0,
+    p.add_argument("--check-interval", type=positive_seconds, default=1.0,
                    help="TransientCallback check_interval_s for the adaptive notice cadence")
     p.add_argument("--warmup-steps", type=int, default=20, help="untimed steps at the start")
     p.add_argument("--seed", type=int, default=0)
@@ -668,7 +641,6 @@ def _remove_store(url: str) -> None:
         store.close()
     except Exception as exc:  # clean-up must not hide the results
         print(f"ckpt_overhead: could not remove {url}: {exc}", file=sys.stderr)
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

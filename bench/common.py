@@ -16,6 +16,7 @@ Units: 1 MB = 10**6 bytes everywhere in the benchmarks.
 """
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import importlib.metadata
 import json
@@ -26,7 +27,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -35,6 +36,42 @@ MB = 1_000_000
 
 class BenchError(RuntimeError):
     """A benchmark could not run as asked (bad arguments, a missing tool, a failed measurement)."""
+
+
+# --------------------------------------------------------------------------- command-line values
+
+
+def csv_list(kind: type, allowed: Sequence[Any] | None = None) -> Callable[[str], tuple[Any, ...]]:
+    """An argparse type: a comma-separated list of ``kind`` (numbers must be positive), duplicates dropped."""
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            values = tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
+        if not values:
+            raise argparse.ArgumentTypeError("give at least one value")
+        if allowed is not None and (bad := [v for v in values if v not in allowed]):
+            raise argparse.ArgumentTypeError(f"unknown value(s) {bad}; choose from {', '.join(map(str, allowed))}")
+        if kind in (int, float) and any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: values must be positive")
+        return tuple(dict.fromkeys(values))
+    return parse
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds")
+    return value
 
 
 # --------------------------------------------------------------------------- statistics
@@ -69,6 +106,17 @@ def spread(samples: Sequence[float]) -> Spread:
         raise BenchError("no samples to summarise: the measurement ran zero times")
     values = tuple(float(s) for s in samples)
     return Spread(statistics.median(values), min(values), max(values), len(values), values)
+
+
+def spread_or_none(values: Sequence[float | None]) -> Spread | None:
+    """The spread of the values that were measured (None entries skipped), or None if there are none."""
+    found = [v for v in values if v is not None]
+    return spread(found) if found else None
+
+
+def spread_summary(s: Spread | None) -> dict[str, Any] | None:
+    """median/min/max/n of a spread, without its samples (for JSON summaries)."""
+    return None if s is None else {"median": s.median, "min": s.min, "max": s.max, "n": s.n}
 
 
 def mb_per_s(nbytes: int, seconds: float) -> float:

@@ -49,13 +49,15 @@ import numpy as np
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="google.api_core")
 
-from common import (  # noqa: E402
+from common import (
     install_interrupt_handlers,
-    MB,
+    # noqa: E402,
     BenchError,
+    MB,
     Panel,
     Spread,
     command_line,
+    csv_list,
     fmt_spread_s,
     machine_info,
     machine_line,
@@ -65,7 +67,7 @@ from common import (  # noqa: E402
     spread,
     write_results,
 )
-from ckpt_io import SharedState, Slot, _Worker as IoWorker  # noqa: E402  (shared-memory state, store clients)
+from ckpt_io import SharedState, _Worker as IoWorker  # noqa: E402  (shared-memory state, store clients)
 
 log = logging.getLogger("emergency_save")
 
@@ -534,32 +536,16 @@ def make_plot(path: Path, rows: Sequence[Row], cfg: Config) -> Path | None:
 # --------------------------------------------------------------------------- command line
 
 
-def _csv(kind: type, allowed: Sequence[str] | None = None):
-    def parse(text: str) -> tuple[Any, ...]:
-        try:
-            values = tuple(kind(v.strip()) for v in text.split(",") if v.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
-        if not values:
-            raise argparse.ArgumentTypeError("give at least one value")
-        if allowed is not None and (bad := [v for v in values if v not in allowed]):
-            raise argparse.ArgumentTypeError(f"unknown value(s) {bad}; choose from {', '.join(allowed)}")
-        if kind in (int, float) and any(v <= 0 for v in values):
-            raise argparse.ArgumentTypeError(f"{text!r}: values must be positive")
-        return tuple(dict.fromkeys(values))
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="emergency_save",
         description="Time from a preemption notice to a durable commit: hvd-transient with 1, 2, 4 writer "
                     "processes against one process writing np.savez, on a local directory and fake-gcs-server.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--sizes-mb", type=_csv(float), default=(10.0, 100.0, 500.0, 2000.0),
+    p.add_argument("--sizes-mb", type=csv_list(float), default=(10.0, 100.0, 500.0, 2000.0),
                    help="state sizes in MB (10**6 bytes), float32")
-    p.add_argument("--writers", type=_csv(int), default=(1, 2, 4), help="writer process counts")
-    p.add_argument("--stores", type=_csv(str, ("local", "gcs")), default=("local", "gcs"),
+    p.add_argument("--writers", type=csv_list(int), default=(1, 2, 4), help="writer process counts")
+    p.add_argument("--stores", type=csv_list(str, ("local", "gcs")), default=("local", "gcs"),
                    help="local directory and/or the GCS emulator (ignored with --store)")
     p.add_argument("--store", help="measure only this store instead: a directory, file:// or gs://bucket/prefix "
                                    "(a run-specific prefix under it is removed at the end)")
@@ -640,7 +626,6 @@ def run(cfg: Config, user_store: str | None, tmpdir: Path | None) -> tuple[list[
                 pool.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,14 +52,16 @@ from common import (
     install_interrupt_handlers,
     BenchError,
     Panel,
-    Spread,
     command_line,
+    csv_list,
     machine_info,
     machine_line,
     markdown_table,
     plot_panels,
     print_table,
     spread,
+    spread_or_none,
+    spread_summary,
     write_results,
 )
 
@@ -477,20 +479,11 @@ def discovery_stats(records: Sequence[RunRecord]) -> dict[str, Any]:
     out: dict[str, Any] = {"driver_sleep_s": DRIVER_DISCOVERY_SLEEP_S}
     for key, values in (("interval_s", intervals), ("call_in_process_s", calls), ("start_up_s", overheads)):
         if values:
-            out[key] = _sd(spread(values))
+            out[key] = spread_summary(spread(values))
     return out
 
 
 # --------------------------------------------------------------------------- summary & report
-
-
-def _spread_or_none(values: Sequence[float | None]) -> Spread | None:
-    found = [v for v in values if v is not None]
-    return spread(found) if found else None
-
-
-def _sd(s: Spread | None) -> dict[str, Any] | None:
-    return None if s is None else {"median": s.median, "min": s.min, "max": s.max, "n": s.n}
 
 
 def summarize(ms: Sequence[Measurement], records: Sequence[RunRecord], cfg: Config) -> dict[str, Any]:
@@ -498,10 +491,10 @@ def summarize(ms: Sequence[Measurement], records: Sequence[RunRecord], cfg: Conf
     summary: dict[str, Any] = {"resume_goal_ms": RESUME_GOAL_MS, "scenarios": {}}
     for variant in VARIANTS:  # every key present; None for a variant that was not run
         mine = [m for m in ok if m.variant == variant]
-        rolled = _spread_or_none([m.steps_rolled_back for m in mine])
-        resume = _spread_or_none([m.resume_ms for m in mine])
-        publish = _spread_or_none([m.publish_to_resume_ms for m in mine])
-        lost = _spread_or_none([m.lost_s for m in mine])
+        rolled = spread_or_none([m.steps_rolled_back for m in mine])
+        resume = spread_or_none([m.resume_ms for m in mine])
+        publish = spread_or_none([m.publish_to_resume_ms for m in mine])
+        lost = spread_or_none([m.lost_s for m in mine])
         summary[f"{variant}_steps_rolled_back"] = rolled.median if rolled else None
         summary[f"{variant}_steps_rolled_back_max"] = rolled.max if rolled else None
         summary[f"{variant}_resume_ms_median"] = resume.median if resume else None
@@ -517,22 +510,22 @@ def summarize(ms: Sequence[Measurement], records: Sequence[RunRecord], cfg: Conf
             phase_names = list(dict.fromkeys(k for m in mine for k in m.phases_ms))
             entry[variant] = {
                 "runs": len(mine),
-                "steps_rolled_back": _sd(_spread_or_none([m.steps_rolled_back for m in mine])),
-                "resume_ms": _sd(_spread_or_none([m.resume_ms for m in mine])),
-                "notice_to_resume_ms": _sd(_spread_or_none([m.notice_to_resume_ms for m in mine])),
-                "publish_to_resume_ms": _sd(_spread_or_none([m.publish_to_resume_ms for m in mine])),
-                "stall_ms": _sd(_spread_or_none([m.stall_ms for m in mine])),
-                "lost_s": _sd(_spread_or_none([m.lost_s for m in mine])),
-                "train_to_t_s": _sd(_spread_or_none([m.train_to_t_s for m in mine])),
-                "job_s": _sd(_spread_or_none([m.job_s for m in mine])),
-                "left_after_notice_s": _sd(_spread_or_none([m.left_at_s for m in mine])),
+                "steps_rolled_back": spread_summary(spread_or_none([m.steps_rolled_back for m in mine])),
+                "resume_ms": spread_summary(spread_or_none([m.resume_ms for m in mine])),
+                "notice_to_resume_ms": spread_summary(spread_or_none([m.notice_to_resume_ms for m in mine])),
+                "publish_to_resume_ms": spread_summary(spread_or_none([m.publish_to_resume_ms for m in mine])),
+                "stall_ms": spread_summary(spread_or_none([m.stall_ms for m in mine])),
+                "lost_s": spread_summary(spread_or_none([m.lost_s for m in mine])),
+                "train_to_t_s": spread_summary(spread_or_none([m.train_to_t_s for m in mine])),
+                "job_s": spread_summary(spread_or_none([m.job_s for m in mine])),
+                "left_after_notice_s": spread_summary(spread_or_none([m.left_at_s for m in mine])),
                 "killed_at_deadline": sum(m.killed for m in mine),
-                "phases_ms": {p: _sd(_spread_or_none([m.phases_ms.get(p) for m in mine])) for p in phase_names},
+                "phases_ms": {p: spread_summary(spread_or_none([m.phases_ms.get(p) for m in mine])) for p in phase_names},
             }
         summary["scenarios"][scenario] = entry
     o, b = summary["ours_resume_ms_median"], summary["baseline_resume_ms_median"]
     summary["resume_speedup"] = b / o if o and b else None
-    summary["ours_publish_to_resume_ms_median"] = publish_all.median if (publish_all := _spread_or_none(
+    summary["ours_publish_to_resume_ms_median"] = publish_all.median if (publish_all := spread_or_none(
         [m.publish_to_resume_ms for m in ok if m.variant == "ours"])) else None
     ours = [m for m in ok if m.variant == "ours"]
     summary["goal_zero_rollback_met"] = bool(ours) and all(m.steps_rolled_back == 0 for m in ours)
@@ -735,16 +728,6 @@ def _failed(plan: RunPlan, total: int | None, exc: Exception) -> Measurement:
                        phases_ms={}, error=text)
 
 
-def _csv(allowed: Sequence[str]):
-    def parse(text: str) -> tuple[str, ...]:
-        values = tuple(v.strip() for v in text.split(",") if v.strip())
-        bad = [v for v in values if v not in allowed]
-        if not values or bad:
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (got {text!r})")
-        return values
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="preemption_cost",
@@ -769,14 +752,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra time per step, like a GPU step (default 0.05 for small_cnn, 0 for resnet32)")
     p.add_argument("--gloo-timeout-seconds", type=int, default=10,
                    help="horovodrun --gloo-timeout-seconds (how long survivors may wait on a dead peer)")
-    p.add_argument("--scenarios", type=_csv(SCENARIOS), default=SCENARIOS)
-    p.add_argument("--variants", type=_csv(VARIANTS), default=VARIANTS)
+    p.add_argument("--scenarios", type=csv_list(str, SCENARIOS), default=SCENARIOS)
+    p.add_argument("--variants", type=csv_list(str, VARIANTS), default=VARIANTS)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (.md and .png beside it)")
     p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--tmpdir", type=Path, default=None, help="parent of the temporary working directory")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, traces, stores)")
     return p
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

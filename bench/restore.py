@@ -35,14 +35,15 @@ from common import (
     install_interrupt_handlers,
     BenchError,
     Panel,
-    Spread,
     command_line,
+    csv_list,
     machine_info,
     machine_line,
     markdown_table,
     plot_panels,
     print_table,
     spread,
+    spread_summary,
     write_results,
 )
 
@@ -312,10 +313,6 @@ def cold_restart(rc: RestartConfig, tmp: Path) -> tuple[list[Launch], dict[str, 
 # --------------------------------------------------------------------------- summary & report
 
 
-def _sd(s: Spread | None) -> dict[str, Any] | None:
-    return None if s is None else {"median": s.median, "min": s.min, "max": s.max, "n": s.n}
-
-
 def summarize(rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | None, launches: Sequence[Launch],
               ckpt_info: Mapping[str, Any] | None) -> dict[str, Any]:
     summary: dict[str, Any] = {"units": "MB = 10**6 bytes; medians over repeats"}
@@ -340,10 +337,10 @@ def summarize(rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | None, launches:
             if found:
                 s = spread([x.first_step_s for x in found])
                 summary[key] = s.median
-                summary[f"{key}_spread"] = _sd(s)
+                summary[f"{key}_spread"] = spread_summary(s)
                 phases = [launch_phases(x.marks) for x in found]
                 summary[f"{kind}_phases_s"] = {
-                    name: _sd(spread([p[name] for p in phases if name in p]))
+                    name: spread_summary(spread([p[name] for p in phases if name in p]))
                     for name, _ in LAUNCH_PHASES if any(name in p for p in phases)}
         cold, fresh = summary.get("cold_restart_s"), summary.get("fresh_start_s")
         if cold and fresh:
@@ -353,7 +350,7 @@ def summarize(rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | None, launches:
                      if "restore_begin" in x.marks and "restore_end" in x.marks]
         if restore_s:
             # the restore itself, timed inside rank 0: its share of the cold restart's start-up
-            summary["restore_in_worker_s"] = _sd(spread(restore_s))
+            summary["restore_in_worker_s"] = spread_summary(spread(restore_s))
             if cold:
                 summary["restore_share_of_cold_restart"] = spread(restore_s).median / cold
         summary["checkpoint"] = dict(ckpt_info or {})
@@ -427,10 +424,6 @@ def make_plot(path: Path, rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | Non
 # --------------------------------------------------------------------------- command line
 
 
-def _csv(kind: type, allowed: Sequence[Any] | None = None):
-    return ckpt_io._csv(kind, allowed)  # noqa: SLF001 - the same list syntax as ckpt_io
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="restore",
@@ -438,10 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "emulator) and the start-up of a job restored on 2 workers from a checkpoint written "
                     "by 3, against a fresh start.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--sizes-mb", type=_csv(float), default=(100.0, 1000.0), help="state sizes for read throughput")
-    p.add_argument("--writers", type=_csv(int), default=(1, 2, 4))
-    p.add_argument("--readers", type=_csv(int), default=(1, 2, 4))
-    p.add_argument("--stores", type=_csv(str, ("local", "gcs")), default=("local", "gcs"),
+    p.add_argument("--sizes-mb", type=csv_list(float), default=(100.0, 1000.0), help="state sizes for read throughput")
+    p.add_argument("--writers", type=csv_list(int), default=(1, 2, 4))
+    p.add_argument("--readers", type=csv_list(int), default=(1, 2, 4))
+    p.add_argument("--stores", type=csv_list(str, ("local", "gcs")), default=("local", "gcs"),
                    help="stores for read throughput")
     p.add_argument("--repeats", type=int, default=3, help="restores per writer/reader combination")
     p.add_argument("--large-repeats", type=int, default=2, help="repeats for states of at least --large-mb")
@@ -462,7 +455,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tmpdir", type=Path, default=None, help="parent of the temporary working directory")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, traces, stores)")
     return p
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:
