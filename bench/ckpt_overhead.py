@@ -21,7 +21,8 @@ its after-effects, and slow phases of a shared machine hit every configuration a
 Measured per configuration and interval: steps/s (median over windows), overhead against
 ``none`` (paired with the ``none`` window of the same round), the per-save stall (the time
 the step loop is blocked in the checkpoint call at a save step, minus that call's median
-at other steps; slowest rank), and, as references, ``np.copy`` of the whole state and
+at other steps; slowest rank; for the async configuration the save's own blocked time as
+``TransientImpl`` reports it), and, as references, ``np.copy`` of the whole state and
 reading every variable into host memory on one rank.
 
 Results: ``bench/results/ckpt_overhead.json`` (+ ``.md``, ``.png``).
@@ -140,6 +141,7 @@ class WindowResult:
     persisted_at: int | None = None        # rank 0: step index by which its background save had finished
     manager_blocked_s: float | None = None  # CheckpointManager's own stall figure (async: the snapshot), max rank
     round_steps: tuple[int, ...] = ()      # steps whose call ran the notice collective (the same on every rank)
+    own_stalls_s: tuple[float, ...] = ()   # async: per save, the slowest rank's own blocked time (async_save event)
 
     @property
     def steps(self) -> int:
@@ -206,7 +208,8 @@ def merge_ranks(rank_docs: Sequence[Mapping[str, Any]]) -> list[WindowResult]:
             finish_s=max(w["finish_s"] for w in per_rank), persisted_at=w0.get("persisted_at"),
             cpu_s=tuple(w.get("cpu_s", 0.0) for w in per_rank),
             manager_blocked_s=max(blocked) if blocked else None,
-            round_steps=tuple(w0.get("round_steps", ()))))
+            round_steps=tuple(w0.get("round_steps", ())),
+            own_stalls_s=tuple(max(per_save) for per_save in zip(*(w.get("own_stall_s", ()) for w in per_rank)))))
     return out
 
 
@@ -222,16 +225,22 @@ class ConfigStats:
     in_call_pct: Spread             # share of the window inside checkpoint calls (rank 0)
     median_step_ms: float
     per_step_call_ms: float         # checkpoint call at steps that do not save
-    stall_ms: Spread | None         # per save, slowest rank
+    stall_ms: Spread | None         # per save, slowest rank: time in the call beyond a usual call
+    own_stall_ms: Spread | None     # ours_async: per save, slowest rank: the save's own blocked time
     snapshot_ms: float | None       # CheckpointManager.last_stats.stall_s (ours_async: the snapshot copy)
     finish_ms: float                # background save still running at the window's end
     persisted_within_steps: float | None  # ours_async: steps until the background save had finished
     notice_rounds_per_window: float | None = None  # ours: notice collectives at non-save steps, median
 
+    @property
+    def save_stall_ms(self) -> Spread | None:
+        """The stall per save: the save's own blocked time where reported (async), else the call's excess."""
+        return self.own_stall_ms if self.own_stall_ms is not None else self.stall_ms
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for key in ("steps_per_s", "overhead_pct", "cpu_overhead_pct", "cpu_ms_per_step", "in_call_pct",
-                    "stall_ms"):
+                    "stall_ms", "own_stall_ms"):
             value = getattr(self, key)
             d[key] = value.as_dict() if value is not None else None
         d["label"] = LABELS.get(self.config, self.config)
@@ -261,6 +270,7 @@ def config_stats(results: Sequence[WindowResult]) -> list[ConfigStats]:
             median_step_ms=statistics.median(w.median_step_s() * 1000 for w in windows),
             per_step_call_ms=statistics.median(w.median_hook_s() * 1000 for w in windows),
             stall_ms=spread(stalls) if stalls else None,
+            own_stall_ms=spread(own) if (own := [s * 1000 for w in windows for s in w.own_stalls_s]) else None,
             snapshot_ms=statistics.median(snapshots) if snapshots and config == "ours_async" else None,
             finish_ms=statistics.median(w.finish_s * 1000 for w in windows),
             persisted_within_steps=statistics.median(persisted) if persisted and config == "ours_async" else None,
@@ -343,16 +353,19 @@ def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals
         summary[f"{prefix}_cpu_overhead_pct"] = med(s.cpu_overhead_pct)
         summary[f"{prefix}_in_call_pct"] = med(s.in_call_pct)
         # A save's stall does not depend on the interval: the median over every save is the steadier figure.
-        all_stalls = [x for k in intervals if (config, k) in find and find[(config, k)].stall_ms
-                      for x in find[(config, k)].stall_ms.samples]
+        all_stalls = [x for k in intervals if (config, k) in find and find[(config, k)].save_stall_ms
+                      for x in find[(config, k)].save_stall_ms.samples]
         summary[f"{prefix}_stall_ms"] = statistics.median(all_stalls) if all_stalls else None
+        in_call = [x for k in intervals if (config, k) in find and find[(config, k)].stall_ms
+                   for x in find[(config, k)].stall_ms.samples]
+        summary[f"{prefix}_call_stall_ms"] = statistics.median(in_call) if in_call else None
         summary[f"{prefix}_saves"] = len(all_stalls)
         summary[f"{prefix}_per_step_call_ms"] = s.per_step_call_ms
         summary[f"{prefix}_median_step_ms"] = s.median_step_ms
         summary[f"{prefix}_overhead_pct_by_interval"] = by_interval(config, "overhead_pct")
         summary[f"{prefix}_cpu_overhead_pct_by_interval"] = by_interval(config, "cpu_overhead_pct")
         summary[f"{prefix}_in_call_pct_by_interval"] = by_interval(config, "in_call_pct")
-        summary[f"{prefix}_stall_ms_by_interval"] = by_interval(config, "stall_ms")
+        summary[f"{prefix}_stall_ms_by_interval"] = by_interval(config, "save_stall_ms")
     if "none" in {s.config for s in stats} and ("none", at) in find:
         summary["none_median_step_ms"] = find[("none", at)].median_step_ms
     if summary.get("async_stall_ms") is not None:
@@ -404,7 +417,8 @@ def _ms(s: Spread | None) -> str:
 
 TABLE_COLUMNS = ("checkpointing", "every", "windows", "steps/s", "overhead vs none", "CPU overhead vs none",
                  "time in ckpt calls",
-                 "median step ms", "per-step call ms", "stall ms per save", "stall / step", "of which snapshot ms")
+                 "median step ms", "per-step call ms", "stall ms per save", "in-call excess ms", "stall / step",
+                 "of which snapshot ms")
 
 
 def table_rows(stats: Sequence[ConfigStats]) -> list[list[str]]:
@@ -412,12 +426,14 @@ def table_rows(stats: Sequence[ConfigStats]) -> list[list[str]]:
     for s in stats:
         r = s.steps_per_s
         rate = f"{r.median:.2f}" if r.n < 2 else f"{r.median:.2f} ({r.min:.2f}-{r.max:.2f})"
-        ratio = f"{s.stall_ms.median / s.median_step_ms:.2f}" if s.stall_ms else "-"
+        stall = s.save_stall_ms
+        ratio = f"{stall.median / s.median_step_ms:.2f}" if stall else "-"
         rows.append([LABELS.get(s.config, s.config), str(s.interval), str(s.windows), rate,
                      _pct(s.overhead_pct), _pct(s.cpu_overhead_pct),
                      _pct(s.in_call_pct, signed=False) if s.config != "none" else "-",
                      f"{s.median_step_ms:.0f}", f"{s.per_step_call_ms:.2f}" if s.config != "none" else "-",
-                     _ms(s.stall_ms), ratio, f"{s.snapshot_ms:.1f}" if s.snapshot_ms is not None else "-"])
+                     _ms(stall), _ms(s.stall_ms) if s.own_stall_ms is not None else "-", ratio,
+                     f"{s.snapshot_ms:.1f}" if s.snapshot_ms is not None else "-"])
     return rows
 
 
@@ -467,7 +483,7 @@ def make_plot(path: Path, stats: Sequence[ConfigStats], summary: Mapping[str, An
     over_vals, over_errs = series("overhead_pct", saving)
     call_vals, call_errs = series("in_call_pct", saving)
     cpu_vals, cpu_errs = series("cpu_overhead_pct", saving)
-    stall_vals, stall_errs = series("stall_ms", saving)
+    stall_vals, stall_errs = series("save_stall_ms", saving)
     stall_vals["np.copy of the state (1 rank)"] = [summary["memcpy_ms"]] * len(intervals)
     stall_vals["read variables to host (1 rank)"] = [summary["host_read_ms"]] * len(intervals)
     panels = [
@@ -730,7 +746,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "at least the 1% goal, the throughput verdict is left undecided (null) unless the overhead exceeds the "
         "goal by more than the noise",
         "*_stall_ms: median over every save of the configuration, all intervals (the stall does not depend on "
-        "the interval); *_stall_ms_by_interval: per interval",
+        "the interval); *_stall_ms_by_interval: per interval. For the async configuration it is the save's own "
+        "blocked time as TransientImpl reports it (async_save event, slowest rank): it leaves out the wait for "
+        "the other rank in the notice collective that the save step also runs; async_call_stall_ms is the time "
+        "in the call beyond a usual check step (an upper bound that includes that wait)",
         "async_blocking_estimate_pct: (async stall + the notice collectives the run made at the other K - 1 "
         "steps (adaptive: about one per --check-interval s; or every --check-every steps) x notice_collective_ms) "
         "/ (K x median step "

@@ -223,6 +223,7 @@ class TransientSaver(Saver):
                                  watcher="local")
         self.impl = TransientImpl(config, HorovodCollectives())
         self.impl.begin(0)  # a collective: every rank builds the savers in the same order
+        self._async_seen = 0  # async_save events already reported
 
     def _snapshot(self) -> dict[str, Any]:
         return self._fused.specs
@@ -252,8 +253,13 @@ class TransientSaver(Saver):
         stats = self.impl.manager.last_stats
         if stats is None:
             return {}
+        # The periodic save's own blocked time, as TransientImpl reports it in its async_save event
+        # (after the notice collective, so it leaves out waiting for the other rank there).
+        started = [e for e in self.impl.events.events if e["event"] == "async_save"]
+        own, self._async_seen = started[self._async_seen:], len(started)
         return {"save_step": stats.step, "bytes_written": stats.bytes_written, "snapshot_or_save_s": stats.stall_s,
-                "write_s": stats.write_s, "committed": stats.committed}
+                "write_s": stats.write_s, "committed": stats.committed,
+                "own_stall_s": [e["stall_ms"] / 1000 for e in own]}
 
     def close(self) -> None:
         self.impl.end(0)

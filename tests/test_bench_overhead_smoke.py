@@ -25,7 +25,7 @@ import ckpt_overhead  # noqa: E402
 OVERHEAD_KEYS = ("async_overhead_pct", "async_stall_ms", "memcpy_ms", "baseline_overhead_pct", "sync_overhead_pct",
                  "async_in_call_pct", "baseline_stall_ms", "sync_stall_ms", "host_read_ms", "steps_per_s", "goal",
                  "notice_collective_ms", "throughput_noise_pct", "async_blocking_estimate_pct",
-                 "async_cpu_overhead_pct", "cpu_noise_pct")
+                 "async_cpu_overhead_pct", "cpu_noise_pct", "async_call_stall_ms")
 EMERGENCY_KEYS = ("sharded_speedup_vs_single", "max_state_mb_in_30s", "notice_to_commit_s", "single_writer_s",
                   "fits_in_30s")
 
@@ -97,6 +97,19 @@ def test_stall_leaves_out_the_notice_collective_the_save_step_also_ran() -> None
     stats = ckpt_overhead.config_stats(ckpt_overhead.merge_ranks(docs))[0]
     assert stats.stall_ms.median == pytest.approx(3.0)       # 15 ms - the other round step's 12 ms
     assert stats.notice_rounds_per_window == 1               # step 2; the save step's round is in its stall
+    assert stats.own_stall_ms is None and stats.save_stall_ms is stats.stall_ms
+
+
+def test_async_stall_is_the_slowest_ranks_own_blocked_time() -> None:
+    window = {"config": "ours_async", "interval": 4, "index": 0, "steps": 4, "save_steps": [0], "finish_s": 0.0,
+              "persisted_at": 1, "train_s": [0.1] * 4, "round_steps": [0, 2], "window_s": 0.5, "cpu_s": 0.6,
+              "hook_s": [0.040, 0.0001, 0.012, 0.0001]}  # rank 0 also waited for rank 1 at the save step
+    docs = [{"rank": 0, "windows": [dict(window, own_stall_s=[0.004])]},
+            {"rank": 1, "windows": [dict(window, own_stall_s=[0.006])]}]
+    stats = ckpt_overhead.config_stats(ckpt_overhead.merge_ranks(docs))[0]
+    assert stats.own_stall_ms.median == pytest.approx(6.0)   # rank 1's own 6 ms
+    assert stats.save_stall_ms is stats.own_stall_ms
+    assert stats.stall_ms.median == pytest.approx(28.0)      # the call's excess, wait included
 
 
 def test_the_goal_is_left_undecided_when_the_noise_is_as_large_as_the_goal() -> None:
@@ -145,6 +158,7 @@ def test_ckpt_overhead_runs_a_users_model_under_horovodrun(tmp_path: Path) -> No
     for row in rows:
         assert row["steps_per_s"]["median"] > 0
         assert (row["stall_ms"] is None) == (row["config"] == "none")
+        assert (row["own_stall_ms"] is not None) == (row["config"] == "ours_async")
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "goal check" in out.with_suffix(".md").read_text()
     assert work.is_dir() and not any(work.iterdir()), f"left behind: {list(work.iterdir())}"
