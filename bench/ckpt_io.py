@@ -60,6 +60,7 @@ from common import (
     Spread,
     command_line,
     csv_list,
+    finish_report,
     fmt_spread_s,
     machine_info,
     machine_line,
@@ -984,17 +985,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
     out = write_results(args.out, name="ckpt_io", summary=summary, rows=[r.as_dict() for r in rows],
                         params=params, notes=notes, machine=machine)
-    md = out.with_suffix(".md")
-    md.write_text(f"# ckpt_io results\n\nMachine: {machine_line(machine)}  \nCommand: `{command_line()}`  \n"
-                  f"Run time: {elapsed:.0f} s. Units: 1 MB = 10**6 bytes.\n\n{readme}\n"
-                  f"## Every measurement\n\n{markdown_table(TABLE_COLUMNS, table)}\n")
-    print(f"\nresults: {out}\ntables:  {md}")
-    if args.plot:
-        png = make_plot(out.with_suffix(".png"), rows, cfg)
-        if png is not None:
-            print(f"plot:    {png}")
-    print(f"elapsed: {elapsed:.0f} s", file=sys.stderr)
-    return 0
+    markdown = (f"# ckpt_io results\n\nMachine: {machine_line(machine)}  \nCommand: `{command_line()}`  \n"
+                f"Run time: {elapsed:.0f} s. Units: 1 MB = 10**6 bytes.\n\n{readme}\n"
+                f"## Every measurement\n\n{markdown_table(TABLE_COLUMNS, table)}\n")
+    plot = (lambda png: make_plot(png, rows, cfg)) if args.plot else None
+    return finish_report(out, markdown, plot, elapsed)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from common import (
     Spread,
     command_line,
     csv_list,
+    finish_report,
     machine_info,
     machine_line,
     markdown_table,
@@ -313,13 +314,7 @@ def goal_verdict(value: float | None, noise: float | None, limit: float) -> bool
     return value <= limit
 
 
-def notice_rounds_between_saves(interval: int, check_every: int) -> int:
-    """Notice collectives at steps that do not save, per interval (the save step's own is in its stall)."""
-    return sum(1 for step in range(1, interval) if step % check_every == 0)
-
-
-def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals: Sequence[int],
-              check_every: int | None = 1) -> dict[str, Any]:
+def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals: Sequence[int]) -> dict[str, Any]:
     find = {(s.config, s.interval): s for s in stats}
     memcpy_ms = copies["memcpy_s"] * 1000
     host_read_ms = copies["host_read_s"] * 1000
@@ -378,9 +373,8 @@ def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals
         if collective is not None and ("none", at) in find:
             # The loop's blocked time per interval if no rank waited for another: one save stall and
             # the notice collectives of the other steps, over the interval's time without checkpointing.
-            counted = find[("ours_async", at)].notice_rounds_per_window
-            # the rounds the run really made (adaptive cadence); the formula for a fixed --check-every
-            rounds = counted if counted is not None else notice_rounds_between_saves(at, check_every or 1)
+            # the rounds the run really made (adaptive cadence or every --check-every steps)
+            rounds = find[("ours_async", at)].notice_rounds_per_window
             summary["async_notice_rounds_per_interval"] = rounds
             summary["async_blocking_estimate_pct"] = (
                 (stall + rounds * collective) / (at * find[("none", at)].median_step_ms) * 100)
@@ -709,7 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     stats = config_stats(merge_ranks(docs))
     rank0 = docs[0]
-    summary = summarize(stats, rank0, args.intervals, args.check_every)
+    summary = summarize(stats, rank0, args.intervals)
     summary["elapsed_s"] = elapsed
     table = table_rows(stats)
     title = (f"checkpoint overhead: {rank0['model_name']} ({rank0['params']:,} parameters, state "
@@ -773,17 +767,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     params["model_info"] = {k: rank0[k] for k in ("model_name", "params", "state_bytes", "tensors", "loss")}
     out = write_results(args.out, name="ckpt_overhead", summary=summary, rows=rows, params=params, notes=notes,
                         machine=machine)
-    md = out.with_suffix(".md")
-    md.write_text(f"# ckpt_overhead results\n\nMachine: {machine_line(machine)}  \nCommand: `{command_line()}`  \n"
-                  f"Run time: {elapsed:.0f} s.\n\n{title}\n\n{md_table}\n\n"
-                  f"{references}.\n\n{goal}\n")
-    print(f"\nresults: {out}\ntables:  {md}")
-    if args.plot:
-        png = make_plot(out.with_suffix(".png"), stats, summary, args.intervals)
-        if png is not None:
-            print(f"plot:    {png}")
-    print(f"elapsed: {elapsed:.0f} s", file=sys.stderr)
-    return 0
+    markdown = (f"# ckpt_overhead results\n\nMachine: {machine_line(machine)}  \nCommand: `{command_line()}`  \n"
+                f"Run time: {elapsed:.0f} s.\n\n{title}\n\n{md_table}\n\n"
+                f"{references}.\n\n{goal}\n")
+    plot = (lambda png: make_plot(png, stats, summary, args.intervals)) if args.plot else None
+    return finish_report(out, markdown, plot, elapsed)
 
 
 if __name__ == "__main__":

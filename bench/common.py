@@ -298,6 +298,19 @@ def write_results(
     return out
 
 
+def finish_report(out: Path, markdown: str, plot: Callable[[Path], Path | None] | None, elapsed: float) -> int:
+    """Write the markdown tables beside the results JSON, draw the plot (None: skipped), say where they went."""
+    md = out.with_suffix(".md")
+    md.write_text(markdown)
+    print(f"\nresults: {out}\ntables:  {md}")
+    if plot is not None:
+        png = plot(out.with_suffix(".png"))
+        if png is not None:
+            print(f"plot:    {png}")
+    print(f"elapsed: {elapsed:.0f} s", file=sys.stderr)
+    return 0
+
+
 # --------------------------------------------------------------------------- plots
 
 

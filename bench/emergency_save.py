@@ -58,6 +58,7 @@ from common import (
     Spread,
     command_line,
     csv_list,
+    finish_report,
     fmt_spread_s,
     machine_info,
     machine_line,
@@ -681,18 +682,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     params["store"] = args.store or "local directory + GCS emulator"
     out = write_results(args.out, name="emergency_save", summary=summary, rows=[r.as_dict() for r in rows],
                         params=params, notes=notes, machine=machine)
-    md = out.with_suffix(".md")
-    md.write_text(f"# emergency_save results\n\nMachine: {machine_line(machine)}  \nCommand: `{command_line()}`  \n"
-                  f"Run time: {elapsed:.0f} s. Units: 1 MB = 10**6 bytes.\n\n"
-                  f"**Notice -> commit visible** (median (min-max) over repeats, and MB/s)\n\n{readme}\n\n"
-                  f"{capacity}\n\n## Every measurement\n\n{markdown_table(TABLE_COLUMNS, table)}\n")
-    print(f"\nresults: {out}\ntables:  {md}")
-    if args.plot:
-        png = make_plot(out.with_suffix(".png"), rows, cfg)
-        if png is not None:
-            print(f"plot:    {png}")
-    print(f"elapsed: {elapsed:.0f} s", file=sys.stderr)
-    return 0
+    markdown = (f"# emergency_save results\n\nMachine: {machine_line(machine)}  \nCommand: `{command_line()}`  \n"
+                f"Run time: {elapsed:.0f} s. Units: 1 MB = 10**6 bytes.\n\n"
+                f"**Notice -> commit visible** (median (min-max) over repeats, and MB/s)\n\n{readme}\n\n"
+                f"{capacity}\n\n## Every measurement\n\n{markdown_table(TABLE_COLUMNS, table)}\n")
+    plot = (lambda png: make_plot(png, rows, cfg)) if args.plot else None
+    return finish_report(out, markdown, plot, elapsed)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from common import (
     Panel,
     command_line,
     csv_list,
+    finish_report,
     machine_info,
     machine_line,
     markdown_table,
@@ -826,21 +827,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                        "hosts": HOSTS}
     out = write_results(args.out, name="preemption_cost", summary=summary,
                         rows=[asdict(m) for m in measurements], params=params, notes=notes, machine=machine)
-    md = out.with_suffix(".md")
-    md.write_text(
+    markdown = (
         f"# preemption_cost results\n\nMachine: {machine_line(machine)}, load average at start "
         f"{machine['load_average_at_start']}  \nCommand: `{command_line()}`  \nRun time: {elapsed:.0f} s; "
         f"{cfg.model}, {cfg.window_s:g} s notice, step T = {summary['total_steps']}.\n\n"
         f"{markdown_table(MAIN_COLUMNS, table)}\n\n**Where the time goes** (ms from the previous phase's end, "
         f"median (min-max))\n\n{markdown_table(ph_header, ph_rows)}\n\n"
         f"Discovery: {json.dumps(summary['discovery'])}\n\n## Every run\n\n{markdown_table(run_header, runs)}\n")
-    print(f"\nresults: {out}\ntables:  {md}")
-    if args.plot:
-        png = make_plot(out.with_suffix(".png"), summary, cfg)
-        if png is not None:
-            print(f"plot:    {png}")
-    print(f"elapsed: {elapsed:.0f} s", file=sys.stderr)
-    return 0
+    plot = (lambda png: make_plot(png, summary, cfg)) if args.plot else None
+    return finish_report(out, markdown, plot, elapsed)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from common import (
     Panel,
     command_line,
     csv_list,
+    finish_report,
     machine_info,
     machine_line,
     markdown_table,
@@ -532,15 +533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_rows = [{"part": "throughput", **r.as_dict()} for r in rows] + [{"part": "restart", **asdict(x)} for x in launches]
     out = write_results(args.out, name="restore", summary=summary, rows=out_rows, params=params, notes=notes,
                         machine=machine)
-    md = out.with_suffix(".md")
-    md.write_text("\n".join(md_parts))
-    print(f"\nresults: {out}\ntables:  {md}")
-    if args.plot:
-        png = make_plot(out.with_suffix(".png"), rows, cfg, summary)
-        if png is not None:
-            print(f"plot:    {png}")
-    print(f"elapsed: {elapsed:.0f} s", file=sys.stderr)
-    return 0
+    markdown = "\n".join(md_parts)
+    plot = (lambda png: make_plot(png, rows, cfg, summary)) if args.plot else None
+    return finish_report(out, markdown, plot, elapsed)
 
 
 if __name__ == "__main__":

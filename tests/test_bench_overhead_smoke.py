@@ -120,12 +120,6 @@ def test_the_goal_is_left_undecided_when_the_noise_is_as_large_as_the_goal() -> 
     assert verdict(None, 0.1, 1.0) is None
 
 
-def test_notice_rounds_between_saves_follow_check_every() -> None:
-    assert ckpt_overhead.notice_rounds_between_saves(200, 1) == 199
-    assert ckpt_overhead.notice_rounds_between_saves(200, 10) == 19
-    assert ckpt_overhead.notice_rounds_between_saves(50, 7) == 7
-
-
 def test_bad_model_arguments_are_refused_before_anything_starts(tmp_path: Path) -> None:
     for args, message in ((["--model", "no_colon"], "module:function"),
                           (["--model", str(tmp_path / "missing.py") + ":build"], "no such file"),
