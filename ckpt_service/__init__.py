@@ -32,6 +32,7 @@ from ckpt_service.errors import (
 if TYPE_CHECKING:
     from ckpt_service.lease import Lease, LeaseHeldError
     from ckpt_service.manager import BadSnapshotError, Checkpoint, CheckpointManager, CommitConflictError
+    from ckpt_service.plan import BadTensorSpecError, TensorSpec, TensorSpecs
 
 _LAZY = {
     "CheckpointManager": "ckpt_service.manager",
@@ -39,6 +40,9 @@ _LAZY = {
     "CommitConflictError": "ckpt_service.manager",
     "BadMetadataError": "ckpt_service.manager",
     "BadSnapshotError": "ckpt_service.manager",
+    "TensorSpec": "ckpt_service.plan",
+    "TensorSpecs": "ckpt_service.plan",
+    "BadTensorSpecError": "ckpt_service.plan",
     "Lease": "ckpt_service.lease",
     "LeaseHeldError": "ckpt_service.lease",
     "StoreGather": "ckpt_service.gather",

@@ -23,7 +23,6 @@ import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -42,13 +41,15 @@ from ckpt_service.manifest import CommitMarker, Manifest, PieceRecord, TensorEnt
 from ckpt_service.piece_io import chunk_keys, decode_piece, encode_piece
 from ckpt_service.plan import (
     DEFAULT_CHUNK_BYTES,
+    BadTensorSpecError,
     SavePlan,
     TensorSpec,
+    TensorSpecs,
     WriteItem,
+    checked_spec,
     make_save_plan,
     plan_reads,
     spec_of,
-    validate_tensor_name,
 )
 from ckpt_service.retention import steps_to_delete
 from ckpt_service.stores import ObjectStore, open_store
@@ -132,7 +133,7 @@ class CheckpointManager:
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         self._inflight: Future[Manifest | None] | None = None
         self._inflight_lock = threading.Lock()
-        self._plans: OrderedDict[tuple[tuple[TensorSpec, ...], int], SavePlan] = OrderedDict()
+        self._plans: OrderedDict[tuple[tuple[TensorSpec, ...] | TensorSpecs, int], SavePlan] = OrderedDict()
         self._plans_lock = threading.Lock()
         self.last_stats: SaveStats | None = None
 
@@ -142,16 +143,18 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
 
-    def plan(self, specs: Iterable[TensorSpec], world_size: int = 1) -> SavePlan:
+    def plan(self, specs: Iterable[TensorSpec] | TensorSpecs, world_size: int = 1) -> SavePlan:
         """The save plan of ``specs`` over ``world_size`` writers (cached: plans are immutable and
         planning a few hundred tensors costs about a millisecond of every save's stall)."""
-        key = (tuple(specs), world_size)
+        # A TensorSpecs is its own key: its hash is computed once and a lookup matches it by identity.
+        key = (specs if isinstance(specs, TensorSpecs) else tuple(specs), world_size)
         with self._plans_lock:
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        plan = make_save_plan(key[0], world_size, chunk_bytes=self.chunk_bytes)
+        plan = make_save_plan(specs.specs if isinstance(specs, TensorSpecs) else key[0], world_size,
+                              chunk_bytes=self.chunk_bytes)
         with self._plans_lock:
             self._plans[key] = plan
             while len(self._plans) > PLAN_CACHE_SIZE:
@@ -619,8 +622,15 @@ def _prepare_share(plan: SavePlan, rank: int, tensors: Mapping[str, Any]) -> lis
     return share
 
 
-def _specs(tensors: Mapping[str, Any], *, data_needed: bool) -> list[TensorSpec]:
+def _specs(tensors: Mapping[str, Any], *, data_needed: bool) -> TensorSpecs | list[TensorSpec]:
     """Specs of ``tensors``; a TensorSpec value stands for a tensor whose data a share snapshot supplies."""
+    if isinstance(tensors, TensorSpecs):
+        if data_needed and tensors:
+            name = next(iter(tensors))
+            raise BadSnapshotError(
+                f"tensor {name!r} is given as a TensorSpec, which holds no data: pass its array, or a "
+                "share snapshot that supplies the data")
+        return tensors  # checked when it was made
     specs = []
     for name, value in tensors.items():
         if not isinstance(value, TensorSpec):
@@ -630,29 +640,11 @@ def _specs(tensors: Mapping[str, Any], *, data_needed: bool) -> list[TensorSpec]
             raise BadSnapshotError(
                 f"tensor {name!r} is given as a TensorSpec, which holds no data: pass its array, or a "
                 "share snapshot that supplies the data")
-        # A spec already in normal form is taken as is: spec_of's dtype normalisation costs a few
-        # microseconds per tensor, milliseconds per save of a few hundred tensors.
-        if (value.name == name and isinstance(value.shape, tuple)
-                and all(type(d) is int and d >= 0 for d in value.shape)
-                and isinstance(value.dtype, str) and _is_storable_dtype_name(value.dtype)):
-            validate_tensor_name(name)
-            specs.append(value)
-            continue
-        spec = spec_of(name, value)
-        if any(d < 0 for d in spec.shape):
-            raise BadSnapshotError(f"tensor {name!r}: TensorSpec shape {value.shape!r} has a negative size")
-        specs.append(spec)
+        try:
+            specs.append(checked_spec(name, value))
+        except BadTensorSpecError as exc:
+            raise BadSnapshotError(str(exc)) from exc
     return specs
-
-
-@lru_cache(maxsize=64)
-def _is_storable_dtype_name(dtype: str) -> bool:
-    """Whether ``dtype`` is a name spec_of produces (storable kind, little-endian normal form)."""
-    try:
-        np_dtype = np.dtype(dtype)
-    except TypeError:
-        return False
-    return np_dtype.kind in "biufc" and np_dtype.fields is None and np_dtype.newbyteorder("<").name == dtype
 
 
 def _checked_share(plan: SavePlan, rank: int, arrays: Sequence[Any]) -> list[tuple[WriteItem, np.ndarray]]:

@@ -24,13 +24,12 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from ckpt_service.plan import SavePlan, TensorPlacement, TensorSpec, WriteItem, spec_of
+from ckpt_service.plan import SavePlan, TensorPlacement, TensorSpecs, WriteItem, spec_of
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ class FusedSnapshot:
     """A share snapshotter for a fixed set of variables (call it on the training thread).
 
     ``specs`` maps each name to its :class:`TensorSpec`: pass it as the save's ``tensors``,
-    so that planning does not look at the variables again.
+    so that planning neither looks at the variables nor checks their specs again.
     """
 
     def __init__(self, variables: Mapping[str, tf.Variable]) -> None:
@@ -110,8 +109,7 @@ class FusedSnapshot:
                                  "static shape")
         self._variables = dict(variables)
         # A variable's shape and dtype never change, so its spec is computed once.
-        self.specs: Mapping[str, TensorSpec] = MappingProxyType(
-            {name: spec_of(name, var) for name, var in variables.items()})
+        self.specs = TensorSpecs({name: spec_of(name, var) for name, var in variables.items()})
         self._spec_set = frozenset(self.specs.values())
         self._entries: OrderedDict[tuple[WriteItem, ...], _Entry] = OrderedDict()
         self._last: _Entry | None = None

@@ -19,7 +19,7 @@ from ckpt_service.errors import (
 )
 from ckpt_service.manager import BadMetadataError, BadSnapshotError, CheckpointManager, CommitConflictError
 from ckpt_service.manifest import CommitMarker, crc32c
-from ckpt_service.plan import SavePlan, spec_of
+from ckpt_service.plan import SavePlan, TensorSpecs, spec_of
 from ckpt_service.stores import MemoryStore
 from ckpt_helpers import BACKENDS, assert_same_state, flip_one_byte_of_a_chunk, make_backend_store, sample_state
 
@@ -344,6 +344,20 @@ def test_plans_are_cached_per_specs_and_world_size() -> None:
         assert mgr.plan(specs, 19) is mgr.plan(specs, 19)
 
 
+def test_a_tensor_specs_plan_is_found_by_the_same_or_an_equal_tensor_specs() -> None:
+    with CheckpointManager(MemoryStore(), chunk_bytes=4096) as mgr:
+        state = sample_state()
+        checked = TensorSpecs(specs_only(state))
+        plan = mgr.plan(checked, 2)
+        assert plan == mgr.plan(list(checked.values()), 2)  # the same plan as from a list
+        assert mgr.plan(checked, 2) is plan
+        assert mgr.plan(TensorSpecs(specs_only(state)), 2) is plan
+        # a save given it takes the specs as checked and its data from the snapshot
+        assert mgr.save_async(1, checked, snapshot=lambda plan, rank: share_of(state, plan, rank))
+        mgr.wait(timeout=60)
+        assert_same_state(mgr.restore().tensors, state)
+
+
 def _too_long(arrays: list[np.ndarray]) -> list[np.ndarray]:
     return [np.concatenate([arrays[0], arrays[0][:1]])] + arrays[1:]
 
@@ -388,6 +402,8 @@ def test_specs_without_a_share_snapshot_are_an_error() -> None:
             mgr.save(1, specs_only(sample_state()))
         with pytest.raises(BadSnapshotError, match="holds no data"):
             mgr.save_async(1, specs_only(sample_state()))
+        with pytest.raises(BadSnapshotError, match="holds no data"):
+            mgr.save(1, TensorSpecs(specs_only(sample_state())))
         assert mgr.all_steps() == []
 
 

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from ckpt_service.errors import BadTensorNameError
 from ckpt_service.plan import (
     MIN_PIECE_BYTES,
+    BadTensorSpecError,
     TensorSpec,
+    TensorSpecs,
     UnsupportedDtypeError,
     make_save_plan,
     plan_reads,
@@ -114,3 +116,35 @@ def test_object_dtype_is_rejected_with_a_clear_error() -> None:
 def test_duplicate_names_rejected() -> None:
     with pytest.raises(BadTensorNameError):
         make_save_plan([TensorSpec("a", (1,), "float32"), TensorSpec("a", (2,), "int64")], 1)
+
+
+def test_tensor_specs_are_checked_once_and_normalised() -> None:
+    specs = TensorSpecs({"a/w": TensorSpec("a/w", (2, 3), "float32"), "b": np.zeros((4,), ">i8"),
+                         "c": TensorSpec("other", [5], np.dtype("<f8"))})
+    assert specs["a/w"] == TensorSpec("a/w", (2, 3), "float32")
+    assert specs["b"] == TensorSpec("b", (4,), "int64")  # from an array, little-endian
+    assert specs["c"] == TensorSpec("c", (5,), "float64")  # renamed to its key, shape a tuple
+    assert list(specs) == ["a/w", "b", "c"] and len(specs) == 3
+    assert specs.specs == tuple(specs.values())
+
+
+@pytest.mark.parametrize("tensors,error,match", [
+    ({"../x": TensorSpec("../x", (1,), "float32")}, BadTensorNameError, "relative name"),
+    ({"x": TensorSpec("x", (1,), "object")}, UnsupportedDtypeError, "only bool, integer"),
+    ({"x": TensorSpec("x", (2, -1), "float32")}, BadTensorSpecError, "negative size"),
+])
+def test_bad_tensor_specs_are_refused_when_made(tensors, error, match) -> None:
+    with pytest.raises(error, match=match):
+        TensorSpecs(tensors)
+
+
+def test_tensor_specs_compare_by_content_and_cannot_be_changed() -> None:
+    a = TensorSpecs({"x": TensorSpec("x", (3,), "float32"), "y": np.zeros(2, np.int32)})
+    b = TensorSpecs({"x": TensorSpec("x", (3,), "float32"), "y": TensorSpec("y", (2,), "int32")})
+    c = TensorSpecs({"x": TensorSpec("x", (4,), "float32"), "y": TensorSpec("y", (2,), "int32")})
+    assert a == b and hash(a) == hash(b) and a != c
+    assert a == dict(a)  # still a Mapping to anyone comparing it with a dict
+    with pytest.raises(TypeError):
+        a["x"] = TensorSpec("x", (9,), "float32")  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        a.extra = 1  # type: ignore[attr-defined]
