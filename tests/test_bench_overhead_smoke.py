@@ -112,6 +112,29 @@ def test_async_stall_is_the_slowest_ranks_own_blocked_time() -> None:
     assert stats.stall_ms.median == pytest.approx(28.0)      # the call's excess, wait included
 
 
+def test_the_stall_is_compared_with_a_copy_of_the_state_at_the_same_point_of_the_loop() -> None:
+    common = {"interval": 4, "index": 0, "steps": 4, "finish_s": 0.0, "train_s": [0.1] * 4, "window_s": 0.5,
+              "cpu_s": 0.6, "hook_s": [0.0] * 4}
+    async_w = dict(common, config="ours_async", save_steps=[0], persisted_at=1, round_steps=[0])
+    none_w = dict(common, config="none", save_steps=[])
+    docs = [{"rank": 0, "windows": [dict(async_w, own_stall_s=[0.004]), dict(none_w, copy_s=[0.001])]},
+            {"rank": 1, "windows": [dict(async_w, own_stall_s=[0.003]), dict(none_w, copy_s=[0.0025])]}]
+    stats = ckpt_overhead.config_stats(ckpt_overhead.merge_ranks(docs))
+    assert {s.config: s for s in stats}["none"].copy_ms.median == pytest.approx(2.5)  # the slower rank's copy
+    idle = {"memcpy_s": 0.001, "host_read_s": 0.02, "state_bytes": 100, "tensors": 3, "notice_collective_s": 0.003}
+    summary = ckpt_overhead.summarize(stats, idle, (4,))
+    assert summary["memcpy_measured"] == "in_loop" and summary["memcpy_ms"] == pytest.approx(2.5)
+    assert summary["async_stall_vs_memcpy"] == pytest.approx(4.0 / 2.5)
+    assert summary["async_stall_vs_memcpy_idle"] == pytest.approx(4.0)  # the idle copy is kept beside it
+    assert summary["goal"]["stall_met"] is True
+    assert "1.6x" in ckpt_overhead.goal_text(summary) and "4.0x" in ckpt_overhead.goal_text(summary)
+    # without in-loop copies (an older worker), the idle copy is the reference
+    no_copies = [{"rank": d["rank"], "windows": [{k: v for k, v in w.items() if k != "copy_s"} for w in d["windows"]]}
+                 for d in docs]
+    summary = ckpt_overhead.summarize(ckpt_overhead.config_stats(ckpt_overhead.merge_ranks(no_copies)), idle, (4,))
+    assert summary["memcpy_measured"] == "idle" and summary["goal"]["stall_met"] is False
+
+
 def test_the_goal_is_left_undecided_when_the_noise_is_as_large_as_the_goal() -> None:
     verdict = ckpt_overhead.goal_verdict
     assert verdict(0.5, 0.2, 1.0) is True and verdict(1.5, 0.2, 1.0) is False
@@ -143,6 +166,7 @@ def test_ckpt_overhead_runs_a_users_model_under_horovodrun(tmp_path: Path) -> No
         assert key in doc["summary"], f"summary.{key} missing"
     summary = doc["summary"]
     assert summary["memcpy_ms"] > 0 and summary["async_stall_ms"] is not None
+    assert summary["memcpy_measured"] == "in_loop" and summary["memcpy_idle_ms"] > 0
     assert set(summary["steps_per_s"]) == {"none", "save_weights", "tf_checkpoint", "ours_sync", "ours_async"}
     assert summary["state_bytes"] > 0
     assert doc["params"]["model_info"]["loss"].startswith("sparse")  # the model's own compiled loss was kept
