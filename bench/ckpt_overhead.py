@@ -218,6 +218,11 @@ def merge_ranks(rank_docs: Sequence[Mapping[str, Any]]) -> list[WindowResult]:
     return out
 
 
+def background_cpu_s(rank_docs: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Per measured async save, the slowest rank's CPU time in the save's background part."""
+    return [max(per_save) for per_save in zip(*(d.get("background_cpu_samples", ()) for d in rank_docs))]
+
+
 @dataclass(frozen=True)
 class ConfigStats:
     config: str
@@ -390,8 +395,14 @@ def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals
             # the rounds the run really made (adaptive cadence or every --check-every steps)
             rounds = find[("ours_async", at)].notice_rounds_per_window
             summary["async_notice_rounds_per_interval"] = rounds
-            summary["async_blocking_estimate_pct"] = (
-                (stall + rounds * collective) / (at * find[("none", at)].median_step_ms) * 100)
+            interval_ms = at * find[("none", at)].median_step_ms
+            summary["async_blocking_estimate_pct"] = (stall + rounds * collective) / interval_ms * 100
+            background = copies.get("background_cpu_s") or []
+            if background:
+                # Upper bound of the contention: every CPU-ms of the background write taken from training.
+                summary["async_background_cpu_ms"] = statistics.median(background) * 1000
+                summary["async_blocking_with_background_pct"] = (
+                    (stall + rounds * collective + summary["async_background_cpu_ms"]) / interval_ms * 100)
         summary["goal"] = {
             "overhead_pct_max": GOAL_OVERHEAD_PCT, "stall_vs_memcpy_max": GOAL_STALL_VS_MEMCPY,
             # None: the machine's noise is larger than the goal, so the measurement cannot decide
@@ -400,6 +411,8 @@ def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals
                                              GOAL_OVERHEAD_PCT),
             "blocking_estimate_met": (summary["async_blocking_estimate_pct"] <= GOAL_OVERHEAD_PCT
                                       if "async_blocking_estimate_pct" in summary else None),
+            "blocking_with_background_met": (summary["async_blocking_with_background_pct"] <= GOAL_OVERHEAD_PCT
+                                             if "async_blocking_with_background_pct" in summary else None),
             "stall_met": stall <= GOAL_STALL_VS_MEMCPY * memcpy_ms,
         }
     return summary
@@ -466,6 +479,11 @@ def goal_text(summary: Mapping[str, Any]) -> str:
                  f"{summary['async_notice_rounds_per_interval']} notice collectives of {summary['notice_collective_ms']:.2f} ms, over {at} steps "
                  f"without checkpointing; {'within' if g['blocking_estimate_met'] else 'above'} "
                  f"{GOAL_OVERHEAD_PCT:g}%, background contention not included)")
+    if "async_blocking_with_background_pct" in summary:
+        text += (f"; with the background write's CPU time ({summary['async_background_cpu_ms']:.1f} ms per save, "
+                 f"slowest rank) counted as lost training time, an upper bound of its contention: "
+                 f"{summary['async_blocking_with_background_pct']:.2f}% "
+                 f"({'within' if g['blocking_with_background_met'] else 'above'} {GOAL_OVERHEAD_PCT:g}%)")
     where = ("at the save steps of the no-checkpoint windows, slowest rank"
              if summary.get("memcpy_measured") == "in_loop" else "after the run, rank 0")
     idle = summary.get("memcpy_idle_ms")
@@ -728,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     stats = config_stats(merge_ranks(docs))
     rank0 = docs[0]
-    summary = summarize(stats, rank0, args.intervals)
+    summary = summarize(stats, {**rank0, "background_cpu_s": background_cpu_s(docs)}, args.intervals)
     summary["elapsed_s"] = elapsed
     table = table_rows(stats)
     title = (f"checkpoint overhead: {rank0['model_name']} ({rank0['params']:,} parameters, state "
@@ -780,6 +798,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the steps where the others save (slowest rank, median over windows), i.e. under the same load as the "
         "stall (the other rank training on the same cores); memcpy_idle_ms is the same copy after the run with "
         "no training going on (rank 0), and async_stall_vs_memcpy_idle the ratio against it",
+        "async_background_cpu_ms: after the windows, every rank makes 7 async saves at once with training "
+        "paused; the process CPU time from the save call's return to the background write's end (writing, "
+        "checksums, gather, commit; minus the idle process's CPU rate), slowest rank, median. "
+        "async_blocking_with_background_pct adds it to the blocked-time estimate: on cores that training "
+        "keeps busy every CPU-ms of it can displace a ms of training, so it is an upper bound of the contention",
         "model.save_weights / tf.train.Checkpoint do not fsync; the hvd-transient local store fsyncs every object",
         "a background save still running at the end of a window is waited for and counted in that window",
     ]

@@ -53,6 +53,11 @@ log = logging.getLogger("overhead_worker")
 
 #: repeats of the host-copy measurements at the end (medians are reported)
 COPY_REPEATS = 21
+#: async saves whose background CPU time is measured at the end, and the steps they use
+BACKGROUND_REPEATS = 7
+BACKGROUND_FIRST_STEP = 10**9
+#: how long the process's CPU rate with nothing running is sampled (Horovod's own thread)
+IDLE_PROBE_S = 1.0
 
 
 class WorkerError(RuntimeError):
@@ -284,6 +289,29 @@ class TransientSaver(Saver):
                 "write_s": stats.write_s, "committed": stats.committed,
                 "own_stall_s": [e["stall_ms"] / 1000 for e in own]}
 
+    def background_cpu(self) -> dict[str, Any]:
+        """CPU time of an async save's background part (write, checksums, commit), training paused.
+
+        Every rank saves at once, as at a periodic save. On a machine whose cores training keeps
+        busy, each CPU-second of this work can take a second from training, so it bounds the
+        contention that the blocked-time estimate leaves out. The process's CPU rate with
+        nothing running (Horovod's background thread) is taken off.
+        """
+        manager, rank, size = self.impl.manager, hvd.rank(), hvd.size()
+        barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        time.sleep(IDLE_PROBE_S)  # a measurement interval, not a wait for anything
+        idle_rate = (time.process_time() - c0) / (time.perf_counter() - t0)
+        samples = []
+        for i in range(BACKGROUND_REPEATS):
+            barrier()
+            manager.save_async(BACKGROUND_FIRST_STEP + i, self._snapshot(), self._metadata(), rank=rank,
+                               world_size=size, coordinator=self.impl.run.master, snapshot=self._share)
+            c1, t1 = time.process_time(), time.perf_counter()  # the caller's part, the stall, is over
+            manager.wait()
+            samples.append(max(0.0, time.process_time() - c1 - idle_rate * (time.perf_counter() - t1)))
+        return {"background_cpu_samples": samples, "idle_cpu_rate": idle_rate}
+
     def close(self) -> None:
         self.impl.end(0)
         self.impl.close()
@@ -419,6 +447,7 @@ def run(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         if (w.config, w.interval) not in savers:
             savers[(w.config, w.interval)] = make_saver(w.config, w.interval, model, plan)
     results = []
+    background: dict[str, Any] = {}
     try:
         for n, w in enumerate(windows):
             result = run_window(model, batches, savers[(w.config, w.interval)], w)
@@ -427,12 +456,15 @@ def run(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                 kind = "warm-up" if w.index < 0 else f"window {w.index}"
                 print(f"[{n + 1}/{len(windows)}] {w.config:<13} every {w.interval:>4} {kind:<9} "
                       f"{w.steps} steps in {result['window_s']:.1f} s", file=sys.stderr, flush=True)
+        async_saver = next((s for (c, _), s in savers.items() if c == "ours_async"), None)
+        if isinstance(async_saver, TransientSaver):  # the same on every rank: it runs collectives
+            background = async_saver.background_cpu()
     finally:
         for saver in savers.values():
             saver.close()
     doc = {"rank": rank, "size": hvd.size(), "warmup_s": warmup_s, "params": int(model.count_params()),
            "model_name": model.name, "loss": loss_name, "windows": results, **copy_timings(model),
-           **notice_collective_timings()}
+           **notice_collective_timings(), **background}
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f"rank-{rank}.json.tmp"
     tmp.write_text(json.dumps(doc))
