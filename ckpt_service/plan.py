@@ -5,7 +5,9 @@ without communicating. Tensors are grouped by dtype; within a group they are
 laid end to end in name order, forming one flat *virtual buffer*. Each buffer is
 cut into *pieces* of at most ``piece_bytes``; a piece is one zarr array written
 by one rank. Pieces are then assigned to ranks greedily, largest first, to the
-least-loaded rank (LPT).
+least-loaded rank (LPT). Which of several equally large pieces a rank gets changes no
+rank's bytes, so that choice balances the number of tensors each rank's share touches:
+a device-to-host snapshot pays per tensor, and a small model's share is mostly such costs.
 
 Why flat groups rather than one array per tensor: a model has hundreds of small
 variables (biases, BN statistics, optimizer slots). Packing them keeps the
@@ -20,6 +22,7 @@ the plan does not depend on the order in which tensors are given.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass
@@ -266,16 +269,48 @@ def make_save_plan(
     # so the result is a pure function of the inputs.
     order = sorted(pieces, key=lambda p: (-(p[3] - p[2]) * p[5], p[0], p[1]))
     heap = [(0, rank) for rank in range(world_size)]
-    assigned: dict[tuple[str, int], int] = {}
-    for group, index, start, stop, _chunk, itemsize in order:
+    quota: dict[int, list[int]] = {}  # piece bytes -> how many pieces of that size each rank takes
+    for _group, _index, start, stop, _chunk, itemsize in order:
         load, rank = heapq.heappop(heap)
-        assigned[(group, index)] = rank
-        heapq.heappush(heap, (load + (stop - start) * itemsize, rank))
+        nbytes = (stop - start) * itemsize
+        quota.setdefault(nbytes, [0] * world_size)[rank] += 1
+        heapq.heappush(heap, (load + nbytes, rank))
+    assigned = _spread_tensors(pieces, placements, quota, world_size)
 
     items = tuple(
         WriteItem(g, i, a, b, c, isz, assigned[(g, i)]) for g, i, a, b, c, isz in pieces
     )
     return SavePlan(world_size, piece_bytes, tuple(placements), items)
+
+
+def _spread_tensors(pieces: list[tuple[str, int, int, int, int, int]], placements: list[TensorPlacement],
+                    quota: dict[int, list[int]], world_size: int) -> dict[tuple[str, int], int]:
+    """Hand out each size class of pieces within its per-rank quota, piece with the most tensors
+    first, to the rank whose share touches the fewest tensors so far (ties: lowest rank)."""
+    bounds: dict[str, tuple[list[int], list[int]]] = {}  # per group: starts and stops of non-empty tensors
+    for p in placements:
+        if p.spec.size:
+            starts, stops = bounds.setdefault(p.spec.dtype, ([], []))
+            starts.append(p.offset)
+            stops.append(p.stop)
+
+    def tensors_in(group: str, start: int, stop: int) -> int:
+        starts, stops = bounds.get(group, ([], []))
+        return bisect.bisect_left(starts, stop) - bisect.bisect_right(stops, start)
+
+    touched = [0] * world_size
+    assigned: dict[tuple[str, int], int] = {}
+    by_size: dict[int, list[tuple[int, str, int]]] = {}
+    for group, index, start, stop, _chunk, itemsize in pieces:
+        by_size.setdefault((stop - start) * itemsize, []).append((tensors_in(group, start, stop), group, index))
+    for nbytes in sorted(by_size, reverse=True):
+        left = list(quota[nbytes])
+        for count, group, index in sorted(by_size[nbytes], key=lambda p: (-p[0], p[1], p[2])):
+            rank = min((r for r in range(world_size) if left[r]), key=lambda r: (touched[r], r))
+            left[rank] -= 1
+            touched[rank] += count
+            assigned[(group, index)] = rank
+    return assigned
 
 
 def plan_reads(placements: Iterable[TensorPlacement], world_size: int) -> dict[int, list[str]]:

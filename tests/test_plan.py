@@ -1,6 +1,7 @@
 """Property tests of the pure save plan: coverage, determinism, balance."""
 from __future__ import annotations
 
+import heapq
 import random
 
 import numpy as np
@@ -77,6 +78,43 @@ def test_balance_bound(specs, world, piece) -> None:
     largest_piece = max((i.nbytes for i in plan.items), default=0)
     assert largest_piece <= plan.piece_bytes or largest_piece <= max(np.dtype(d).itemsize for d in DTYPES)
     assert max(loads) <= plan.total_bytes / world + largest_piece
+
+
+def _touched(plan, rank: int) -> int:
+    """Tensor slices in ``rank``'s pieces (a tensor cut by two of its pieces counts twice)."""
+    return sum(1 for item in plan.for_rank(rank) for p in plan.placements
+               if p.spec.dtype == item.group and p.spec.size and p.offset < item.stop and item.start < p.stop)
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=spec_lists, world=st.integers(1, 6), piece=st.sampled_from([None, 8, 64, 1000]))
+def test_each_rank_writes_the_bytes_lpt_gives_it(specs, world, piece) -> None:
+    """Spreading the tensors only swaps pieces of equal size: every rank's bytes are LPT's."""
+    plan = make_save_plan(specs, world, piece_bytes=piece, chunk_bytes=32)
+    heap = [(0, rank) for rank in range(world)]
+    for item in sorted(plan.items, key=lambda i: (-i.nbytes, i.group, i.index)):
+        load, rank = heapq.heappop(heap)
+        heapq.heappush(heap, (load + item.nbytes, rank))
+    assert plan.bytes_per_rank() == [load for load, _ in sorted(heap, key=lambda h: h[1])]
+
+
+def test_many_small_tensors_are_spread_over_the_ranks() -> None:
+    # as a Keras state: the weights, then the optimizer's slots, each many small tensors (biases,
+    # BN) followed by a few large ones. LPT alone gives rank 0 both dense pieces (126 vs 6 tensors).
+    specs = [TensorSpec(f"{part}/{i:03d}", (16,), "float32") for part in ("model", "optimizer") for i in range(60)]
+    specs += [TensorSpec(f"{part}/z{i}", (24000,), "float32") for part in ("model", "optimizer") for i in range(3)]
+    plan = make_save_plan(specs, 2)
+    assert [_touched(plan, r) for r in range(2)] == [66, 66]
+    for world in (3, 4):
+        plan = make_save_plan(specs, world)
+        touched = [_touched(plan, r) for r in range(world)]
+        most_in_a_piece = max(_touched_piece(plan, item) for item in plan.items)
+        assert max(touched) <= sum(touched) / world + most_in_a_piece, touched
+
+
+def _touched_piece(plan, item) -> int:
+    return sum(1 for p in plan.placements
+               if p.spec.dtype == item.group and p.spec.size and p.offset < item.stop and item.start < p.stop)
 
 
 def test_default_plan_is_within_a_quarter_of_ideal_for_large_states() -> None:
