@@ -302,15 +302,18 @@ class TransientSaver(Saver):
         c0, t0 = time.process_time(), time.perf_counter()
         time.sleep(IDLE_PROBE_S)  # a measurement interval, not a wait for anything
         idle_rate = (time.process_time() - c0) / (time.perf_counter() - t0)
-        samples = []
+        samples, stalls = [], []
         for i in range(BACKGROUND_REPEATS):
             barrier()
+            t0 = time.perf_counter()
             manager.save_async(BACKGROUND_FIRST_STEP + i, self._snapshot(), self._metadata(), rank=rank,
                                world_size=size, coordinator=self.impl.run.master, snapshot=self._share)
             c1, t1 = time.process_time(), time.perf_counter()  # the caller's part, the stall, is over
+            stalls.append(t1 - t0)
             manager.wait()
             samples.append(max(0.0, time.process_time() - c1 - idle_rate * (time.perf_counter() - t1)))
-        return {"background_cpu_samples": samples, "idle_cpu_rate": idle_rate}
+        # the stall with no training going on: compare with memcpy_s, the copy on the same idle loop
+        return {"background_cpu_samples": samples, "idle_cpu_rate": idle_rate, "idle_stall_samples": stalls}
 
     def close(self) -> None:
         self.impl.end(0)
