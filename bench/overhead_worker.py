@@ -302,8 +302,18 @@ class TransientSaver(Saver):
         c0, t0 = time.process_time(), time.perf_counter()
         time.sleep(IDLE_PROBE_S)  # a measurement interval, not a wait for anything
         idle_rate = (time.process_time() - c0) / (time.perf_counter() - t0)
-        samples, stalls = [], []
+        from hvd_transient.keras import state_variables
+
+        arrays = [np.asarray(v) for v in state_variables(self.model).values()]
+        samples, stalls, copies = [], [], []
         for i in range(BACKGROUND_REPEATS):
+            # the copy, like the save, right after a collective: a copy in a tight loop runs on warm
+            # caches and awake threads, which neither a save nor a copy in training gets
+            barrier()
+            t0 = time.perf_counter()
+            copied = [np.copy(a) for a in arrays]
+            copies.append(time.perf_counter() - t0)
+            del copied
             barrier()
             t0 = time.perf_counter()
             manager.save_async(BACKGROUND_FIRST_STEP + i, self._snapshot(), self._metadata(), rank=rank,
@@ -313,7 +323,8 @@ class TransientSaver(Saver):
             manager.wait()
             samples.append(max(0.0, time.process_time() - c1 - idle_rate * (time.perf_counter() - t1)))
         # the stall with no training going on: compare with memcpy_s, the copy on the same idle loop
-        return {"background_cpu_samples": samples, "idle_cpu_rate": idle_rate, "idle_stall_samples": stalls}
+        return {"background_cpu_samples": samples, "idle_cpu_rate": idle_rate, "idle_stall_samples": stalls,
+                "idle_copy_samples": copies}
 
     def close(self) -> None:
         self.impl.end(0)

@@ -26,7 +26,8 @@ OVERHEAD_KEYS = ("async_overhead_pct", "async_stall_ms", "memcpy_ms", "baseline_
                  "async_in_call_pct", "baseline_stall_ms", "sync_stall_ms", "host_read_ms", "steps_per_s", "goal",
                  "notice_collective_ms", "throughput_noise_pct", "async_blocking_estimate_pct",
                  "async_cpu_overhead_pct", "cpu_noise_pct", "async_call_stall_ms", "async_background_cpu_ms",
-                 "async_blocking_with_background_pct", "async_stall_idle_ms", "async_stall_idle_vs_memcpy_idle")
+                 "async_blocking_with_background_pct", "async_stall_idle_ms", "async_stall_idle_vs_memcpy_idle",
+                 "memcpy_after_collective_ms")
 EMERGENCY_KEYS = ("sharded_speedup_vs_single", "max_state_mb_in_30s", "notice_to_commit_s", "single_writer_s",
                   "fits_in_30s")
 
@@ -142,19 +143,23 @@ def test_the_background_writes_cpu_time_is_added_to_the_blocked_time_estimate() 
     async_w = dict(common, config="ours_async", save_steps=[0], persisted_at=1, round_steps=[0, 5],
                    own_stall_s=[0.002])
     docs = [{"rank": 0, "windows": [async_w, dict(common, config="none", save_steps=[])],
-             "background_cpu_samples": [0.010, 0.030, 0.020], "idle_stall_samples": [0.001, 0.002, 0.001]},
+             "background_cpu_samples": [0.010, 0.030, 0.020], "idle_stall_samples": [0.001, 0.002, 0.001],
+             "idle_copy_samples": [0.001, 0.001, 0.001]},
             {"rank": 1, "windows": [async_w, dict(common, config="none", save_steps=[])],
-             "background_cpu_samples": [0.015, 0.005, 0.020], "idle_stall_samples": [0.0015, 0.001, 0.001]}]
+             "background_cpu_samples": [0.015, 0.005, 0.020], "idle_stall_samples": [0.0015, 0.001, 0.001],
+             "idle_copy_samples": [0.0005, 0.0005, 0.0005]}]
     assert ckpt_overhead.background_cpu_s(docs) == [0.015, 0.030, 0.020]  # per save, the slower rank
     assert ckpt_overhead.idle_stall_s(docs) == [0.0015, 0.002, 0.001]
     refs = {"memcpy_s": 0.001, "host_read_s": 0.02, "state_bytes": 100, "tensors": 3, "notice_collective_s": 0.003,
-            "background_cpu_s": ckpt_overhead.background_cpu_s(docs), "idle_stall_s": ckpt_overhead.idle_stall_s(docs)}
+            "background_cpu_s": ckpt_overhead.background_cpu_s(docs), "idle_stall_s": ckpt_overhead.idle_stall_s(docs),
+            "idle_copy_s": ckpt_overhead.idle_stall_s(docs, "idle_copy_samples")}
     summary = ckpt_overhead.summarize(ckpt_overhead.config_stats(ckpt_overhead.merge_ranks(docs)), refs, (10,))
     # 10 steps of 100 ms: one 2 ms stall + one more notice collective of 3 ms = 0.5%; + 20 ms of CPU = 2.5%
     assert summary["async_blocking_estimate_pct"] == pytest.approx(0.5)
     assert summary["async_background_cpu_ms"] == pytest.approx(20.0)
     assert summary["async_blocking_with_background_pct"] == pytest.approx(2.5)
     assert summary["async_stall_idle_ms"] == pytest.approx(1.5)
+    assert summary["memcpy_after_collective_ms"] == pytest.approx(1.0)
     assert summary["async_stall_idle_vs_memcpy_idle"] == pytest.approx(1.5)
     assert summary["goal"]["blocking_estimate_met"] is True
     assert summary["goal"]["blocking_with_background_met"] is False
