@@ -50,13 +50,13 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from common import (
-    install_interrupt_handlers,
     BenchError,
     Panel,
     Spread,
     command_line,
     csv_list,
     finish_report,
+    install_interrupt_handlers,
     machine_info,
     machine_line,
     markdown_table,

@@ -49,9 +49,7 @@ import numpy as np
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="google.api_core")
 
-from common import (
-    install_interrupt_handlers,
-    # noqa: E402,
+from common import (  # noqa: E402
     BenchError,
     MB,
     Panel,
@@ -60,6 +58,7 @@ from common import (
     csv_list,
     finish_report,
     fmt_spread_s,
+    install_interrupt_handlers,
     machine_info,
     machine_line,
     markdown_table,

@@ -49,12 +49,12 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from common import (
-    install_interrupt_handlers,
     BenchError,
     Panel,
     command_line,
     csv_list,
     finish_report,
+    install_interrupt_handlers,
     machine_info,
     machine_line,
     markdown_table,

@@ -32,12 +32,12 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import ckpt_io
 from common import (
-    install_interrupt_handlers,
     BenchError,
     Panel,
     command_line,
     csv_list,
     finish_report,
+    install_interrupt_handlers,
     machine_info,
     machine_line,
     markdown_table,
