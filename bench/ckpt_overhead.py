@@ -213,20 +213,14 @@ def merge_ranks(rank_docs: Sequence[Mapping[str, Any]]) -> list[WindowResult]:
             cpu_s=tuple(w.get("cpu_s", 0.0) for w in per_rank),
             manager_blocked_s=max(blocked) if blocked else None,
             round_steps=tuple(w0.get("round_steps", ())),
-            own_stalls_s=tuple(max(per_save) for per_save in zip(*(w.get("own_stall_s", ()) for w in per_rank))),
-            copies_s=tuple(max(per_save) for per_save in zip(*(w.get("copy_s", ()) for w in per_rank)))))
+            own_stalls_s=tuple(slowest_rank(per_rank, "own_stall_s")),
+            copies_s=tuple(slowest_rank(per_rank, "copy_s"))))
     return out
 
 
-def background_cpu_s(rank_docs: Sequence[Mapping[str, Any]]) -> list[float]:
-    """Per measured async save, the slowest rank's CPU time in the save's background part."""
-    return [max(per_save) for per_save in zip(*(d.get("background_cpu_samples", ()) for d in rank_docs))]
-
-
-def idle_stall_s(rank_docs: Sequence[Mapping[str, Any]], key: str = "idle_stall_samples") -> list[float]:
-    """Per async save made after the windows (no training going on), the slowest rank's stall
-    (``key="idle_copy_samples"``: its np.copy of the state, timed the same way just before)."""
-    return [max(per_save) for per_save in zip(*(d.get(key, ()) for d in rank_docs))]
+def slowest_rank(per_rank: Sequence[Mapping[str, Any]], key: str) -> list[float]:
+    """Per sample of ``key`` (the ranks take theirs in step, e.g. one per save), the largest over the ranks."""
+    return [max(per_sample) for per_sample in zip(*(d.get(key, ()) for d in per_rank))]
 
 
 @dataclass(frozen=True)
@@ -764,8 +758,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     stats = config_stats(merge_ranks(docs))
     rank0 = docs[0]
-    summary = summarize(stats, {**rank0, "background_cpu_s": background_cpu_s(docs), "idle_stall_s": idle_stall_s(docs),
-                                "idle_copy_s": idle_stall_s(docs, "idle_copy_samples")}, args.intervals)
+    summary = summarize(stats, {**rank0, "background_cpu_s": slowest_rank(docs, "background_cpu_samples"),
+                                "idle_stall_s": slowest_rank(docs, "idle_stall_samples"),
+                                "idle_copy_s": slowest_rank(docs, "idle_copy_samples")}, args.intervals)
     summary["elapsed_s"] = elapsed
     table = table_rows(stats)
     title = (f"checkpoint overhead: {rank0['model_name']} ({rank0['params']:,} parameters, state "

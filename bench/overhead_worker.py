@@ -184,6 +184,22 @@ class Saver:
         pass
 
 
+def host_arrays(model: tf.keras.Model) -> list[np.ndarray]:
+    """Every state variable read into host memory once: what the np.copy references copy."""
+    from hvd_transient.keras import state_variables
+
+    return [np.asarray(v) for v in state_variables(model).values()]
+
+
+def copy_seconds(arrays: Sequence[np.ndarray]) -> float:
+    """How long one np.copy of every array takes: the stall's reference."""
+    t0 = time.perf_counter()
+    copied = [np.copy(a) for a in arrays]
+    elapsed = time.perf_counter() - t0
+    del copied
+    return elapsed
+
+
 class NoSaver(Saver):
     """No checkpoint; at the steps where the others save, it times a plain copy of the state.
 
@@ -194,17 +210,12 @@ class NoSaver(Saver):
 
     def __init__(self, interval: int, model: tf.keras.Model) -> None:
         super().__init__(interval)
-        from hvd_transient.keras import state_variables
-
-        self._arrays = [np.asarray(v) for v in state_variables(model).values()]  # host arrays of the same sizes
+        self._arrays = host_arrays(model)
         self._copies: list[float] = []
 
     def after_step(self, local: int) -> None:
         if self.due(local):
-            t0 = time.perf_counter()
-            copied = [np.copy(a) for a in self._arrays]
-            self._copies.append(time.perf_counter() - t0)
-            del copied
+            self._copies.append(copy_seconds(self._arrays))
 
     def save_stats(self) -> dict[str, Any]:
         copies, self._copies = self._copies, []
@@ -302,18 +313,13 @@ class TransientSaver(Saver):
         c0, t0 = time.process_time(), time.perf_counter()
         time.sleep(IDLE_PROBE_S)  # a measurement interval, not a wait for anything
         idle_rate = (time.process_time() - c0) / (time.perf_counter() - t0)
-        from hvd_transient.keras import state_variables
-
-        arrays = [np.asarray(v) for v in state_variables(self.model).values()]
+        arrays = host_arrays(self.model)
         samples, stalls, copies = [], [], []
         for i in range(BACKGROUND_REPEATS):
             # the copy, like the save, right after a collective: a copy in a tight loop runs on warm
             # caches and awake threads, which neither a save nor a copy in training gets
             barrier()
-            t0 = time.perf_counter()
-            copied = [np.copy(a) for a in arrays]
-            copies.append(time.perf_counter() - t0)
-            del copied
+            copies.append(copy_seconds(arrays))
             barrier()
             t0 = time.perf_counter()
             manager.save_async(BACKGROUND_FIRST_STEP + i, self._snapshot(), self._metadata(), rank=rank,
@@ -322,7 +328,7 @@ class TransientSaver(Saver):
             stalls.append(t1 - t0)
             manager.wait()
             samples.append(max(0.0, time.process_time() - c1 - idle_rate * (time.perf_counter() - t1)))
-        # the stall with no training going on: compare with memcpy_s, the copy on the same idle loop
+        # stalls and copies with no training going on, each right after a collective
         return {"background_cpu_samples": samples, "idle_cpu_rate": idle_rate, "idle_stall_samples": stalls,
                 "idle_copy_samples": copies}
 
@@ -405,16 +411,13 @@ def copy_timings(model: tf.keras.Model) -> dict[str, Any]:
 
     variables = list(state_variables(model).values())
     reads, copies = [], []
-    arrays = [np.asarray(v) for v in variables]
+    arrays = host_arrays(model)
     for _ in range(COPY_REPEATS):
         t0 = time.perf_counter()
         fresh = [np.asarray(v) for v in variables]
-        t1 = time.perf_counter()
-        copied = [np.copy(a) for a in arrays]
-        t2 = time.perf_counter()
-        reads.append(t1 - t0)
-        copies.append(t2 - t1)
-        del fresh, copied
+        reads.append(time.perf_counter() - t0)
+        del fresh
+        copies.append(copy_seconds(arrays))
     return {"state_bytes": int(sum(a.nbytes for a in arrays)), "tensors": len(arrays),
             "memcpy_s": statistics.median(copies), "memcpy_samples": copies,
             "host_read_s": statistics.median(reads), "host_read_samples": reads}
