@@ -626,10 +626,7 @@ def _specs(tensors: Mapping[str, Any], *, data_needed: bool) -> TensorSpecs | li
     """Specs of ``tensors``; a TensorSpec value stands for a tensor whose data a share snapshot supplies."""
     if isinstance(tensors, TensorSpecs):
         if data_needed and tensors:
-            name = next(iter(tensors))
-            raise BadSnapshotError(
-                f"tensor {name!r} is given as a TensorSpec, which holds no data: pass its array, or a "
-                "share snapshot that supplies the data")
+            raise _no_data_error(next(iter(tensors)))
         return tensors  # checked when it was made
     specs = []
     for name, value in tensors.items():
@@ -637,14 +634,17 @@ def _specs(tensors: Mapping[str, Any], *, data_needed: bool) -> TensorSpecs | li
             specs.append(spec_of(name, value))
             continue
         if data_needed:
-            raise BadSnapshotError(
-                f"tensor {name!r} is given as a TensorSpec, which holds no data: pass its array, or a "
-                "share snapshot that supplies the data")
+            raise _no_data_error(name)
         try:
             specs.append(checked_spec(name, value))
         except BadTensorSpecError as exc:
             raise BadSnapshotError(str(exc)) from exc
     return specs
+
+
+def _no_data_error(name: str) -> BadSnapshotError:
+    return BadSnapshotError(f"tensor {name!r} is given as a TensorSpec, which holds no data: pass its array, "
+                            "or a share snapshot that supplies the data")
 
 
 def _checked_share(plan: SavePlan, rank: int, arrays: Sequence[Any]) -> list[tuple[WriteItem, np.ndarray]]:
