@@ -165,7 +165,7 @@ class CheckpointManager:
                         snapshot: ShareSnapshot | None) -> tuple[SavePlan, list[tuple[WriteItem, np.ndarray]]]:
         plan = self.plan(_specs(tensors, data_needed=snapshot is None), world_size)
         if snapshot is None:
-            return plan, _prepare_share(plan, rank, tensors)
+            return plan, prepare_share(plan, rank, tensors)
         return plan, _checked_share(plan, rank, snapshot(plan, rank))
 
     def save(
@@ -598,7 +598,7 @@ def _overlaps(entry: TensorEntry, piece: PieceRecord) -> bool:
             and entry.offset < piece.stop and piece.start < entry.offset + entry.size)
 
 
-def _prepare_share(plan: SavePlan, rank: int, tensors: Mapping[str, Any]) -> list[tuple[WriteItem, np.ndarray]]:
+def prepare_share(plan: SavePlan, rank: int, tensors: Mapping[str, Any]) -> list[tuple[WriteItem, np.ndarray]]:
     """This rank's pieces, each one contiguous little-endian host array (one copy of its bytes).
 
     Device tensors are converted to host arrays only if they hold bytes of this rank's share.

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
+from ckpt_service.manager import prepare_share
 from ckpt_service.plan import SavePlan, TensorPlacement, TensorSpecs, WriteItem, spec_of
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,6 @@ def _to_host(tensor: tf.Tensor) -> np.ndarray:
 class _Entry:
     plan: SavePlan  # pinned, so the identity fast path cannot see a recycled id
     rank: int
-    layout: Layout
     function: Callable[[], Sequence[tf.Tensor]] | None  # None: read one by one
 
 
@@ -130,7 +130,8 @@ class FusedSnapshot:
                 entry.function = None
             else:
                 return [_to_host(t) for t in outputs]
-        return self._read_one_by_one(entry.layout)
+        # one by one: each variable this rank's pieces touch to host memory, then its bytes copied out
+        return [array for _, array in prepare_share(plan, rank, self._variables)]
 
     def _entry(self, plan: SavePlan, rank: int) -> _Entry:
         last = self._last
@@ -144,8 +145,7 @@ class FusedSnapshot:
         items = plan.for_rank(rank)
         entry = self._entries.pop(items, None)
         if entry is None:
-            layout = share_layout(plan.placements, items)
-            entry = _Entry(plan, rank, layout, self._build(layout, items, plan.world_size, rank))
+            entry = _Entry(plan, rank, self._build(share_layout(plan.placements, items), items, plan.world_size, rank))
         entry.plan, entry.rank = plan, rank
         self._entries[items] = entry  # most recently used last
         while len(self._entries) > FUNCTION_CACHE_SIZE:
@@ -190,14 +190,3 @@ class FusedSnapshot:
         log.info("traced the fused checkpoint snapshot of rank %d of %d (%d piece(s)) in %.2f s", rank,
                  world_size, len(items), time.perf_counter() - t0)
         return function
-
-    def _read_one_by_one(self, layout: Layout) -> list[np.ndarray]:
-        hosted: dict[str, np.ndarray] = {}
-
-        def flat_of(name: str) -> np.ndarray:
-            if name not in hosted:
-                hosted[name] = np.asarray(self._variables[name]).reshape(-1)
-            return hosted[name]
-
-        # concatenate copies even a single part, so no array shares memory with a variable
-        return [np.concatenate([flat_of(s.name)[s.lo:s.hi] for s in slices]) for slices in layout]

@@ -9,7 +9,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from ckpt_service.manager import CheckpointManager, _prepare_share  # noqa: E402
+from ckpt_service.manager import CheckpointManager, prepare_share  # noqa: E402
 from ckpt_service.plan import make_save_plan  # noqa: E402
 from hvd_transient.keras import TransientCallback, build_optimizer_slots, state_variables  # noqa: E402
 from hvd_transient.tf_snapshot import FusedSnapshot, SnapshotPlanError  # noqa: E402
@@ -65,7 +65,7 @@ def test_fused_share_equals_the_per_variable_share(world, make_variables, caplog
     with caplog.at_level(logging.WARNING, logger="hvd_transient.tf_snapshot"):
         for plan in plans(list(fused.specs.values()), world):
             for rank in range(world):
-                want = [flat for _, flat in _prepare_share(plan, rank, variables)]
+                want = [flat for _, flat in prepare_share(plan, rank, variables)]
                 assert_same_bytes(fused(plan, rank), want)
                 assert_same_bytes(fused(plan, rank), want)  # the cached function
     assert "one by one" not in caplog.text, "every dtype of the plan should take the fused path"
@@ -81,7 +81,7 @@ def test_snapshot_is_the_state_at_call_time() -> None:
         fused = FusedSnapshot(chosen)
         plan = make_save_plan(list(fused.specs.values()), world, piece_bytes=piece_bytes, chunk_bytes=256)
         for rank in range(world):
-            before = [flat for _, flat in _prepare_share(plan, rank, chosen)]
+            before = [flat for _, flat in prepare_share(plan, rank, chosen)]
             got = fused(plan, rank)
             # in-place updates right after the call: assign_add, assign and an optimizer step
             for var in chosen.values():
@@ -132,7 +132,7 @@ def test_falls_back_to_reading_one_by_one(monkeypatch, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="hvd_transient.tf_snapshot"):
         for rank in range(2):
             got = fused(plan, rank)
-            assert_same_bytes(got, [flat for _, flat in _prepare_share(plan, rank, variables)])
+            assert_same_bytes(got, [flat for _, flat in prepare_share(plan, rank, variables)])
     assert "one by one" in caplog.text
 
 
@@ -153,4 +153,4 @@ def test_callback_reuses_the_snapshot_while_the_variables_stay_the_same() -> Non
     assert callback._fused_snapshot() is first
     plan = make_save_plan(list(first.specs.values()), 1)
     assert_same_bytes(callback._share_snapshot(plan, 0),
-                      [flat for _, flat in _prepare_share(plan, 0, state_variables(model))])
+                      [flat for _, flat in prepare_share(plan, 0, state_variables(model))])

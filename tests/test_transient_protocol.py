@@ -121,7 +121,7 @@ def test_periodic_saves_are_agreed(ranks) -> None:
 
 def test_saves_take_the_share_from_a_share_snapshot(ranks) -> None:
     """Periodic and emergency saves pass the share snapshot through; the tensors then only give specs."""
-    from ckpt_service.manager import _prepare_share
+    from ckpt_service.manager import prepare_share
     from ckpt_service.plan import spec_of
 
     group, impls, url = ranks
@@ -132,7 +132,7 @@ def test_saves_take_the_share_from_a_share_snapshot(ranks) -> None:
 
     def share(plan, rank):
         calls.append((plan.world_size, rank))
-        return [flat for _, flat in _prepare_share(plan, rank, STATE)]
+        return [flat for _, flat in prepare_share(plan, rank, STATE)]
 
     def step_with_share(step):
         return group.run(lambda r: impls[r].after_step(step, lambda: specs, lambda: {"step": step}, share))
