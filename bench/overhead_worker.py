@@ -39,6 +39,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -267,19 +268,26 @@ class TransientSaver(Saver):
     def _snapshot(self) -> dict[str, Any]:
         return self._fused.specs
 
-    def _share(self, plan: Any, rank: int) -> list[np.ndarray]:
-        return self._fused(plan, rank)
+    def _share(self, plan: Any, rank: int) -> Any:
+        return self._fused(plan, rank)  # a DeferredShare for variables in host memory
 
     def notice_rounds(self) -> int:
         return self.impl.notice_rounds
 
-    def _metadata(self) -> dict[str, Any]:
-        return {"step": int(self.model.optimizer.iterations.numpy()), "world_size": hvd.size()}
+    def _metadata(self, step: int) -> dict[str, Any]:
+        # as TransientCallback's: the step its caller read, the world size, the learning rate read
+        meta: dict[str, Any] = {"step": step, "world_size": hvd.size()}
+        lr = getattr(self.model.optimizer, "learning_rate", None)
+        if isinstance(lr, tf.Variable):
+            meta["lr"] = float(lr.numpy())
+        return meta
 
     def after_step(self, local: int) -> None:
-        self.impl.after_step(local, self._snapshot, self._metadata, self._share)
+        # TransientCallback reads the optimizer's step after every batch and hands it to the metadata
+        step = int(self.model.optimizer.iterations.numpy())
+        self.impl.after_step(local, self._snapshot, partial(self._metadata, step), self._share)
         if not self.asynchronous and self.due(local):
-            self.impl.save_now(local, self._snapshot(), self._metadata(), coordinator=self.impl.run.master,
+            self.impl.save_now(local, self._snapshot(), self._metadata(step), coordinator=self.impl.run.master,
                                deadline=None, kind="periodic", share_snapshot=self._share)
 
     def busy(self) -> bool:
@@ -322,7 +330,7 @@ class TransientSaver(Saver):
             copies.append(copy_seconds(arrays))
             barrier()
             t0 = time.perf_counter()
-            manager.save_async(BACKGROUND_FIRST_STEP + i, self._snapshot(), self._metadata(), rank=rank,
+            manager.save_async(BACKGROUND_FIRST_STEP + i, self._snapshot(), self._metadata(i), rank=rank,
                                world_size=size, coordinator=self.impl.run.master, snapshot=self._share)
             c1, t1 = time.process_time(), time.perf_counter()  # the caller's part, the stall, is over
             stalls.append(t1 - t0)

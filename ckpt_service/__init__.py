@@ -31,7 +31,13 @@ from ckpt_service.errors import (
 
 if TYPE_CHECKING:
     from ckpt_service.lease import Lease, LeaseHeldError
-    from ckpt_service.manager import BadSnapshotError, Checkpoint, CheckpointManager, CommitConflictError
+    from ckpt_service.manager import (
+        BadSnapshotError,
+        Checkpoint,
+        CheckpointManager,
+        CommitConflictError,
+        DeferredShare,
+    )
     from ckpt_service.plan import BadTensorSpecError, TensorSpec, TensorSpecs
 
 _LAZY = {
@@ -40,6 +46,7 @@ _LAZY = {
     "CommitConflictError": "ckpt_service.manager",
     "BadMetadataError": "ckpt_service.manager",
     "BadSnapshotError": "ckpt_service.manager",
+    "DeferredShare": "ckpt_service.manager",
     "TensorSpec": "ckpt_service.plan",
     "TensorSpecs": "ckpt_service.plan",
     "BadTensorSpecError": "ckpt_service.plan",

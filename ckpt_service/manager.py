@@ -23,7 +23,7 @@ import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 
@@ -56,12 +56,31 @@ from ckpt_service.stores import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
 
+@runtime_checkable
+class DeferredShare(Protocol):
+    """A share snapshot taken by reference, whose piece arrays are built later.
+
+    An asynchronous save calls ``assemble()`` on its background thread, so the caller pays
+    only for taking the references. What it holds must keep the values it had when it was
+    taken, e.g. TensorFlow tensors that alias variable buffers (TensorFlow copies a buffer
+    before updating it in place while a read of it is alive). ``assemble`` returns what a
+    :data:`ShareSnapshot` would have returned, and should drop those references as it goes.
+    """
+
+    def assemble(self) -> Sequence[np.ndarray]:
+        ...
+
+
 #: Supplies this rank's share of a save: ``snapshot(plan, rank)`` returns one host array per
 #: ``plan.for_rank(rank)`` item, in order, holding elements ``[item.start, item.stop)`` of the
-#: ``item.group`` buffer (1-D, dtype ``item.group``). The arrays must not change afterwards: an
-#: asynchronous save writes them from a background thread. It lets a framework read a device-resident
-#: state in one call instead of one host copy per tensor.
-ShareSnapshot = Callable[[SavePlan, int], Sequence[np.ndarray]]
+#: ``item.group`` buffer (1-D, dtype ``item.group``), or a :class:`DeferredShare` that builds them
+#: later. The arrays must not change afterwards: an asynchronous save writes them from a background
+#: thread. It lets a framework read a device-resident state in one call instead of one host copy per
+#: tensor.
+ShareSnapshot = Callable[[SavePlan, int], Union[Sequence[np.ndarray], DeferredShare]]
+
+#: This rank's checked pieces, or a call that assembles and checks them (a deferred share).
+Share = Union[list[tuple[WriteItem, np.ndarray]], Callable[[], list[tuple[WriteItem, np.ndarray]]]]
 
 #: Plans kept per manager: one model's saves alternate between a few world sizes at most.
 PLAN_CACHE_SIZE = 8
@@ -162,11 +181,14 @@ class CheckpointManager:
         return plan
 
     def _plan_and_share(self, tensors: Mapping[str, Any], rank: int, world_size: int,
-                        snapshot: ShareSnapshot | None) -> tuple[SavePlan, list[tuple[WriteItem, np.ndarray]]]:
+                        snapshot: ShareSnapshot | None) -> tuple[SavePlan, Share]:
         plan = self.plan(_specs(tensors, data_needed=snapshot is None), world_size)
         if snapshot is None:
             return plan, prepare_share(plan, rank, tensors)
-        return plan, _checked_share(plan, rank, snapshot(plan, rank))
+        taken = snapshot(plan, rank)
+        if isinstance(taken, DeferredShare):
+            return plan, lambda: _checked_share(plan, rank, taken.assemble())
+        return plan, _checked_share(plan, rank, taken)
 
     def save(
         self,
@@ -216,14 +238,16 @@ class CheckpointManager:
     ) -> bool:
         """Snapshot this rank's share into host memory, then persist and commit in the background.
 
-        The caller is blocked only for the snapshot copy. At most one save is in flight, so
+        The caller is blocked only while the snapshot is taken. At most one save is in flight, so
         memory stays bounded by one snapshot of this rank's share: if one is still running,
         ``if_busy="skip"`` drops this request (returns False) and ``"wait"`` blocks until the
         previous one finishes. A multi-writer background save gathers records through the
         store unless ``gather`` is given (it then runs on the background thread).
         ``on_done(manifest, error)`` is called on the background thread when it ends.
         ``snapshot`` supplies the share instead of ``tensors``, as in :meth:`save`; if it
-        raises or returns arrays that do not fit the plan, nothing is started.
+        raises or returns arrays that do not fit the plan, nothing is started. A
+        :class:`DeferredShare` is assembled and checked on the background thread (the caller
+        pays only for taking it); if that fails, the save fails as a failed write does.
         """
         if if_busy not in ("skip", "wait"):
             raise ValueError(f"if_busy must be 'skip' or 'wait', not {if_busy!r}")
@@ -304,7 +328,7 @@ class CheckpointManager:
         self,
         step: int,
         plan: SavePlan,
-        share: list[tuple[WriteItem, np.ndarray]],
+        share: Share,
         metadata: dict[str, Any],
         rank: int,
         gather: Gather | None,
@@ -324,6 +348,8 @@ class CheckpointManager:
                 self.store, step, rank, world_size, coordinator=coordinator, deadline=deadline,
                 timeout_s=self.gather_timeout_s)
         try:
+            if callable(share):  # deferred: assembled here, on the writing thread
+                share = share()
             record = self._write_share(step, rank, share, deadline)
         except Exception as exc:
             # Every rank must still reach the gather, or the others would wait on it forever;

@@ -29,12 +29,13 @@ pass ``state=None``: a notice then writes the emergency checkpoint and stops
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from ckpt_service.manager import CheckpointManager
+from ckpt_service.manager import CheckpointManager, DeferredShare
 from ckpt_service.plan import SavePlan
 from ckpt_service.stores import open_store
 from hvd_transient.checksums import state_crc
@@ -195,11 +196,12 @@ class TransientCallback(tf.keras.callbacks.Callback):
         # Only shapes and dtypes: _share_snapshot reads this rank's share in one call.
         return self._fused_snapshot().specs
 
-    def _share_snapshot(self, plan: SavePlan, rank: int) -> list[np.ndarray]:
+    def _share_snapshot(self, plan: SavePlan, rank: int) -> list[np.ndarray] | DeferredShare:
         return self._fused_snapshot()(plan, rank)
 
-    def _metadata(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {"step": self._step(), "world_size": self.impl.comm.size() if self.impl else 1}
+    def _metadata(self, step: int) -> dict[str, Any]:
+        # the step comes from the caller, which has read it already: a read is an eager op on the stall
+        meta: dict[str, Any] = {"step": step, "world_size": self.impl.comm.size() if self.impl else 1}
         if self.state is not None:
             meta.update(epoch=int(getattr(self.state, "epoch", 0)), batch=int(getattr(self.state, "batch", 0)))
         lr = getattr(self.model.optimizer, "learning_rate", None)
@@ -235,7 +237,8 @@ class TransientCallback(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         assert self.impl is not None
-        outcome = self.impl.after_step(self._step(), self._snapshot, self._metadata, self._share_snapshot)
+        step = self._step()
+        outcome = self.impl.after_step(step, self._snapshot, partial(self._metadata, step), self._share_snapshot)
         self.last_outcome = outcome
         if outcome.stop:
             self.model.stop_training = True  # every rank saw the same request at this step
@@ -258,7 +261,7 @@ class TransientCallback(tf.keras.callbacks.Callback):
             master = self.impl.run.master
             needed = self.impl.manager.latest_step() != step if self.impl.comm.rank() == master else None
             if self.impl.comm.broadcast_json(needed, master):
-                self.impl.save_now(step, self._snapshot(), self._metadata(), coordinator=master,
+                self.impl.save_now(step, self._snapshot(), self._metadata(step), coordinator=master,
                                    deadline=None, kind="final", share_snapshot=self._share_snapshot)
         self.impl.events.emit("weights", step=step, crc=weights_crc(self.model), size=self.impl.comm.size(),
                               rank=self.impl.comm.rank())

@@ -1,12 +1,21 @@
 """This rank's checkpoint share of TensorFlow variables, read from the device in one call.
 
-An asynchronous save stalls training only while it copies this rank's share to host
-memory. Converting each variable with ``numpy.asarray`` costs one eager dispatch per
-variable (10-25 ms per rank for ResNet-32's 269 variables on a CPU). :class:`FusedSnapshot`
-instead traces, once per save plan and rank, a function that reads every variable
-holding bytes of the rank's share, cuts out those bytes and concatenates them into one
-tensor per piece of the plan. One call reads all variables in one graph, so the share
-is consistent, and only the rank's share crosses to host memory.
+An asynchronous save stalls training only while it takes this rank's share. Converting
+each variable with ``numpy.asarray`` costs one eager dispatch per variable (10-25 ms per
+rank for ResNet-32's 269 variables on a CPU). :class:`FusedSnapshot` instead traces, once
+per save plan and rank, a function that reads every variable holding bytes of the rank's
+share in one graph, so the share is consistent and one call takes it.
+
+What the function returns depends on where the variables live:
+
+* in host memory (CPU): the larger variables as they are read, which alias their buffers
+  (no copy), and the small ones flattened into one tensor per dtype. The call returns a
+  :class:`~ckpt_service.manager.DeferredShare`: the pieces are cut out and copied on the
+  save's background thread. The aliases keep the values of the call: TensorFlow copies a
+  variable's buffer before updating it in place while a read of it is alive, and the
+  assembly drops them within milliseconds, long before the next step's update;
+* on an accelerator: the rank's bytes cut out and concatenated into one tensor per piece
+  of the plan on the device, so only the share crosses to host memory, in one copy per piece.
 
 It is a :data:`ckpt_service.manager.ShareSnapshot`::
 
@@ -29,13 +38,16 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from ckpt_service.manager import prepare_share
-from ckpt_service.plan import SavePlan, TensorPlacement, TensorSpecs, WriteItem, spec_of
+from ckpt_service.manager import DeferredShare, prepare_share
+from ckpt_service.plan import SavePlan, TensorPlacement, TensorSpec, TensorSpecs, WriteItem, spec_of
 
 log = logging.getLogger(__name__)
 
 #: Traced functions kept per snapshot: one per (plan, rank), i.e. per ring size seen recently.
 FUNCTION_CACHE_SIZE = 4
+#: Host path: variables of at most this many elements are concatenated into one output per dtype
+#: (each output of a call costs more than copying a small tensor); larger ones are returned as read.
+SMALL_TENSOR_ELEMENTS = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,69 @@ def share_layout(placements: Sequence[TensorPlacement], items: Sequence[WriteIte
     return tuple(layout)
 
 
+@dataclass(frozen=True)
+class HostOutputs:
+    """The host path's function outputs: one variable as read, or small variables concatenated.
+
+    ``outputs[i]`` names the variables of output ``i`` in order; ``concatenated[i]`` says
+    whether they are flattened and concatenated (else it is one variable as read, an alias of
+    its buffer). ``where[name]`` is (output, element offset of the variable in it).
+    """
+
+    outputs: tuple[tuple[str, ...], ...]
+    concatenated: tuple[bool, ...]
+    where: Mapping[str, tuple[int, int]]
+
+
+def host_outputs(layout: Layout, specs: Mapping[str, TensorSpec],
+                 small_elements: int = SMALL_TENSOR_ELEMENTS) -> HostOutputs:
+    """Outputs that hold every variable ``layout`` cuts pieces from, each once (pure)."""
+    names = list(dict.fromkeys(s.name for slices in layout for s in slices))
+    small: dict[str, list[str]] = {}  # dtype -> names, in first-use order
+    for name in names:
+        if specs[name].size <= small_elements:
+            small.setdefault(specs[name].dtype, []).append(name)
+    outputs = [tuple(group) for group in small.values()]
+    concatenated = [True] * len(outputs)
+    for name in names:
+        if specs[name].size > small_elements:
+            outputs.append((name,))
+            concatenated.append(False)
+    where: dict[str, tuple[int, int]] = {}
+    for index, group in enumerate(outputs):
+        offset = 0
+        for name in group:
+            where[name] = (index, offset)
+            offset += specs[name].size
+    return HostOutputs(tuple(outputs), tuple(concatenated), where)
+
+
+def assemble_pieces(flats: Sequence[np.ndarray], outputs: HostOutputs, layout: Layout) -> list[np.ndarray]:
+    """Each piece of ``layout`` copied out of the flattened outputs into an array of its own (pure)."""
+    pieces = []
+    for slices in layout:
+        parts = []
+        for s in slices:
+            index, offset = outputs.where[s.name]
+            parts.append(flats[index][offset + s.lo:offset + s.hi])
+        pieces.append(np.concatenate(parts) if len(parts) > 1 else parts[0].copy())
+    return pieces
+
+
+class AliasedShare(DeferredShare):
+    """A host-path call's outputs, assembled into the rank's pieces on the save's background thread."""
+
+    def __init__(self, tensors: Sequence[tf.Tensor], outputs: HostOutputs, layout: Layout) -> None:
+        self._tensors: Sequence[tf.Tensor] | None = tensors
+        self._outputs, self._layout = outputs, layout
+
+    def assemble(self) -> list[np.ndarray]:
+        tensors, self._tensors = self._tensors, None  # released on return: a later update need not copy
+        if tensors is None:
+            raise RuntimeError("this share was already assembled")
+        return assemble_pieces([_to_host(t).reshape(-1) for t in tensors], self._outputs, self._layout)
+
+
 def _to_host(tensor: tf.Tensor) -> np.ndarray:
     """A host array of a function output, copying only if it lives on an accelerator."""
     if tf.DeviceSpec.from_string(tensor.backing_device).device_type == "CPU":
@@ -93,6 +168,8 @@ class _Entry:
     plan: SavePlan  # pinned, so the identity fast path cannot see a recycled id
     rank: int
     function: Callable[[], Sequence[tf.Tensor]] | None  # None: read one by one
+    layout: Layout
+    host: HostOutputs | None  # the host path's outputs; None: one concatenated output per piece
 
 
 class FusedSnapshot:
@@ -100,9 +177,12 @@ class FusedSnapshot:
 
     ``specs`` maps each name to its :class:`TensorSpec`: pass it as the save's ``tensors``,
     so that planning neither looks at the variables nor checks their specs again.
+    ``deferred`` chooses the host-memory path (aliases, assembled later) over the device path
+    (pieces concatenated in the call); by default, the host path when every variable is in
+    host memory. Both give the same pieces wherever the variables are.
     """
 
-    def __init__(self, variables: Mapping[str, tf.Variable]) -> None:
+    def __init__(self, variables: Mapping[str, tf.Variable], *, deferred: bool | None = None) -> None:
         for name, var in variables.items():
             if not var.shape.is_fully_defined():
                 raise ValueError(f"variable {name!r} has shape {var.shape}; a checkpointed variable needs a "
@@ -111,6 +191,9 @@ class FusedSnapshot:
         # A variable's shape and dtype never change, so its spec is computed once.
         self.specs = TensorSpecs({name: spec_of(name, var) for name, var in variables.items()})
         self._spec_set = frozenset(self.specs.values())
+        if deferred is None:
+            deferred = all(_device_type(var.device) == "CPU" for var in variables.values())
+        self.deferred = deferred
         self._entries: OrderedDict[tuple[WriteItem, ...], _Entry] = OrderedDict()
         self._last: _Entry | None = None
 
@@ -119,8 +202,12 @@ class FusedSnapshot:
         return (variables.keys() == self._variables.keys()
                 and all(variables[name] is var for name, var in self._variables.items()))
 
-    def __call__(self, plan: SavePlan, rank: int) -> list[np.ndarray]:
-        """One host array per ``plan.for_rank(rank)`` piece, in order, as of this call."""
+    def __call__(self, plan: SavePlan, rank: int) -> list[np.ndarray] | AliasedShare:
+        """This rank's ``plan.for_rank(rank)`` pieces as of this call.
+
+        One host array per piece, in order, or (variables in host memory) an
+        :class:`AliasedShare` that builds them later.
+        """
         entry = self._entry(plan, rank)
         if entry.function is not None:
             try:
@@ -129,6 +216,8 @@ class FusedSnapshot:
                 log.warning("fused checkpoint snapshot failed (%s); reading the variables one by one", exc)
                 entry.function = None
             else:
+                if entry.host is not None:
+                    return AliasedShare(outputs, entry.host, entry.layout)
                 return [_to_host(t) for t in outputs]
         # one by one: each variable this rank's pieces touch to host memory, then its bytes copied out
         return [array for _, array in prepare_share(plan, rank, self._variables)]
@@ -145,7 +234,9 @@ class FusedSnapshot:
         items = plan.for_rank(rank)
         entry = self._entries.pop(items, None)
         if entry is None:
-            entry = _Entry(plan, rank, self._build(share_layout(plan.placements, items), items, plan.world_size, rank))
+            layout = share_layout(plan.placements, items)
+            host = host_outputs(layout, self.specs) if self.deferred else None
+            entry = _Entry(plan, rank, self._build(layout, host, items, plan.world_size, rank), layout, host)
         entry.plan, entry.rank = plan, rank
         self._entries[items] = entry  # most recently used last
         while len(self._entries) > FUNCTION_CACHE_SIZE:
@@ -153,33 +244,50 @@ class FusedSnapshot:
         self._last = entry
         return entry
 
-    def _build(self, layout: Layout, items: Sequence[WriteItem], world_size: int,
+    def _build(self, layout: Layout, host: HostOutputs | None, items: Sequence[WriteItem], world_size: int,
                rank: int) -> Callable[[], Sequence[tf.Tensor]] | None:
         if not items:
             return None  # nothing to read: this rank writes no piece
-        variables = self._variables
+        variables, specs = self._variables, self.specs
 
-        def fused() -> list[tf.Tensor]:
-            dtypes = [tf.as_dtype(np.dtype(item.group)) for item in items]
-            flat: dict[str, tf.Tensor] = {}
+        def read(name: str) -> tf.Tensor:
+            var = variables[name]
+            # The raw read: no cast (mixed-precision variables), and quicker to trace.
+            value = tf.raw_ops.ReadVariableOp(resource=var.handle, dtype=var.dtype)
+            want = tf.as_dtype(np.dtype(specs[name].dtype))
+            if value.dtype != want:
+                raise TypeError(f"variable {name!r} reads as {value.dtype}, its checkpoint group is {want}")
+            return value
+
+        def host_fused() -> list[tf.Tensor]:
+            assert host is not None
             minus_one = tf.constant([-1])  # one constant shared by every reshape keeps tracing short
+            outputs = []
+            for names, concatenated in zip(host.outputs, host.concatenated):
+                if not concatenated:
+                    outputs.append(read(names[0]))  # an alias of the variable's buffer
+                    continue
+                parts = [v if v.shape.rank == 1 else tf.reshape(v, minus_one) for v in map(read, names)]
+                outputs.append(parts[0] if len(parts) == 1 else tf.concat(parts, 0))
+            return outputs
+
+        def device_fused() -> list[tf.Tensor]:
+            flat: dict[str, tf.Tensor] = {}
+            minus_one = tf.constant([-1])
 
             def flat_of(name: str) -> tf.Tensor:
                 if name not in flat:
-                    var = variables[name]
-                    # The raw read: no cast (mixed-precision variables), and quicker to trace.
-                    value = tf.raw_ops.ReadVariableOp(resource=var.handle, dtype=var.dtype)
+                    value = read(name)
                     flat[name] = value if value.shape.rank == 1 else tf.reshape(value, minus_one)
                 return flat[name]
 
             outputs = []
-            for slices, dtype in zip(layout, dtypes):
+            for slices in layout:
                 parts = [flat_of(s.name) if s.whole else flat_of(s.name)[s.lo:s.hi] for s in slices]
-                out = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-                if out.dtype != dtype:
-                    raise TypeError(f"a variable reads as {out.dtype}, its checkpoint group is {dtype}")
-                outputs.append(out)
+                outputs.append(parts[0] if len(parts) == 1 else tf.concat(parts, 0))
             return outputs
+
+        fused = device_fused if host is None else host_fused
 
         t0 = time.perf_counter()
         try:
@@ -187,6 +295,10 @@ class FusedSnapshot:
         except (TypeError, ValueError, AttributeError, tf.errors.OpError) as exc:
             log.warning("cannot trace a fused checkpoint snapshot (%s); reading the variables one by one", exc)
             return None
-        log.info("traced the fused checkpoint snapshot of rank %d of %d (%d piece(s)) in %.2f s", rank,
-                 world_size, len(items), time.perf_counter() - t0)
+        log.info("traced the fused checkpoint snapshot of rank %d of %d (%d piece(s), %s) in %.2f s", rank,
+                 world_size, len(items), "host memory" if host is not None else "device", time.perf_counter() - t0)
         return function
+
+
+def _device_type(device: str) -> str | None:
+    return tf.DeviceSpec.from_string(device).device_type if device else None

@@ -5,6 +5,7 @@ import json
 import logging
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -389,6 +390,58 @@ def test_a_bad_share_snapshot_is_refused_and_commits_nothing(spoil, match) -> No
         assert_same_state(mgr.restore().tensors, state)
 
 
+class TakenShare:
+    """A DeferredShare: the arrays are computed when assembled, on whichever thread does it."""
+
+    def __init__(self, make: Callable[[], list[np.ndarray]]) -> None:
+        self.make = make
+        self.threads: list[threading.Thread] = []
+
+    def assemble(self) -> list[np.ndarray]:
+        self.threads.append(threading.current_thread())
+        return self.make()
+
+
+def test_a_deferred_share_is_assembled_on_the_background_thread() -> None:
+    state = sample_state(scale=4)
+    with CheckpointManager(MemoryStore(), max_to_keep=None) as mgr:
+        taken: list[TakenShare] = []
+
+        def snapshot(plan: SavePlan, rank: int) -> TakenShare:
+            taken.append(TakenShare(lambda: share_of(state, plan, rank)))
+            return taken[-1]
+
+        assert mgr.save_async(1, specs_only(state), snapshot=snapshot)
+        assert mgr.wait(timeout=60) is not None
+        assert len(taken[0].threads) == 1 and taken[0].threads[0] is not threading.current_thread()
+        mgr.save(2, specs_only(state), snapshot=snapshot)  # a synchronous save assembles it too
+        assert taken[1].threads == [threading.current_thread()]
+        assert mgr.all_steps() == [1, 2]
+        assert_same_state(mgr.restore().tensors, state)
+
+
+@pytest.mark.parametrize("spoil,error", [
+    (_too_long, BadSnapshotError),
+    (lambda arrays: arrays[:-1], BadSnapshotError),
+    (lambda arrays: (_ for _ in ()).throw(MemoryError("no room for the pieces")), MemoryError),
+])
+def test_a_deferred_share_that_fails_to_assemble_fails_the_save_and_commits_nothing(spoil, error) -> None:
+    state = sample_state()
+    with CheckpointManager(MemoryStore(), max_to_keep=None) as mgr:
+        mgr.save(1, state)
+
+        def bad(plan: SavePlan, rank: int) -> TakenShare:
+            return TakenShare(lambda: spoil(share_of(state, plan, rank)))
+
+        assert mgr.save_async(2, specs_only(state), snapshot=bad)  # started: it fails in the background
+        with pytest.raises(error):
+            mgr.wait(timeout=60)
+        with pytest.raises(error):
+            mgr.save(3, specs_only(state), snapshot=bad)
+        assert mgr.all_steps() == [1]
+        assert_same_state(mgr.restore().tensors, state)
+
+
 def test_big_endian_snapshot_arrays_are_stored_little_endian() -> None:
     state = {"w": np.arange(100, dtype=np.float32)}
     with CheckpointManager(MemoryStore()) as mgr:
@@ -407,8 +460,8 @@ def test_specs_without_a_share_snapshot_are_an_error() -> None:
         assert mgr.all_steps() == []
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_rank_whose_snapshot_fails_tells_the_coordinator_at_once(asynchronous: bool) -> None:
+@pytest.mark.parametrize("asynchronous,deferred", [(False, False), (True, False), (True, True)])
+def test_a_rank_whose_snapshot_fails_tells_the_coordinator_at_once(asynchronous: bool, deferred: bool) -> None:
     """The coordinator abandons the step on the failed rank's error record, not after its gather timeout."""
     state = sample_state()
     store = MemoryStore()
@@ -424,13 +477,19 @@ def test_a_rank_whose_snapshot_fails_tells_the_coordinator_at_once(asynchronous:
             except BaseException as exc:  # noqa: BLE001 - checked below
                 outcome["rank0"] = exc
 
-        def broken(plan: SavePlan, rank: int) -> list[np.ndarray]:
+        def lost() -> list[np.ndarray]:
             raise RuntimeError("device lost")
+
+        def broken(plan: SavePlan, rank: int) -> list[np.ndarray] | TakenShare:
+            return TakenShare(lost) if deferred else lost()
 
         thread = threading.Thread(target=coordinator)
         thread.start()
         with pytest.raises(RuntimeError, match="device lost"):
-            if asynchronous:
+            if deferred:  # the share is taken, then fails on the background thread
+                assert managers[1].save_async(2, state, rank=1, world_size=2, snapshot=broken)
+                managers[1].wait(timeout=120)
+            elif asynchronous:
                 managers[1].save_async(2, state, rank=1, world_size=2, snapshot=broken)
             else:
                 managers[1].save(2, state, rank=1, world_size=2, snapshot=broken)

@@ -9,10 +9,17 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from ckpt_service.manager import CheckpointManager, prepare_share  # noqa: E402
-from ckpt_service.plan import make_save_plan  # noqa: E402
+from ckpt_service.manager import CheckpointManager, DeferredShare, prepare_share  # noqa: E402
+from ckpt_service.plan import make_save_plan, spec_of  # noqa: E402
 from hvd_transient.keras import TransientCallback, build_optimizer_slots, state_variables  # noqa: E402
-from hvd_transient.tf_snapshot import FusedSnapshot, SnapshotPlanError  # noqa: E402
+from hvd_transient.tf_snapshot import (  # noqa: E402
+    AliasedShare,
+    FusedSnapshot,
+    SnapshotPlanError,
+    TensorSlice,
+    assemble_pieces,
+    host_outputs,
+)
 from hvd_transient.workloads import MODELS  # noqa: E402
 
 
@@ -49,19 +56,26 @@ def plans(specs, world: int):
     yield make_save_plan(specs, world, piece_bytes=1024, chunk_bytes=256)
 
 
-def assert_same_bytes(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+def arrays(taken) -> list[np.ndarray]:
+    """What a share snapshot returned, as the arrays a save writes."""
+    return list(taken.assemble() if isinstance(taken, DeferredShare) else taken)
+
+
+def assert_same_bytes(got, want: list[np.ndarray]) -> None:
+    got = arrays(got)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
         assert g.tobytes() == w.tobytes()
 
 
+@pytest.mark.parametrize("deferred", [True, False], ids=["host_path", "device_path"])
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("make_variables", [lambda: state_variables(small_model()), mixed_variables],
                          ids=["small_cnn", "mixed_dtypes"])
-def test_fused_share_equals_the_per_variable_share(world, make_variables, caplog) -> None:
+def test_fused_share_equals_the_per_variable_share(world, make_variables, deferred, caplog) -> None:
     variables = make_variables()
-    fused = FusedSnapshot(variables)
+    fused = FusedSnapshot(variables, deferred=deferred)
     with caplog.at_level(logging.WARNING, logger="hvd_transient.tf_snapshot"):
         for plan in plans(list(fused.specs.values()), world):
             for rank in range(world):
@@ -71,25 +85,57 @@ def test_fused_share_equals_the_per_variable_share(world, make_variables, caplog
     assert "one by one" not in caplog.text, "every dtype of the plan should take the fused path"
 
 
-def test_snapshot_is_the_state_at_call_time() -> None:
+@pytest.mark.parametrize("deferred", [True, False], ids=["host_path", "device_path"])
+def test_snapshot_is_the_state_at_call_time(deferred) -> None:
     model = small_model()
     variables = dict(state_variables(model))
-    variables["whole"] = tf.Variable(np.arange(1000, dtype=np.float32))
+    variables["whole"] = tf.Variable(np.arange(100_000, dtype=np.float32))  # a large one: returned as read
     # the last case's only piece is one whole variable: the graph's output is the variable's read
     cases = [(variables, 1, None), (variables, 2, 1024), ({"whole": variables["whole"]}, 1, None)]
     for chosen, world, piece_bytes in cases:
-        fused = FusedSnapshot(chosen)
+        fused = FusedSnapshot(chosen, deferred=deferred)
         plan = make_save_plan(list(fused.specs.values()), world, piece_bytes=piece_bytes, chunk_bytes=256)
         for rank in range(world):
             before = [flat for _, flat in prepare_share(plan, rank, chosen)]
             got = fused(plan, rank)
-            # in-place updates right after the call: assign_add, assign and an optimizer step
+            assert isinstance(got, AliasedShare) == deferred
+            # in-place updates after the call, before the host path assembles the pieces:
+            # assign_add, assign and an optimizer step
             for var in chosen.values():
                 if var.dtype == tf.float32:
                     var.assign_add(tf.ones_like(var))
             variables["whole"].assign(tf.zeros_like(variables["whole"]))
             model.optimizer.apply_gradients([(tf.ones_like(v), v) for v in model.trainable_variables])
             assert_same_bytes(got, before)
+
+
+def test_variables_in_host_memory_take_the_host_path() -> None:
+    fused = FusedSnapshot(state_variables(small_model()))
+    assert fused.deferred  # this machine has no accelerator
+    plan = make_save_plan(list(fused.specs.values()), 2)
+    taken = fused(plan, 0)
+    assert isinstance(taken, AliasedShare)
+    taken.assemble()
+    with pytest.raises(RuntimeError, match="already assembled"):
+        taken.assemble()  # it let go of the variables' buffers the first time
+
+
+def test_host_outputs_read_each_variable_once_small_ones_concatenated_per_dtype() -> None:
+    specs = {name: spec_of(name, np.zeros(shape, dtype)) for name, shape, dtype in [
+        ("a", (3, 4), np.float32), ("big", (10, 10), np.float32), ("n", (5,), np.int64), ("b", (2,), np.float32)]}
+    layout = ((TensorSlice("a", 0, 12, True), TensorSlice("big", 0, 30, False)),
+              (TensorSlice("big", 30, 100, False), TensorSlice("b", 0, 2, True)), (TensorSlice("n", 0, 5, True),))
+    out = host_outputs(layout, specs, small_elements=50)
+    assert out.outputs == (("a", "b"), ("n",), ("big",))
+    assert out.concatenated == (True, True, False)
+    assert out.where == {"a": (0, 0), "b": (0, 12), "n": (1, 0), "big": (2, 0)}
+    flats = [np.arange(14, dtype=np.float32), np.arange(5), np.arange(100, dtype=np.float32) + 1000]
+    pieces = assemble_pieces(flats, out, layout)
+    np.testing.assert_array_equal(pieces[0], np.r_[np.arange(12), np.arange(1000, 1030)])
+    np.testing.assert_array_equal(pieces[1], np.r_[np.arange(1030, 1100), 12, 13])
+    assert pieces[2].dtype == np.int64 and pieces[2].tolist() == [0, 1, 2, 3, 4]
+    pieces[0][:] = -1
+    assert flats[0][0] == 0 and flats[2][0] == 1000  # the pieces are copies, not views of the outputs
 
 
 def test_async_save_of_a_keras_model_through_the_fused_snapshot() -> None:
