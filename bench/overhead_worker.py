@@ -9,7 +9,8 @@ so drift in the machine's load hits all of them alike.
 
 Configurations (what runs after each ``train_on_batch`` step):
 
-* ``none``: nothing.
+* ``none``: no checkpoint; at ten steps of each window (the first is where the others save) it
+  times an ``np.copy`` of the state, the stall's reference.
 * ``save_weights``: what Horovod's documentation recommends: rank 0 alone calls
   ``model.save_weights(prefix)`` (TensorFlow checkpoint format, as
   ``ModelCheckpoint(save_weights_only=True)`` does) at save steps.
@@ -54,8 +55,10 @@ log = logging.getLogger("overhead_worker")
 
 #: repeats of the host-copy measurements at the end (medians are reported)
 COPY_REPEATS = 21
+#: np.copy timings per no-checkpoint window (the first at its save step)
+COPIES_PER_WINDOW = 10
 #: async saves whose background CPU time is measured at the end, and the steps they use
-BACKGROUND_REPEATS = 7
+BACKGROUND_REPEATS = 15
 BACKGROUND_FIRST_STEP = 10**9
 #: how long the process's CPU rate with nothing running is sampled (Horovod's own thread)
 IDLE_PROBE_S = 1.0
@@ -202,20 +205,22 @@ def copy_seconds(arrays: Sequence[np.ndarray]) -> float:
 
 
 class NoSaver(Saver):
-    """No checkpoint; at the steps where the others save, it times a plain copy of the state.
+    """No checkpoint; it times a plain copy of the state where the others save, and at 9 more steps.
 
     That copy is the stall's reference taken where the stall is taken, on a loop under the
-    same load (the other rank training, the same caches), instead of on an idle one. It adds
-    one copy of the state per window (~1 ms against K steps of hundreds of ms).
+    same load (the other rank training, the same caches), instead of on an idle one; the
+    extra steps give the median enough samples. It adds ten copies of the state per window
+    (~15 ms against K steps of hundreds of ms).
     """
 
     def __init__(self, interval: int, model: tf.keras.Model) -> None:
         super().__init__(interval)
         self._arrays = host_arrays(model)
         self._copies: list[float] = []
+        self._every = max(1, interval // COPIES_PER_WINDOW)
 
     def after_step(self, local: int) -> None:
-        if self.due(local):
+        if local > 0 and local % self._every == 0:
             self._copies.append(copy_seconds(self._arrays))
 
     def save_stats(self) -> dict[str, Any]:
