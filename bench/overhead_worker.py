@@ -60,6 +60,9 @@ COPIES_PER_WINDOW = 10
 #: async saves whose background CPU time is measured at the end, and the steps they use
 BACKGROUND_REPEATS = 15
 BACKGROUND_FIRST_STEP = 10**9
+#: async saves (and as many copies) alternating with training steps at the end, and their steps
+PAIRED_REPEATS = 15
+PAIRED_FIRST_STEP = 2 * 10**9
 #: how long the process's CPU rate with nothing running is sampled (Horovod's own thread)
 IDLE_PROBE_S = 1.0
 
@@ -345,6 +348,30 @@ class TransientSaver(Saver):
         return {"background_cpu_samples": samples, "idle_cpu_rate": idle_rate, "idle_stall_samples": stalls,
                 "idle_copy_samples": copies}
 
+    def paired_in_training(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+        """Async saves and np.copy timings alternating step by step while training goes on.
+
+        Each training step is followed by a collective (as the notice collective precedes a
+        periodic save), then either a save or a copy of the state, so both meet the same load;
+        a save's background write is waited for before the next step, outside the timings.
+        """
+        manager, rank, size = self.impl.manager, hvd.rank(), hvd.size()
+        arrays = host_arrays(self.model)
+        stalls, copies = [], []
+        for i in range(2 * PAIRED_REPEATS):
+            self.model.train_on_batch(*batches[i % len(batches)])
+            manager.wait()
+            barrier()
+            if i % 2:
+                copies.append(copy_seconds(arrays))
+                continue
+            t0 = time.perf_counter()
+            manager.save_async(PAIRED_FIRST_STEP + i, self._snapshot(), self._metadata(i), rank=rank,
+                               world_size=size, coordinator=self.impl.run.master, snapshot=self._share)
+            stalls.append(time.perf_counter() - t0)
+        manager.wait()
+        return {"paired_stall_samples": stalls, "paired_copy_samples": copies}
+
     def close(self) -> None:
         self.impl.end(0)
         self.impl.close()
@@ -488,7 +515,7 @@ def run(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                       f"{w.steps} steps in {result['window_s']:.1f} s", file=sys.stderr, flush=True)
         async_saver = next((s for (c, _), s in savers.items() if c == "ours_async"), None)
         if isinstance(async_saver, TransientSaver):  # the same on every rank: it runs collectives
-            background = async_saver.background_cpu()
+            background = {**async_saver.paired_in_training(batches), **async_saver.background_cpu()}
     finally:
         for saver in savers.values():
             saver.close()

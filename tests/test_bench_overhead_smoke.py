@@ -27,7 +27,8 @@ OVERHEAD_KEYS = ("async_overhead_pct", "async_stall_ms", "memcpy_ms", "baseline_
                  "notice_collective_ms", "throughput_noise_pct", "async_blocking_estimate_pct",
                  "async_cpu_overhead_pct", "cpu_noise_pct", "async_call_stall_ms", "async_background_cpu_ms",
                  "async_blocking_with_background_pct", "async_stall_idle_ms", "async_stall_idle_vs_memcpy_idle",
-                 "memcpy_after_collective_ms")
+                 "memcpy_after_collective_ms", "async_stall_paired_ms", "memcpy_paired_ms",
+                 "async_stall_paired_vs_memcpy", "async_plain_call_ms")
 EMERGENCY_KEYS = ("sharded_speedup_vs_single", "max_state_mb_in_30s", "notice_to_commit_s", "single_writer_s",
                   "fits_in_30s")
 
@@ -144,16 +145,19 @@ def test_the_background_writes_cpu_time_is_added_to_the_blocked_time_estimate() 
                    own_stall_s=[0.002], hook_s=[0.0] + [0.0005] * 4 + [0.003] + [0.0005] * 4)
     docs = [{"rank": 0, "windows": [async_w, dict(common, config="none", save_steps=[])],
              "background_cpu_samples": [0.010, 0.030, 0.020], "idle_stall_samples": [0.001, 0.002, 0.001],
-             "idle_copy_samples": [0.001, 0.001, 0.001]},
+             "idle_copy_samples": [0.001, 0.001, 0.001],
+             "paired_stall_samples": [0.003, 0.002, 0.004], "paired_copy_samples": [0.001, 0.002, 0.001]},
             {"rank": 1, "windows": [async_w, dict(common, config="none", save_steps=[])],
              "background_cpu_samples": [0.015, 0.005, 0.020], "idle_stall_samples": [0.0015, 0.001, 0.001],
-             "idle_copy_samples": [0.0005, 0.0005, 0.0005]}]
+             "idle_copy_samples": [0.0005, 0.0005, 0.0005],
+             "paired_stall_samples": [0.002, 0.005, 0.001], "paired_copy_samples": [0.001, 0.001, 0.003]}]
     slowest = ckpt_overhead.slowest_rank
     assert slowest(docs, "background_cpu_samples") == [0.015, 0.030, 0.020]  # per save, the slower rank
     assert slowest(docs, "idle_stall_samples") == [0.0015, 0.002, 0.001]
     refs = {"memcpy_s": 0.001, "host_read_s": 0.02, "state_bytes": 100, "tensors": 3, "notice_collective_s": 0.003,
             "background_cpu_s": slowest(docs, "background_cpu_samples"), "idle_stall_s": slowest(docs, "idle_stall_samples"),
-            "idle_copy_s": slowest(docs, "idle_copy_samples")}
+            "idle_copy_s": slowest(docs, "idle_copy_samples"), "paired_stall_s": slowest(docs, "paired_stall_samples"),
+            "paired_copy_s": slowest(docs, "paired_copy_samples")}
     summary = ckpt_overhead.summarize(ckpt_overhead.config_stats(ckpt_overhead.merge_ranks(docs)), refs, (10,))
     # 10 steps of 100 ms: one 2 ms stall + one more notice collective of 3 ms + the 8 other steps' calls of
     # 0.5 ms = 0.9%; + 20 ms of CPU = 2.9%
@@ -164,6 +168,11 @@ def test_the_background_writes_cpu_time_is_added_to_the_blocked_time_estimate() 
     assert summary["async_stall_idle_ms"] == pytest.approx(1.5)
     assert summary["memcpy_after_collective_ms"] == pytest.approx(1.0)
     assert summary["async_stall_idle_vs_memcpy_idle"] == pytest.approx(1.5)
+    # per step, the slower rank: stalls 3, 5, 4 ms; copies 1, 2, 3 ms
+    assert summary["async_stall_paired_ms"] == pytest.approx(4.0)
+    assert summary["memcpy_paired_ms"] == pytest.approx(2.0)
+    assert summary["async_stall_paired_vs_memcpy"] == pytest.approx(2.0)
+    assert summary["goal"]["stall_paired_met"] is True
     assert summary["goal"]["blocking_estimate_met"] is True
     assert summary["goal"]["blocking_with_background_met"] is False
     assert "2.90% (above 1%)" in ckpt_overhead.goal_text(summary)
