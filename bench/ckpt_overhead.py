@@ -332,6 +332,15 @@ def goal_verdict(value: float | None, noise: float | None, limit: float) -> bool
     return value <= limit
 
 
+def _stall_and_copy(stalls: Sequence[float] | None, copies: Sequence[float] | None, *, saves: str, stall: str,
+                    copy: str, ratio: str) -> dict[str, Any]:
+    """Summary fields of a set of stall and copy timings (seconds): count, medians in ms, their ratio."""
+    if not stalls or not copies:
+        return {}
+    stall_ms, copy_ms = statistics.median(stalls) * 1000, statistics.median(copies) * 1000
+    return {saves: len(stalls), stall: stall_ms, copy: copy_ms, ratio: stall_ms / copy_ms if copy_ms > 0 else None}
+
+
 def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals: Sequence[int]) -> dict[str, Any]:
     find = {(s.config, s.interval): s for s in stats}
     memcpy_idle_ms = copies["memcpy_s"] * 1000
@@ -407,24 +416,14 @@ def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals
             # the other steps' own call (reading the step, the cadence bookkeeping), rank 0's median
             plain = max(0.0, at - 1 - rounds) * summary["async_plain_call_ms"]
             summary["async_blocking_estimate_pct"] = (stall + rounds * collective + plain) / interval_ms * 100
-            idle_stalls = copies.get("idle_stall_s") or []
-            idle_copies = copies.get("idle_copy_s") or []
-            if idle_stalls and idle_copies:
-                # the stall and the copy, each right after a collective, no training going on
-                summary["async_idle_saves"] = len(idle_stalls)
-                summary["async_stall_idle_ms"] = statistics.median(idle_stalls) * 1000
-                summary["memcpy_after_collective_ms"] = statistics.median(idle_copies) * 1000
-                summary["async_stall_idle_vs_memcpy_idle"] = (
-                    summary["async_stall_idle_ms"] / summary["memcpy_after_collective_ms"])
-            paired_stalls = copies.get("paired_stall_s") or []
-            paired_copies = copies.get("paired_copy_s") or []
-            if paired_stalls and paired_copies:
-                # saves and copies alternating step by step while training goes on
-                summary["async_paired_saves"] = len(paired_stalls)
-                summary["async_stall_paired_ms"] = statistics.median(paired_stalls) * 1000
-                summary["memcpy_paired_ms"] = statistics.median(paired_copies) * 1000
-                summary["async_stall_paired_vs_memcpy"] = (
-                    summary["async_stall_paired_ms"] / summary["memcpy_paired_ms"])
+            # the stall and the copy, each right after a collective, no training going on
+            summary.update(_stall_and_copy(copies.get("idle_stall_s"), copies.get("idle_copy_s"), saves="async_idle_saves",
+                                           stall="async_stall_idle_ms", copy="memcpy_after_collective_ms",
+                                           ratio="async_stall_idle_vs_memcpy_idle"))
+            # saves and copies alternating step by step while training goes on
+            summary.update(_stall_and_copy(copies.get("paired_stall_s"), copies.get("paired_copy_s"),
+                                           saves="async_paired_saves", stall="async_stall_paired_ms",
+                                           copy="memcpy_paired_ms", ratio="async_stall_paired_vs_memcpy"))
             background = copies.get("background_cpu_s") or []
             if background:
                 # Upper bound of the contention: every CPU-ms of the background write taken from training.
