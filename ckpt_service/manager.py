@@ -166,14 +166,14 @@ class CheckpointManager:
         """The save plan of ``specs`` over ``world_size`` writers (cached: plans are immutable and
         planning a few hundred tensors costs about a millisecond of every save's stall)."""
         # A TensorSpecs is its own key: its hash is computed once and a lookup matches it by identity.
-        key = (specs if isinstance(specs, TensorSpecs) else tuple(specs), world_size)
+        checked = isinstance(specs, TensorSpecs)
+        key = (specs if checked else tuple(specs), world_size)
         with self._plans_lock:
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        plan = make_save_plan(specs.specs if isinstance(specs, TensorSpecs) else key[0], world_size,
-                              chunk_bytes=self.chunk_bytes)
+        plan = make_save_plan(specs.specs if checked else key[0], world_size, chunk_bytes=self.chunk_bytes)
         with self._plans_lock:
             self._plans[key] = plan
             while len(self._plans) > PLAN_CACHE_SIZE:

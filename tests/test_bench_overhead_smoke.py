@@ -155,7 +155,8 @@ def test_the_background_writes_cpu_time_is_added_to_the_blocked_time_estimate() 
     assert slowest(docs, "background_cpu_samples") == [0.015, 0.030, 0.020]  # per save, the slower rank
     assert slowest(docs, "idle_stall_samples") == [0.0015, 0.002, 0.001]
     refs = {"memcpy_s": 0.001, "host_read_s": 0.02, "state_bytes": 100, "tensors": 3, "notice_collective_s": 0.003,
-            "background_cpu_s": slowest(docs, "background_cpu_samples"), "idle_stall_s": slowest(docs, "idle_stall_samples"),
+            "background_cpu_s": slowest(docs, "background_cpu_samples"),
+            "idle_stall_s": slowest(docs, "idle_stall_samples"),
             "idle_copy_s": slowest(docs, "idle_copy_samples"), "paired_stall_s": slowest(docs, "paired_stall_samples"),
             "paired_copy_s": slowest(docs, "paired_copy_samples")}
     summary = ckpt_overhead.summarize(ckpt_overhead.config_stats(ckpt_overhead.merge_ranks(docs)), refs, (10,))
