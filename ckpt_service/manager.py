@@ -56,6 +56,7 @@ from ckpt_service.stores import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
 
+
 @runtime_checkable
 class DeferredShare(Protocol):
     """A share snapshot taken by reference, whose piece arrays are built later.
