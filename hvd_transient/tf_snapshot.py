@@ -107,15 +107,14 @@ def host_outputs(layout: Layout, specs: Mapping[str, TensorSpec],
     """Outputs that hold every variable ``layout`` cuts pieces from, each once (pure)."""
     names = list(dict.fromkeys(s.name for slices in layout for s in slices))
     small: dict[str, list[str]] = {}  # dtype -> names, in first-use order
+    large: list[str] = []
     for name in names:
         if specs[name].size <= small_elements:
             small.setdefault(specs[name].dtype, []).append(name)
-    outputs = [tuple(group) for group in small.values()]
-    concatenated = [True] * len(outputs)
-    for name in names:
-        if specs[name].size > small_elements:
-            outputs.append((name,))
-            concatenated.append(False)
+        else:
+            large.append(name)
+    outputs = [tuple(group) for group in small.values()] + [(name,) for name in large]
+    concatenated = [True] * len(small) + [False] * len(large)
     where: dict[str, tuple[int, int]] = {}
     for index, group in enumerate(outputs):
         offset = 0
@@ -153,7 +152,7 @@ class AliasedShare(DeferredShare):
 
 def _to_host(tensor: tf.Tensor) -> np.ndarray:
     """A host array of a function output, copying only if it lives on an accelerator."""
-    if tf.DeviceSpec.from_string(tensor.backing_device).device_type == "CPU":
+    if _device_type(tensor.backing_device) == "CPU":
         # No copy. The array keeps the tensor alive; where that is a variable's own buffer (a
         # piece that is one whole variable), TensorFlow updates a variable whose buffer is still
         # referenced by copying it first, so the array keeps this call's values.
@@ -296,7 +295,8 @@ class FusedSnapshot:
             log.warning("cannot trace a fused checkpoint snapshot (%s); reading the variables one by one", exc)
             return None
         log.info("traced the fused checkpoint snapshot of rank %d of %d (%d piece(s), %s) in %.2f s", rank,
-                 world_size, len(items), "host memory" if host is not None else "device", time.perf_counter() - t0)
+                 world_size, len(items), "host memory" if host is not None else "device",
+                 time.perf_counter() - t0)
         return function
 
 
