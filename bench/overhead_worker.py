@@ -284,11 +284,19 @@ class TransientSaver(Saver):
 
     def _metadata(self, step: int) -> dict[str, Any]:
         # as TransientCallback's: the step its caller read, the world size, the learning rate read
+        from hvd_transient.keras import learning_rate_of
+
         meta: dict[str, Any] = {"step": step, "world_size": hvd.size()}
-        lr = getattr(self.model.optimizer, "learning_rate", None)
-        if isinstance(lr, tf.Variable):
-            meta["lr"] = float(lr.numpy())
+        lr = learning_rate_of(self.model.optimizer)
+        if lr is not None:
+            meta["lr"] = lr
         return meta
+
+    def _start_async_save(self, step: int) -> None:
+        """One async save of every rank at ``step``, as a periodic save makes it (the caller times it)."""
+        self.impl.manager.save_async(step, self._snapshot(), self._metadata(step), rank=hvd.rank(),
+                                     world_size=hvd.size(), coordinator=self.impl.run.master,
+                                     snapshot=self._share)
 
     def after_step(self, local: int) -> None:
         # TransientCallback reads the optimizer's step after every batch and hands it to the metadata
@@ -324,7 +332,7 @@ class TransientSaver(Saver):
         contention that the blocked-time estimate leaves out. The process's CPU rate with
         nothing running (Horovod's background thread) is taken off.
         """
-        manager, rank, size = self.impl.manager, hvd.rank(), hvd.size()
+        manager = self.impl.manager
         barrier()
         c0, t0 = time.process_time(), time.perf_counter()
         time.sleep(IDLE_PROBE_S)  # a measurement interval, not a wait for anything
@@ -338,8 +346,7 @@ class TransientSaver(Saver):
             copies.append(copy_seconds(arrays))
             barrier()
             t0 = time.perf_counter()
-            manager.save_async(BACKGROUND_FIRST_STEP + i, self._snapshot(), self._metadata(i), rank=rank,
-                               world_size=size, coordinator=self.impl.run.master, snapshot=self._share)
+            self._start_async_save(BACKGROUND_FIRST_STEP + i)
             c1, t1 = time.process_time(), time.perf_counter()  # the caller's part, the stall, is over
             stalls.append(t1 - t0)
             manager.wait()
@@ -355,7 +362,7 @@ class TransientSaver(Saver):
         periodic save), then either a save or a copy of the state, so both meet the same load;
         a save's background write is waited for before the next step, outside the timings.
         """
-        manager, rank, size = self.impl.manager, hvd.rank(), hvd.size()
+        manager = self.impl.manager
         arrays = host_arrays(self.model)
         stalls, copies = [], []
         for i in range(2 * PAIRED_REPEATS):
@@ -366,8 +373,7 @@ class TransientSaver(Saver):
                 copies.append(copy_seconds(arrays))
                 continue
             t0 = time.perf_counter()
-            manager.save_async(PAIRED_FIRST_STEP + i, self._snapshot(), self._metadata(i), rank=rank,
-                               world_size=size, coordinator=self.impl.run.master, snapshot=self._share)
+            self._start_async_save(PAIRED_FIRST_STEP + i)
             stalls.append(time.perf_counter() - t0)
         manager.wait()
         return {"paired_stall_samples": stalls, "paired_copy_samples": copies}

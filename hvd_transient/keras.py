@@ -66,6 +66,12 @@ def state_variables(model: tf.keras.Model) -> dict[str, tf.Variable]:
     return named
 
 
+def learning_rate_of(optimizer: Any) -> float | None:
+    """The optimizer's current learning rate if it is held in a variable (one eager read), else None."""
+    lr = getattr(optimizer, "learning_rate", None)
+    return float(lr.numpy()) if isinstance(lr, tf.Variable) else None
+
+
 def build_optimizer_slots(model: tf.keras.Model) -> None:
     """Create slot variables now, identically on every worker (horovod#2652)."""
     if not model.built:
@@ -204,9 +210,9 @@ class TransientCallback(tf.keras.callbacks.Callback):
         meta: dict[str, Any] = {"step": step, "world_size": self.impl.comm.size() if self.impl else 1}
         if self.state is not None:
             meta.update(epoch=int(getattr(self.state, "epoch", 0)), batch=int(getattr(self.state, "batch", 0)))
-        lr = getattr(self.model.optimizer, "learning_rate", None)
-        if isinstance(lr, tf.Variable):
-            meta["lr"] = float(lr.numpy())
+        lr = learning_rate_of(self.model.optimizer)
+        if lr is not None:
+            meta["lr"] = lr
         return meta
 
     def _apply_lr(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import types
 import uuid
 
 import numpy as np
@@ -11,7 +12,12 @@ tf = pytest.importorskip("tensorflow")
 
 from ckpt_service.manager import CheckpointManager, DeferredShare, prepare_share  # noqa: E402
 from ckpt_service.plan import make_save_plan, spec_of  # noqa: E402
-from hvd_transient.keras import TransientCallback, build_optimizer_slots, state_variables  # noqa: E402
+from hvd_transient.keras import (  # noqa: E402
+    TransientCallback,
+    build_optimizer_slots,
+    learning_rate_of,
+    state_variables,
+)
 from hvd_transient.tf_snapshot import (  # noqa: E402
     AliasedShare,
     FusedSnapshot,
@@ -200,3 +206,15 @@ def test_callback_reuses_the_snapshot_while_the_variables_stay_the_same() -> Non
     plan = make_save_plan(list(first.specs.values()), 1)
     assert_same_bytes(callback._share_snapshot(plan, 0),
                       [flat for _, flat in prepare_share(plan, 0, state_variables(model))])
+
+
+def test_the_save_metadata_has_the_learning_rate_when_it_is_a_variable() -> None:
+    model = small_model()
+    callback = TransientCallback(None, store=f"memory://{uuid.uuid4().hex}", watcher="local")
+    callback.set_model(model)
+    assert learning_rate_of(model.optimizer) == pytest.approx(0.1)
+    assert callback._metadata(7) == {"step": 7, "world_size": 1, "lr": pytest.approx(0.1)}
+    schedule = tf.keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+    assert learning_rate_of(tf.keras.optimizers.SGD(schedule)) == pytest.approx(0.1)  # its current value
+    assert learning_rate_of(types.SimpleNamespace(learning_rate=0.5)) is None  # not a variable: not read
+    assert learning_rate_of(object()) is None
