@@ -418,8 +418,8 @@ def summarize(stats: Sequence[ConfigStats], copies: Mapping[str, Any], intervals
             summary["async_blocking_estimate_pct"] = (stall + rounds * collective + plain) / interval_ms * 100
             # the stall and the copy, each right after a collective, no training going on
             summary.update(_stall_and_copy(copies.get("idle_stall_s"), copies.get("idle_copy_s"),
-                                           saves="async_idle_saves", stall="async_stall_idle_ms", copy="memcpy_after_collective_ms",
-                                           ratio="async_stall_idle_vs_memcpy_idle"))
+                                           saves="async_idle_saves", stall="async_stall_idle_ms",
+                                           copy="memcpy_after_collective_ms", ratio="async_stall_idle_vs_memcpy_idle"))
             # saves and copies alternating step by step while training goes on
             summary.update(_stall_and_copy(copies.get("paired_stall_s"), copies.get("paired_copy_s"),
                                            saves="async_paired_saves", stall="async_stall_paired_ms",
@@ -845,9 +845,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "all), i.e. under the same load as the stall (the other rank training on the same cores; about 15 ms "
         "of copies per window, under 0.1% of it); memcpy_idle_ms is the same copy after the run with "
         "no training going on (rank 0), and async_stall_vs_memcpy_idle the ratio against it",
-        f"async_stall_idle_ms: the stall of those {summary.get('async_idle_saves')} saves (slowest rank, median), "
-        "with no "
-        "training going on; "
+        f"async_stall_idle_ms: the stall of the {summary.get('async_idle_saves')} saves of async_background_cpu_ms "
+        "(slowest rank, median), with no training going on; "
         "memcpy_after_collective_ms: np.copy of the state timed the same way (right after a collective, slowest "
         "rank) before each of them; async_stall_idle_vs_memcpy_idle their ratio: the mechanism's own cost, "
         "without the other rank's training competing for the cores",
@@ -857,10 +856,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "before the next step, outside the timings): the stall and its reference under the same training load, "
         "with more samples than the windows' saves; goal.stall_paired_met: their ratio <= 2",
         f"async_background_cpu_ms: after the windows, every rank makes {summary.get('async_idle_saves')} async saves "
-        "at once "
-        "with training "
-        "paused; the process CPU time from the save call's return to the background write's end (writing, "
-        "checksums, gather, commit; minus the idle process's CPU rate), slowest rank, median. "
+        "at once with training paused; the process CPU time from the save call's return to the background "
+        "write's end (writing, checksums, gather, commit; minus the idle process's CPU rate), slowest rank, median. "
         "async_blocking_with_background_pct adds it to the blocked-time estimate: on cores that training "
         "keeps busy every CPU-ms of it can displace a ms of training, so it is an upper bound of the contention",
         "model.save_weights / tf.train.Checkpoint do not fsync; the hvd-transient local store fsyncs every object",
