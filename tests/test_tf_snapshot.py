@@ -1,6 +1,7 @@
 """FusedSnapshot: one-call device-to-host snapshot of a rank's checkpoint share of TF variables."""
 from __future__ import annotations
 
+import gc
 import logging
 import types
 import uuid
@@ -18,12 +19,14 @@ from hvd_transient.keras import (  # noqa: E402
     learning_rate_of,
     state_variables,
 )
+from hvd_transient import tf_snapshot  # noqa: E402
 from hvd_transient.tf_snapshot import (  # noqa: E402
     AliasedShare,
     FusedSnapshot,
     SnapshotPlanError,
     TensorSlice,
     assemble_pieces,
+    direct_call,
     host_outputs,
 )
 from hvd_transient.workloads import MODELS  # noqa: E402
@@ -186,6 +189,40 @@ def test_falls_back_to_reading_one_by_one(monkeypatch, caplog) -> None:
             got = fused(plan, rank)
             assert_same_bytes(got, [flat for _, flat in prepare_share(plan, rank, variables)])
     assert "one by one" in caplog.text
+
+
+@pytest.mark.parametrize("executor", ["", tf_snapshot.HOST_EXECUTOR], ids=["default", "single_threaded"])
+def test_direct_call_gives_what_the_function_gives_and_keeps_it_alive(executor) -> None:
+    a = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+    b = tf.Variable(np.int64(4))
+    function = tf.function(lambda: [tf.reshape(a.read_value(), [-1]), b + 1], autograph=False)
+    call = direct_call(function.get_concrete_function(), executor)
+    del function
+    gc.collect()  # the runtime would drop the traced function with its last Python reference
+    got = call()
+    assert got[0].numpy().tolist() == [0, 1, 2, 3, 4, 5] and int(got[1]) == 5
+    a.assign_add(tf.ones_like(a))  # the captured handles are the variables': later calls see updates
+    assert call()[0].numpy().tolist() == [1, 2, 3, 4, 5, 6]
+
+
+def test_direct_call_without_the_runtime_internals_falls_back_to_the_public_call() -> None:
+    class NotConcrete:  # no name, captured inputs or outputs to call the runtime with
+        def __call__(self) -> list[tf.Tensor]:
+            return [tf.constant(3)]
+
+    assert int(direct_call(NotConcrete(), tf_snapshot.HOST_EXECUTOR)()[0]) == 3
+
+
+def test_an_executor_that_refuses_the_function_falls_back_to_the_default_one(monkeypatch, caplog) -> None:
+    variables = mixed_variables()
+    monkeypatch.setattr(tf_snapshot, "HOST_EXECUTOR", "NO_SUCH_EXECUTOR")
+    fused = FusedSnapshot(variables)
+    plan = make_save_plan(list(fused.specs.values()), 2, piece_bytes=1024)
+    with caplog.at_level(logging.WARNING, logger="hvd_transient.tf_snapshot"):
+        for rank in range(2):
+            assert_same_bytes(fused(plan, rank), [flat for _, flat in prepare_share(plan, rank, variables)])
+    assert "using TensorFlow's default executor" in caplog.text  # the host path asked for the executor
+    assert "one by one" not in caplog.text
 
 
 def test_a_plan_of_other_tensors_is_refused() -> None:
