@@ -223,6 +223,12 @@ def merge_ranks(rank_docs: Sequence[Mapping[str, Any]]) -> list[WindowResult]:
     return out
 
 
+#: What summarize() takes from every rank's end-of-run samples (the slowest rank per sample): its key -> the worker's.
+SLOWEST_RANK_SAMPLES = {"background_cpu_s": "background_cpu_samples", "idle_stall_s": "idle_stall_samples",
+                        "idle_copy_s": "idle_copy_samples", "paired_stall_s": "paired_stall_samples",
+                        "paired_copy_s": "paired_copy_samples"}
+
+
 def slowest_rank(per_rank: Sequence[Mapping[str, Any]], key: str) -> list[float]:
     """Per sample of ``key`` (the ranks take theirs in step, e.g. one per save), the largest over the ranks."""
     return [max(per_sample) for per_sample in zip(*(d.get(key, ()) for d in per_rank))]
@@ -787,11 +793,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     stats = config_stats(merge_ranks(docs))
     rank0 = docs[0]
-    summary = summarize(stats, {**rank0, "background_cpu_s": slowest_rank(docs, "background_cpu_samples"),
-                                "idle_stall_s": slowest_rank(docs, "idle_stall_samples"),
-                                "idle_copy_s": slowest_rank(docs, "idle_copy_samples"),
-                                "paired_stall_s": slowest_rank(docs, "paired_stall_samples"),
-                                "paired_copy_s": slowest_rank(docs, "paired_copy_samples")}, args.intervals)
+    slowest = {key: slowest_rank(docs, samples) for key, samples in SLOWEST_RANK_SAMPLES.items()}
+    summary = summarize(stats, {**rank0, **slowest}, args.intervals)
     summary["elapsed_s"] = elapsed
     table = table_rows(stats)
     title = (f"checkpoint overhead: {rank0['model_name']} ({rank0['params']:,} parameters, state "
