@@ -266,15 +266,20 @@ class FusedSnapshot:
                 raise TypeError(f"variable {name!r} reads as {value.dtype}, its checkpoint group is {want}")
             return value
 
+        def read_flat(name: str, minus_one: tf.Tensor) -> tf.Tensor:
+            # one [-1] constant per trace, shared by every reshape, keeps tracing short
+            value = read(name)
+            return value if value.shape.rank == 1 else tf.reshape(value, minus_one)
+
         def host_fused() -> list[tf.Tensor]:
             assert host is not None
-            minus_one = tf.constant([-1])  # one constant shared by every reshape keeps tracing short
+            minus_one = tf.constant([-1])
             outputs = []
             for names, concatenated in zip(host.outputs, host.concatenated):
                 if not concatenated:
                     outputs.append(read(names[0]))  # an alias of the variable's buffer
                     continue
-                parts = [v if v.shape.rank == 1 else tf.reshape(v, minus_one) for v in map(read, names)]
+                parts = [read_flat(name, minus_one) for name in names]
                 outputs.append(parts[0] if len(parts) == 1 else tf.concat(parts, 0))
             return outputs
 
@@ -284,8 +289,7 @@ class FusedSnapshot:
 
             def flat_of(name: str) -> tf.Tensor:
                 if name not in flat:
-                    value = read(name)
-                    flat[name] = value if value.shape.rank == 1 else tf.reshape(value, minus_one)
+                    flat[name] = read_flat(name, minus_one)
                 return flat[name]
 
             outputs = []
