@@ -155,10 +155,7 @@ def test_the_background_writes_cpu_time_is_added_to_the_blocked_time_estimate() 
     assert slowest(docs, "background_cpu_samples") == [0.015, 0.030, 0.020]  # per save, the slower rank
     assert slowest(docs, "idle_stall_samples") == [0.0015, 0.002, 0.001]
     refs = {"memcpy_s": 0.001, "host_read_s": 0.02, "state_bytes": 100, "tensors": 3, "notice_collective_s": 0.003,
-            "background_cpu_s": slowest(docs, "background_cpu_samples"),
-            "idle_stall_s": slowest(docs, "idle_stall_samples"),
-            "idle_copy_s": slowest(docs, "idle_copy_samples"), "paired_stall_s": slowest(docs, "paired_stall_samples"),
-            "paired_copy_s": slowest(docs, "paired_copy_samples")}
+            **{key: slowest(docs, samples) for key, samples in ckpt_overhead.SLOWEST_RANK_SAMPLES.items()}}
     summary = ckpt_overhead.summarize(ckpt_overhead.config_stats(ckpt_overhead.merge_ranks(docs)), refs, (10,))
     # 10 steps of 100 ms: one 2 ms stall + one more notice collective of 3 ms + the 8 other steps' calls of
     # 0.5 ms = 0.9%; + 20 ms of CPU = 2.9%
