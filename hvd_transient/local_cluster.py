@@ -12,6 +12,7 @@ Used by the end-to-end tests, ``hvd-transient demo`` and the benchmarks.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -25,7 +26,6 @@ from typing import Any, Callable, Sequence
 from ckpt_service.stores import open_store
 from hvd_transient.control import clear_stop, request_stop
 from hvd_transient.events import read_events
-from hvd_transient.membership import clear_leaving
 from hvd_transient.metadata_emulator import MetadataEmulator
 
 log = logging.getLogger(__name__)
@@ -77,20 +77,26 @@ class LocalCluster:
             raise ValueError(f"slots must be at least 1, not {spec.slots}")
         self.spec = spec
         self.store = open_store(spec.store)
-        self.state_file = spec.workdir / "hosts.txt"
+        self.state_file = spec.workdir / "hosts.json"
         self.log_path = spec.workdir / "horovodrun.log"
         self.emulator = MetadataEmulator(instances=spec.instances or spec.hosts)
         self.process: subprocess.Popen[bytes] | None = None
         self._hosts = list(spec.hosts)
+        self._vm_started: dict[str, float] = {}  # host -> when its current VM incarnation started
         self.started_at = 0.0
 
     # ---------------------------------------------------------------- lifecycle
 
-    def start(self) -> "LocalCluster":
+    def start(self, *, new_vms: bool = True) -> "LocalCluster":
+        """Launch horovodrun. ``new_vms``: the hosts are fresh VMs (a leaving record published
+        by an earlier VM of the same name no longer applies); False: the same VMs as before,
+        whose records then expire with their deadline."""
         self.spec.workdir.mkdir(parents=True, exist_ok=True)
         self.emulator.start()
-        for host in self._hosts:  # new VMs may reuse names that left an earlier run
-            clear_leaving(self.store, host)
+        now = time.time()
+        for host in self._hosts:
+            if new_vms or host not in self._vm_started:
+                self._vm_started[host] = now
         clear_stop(self.store)
         self._write_hosts()
         env = self.environment()
@@ -173,16 +179,21 @@ class LocalCluster:
     # ------------------------------------------------------------------ control
 
     def _write_hosts(self) -> None:
+        # each VM's start time, as the Compute API's lastStartTimestamp: a leaving record
+        # published before it was (re)started does not exclude it
+        doc = {"hosts": [{"host": h, "slots": 1, "started_at": self._vm_started.get(h, self.started_at)}
+                         for h in self._hosts]}
         tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text("".join(f"{h}:1\n" for h in self._hosts))
+        tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.state_file)  # discovery must never read half a file
 
     def add_host(self, host: str) -> None:
-        """A new VM appears: discovery lists it from now on."""
+        """A new VM appears (or a preempted one is started again): discovery lists it from now on."""
         if host not in self.emulator.state():
             self.emulator.add_instance(host)
-        clear_leaving(self.store, host)
-        self._hosts.append(host)
+        self._vm_started[host] = time.time()
+        if host not in self._hosts:
+            self._hosts.append(host)
         self._write_hosts()
 
     def preempt(self, host: str, *, window_s: float = 30.0, kill_at_deadline: bool = True) -> float:

@@ -1,43 +1,162 @@
-"""Who is leaving the cluster, published in the run's store.
+"""Who is leaving the cluster, published in the run's store, and for how long that holds.
 
 A worker under preemption notice publishes ``hosts/leaving/<host>.json``; every
 host-discovery backend drops those hosts from its output, which is what makes
 Horovod shrink the ring gracefully (HostsUpdatedInterrupt, no rollback).
-A host that comes back (a new VM reusing the name) is re-admitted by
-``clear_leaving``.
+
+A record excludes its host only while it describes the *current incarnation* of
+that host, so a VM that comes back under the same name is admitted again:
+
+* every backend: once the notice's deadline plus a grace (``DEFAULT_GRACE_S``)
+  has passed, the VM it was about is gone, and the record no longer excludes;
+* gce backend: a VM whose instance id differs from the record's, or whose
+  ``lastStartTimestamp`` is newer than the record, is a new incarnation and is
+  listed again at once (a STOP-preempted Spot VM restarted by ``cluster up``).
+
+Expired records are deleted by the checkpoint master when a ring begins
+(:func:`prune_leaving`). The record format (JSON, all times Unix seconds)::
+
+    {"host": "w-1", "reason": "preemption-notice", "published_at": 1764000000.0,
+     "deadline": 1764000030.0, "instance_id": "4521..." | null}
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
+from dataclasses import asdict, dataclass
+from typing import Iterable, Mapping
 
+from ckpt_service.errors import ObjectNotFoundError
 from ckpt_service.stores.base import ObjectStore, check_key
 
 log = logging.getLogger(__name__)
 
 LEAVING_PREFIX = "hosts/leaving/"
+#: seconds after a record's deadline during which it still excludes its host (the VM stops
+#: within seconds of the deadline; the grace covers clock skew and a slow stop)
+DEFAULT_GRACE_S = 60.0
+#: the notice window assumed for a record that carries no deadline
+DEFAULT_WINDOW_S = 30.0
+
+
+@dataclass(frozen=True)
+class LeavingRecord:
+    host: str
+    published_at: float
+    deadline: float | None = None
+    reason: str = "preemption-notice"
+    instance_id: str | None = None  # the cloud's id of the VM that published it, where known
+
+    @property
+    def ends_at(self) -> float:
+        """When the VM it describes is gone at the latest (before any grace)."""
+        return self.deadline if self.deadline is not None else self.published_at + DEFAULT_WINDOW_S
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, host: str, data: bytes) -> "LeavingRecord":
+        """A stored record; unreadable or partial ones (older formats) still name their host."""
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            doc = None
+        if not isinstance(doc, dict):
+            doc = {}
+
+        def number(key: str) -> float | None:
+            value = doc.get(key)
+            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+        instance_id = doc.get("instance_id")
+        return cls(host=host, published_at=number("published_at") or 0.0, deadline=number("deadline"),
+                   reason=str(doc.get("reason", "preemption-notice")),
+                   instance_id=str(instance_id) if instance_id not in (None, "") else None)
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    """What the cloud says about the VM now listed under a host name."""
+
+    instance_id: str | None = None
+    started_at: float | None = None  # Unix seconds of its last start
+
+
+def still_leaving(record: LeavingRecord, now: float, *, grace_s: float = DEFAULT_GRACE_S,
+                  incarnation: Incarnation | None = None) -> bool:
+    """Whether ``record`` still excludes its host (pure)."""
+    if now > record.ends_at + grace_s:
+        return False
+    if incarnation is not None:
+        if record.instance_id and incarnation.instance_id and incarnation.instance_id != record.instance_id:
+            return False  # deleted and recreated under the same name
+        if incarnation.started_at is not None and incarnation.started_at > record.published_at:
+            return False  # stopped and started again since it published the record
+    return True
 
 
 def _key(host: str) -> str:
     return check_key(f"{LEAVING_PREFIX}{host}.json")
 
 
+def host_of_key(key: str) -> str | None:
+    """``hosts/leaving/w-1.json`` -> ``w-1`` (None for anything else under the prefix)."""
+    if not key.startswith(LEAVING_PREFIX) or not key.endswith(".json"):
+        return None
+    return key[len(LEAVING_PREFIX):-len(".json")] or None
+
+
 def publish_leaving(store: ObjectStore, host: str, *, reason: str = "preemption-notice",
-                    deadline: float | None = None) -> None:
-    record = {"host": host, "reason": reason, "published_at": time.time(), "deadline": deadline}
-    store.put(_key(host), json.dumps(record).encode())
+                    deadline: float | None = None, instance_id: str | None = None,
+                    now: float | None = None) -> LeavingRecord:
+    record = LeavingRecord(host=host, published_at=time.time() if now is None else now, deadline=deadline,
+                           reason=reason, instance_id=instance_id)
+    store.put(_key(host), record.to_json())
     log.info("published %s as leaving (%s)", host, reason)
+    return record
 
 
 def clear_leaving(store: ObjectStore, host: str) -> None:
     store.delete(_key(host))
 
 
-def leaving_hosts(store: ObjectStore) -> set[str]:
-    """Hosts currently published as leaving."""
-    return {
-        key[len(LEAVING_PREFIX):-len(".json")]
-        for key in store.list(LEAVING_PREFIX)
-        if key.endswith(".json")
-    }
+def read_leaving(store: ObjectStore) -> list[LeavingRecord]:
+    """Every record in the store (a record deleted while listing is skipped)."""
+    records = []
+    for key in store.list(LEAVING_PREFIX):
+        host = host_of_key(key)
+        if host is None:
+            continue
+        try:
+            records.append(LeavingRecord.from_json(host, store.get(key)))
+        except ObjectNotFoundError:
+            continue
+    return records
+
+
+def leaving_hosts(store: ObjectStore, *, now: float | None = None, grace_s: float = DEFAULT_GRACE_S) -> set[str]:
+    """Hosts whose record still excludes them (no cloud view: deadline and grace only)."""
+    now = time.time() if now is None else now
+    return {r.host for r in read_leaving(store) if still_leaving(r, now, grace_s=grace_s)}
+
+
+def excluded(records: Iterable[LeavingRecord], names_to_incarnation: Mapping[str, Incarnation | None],
+             now: float, *, grace_s: float = DEFAULT_GRACE_S) -> set[str]:
+    """Names whose record still excludes them, each judged against the VM now listed under it (pure)."""
+    return {r.host for r in records
+            if still_leaving(r, now, grace_s=grace_s, incarnation=names_to_incarnation.get(r.host))}
+
+
+def prune_leaving(store: ObjectStore, *, now: float | None = None, grace_s: float = DEFAULT_GRACE_S) -> list[str]:
+    """Delete records that no longer exclude their host; returns their hosts."""
+    now = time.time() if now is None else now
+    pruned = []
+    for record in read_leaving(store):
+        if not still_leaving(record, now, grace_s=grace_s):
+            clear_leaving(store, record.host)
+            pruned.append(record.host)
+    if pruned:
+        log.info("removed expired leaving records of %s", ", ".join(sorted(pruned)))
+    return pruned

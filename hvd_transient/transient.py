@@ -38,7 +38,7 @@ from hvd_transient.control import STOP_POLL_S, stop_requested
 from hvd_transient.election import (NoticeRound, decode_notice, elect_master, encode_notice,
                                    steps_until_next_check)
 from hvd_transient.events import EventLog
-from hvd_transient.membership import publish_leaving
+from hvd_transient.membership import prune_leaving, publish_leaving
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +150,21 @@ class TransientImpl:
         self.run.next_check_step = step + 1
         self.run.last_round_step, self.run.last_round_at = step, self.clock()
         self._move_lease(self.run.master)
+        if rank == self.run.master:
+            self._prune_leaving()
         self.events.emit("ring", step=step, rank=rank, size=size, master=self.run.master,
                          master_host=self.run.hosts[self.run.master], previous_master=previous_master,
                          lease_generation=self.lease.generation if rank == self.run.master else None)
+
+    def _prune_leaving(self) -> None:
+        """Delete leaving records whose VM is gone by now (discovery already ignores them)."""
+        try:
+            pruned = prune_leaving(self.manager.store)
+        except Exception as exc:  # housekeeping: an unreachable store must not stop training
+            log.warning("could not prune expired leaving records: %s", exc)
+            return
+        if pruned:
+            self.events.emit("leaving_pruned", hosts=sorted(pruned))
 
     def note_reset(self, step_after: int) -> int:
         """Record a reset (called on every rank); returns how many steps were rolled back."""
@@ -281,7 +293,8 @@ class TransientImpl:
         self.run.departure_pending = True
         if rank in round_.leaving:
             self.run.leaving = True
-            publish_leaving(self.manager.store, self.host, deadline=round_.deadline)
+            publish_leaving(self.manager.store, self.host, deadline=round_.deadline,
+                            instance_id=getattr(self.watcher, "instance_id", None))
             self.events.emit("leave_published", step=step, deadline=round_.deadline, was_master=was_master)
         return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
                            departure_pending=True)

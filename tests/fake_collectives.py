@@ -72,6 +72,7 @@ class FakeWatcher:
 
     def __init__(self) -> None:
         self.notice = None
+        self.instance_id: str | None = None
 
     def start(self) -> "FakeWatcher":
         return self

@@ -14,7 +14,12 @@ Filters support the subset the clients send: parenthesised ``field = "value"``
 terms (``status``, ``name``, ``labels.KEY``), optionally joined by ``AND``.
 Anything else is answered 400, as a typo would be by the real API.
 
-Test hooks: ``add_instance``, ``set_status``, ``add_mig``, ``fail_next`` (inject
+Instances carry ``id`` and, once RUNNING, ``lastStartTimestamp`` (RFC 3339), as the
+real API does; ``preempt`` models a Spot VM whose preemption's termination action
+is STOP: it goes TERMINATED and keeps its name and id until ``.../start`` runs it
+again with a new ``lastStartTimestamp``.
+
+Test hooks: ``add_instance``, ``set_status``, ``preempt``, ``add_mig``, ``fail_next`` (inject
 5xx), ``rejected_inserts`` (make an insert operation fail), ``page_size`` (force
 pagination), ``operation_polls`` (operations stay RUNNING for that many polls)
 and ``requests`` (everything received).
@@ -25,6 +30,7 @@ import itertools
 import json
 import re
 import threading
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -165,7 +171,15 @@ class FakeComputeAPI:
 
     def set_status(self, project: str, zone: str, name: str, status: str) -> None:
         with self._lock:
-            self._state.instances[(project, zone, name)]["status"] = status
+            self._set_status(self._state.instances[(project, zone, name)], status)
+
+    def preempt(self, project: str, zone: str, name: str) -> None:
+        """Compute Engine preempts a Spot VM whose termination action is STOP: it stays, TERMINATED."""
+        with self._lock:
+            instance = self._state.instances[(project, zone, name)]
+            if instance.get("scheduling", {}).get("provisioningModel") != "SPOT":
+                raise ValueError(f"{name} is not a Spot VM; only Spot VMs are preempted")
+            self._set_status(instance, "TERMINATED")
 
     def add_mig(self, project: str, zone: str, group: str, members: dict[str, str]) -> None:
         """``members``: instance name -> currentAction (NONE, DELETING, ...)."""
@@ -190,15 +204,21 @@ class FakeComputeAPI:
         base = f"https://www.googleapis.com/compute/v1/projects/{project}/zones/{zone}"
         return f"{base}/{rest}" if rest else base
 
+    @staticmethod
+    def _set_status(instance: dict, status: str) -> None:
+        if status == "RUNNING" and instance.get("status") != "RUNNING":
+            instance["lastStartTimestamp"] = datetime.now(timezone.utc).isoformat(timespec="microseconds")
+        instance["status"] = status
+
     def _store(self, project: str, zone: str, instance: dict, *, status: str, ip: str | None) -> dict:
         name = instance["name"]
         instance = dict(instance)
         instance.update({
             "id": str(next(self._ids)),
             "zone": self._url(project, zone),
-            "status": status,
             "selfLink": self._url(project, zone, f"instances/{name}"),
         })
+        self._set_status(instance, status)
         nics = instance.get("networkInterfaces") or [{}]
         # Documentation range (RFC 5737): a string in JSON, never an address anything connects to.
         nics[0] = {**nics[0], "networkIP": ip or f"192.0.2.{next(self._ips)}"}
@@ -359,7 +379,7 @@ class FakeComputeAPI:
             if rejection:  # e.g. no Spot capacity: the operation fails and the VM never appears
                 self._state.instances.pop((project, zone, name), None)
                 return rejection
-            self._state.instances[(project, zone, name)]["status"] = "RUNNING"
+            self._set_status(self._state.instances[(project, zone, name)], "RUNNING")
             return None
 
         return self._operation(project, zone, "insert", name, done)
@@ -386,6 +406,6 @@ class FakeComputeAPI:
             return self._operation(project, zone, "start", name, None)
 
         def done() -> None:
-            self._state.instances[(project, zone, name)]["status"] = "RUNNING"
+            self._set_status(self._state.instances[(project, zone, name)], "RUNNING")
 
         return self._operation(project, zone, "start", name, done)

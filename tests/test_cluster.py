@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -236,6 +237,41 @@ def test_up_again_refills_preempted_workers(compute, capsys):
     assert "created exp-worker-1" in out and "exists  exp-driver (RUNNING)" in out
     assert len(compute.requests_matching("POST", "/instances")) == inserts + 1  # only the missing one
     assert all(i["status"] == "RUNNING" for i in compute.instances(PROJECT))
+
+
+def test_spot_worker_preempted_then_started_by_up_is_discovered_again(compute, capsys, tmp_path):
+    """A Spot VM preempted with termination action STOP keeps its name and id; once `up` starts it
+    again it is a new incarnation, and its leaving record (still inside deadline + grace) no longer
+    excludes it. A worker deleted and recreated under its name gets a new id: listed at once too."""
+    from ckpt_service.stores import LocalStore
+    from hvd_transient.membership import publish_leaving
+
+    assert cli.main(UP) == 0
+    store = tmp_path / "store"
+    discover = ["--backend", "gce", "--project", PROJECT, "--zone", f"{ZA},{ZB}", "--label", "hvdt-cluster=exp",
+                "--label", "hvdt-role=worker", "--store", str(store)]
+    ids = {i["name"]: i["id"] for i in compute.instances(PROJECT)}
+    capsys.readouterr()
+    # both workers get a notice and publish themselves, as TransientImpl does, with their instance id
+    for name in ("exp-worker-0", "exp-worker-1"):
+        publish_leaving(LocalStore(store), name, deadline=time.time() + 30, instance_id=ids[name])
+    assert discover_cli.main(discover) == 0
+    assert capsys.readouterr().out == ""  # both still RUNNING inside their notice window: excluded
+
+    compute.preempt(PROJECT, ZA, "exp-worker-0")  # the window ends: Compute Engine stops it
+    assert cli.main(["down", "--name", "exp", "--project", PROJECT, "--keep-driver", "--zones", ZB]) == 0  # lost
+    capsys.readouterr()
+    assert discover_cli.main(discover) == 0
+    assert capsys.readouterr().out == ""
+
+    assert cli.main(UP) == 0  # restarts exp-worker-0, recreates exp-worker-1
+    out = capsys.readouterr().out
+    assert "started exp-worker-0 (worker, Spot, was TERMINATED)" in out and "created exp-worker-1" in out
+    after = {i["name"]: i for i in compute.instances(PROJECT)}
+    assert after["exp-worker-0"]["id"] == ids["exp-worker-0"]  # the same VM, started again
+    assert after["exp-worker-1"]["id"] != ids["exp-worker-1"]  # a new VM under the old name
+    assert discover_cli.main(discover) == 0
+    assert capsys.readouterr().out == "exp-worker-0:1\nexp-worker-1:1\n"
 
 
 def test_api_failure_is_reported_with_status_1(compute, capsys):

@@ -23,7 +23,16 @@ from hvd_transient.discovery.hosts import (
     parse_state_document,
     unique,
 )
-from hvd_transient.membership import publish_leaving
+from hvd_transient.membership import (
+    Incarnation,
+    LeavingRecord,
+    excluded,
+    leaving_hosts,
+    prune_leaving,
+    publish_leaving,
+    read_leaving,
+    still_leaving,
+)
 from fake_compute_api import FakeComputeAPI, parse_filter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,7 +74,10 @@ def test_unique_exclude_and_format():
     hosts = [Host("w1", 1, frozenset({"10.0.0.1"})), Host("w2"), Host("w1", 3), Host("w3")]
     assert unique(hosts) == [hosts[0], hosts[1], hosts[3]]
     # a host leaves when any of its names is published: here w1 under its IP
-    assert exclude_leaving(unique(hosts), {"10.0.0.1", "w3", "stranger"}) == [Host("w2")]
+    records = [LeavingRecord(name, published_at=100.0, deadline=130.0) for name in ("10.0.0.1", "w3", "stranger")]
+    assert exclude_leaving(unique(hosts), records, 150.0, grace_s=60) == [Host("w2")]
+    # past deadline + grace the records describe VMs that are gone: every host is listed again
+    assert exclude_leaving(unique(hosts), records, 190.5, grace_s=60) == unique(hosts)
     assert format_hosts([Host("w2", 2), Host("w4")]) == "w2:2\nw4:1\n"
     assert format_hosts([]) == ""
 
@@ -115,6 +127,84 @@ def test_label_filter_round_trips_through_the_fake_parser():
 
 
 # ---- the command, in process ----------------------------------------------------------------
+
+
+# ---- leaving records: a record excludes only the incarnation of the host that published it ------
+
+
+def test_a_record_excludes_until_its_deadline_plus_grace():
+    record = LeavingRecord("w1", published_at=1000.0, deadline=1030.0)
+    assert still_leaving(record, 1000.0, grace_s=60)
+    assert still_leaving(record, 1090.0, grace_s=60)
+    assert not still_leaving(record, 1090.1, grace_s=60)
+    assert not still_leaving(record, 1030.5, grace_s=0)
+    # no deadline: the default 30 s window from publication
+    assert still_leaving(LeavingRecord("w1", published_at=1000.0), 1089.0, grace_s=60)
+    assert not still_leaving(LeavingRecord("w1", published_at=1000.0), 1091.0, grace_s=60)
+
+
+def test_a_restarted_or_recreated_vm_is_a_new_incarnation():
+    record = LeavingRecord("w1", published_at=1000.0, deadline=1030.0, instance_id="42")
+    same_vm = Incarnation(instance_id="42", started_at=500.0)
+    assert still_leaving(record, 1010.0, incarnation=same_vm)
+    assert not still_leaving(record, 1010.0, incarnation=Incarnation(instance_id="42", started_at=1005.0))
+    assert not still_leaving(record, 1010.0, incarnation=Incarnation(instance_id="43", started_at=500.0))
+    assert still_leaving(record, 1010.0, incarnation=Incarnation())  # nothing known: the deadline decides
+    by_name = {"w1": Incarnation("42", 1005.0), "w2": Incarnation("7", 1.0)}
+    records = [record, LeavingRecord("w2", published_at=1000.0, instance_id="7")]
+    assert excluded(records, by_name, 1010.0) == {"w2"}
+
+
+def test_records_round_trip_and_garbage_expires(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    written = publish_leaving(store, "w1", deadline=2030.0, instance_id="42", now=2000.0)
+    assert read_leaving(store) == [written]
+    assert written == LeavingRecord("w1", published_at=2000.0, deadline=2030.0, instance_id="42")
+    # a record from before instance ids were stored still parses; an unreadable one names its host
+    # but expires at once, so it can never exclude a host forever
+    store.put("hosts/leaving/old.json", json.dumps({"host": "old", "reason": "preemption-notice",
+                                                    "published_at": 2000.0, "deadline": 2030.0}).encode())
+    store.put("hosts/leaving/junk.json", b"{not json")
+    by_host = {r.host: r for r in read_leaving(store)}
+    assert by_host["old"] == LeavingRecord("old", published_at=2000.0, deadline=2030.0)
+    assert leaving_hosts(store, now=2010.0) == {"w1", "old"}
+    assert prune_leaving(store, now=2010.0) == ["junk"]
+    assert prune_leaving(store, now=2100.0) == ["old", "w1"]
+    assert read_leaving(store) == []
+
+
+def test_discovery_grace_option_and_environment(tmp_path, capsys, monkeypatch):
+    store = LocalStore(tmp_path / "store")
+    import time as _time
+
+    publish_leaving(store, "w2", deadline=_time.time() - 5)  # the VM is gone by now
+    argv = ["--backend", "local", "--hosts", "w1,w2", "--store", str(tmp_path / "store")]
+    assert run(argv, capsys)[:2] == (0, "w1:1\n")  # default grace 60 s: still excluded
+    assert run(argv + ["--leaving-grace", "1"], capsys)[:2] == (0, "w1:1\nw2:1\n")
+    monkeypatch.setenv("HVDT_LEAVING_GRACE_S", "2")
+    assert run(argv, capsys)[:2] == (0, "w1:1\nw2:1\n")
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--leaving-grace", "-1"])
+    assert "--leaving-grace" in capsys.readouterr().err
+
+
+def test_local_state_file_incarnations_readmit_a_restarted_host(tmp_path, capsys):
+    import time as _time
+
+    store = LocalStore(tmp_path / "store")
+    record = publish_leaving(store, "127.0.1", deadline=_time.time() + 30)
+    state = tmp_path / "hosts.json"
+    argv = ["--backend", "local", "--state-file", str(state), "--store", str(tmp_path / "store")]
+    doc = {"hosts": [{"host": "localhost", "started_at": 1.0},
+                     {"host": "127.0.1", "started_at": record.published_at - 100}]}
+    state.write_text(json.dumps(doc))
+    assert run(argv, capsys)[:2] == (0, "localhost:1\n")
+    doc["hosts"][1]["started_at"] = record.published_at + 1  # the simulator started it again
+    state.write_text(json.dumps(doc))
+    assert run(argv, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")
+    state.write_text(json.dumps({"hosts": [{"host": "a", "started_at": "yesterday"}]}))
+    code, _, err = run(argv, capsys)
+    assert code == 2 and "started_at must be Unix seconds" in err
 
 
 def run(argv, capsys):

@@ -14,7 +14,7 @@ from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 from hvd_transient.control import request_stop
 from hvd_transient.election import decode_notice, elect_master, encode_notice, steps_until_next_check
 from hvd_transient.lr_scaling import scaled_lr
-from hvd_transient.membership import leaving_hosts
+from hvd_transient.membership import leaving_hosts, publish_leaving, read_leaving
 from hvd_transient.transient import TransientConfig, TransientImpl
 from hvd_transient.watchers import Notice
 
@@ -34,8 +34,21 @@ def ranks():
     config = TransientConfig(store=url, save_every_steps=None, leave_margin_s=1.0, check_every_steps=1)
     impls = [TransientImpl(config, FakeCollectives(group, r), host=HOSTS[r], watcher=FakeWatcher())
              for r in range(3)]
+    for host, impl in zip(HOSTS, impls):
+        impl.watcher.instance_id = f"id-{host}"
     group.run(lambda r: impls[r].begin(0))
     return group, impls, url
+
+
+def test_the_master_prunes_expired_leaving_records_when_a_ring_begins(ranks) -> None:
+    group, impls, _ = ranks
+    store = impls[0].manager.store
+    publish_leaving(store, "gone", deadline=time.time() - 120)   # its VM stopped long ago
+    publish_leaving(store, "going", deadline=time.time() + 30)   # still in its notice window
+    group.run(lambda r: impls[r].begin(5))
+    assert {r.host for r in read_leaving(store)} == {"going"}
+    pruned = [e for e in impls[0].events.events if e["event"] == "leaving_pruned"]
+    assert [e["hosts"] for e in pruned] == [["gone"]]
 
 
 def step_all(group, impls, step):
@@ -54,6 +67,9 @@ def test_notice_to_a_worker(ranks) -> None:
     assert all(o.departure_pending for o in outcomes)
     store = impls[0].manager.store
     assert leaving_hosts(store) == {"h2"}
+    [record] = read_leaving(store)  # the record names the VM incarnation that left
+    assert (record.host, record.instance_id) == ("h2", "id-h2")
+    assert record.deadline == pytest.approx(impls[2].watcher.notice.deadline)
     ckpt = CheckpointManager(url).restore()
     assert ckpt.step == 2 and ckpt.manifest.world_size == 3
     np.testing.assert_array_equal(ckpt.tensors["w"], STATE["w"])

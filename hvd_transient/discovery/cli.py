@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
 from typing import Sequence
 
 from hvd_transient.discovery.errors import DiscoveryConfigError, DiscoveryError
@@ -31,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--backend", required=True, choices=BACKENDS, help="where the hosts come from")
     parser.add_argument("--store", help="run store URL (local path, file://, gs://, memory://): drop leaving hosts")
+    parser.add_argument(
+        "--leaving-grace", type=_seconds, default=os.environ.get("HVDT_LEAVING_GRACE_S", "60"), metavar="SECONDS",
+        help="a leaving record stops excluding its host this long after its notice deadline "
+        "(default 60, or $HVDT_LEAVING_GRACE_S); on gce a restarted or recreated VM is admitted at once",
+    )
     parser.add_argument(
         "--slots", default="1",
         help="slots per host (default 1); 'auto' = one per attached GPU (gce only). "
@@ -52,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--hosts", help="comma-separated host[:slots] list")
     local.add_argument("--state-file", help="simulator state file: host[:slots] lines or JSON")
     return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, not {text!r}")
+    return value
 
 
 def _split_csv(values: Sequence[str]) -> list[str]:
@@ -103,7 +120,8 @@ def find_hosts(args: argparse.Namespace) -> list[Host]:
     if args.store:
         from hvd_transient.discovery.leaving import leaving_from_url
 
-        hosts = exclude_leaving(hosts, leaving_from_url(args.store, timeout=args.timeout))
+        records = leaving_from_url(args.store, timeout=args.timeout)
+        hosts = exclude_leaving(hosts, records, time.time(), grace_s=float(args.leaving_grace))
     return hosts
 
 

@@ -12,10 +12,12 @@ The ``*_hosts`` functions are pure (Compute JSON in, hosts out);
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from hvd_transient.discovery.errors import DiscoveryConfigError
 from hvd_transient.discovery.hosts import Host
+from hvd_transient.membership import Incarnation
 
 if TYPE_CHECKING:  # the client imports requests/tenacity; only the gce backend needs it
     from hvd_transient.cluster.compute_api import ComputeAPI
@@ -63,6 +65,21 @@ def gpu_count(instance: Mapping) -> int:
     return sum(int(acc.get("acceleratorCount", 0)) for acc in instance.get("guestAccelerators") or [])
 
 
+def incarnation(instance: Mapping) -> Incarnation | None:
+    """The instance's id and last start (RFC 3339 ``lastStartTimestamp``) as Unix seconds."""
+    started = instance.get("lastStartTimestamp")
+    started_at = None
+    if started:
+        try:
+            started_at = datetime.fromisoformat(str(started).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            log.warning("instance %s: unreadable lastStartTimestamp %r", instance.get("name"), started)
+    instance_id = instance.get("id")
+    if not instance_id and started_at is None:
+        return None
+    return Incarnation(instance_id=str(instance_id) if instance_id else None, started_at=started_at)
+
+
 def _host(instance: Mapping, *, slots: int | None, use_ip: bool) -> Host | None:
     name = str(instance.get("name", ""))
     ip = internal_ip(instance)
@@ -71,8 +88,8 @@ def _host(instance: Mapping, *, slots: int | None, use_ip: bool) -> Host | None:
         if not ip:
             log.warning("instance %s has no internal IP yet; leaving it out", name)
             return None
-        return Host(ip, host_slots, frozenset({name}))
-    return Host(name, host_slots, frozenset({ip}) if ip else frozenset())
+        return Host(ip, host_slots, frozenset({name}), incarnation(instance))
+    return Host(name, host_slots, frozenset({ip}) if ip else frozenset(), incarnation(instance))
 
 
 def hosts_from_instances(
@@ -113,7 +130,9 @@ def hosts_from_managed(
             if use_ip or slots is None:
                 log.warning("MIG member %s is not in the zone's instance list yet; leaving it out", name)
                 continue
-            hosts.append(Host(name, slots))
+            # the member entry carries the instance id: enough to tell a recreated VM
+            member_id = member.get("id")
+            hosts.append(Host(name, slots, incarnation=Incarnation(str(member_id) if member_id else None)))
             continue
         host = _host(instance, slots=slots, use_ip=use_ip)
         if host is not None:

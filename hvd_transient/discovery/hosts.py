@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Iterable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Iterable
 
 from hvd_transient.discovery.errors import DiscoveryConfigError
+
+if TYPE_CHECKING:
+    from hvd_transient.membership import Incarnation, LeavingRecord
 
 # Host names, IPv4 addresses and DNS names; no ':' (Horovod splits on it), no spaces or commas.
 _HOST_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -19,6 +22,8 @@ class Host:
     # Other names of the same VM (its internal IP, or its instance name when ``name`` is the IP),
     # so a leaving notice published under either name removes it.
     aliases: frozenset[str] = field(default_factory=frozenset)
+    # The VM now behind the name (gce): a leaving record of an earlier incarnation no longer applies.
+    incarnation: "Incarnation | None" = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not _HOST_RE.match(self.name):
@@ -80,7 +85,9 @@ def parse_host_list(csv: str, default_slots: int = 1) -> list[Host]:
 def parse_state_document(text: str, default_slots: int = 1, *, origin: str = "") -> list[Host]:
     """A local-simulator state file: JSON (list, or ``{"hosts": [...]}``) or ``host[:slots]`` lines.
 
-    JSON items are ``"host[:slots]"`` strings or ``{"host": ..., "slots": ...}`` objects.
+    JSON items are ``"host[:slots]"`` strings or ``{"host": ..., "slots": ...}`` objects, which may
+    also say which incarnation of the VM is listed (``"started_at"``: Unix seconds of its start,
+    ``"instance_id"``), as the Compute API does for the gce backend.
     """
     if not text.lstrip().startswith(("[", "{")):
         return parse_host_lines(text, default_slots, origin=origin)
@@ -100,10 +107,23 @@ def parse_state_document(text: str, default_slots: int = 1, *, origin: str = "")
             slots = item.get("slots", default_slots)
             if isinstance(slots, bool) or not isinstance(slots, int):
                 raise DiscoveryConfigError(f"{where}slots must be an integer, not {slots!r}")
-            hosts.append(parse_host_spec(item["host"], slots, where=where))
+            host = parse_host_spec(item["host"], slots, where=where)
+            hosts.append(replace(host, incarnation=_incarnation(item, where)))
         else:
             raise DiscoveryConfigError(f"{where}expected \"host[:slots]\" or {{\"host\": ..., \"slots\": ...}}")
     return hosts
+
+
+def _incarnation(item: dict, where: str) -> "Incarnation | None":
+    from hvd_transient.membership import Incarnation
+
+    started_at, instance_id = item.get("started_at"), item.get("instance_id")
+    if started_at is None and instance_id is None:
+        return None
+    if started_at is not None and (isinstance(started_at, bool) or not isinstance(started_at, (int, float))):
+        raise DiscoveryConfigError(f"{where}started_at must be Unix seconds, not {started_at!r}")
+    return Incarnation(instance_id=None if instance_id is None else str(instance_id),
+                       started_at=None if started_at is None else float(started_at))
 
 
 def unique(hosts: Iterable[Host]) -> list[Host]:
@@ -117,9 +137,14 @@ def unique(hosts: Iterable[Host]) -> list[Host]:
     return result
 
 
-def exclude_leaving(hosts: Iterable[Host], leaving: Iterable[str]) -> list[Host]:
-    """Hosts none of whose names is published as leaving."""
-    gone = set(leaving)
+def exclude_leaving(hosts: Iterable[Host], records: Iterable["LeavingRecord"], now: float, *,
+                    grace_s: float) -> list[Host]:
+    """Hosts none of whose names has a leaving record that still applies to the VM listed now."""
+    from hvd_transient.membership import excluded
+
+    hosts = list(hosts)
+    by_name = {name: host.incarnation for host in hosts for name in host.names}
+    gone = excluded(records, by_name, now, grace_s=grace_s)
     return [host for host in hosts if not (host.names & gone)]
 
 

@@ -78,7 +78,7 @@ class _InstanceActionPoller(Poller):
         if self.w.instance is None:
             reply = self._get("instance-id")
             expect_status(reply, 200)
-            self.w.instance = printable_text(reply, "instance id")
+            self.w.instance = self.w.instance_id = printable_text(reply, "instance id")
         reply = self._get("spot/instance-action")
         detected_at = time.time()
         if reply.status_code == 404:

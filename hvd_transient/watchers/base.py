@@ -66,6 +66,9 @@ class Watcher(abc.ABC):
                  max_backoff: float = 30.0) -> None:
         self.window = float(window)
         self.instance = instance
+        #: the cloud's id of this VM where the watcher learns it (leaving records carry it, so a
+        #: VM recreated under the same name is told apart from the one that left)
+        self.instance_id: str | None = None
         self.on_notice = on_notice
         self._initial_backoff = float(initial_backoff)
         self._max_backoff = float(max_backoff)

@@ -68,7 +68,11 @@ class GceWatcher(Watcher):
         return pollers
 
     def resolve_instance(self, session: requests.Session) -> str:
-        """This VM's name (asked once; the host name if the server has no ``instance/name``)."""
+        """This VM's name (asked once; the host name if the server has no ``instance/name``), and its id."""
+        if self.instance_id is None:
+            reply = self._get(session, "instance/id")
+            if reply.status_code == 200:
+                self.instance_id = printable_text(reply, "instance id") or None
         if self.instance is None:
             reply = self._get(session, "instance/name")
             if reply.status_code == 404:
