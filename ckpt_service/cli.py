@@ -17,6 +17,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ckpt_service.errors import CheckpointError, NothingToRestoreError
+from hvd_transient.cli import ArgumentParser, command, existing_store_url, non_negative_int, output_file, positive_int
+
+PROG = "hvd-transient ckpt"
 
 
 def _manager(url: str) -> Any:
@@ -30,8 +33,12 @@ def _step(mgr: Any, step: int | None) -> int:
         return step
     latest = mgr.latest_step()
     if latest is None:
-        raise NothingToRestoreError(f"no committed checkpoint in {mgr.url}")
+        raise NothingToRestoreError(_nothing_committed(mgr.url))
     return int(latest)
+
+
+def _nothing_committed(url: str) -> str:
+    return f"no committed checkpoint in {url}: check the URL, or wait for the job's first checkpoint"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -80,7 +87,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     mgr = _manager(args.url)
     steps = [args.step] if args.step is not None else mgr.all_steps()
     if not steps:
-        raise NothingToRestoreError(f"no committed checkpoint in {mgr.url}")
+        raise NothingToRestoreError(_nothing_committed(mgr.url))
     reports = [mgr.verify(s) for s in steps]
     if args.json:
         print(json.dumps({"url": mgr.url, "ok": all(r.ok for r in reports),
@@ -94,8 +101,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    if args.keep < 1:
-        raise SystemExit("--keep must be at least 1 (the latest committed step is never deleted)")
     removed = _manager(args.url).gc(keep=args.keep)
     print(f"removed steps: {removed or 'none'}")
     return 0
@@ -110,37 +115,36 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hvd-transient ckpt", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, func, has_step, has_json in (("ls", cmd_ls, False, True), ("inspect", cmd_inspect, True, True),
-                                           ("verify", cmd_verify, True, True)):
-        p = sub.add_parser(name)
-        p.add_argument("url", help="store URL: a directory, file:///dir, gs://bucket/prefix")
-        if has_step:
-            p.add_argument("--step", type=int, help="a committed step (default: latest; verify: all)")
-        if has_json:
-            p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    def add(name: str, func: Any, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        # an existing store only: a mistyped directory would otherwise read as an empty store
+        p.add_argument("url", type=existing_store_url, help="store URL: a directory, file:///dir, gs://bucket/prefix")
         p.set_defaults(func=func)
-    p = sub.add_parser("gc", help="delete all but the newest K committed steps")
-    p.add_argument("url")
-    p.add_argument("--keep", type=int, required=True)
-    p.set_defaults(func=cmd_gc)
-    p = sub.add_parser("export", help="write one step's tensors to a .npz file")
-    p.add_argument("url")
-    p.add_argument("--step", type=int, required=True)
-    p.add_argument("out")
-    p.set_defaults(func=cmd_export)
+        return p
+
+    for name, func, help_text in (("ls", cmd_ls, "list the committed steps"),
+                                  ("inspect", cmd_inspect, "show one step's manifest"),
+                                  ("verify", cmd_verify, "check stored data against its checksums")):
+        p = add(name, func, help_text)
+        if name != "ls":
+            p.add_argument("--step", type=non_negative_int, help="a committed step (default: latest; verify: all)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add("gc", cmd_gc, "delete all but the newest K committed steps")
+    p.add_argument("--keep", type=positive_int, required=True,
+                   help="committed steps to keep, at least 1 (the latest is never deleted)")
+    p = add("export", cmd_export, "write one step's tensors to a .npz file")
+    p.add_argument("--step", type=non_negative_int, required=True, help="the committed step to export")
+    p.add_argument("out", type=output_file, help="the .npz file to write")
     return parser
 
 
+@command(PROG)
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from hvd_transient.cli import UsageError, command
+
+PROG = "hvd-transient bench"
+
 #: what ``bench all`` runs, in this order (names as typed on the command line)
 BENCHES: tuple[str, ...] = ("ckpt-io", "ckpt-overhead", "emergency-save", "preemption-cost", "restore")
 
@@ -77,7 +81,13 @@ script, e.g. `hvd-transient bench ckpt-io --sizes-mb 10 --repeats 1`. Results ar
 to bench/results/. See `hvd-transient bench NAME --help` for a benchmark's options."""
 
 
-def _list() -> int:
+def _no_arguments(what: str, args: Sequence[str], hint: str = "") -> None:
+    if args:
+        raise UsageError(f"'{what}' takes no arguments, not {' '.join(args)!r}{hint}")
+
+
+def _list(args: Sequence[str] = ()) -> int:
+    _no_arguments("list", args)
     directory = bench_dir()
     if not directory.is_dir():
         find_script(BENCHES[0], directory)  # raises the "no bench/ directory" error
@@ -90,30 +100,27 @@ def _list() -> int:
 
 
 def _all(args: Sequence[str]) -> int:
-    if args:
-        print("hvd-transient bench all: takes no arguments (it runs every benchmark with its defaults); "
-              "run one benchmark by name to pass options", file=sys.stderr)
-        return 2
+    _no_arguments("all", args, "; it runs every benchmark with its defaults: run one by name to pass options")
     scripts = [(name, find_script(name)) for name in BENCHES]  # all found before any runs
     failed = [name for name, script in scripts if run_script(script, []) != 0]
     if failed:
-        print(f"hvd-transient bench all: failed: {', '.join(failed)}", file=sys.stderr)
+        print(f"{PROG} all: failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
 
+@command(PROG)
 def main(argv: Sequence[str] | None = None) -> int:
+    """BenchNotFoundError and UsageError become one line and exit 2 in :func:`hvd_transient.cli.run`."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stdout if args else sys.stderr)
-        return 0 if args else 2
+    if args and args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if not args:
+        raise UsageError(f"name a benchmark, 'all' or 'list' (see '{PROG} --help')")
     name, rest = args[0], args[1:]
-    try:
-        if name == "list":
-            return _list()
-        if name == "all":
-            return _all(rest)
-        return run_script(find_script(name), rest)
-    except BenchNotFoundError as exc:
-        print(f"hvd-transient bench: {exc}", file=sys.stderr)
-        return 2
+    if name == "list":
+        return _list(rest)
+    if name == "all":
+        return _all(rest)
+    return run_script(find_script(name), rest)

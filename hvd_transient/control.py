@@ -7,7 +7,6 @@ a final checkpoint, and the job exits with success.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -15,6 +14,9 @@ from typing import Sequence
 
 from ckpt_service.stores import open_store
 from ckpt_service.stores.base import ObjectStore
+from hvd_transient.cli import ArgumentParser, command, existing_store_url
+
+PROG = "hvd-transient stop"
 
 STOP_KEY = "control/stop"
 STOP_POLL_S = 2.0
@@ -32,11 +34,13 @@ def clear_stop(store: ObjectStore) -> None:
     store.delete(STOP_KEY)
 
 
+@command(PROG)
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hvd-transient stop",
-                                description="Ask a running job to checkpoint and stop cleanly.")
-    p.add_argument("url", help="the run's store URL (what the job was given as --store)")
-    p.add_argument("--reason", default="operator request")
+    p = ArgumentParser(prog=PROG, description="Ask a running job to checkpoint and stop cleanly.")
+    # an existing store only: writing the request to a mistyped path would create it and stop nothing
+    p.add_argument("url", type=existing_store_url,
+                   help="the run's store URL (what the job was given as --store)")
+    p.add_argument("--reason", default="operator request", help="recorded with the request")
     args = p.parse_args(argv)
     request_stop(open_store(args.url), args.reason)
     print(f"stop requested for {args.url}; the job stops at its next check", file=sys.stderr)

@@ -18,8 +18,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Sequence
 
+from hvd_transient.cli import ArgumentParser, command, positive_int, positive_seconds, store_url
 from hvd_transient.local_cluster import HOST_ALIASES, LocalCluster, LocalClusterSpec, of
-from hvd_transient.schedule import Action, ScheduleError, default_schedule, lifetime_schedule, load_schedule
+from hvd_transient.schedule import Action, default_schedule, lifetime_schedule, load_schedule
 
 log = logging.getLogger(__name__)
 
@@ -29,20 +30,23 @@ SHOWN = {"notice": "notice", "notice_agreed": "all ranks agreed", "election": "n
          "save_failed": "checkpoint FAILED", "stop_requested": "stop"}
 
 
+PROG = "hvd-transient demo"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hvd-transient demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, default=3, help="VMs at the start (local host aliases)")
-    p.add_argument("--store", help="checkpoint store URL (default: a new directory under --workdir)")
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=_workers, default=3,
+                   help=f"VMs at the start (local host aliases, 1 to {len(HOST_ALIASES) - 1})")
+    p.add_argument("--store", type=store_url, help="checkpoint store URL (default: a new directory under --workdir)")
     p.add_argument("--gcs-emulator", action="store_true",
                    help="start a local fake-gcs-server and use gs://demo/<run> as the store")
     p.add_argument("--workdir", default="hvdt-demo", help="where runs, logs and reports go")
     p.add_argument("--model", choices=("resnet32", "small_cnn"), default="resnet32")
-    p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--steps-per-epoch", type=int, default=25)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--save-every", type=int, default=50, help="periodic checkpoint interval (steps)")
-    p.add_argument("--window", type=float, default=30.0, help="preemption notice window (s)")
+    p.add_argument("--epochs", type=positive_int, default=12)
+    p.add_argument("--steps-per-epoch", type=positive_int, default=25)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--save-every", type=positive_int, default=50, help="periodic checkpoint interval (steps)")
+    p.add_argument("--window", type=positive_seconds, default=30.0, help="preemption notice window (s)")
     p.add_argument("--schedule", help="JSON schedule file (see hvd_transient/schedule.py)")
     p.add_argument("--lifetimes", type=int, metavar="SEED",
                    help="draw preemption times from ICAC'19-like VM lifetimes with this seed")
@@ -53,25 +57,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cifar10-npz", help="real CIFAR-10 (.npz with x_train, y_train); synthetic if absent")
     p.add_argument("--instance-type", help="price-table entry for the cost comparison")
     p.add_argument("--json", help="write the report as JSON here")
-    p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    p.add_argument("--timeout", type=positive_seconds, default=1800.0, help="give up after this many seconds")
     return p
 
 
+def _workers(text: str) -> int:
+    count = positive_int(text)
+    if count > len(HOST_ALIASES) - 1:
+        raise argparse.ArgumentTypeError(f"at most {len(HOST_ALIASES) - 1} (one local alias stays spare for a "
+                                         f"joining VM), not {text!r}")
+    return count
+
+
+@command(PROG)
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not 1 <= args.workers <= len(HOST_ALIASES) - 1:
-        print(f"--workers must be between 1 and {len(HOST_ALIASES) - 1} (one local alias stays spare "
-              "for a joining VM)", file=sys.stderr)
-        return 2
     total_steps = args.epochs * args.steps_per_epoch
-    try:
-        schedule = (load_schedule(args.schedule) if args.schedule else
-                    lifetime_schedule(HOST_ALIASES[:args.workers], seed=args.lifetimes,
-                                      run_s=args.timeout, day_s=args.day_seconds)
-                    if args.lifetimes is not None else default_schedule(total_steps))
-    except ScheduleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    # a ScheduleError is answered as one line by the command wrapper
+    schedule = (load_schedule(args.schedule) if args.schedule else
+                lifetime_schedule(HOST_ALIASES[:args.workers], seed=args.lifetimes,
+                                  run_s=args.timeout, day_s=args.day_seconds)
+                if args.lifetimes is not None else default_schedule(total_steps))
 
     workdir = Path(args.workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,26 @@ def test_gc_and_export(store_dir: Path, tmp_path: Path) -> None:
 def test_errors_are_clear(tmp_path: Path) -> None:
     out = run("ls", "s3://bucket/x")
     assert out.returncode == 2 and "unsupported store URL scheme" in out.stderr
-    out = run("inspect", str(tmp_path / "empty"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = run("inspect", str(empty))
     assert out.returncode == 2 and "no committed checkpoint" in out.stderr
-    out = run("export", str(tmp_path / "empty"), "--step", "3", str(tmp_path / "x.npz"))
+    out = run("export", str(empty), "--step", "3", str(tmp_path / "x.npz"))
     assert out.returncode == 2 and "not committed" in out.stderr
+    out = run("ls", str(tmp_path / "typo"))
+    assert out.returncode == 2 and "no store at" in out.stderr and "typo" in out.stderr
+    assert not (tmp_path / "typo").exists()
+    out = run("inspect", str(empty), "--step", "-1")
+    assert out.returncode == 2 and "'-1'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_missing_step_and_corrupt_manifest(store_dir: Path) -> None:
+    out = run("inspect", str(store_dir), "--step", "25")
+    assert out.returncode == 2 and "step 25 is not committed" in out.stderr and "[10, 20, 30]" in out.stderr
+    store = LocalStore(store_dir)
+    (manifest,) = [k for k in store.list(f"steps/{30:012d}/") if "/manifest." in k]
+    store.delete(manifest)
+    out = run("inspect", str(store_dir))  # the store is damaged, not the command line: exit 1
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.count("\n") == 1 and "missing" in out.stderr and "Traceback" not in out.stderr
+    assert run("inspect", str(store_dir), "--step", "20").returncode == 0

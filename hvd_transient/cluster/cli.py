@@ -17,6 +17,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from hvd_transient.cli import (
+    ArgumentParser,
+    command,
+    http_url,
+    non_negative_int,
+    positive_int,
+    positive_seconds,
+    store_url,
+)
 from hvd_transient.cluster.compute_api import API_URL_ENV, DEFAULT_API_URL
 from hvd_transient.cluster.spec import (
     CLUSTER_LABEL,
@@ -43,23 +52,23 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", required=True, help="cluster name: VM name prefix and hvdt-cluster label")
     parser.add_argument("--project", required=True, help="GCP project id")
     parser.add_argument("--zones", default="", help="comma-separated zones (workers are spread round-robin)")
-    parser.add_argument("--api-url", help="Compute API base URL (default $HVDT_COMPUTE_API or Google's)")
+    parser.add_argument("--api-url", type=http_url, help="Compute API base URL (default $HVDT_COMPUTE_API or Google's)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="{up,down,status}")
 
     up = commands.add_parser("up", help="create (or refill) the cluster")
     _add_common(up)
-    up.add_argument("--workers", type=int, required=True, help="number of Spot GPU worker VMs")
+    up.add_argument("--workers", type=non_negative_int, required=True, help="number of Spot GPU worker VMs")
     up.add_argument("--machine-type", default="n1-standard-8")
     up.add_argument("--gpu-type", default="nvidia-tesla-t4", help="accelerator type, or 'none'")
-    up.add_argument("--gpus-per-worker", type=int, default=1)
+    up.add_argument("--gpus-per-worker", type=non_negative_int, default=1)
     up.add_argument("--image-family", default="debian-12")
     up.add_argument("--image-project", default="debian-cloud")
-    up.add_argument("--boot-disk-gb", type=int, default=100)
+    up.add_argument("--boot-disk-gb", type=positive_int, default=100)
     up.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="extra labels (repeatable)")
     up.add_argument("--termination-action", choices=("STOP", "DELETE"), default="STOP",
                     help="what GCE does to a preempted worker (default STOP: rerun 'up' to restart it)")
@@ -70,20 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-external-ip", action="store_true", help="no external IPs (needs Cloud NAT for PyPI)")
     up.add_argument("--service-account", default="default")
     up.add_argument("--package", default="hvd-transient", help="pip requirement the VMs install")
-    up.add_argument("--store", help="run store URL (gs://bucket/run) given to every VM as HVDT_STORE")
+    up.add_argument("--store", type=store_url, help="run store URL (gs://bucket/run) given to every VM as HVDT_STORE")
     up.add_argument("--ssh-user", default="hvdt")
     up.add_argument("--ssh-public-key", metavar="FILE", help="public key horovodrun's ssh uses (e.g. ~/.ssh/id_ed25519.pub)")
     up.add_argument("--startup-script", metavar="FILE", help=f"default: {DEFAULT_STARTUP_SCRIPT}")
     up.add_argument("--dry-run", action="store_true", help="print the requests and gcloud commands; send nothing")
-    up.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the VMs (default 900)")
+    up.add_argument("--timeout", type=positive_seconds, default=900.0, help="seconds to wait for the VMs (default 900)")
 
     down = commands.add_parser("down", help="delete the cluster's VMs")
     _add_common(down)
     down.add_argument("--keep-driver", action="store_true", help="delete only the workers")
-    down.add_argument("--workers", type=int, default=0,
+    down.add_argument("--workers", type=non_negative_int, default=0,
                       help="with --dry-run: also print the deletes of this many planned workers")
     down.add_argument("--dry-run", action="store_true")
-    down.add_argument("--timeout", type=float, default=900.0)
+    down.add_argument("--timeout", type=positive_seconds, default=900.0,
+                      help="seconds to wait for the deletes (default 900)")
 
     status = commands.add_parser("status", help="list the cluster's VMs")
     _add_common(status)
@@ -294,23 +304,16 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+@command(PROG)
 def main(argv: Sequence[str] | None = None) -> int:
+    """ClusterSpecError and ComputeAuthError exit 2, other ComputeAPIErrors 1 (:func:`hvd_transient.cli.run`)."""
     args = build_parser().parse_args(argv)
-    from hvd_transient.cluster.compute_api import ComputeAPIError, ComputeAuthError
-
-    try:
-        if args.command == "up":
-            spec = spec_from_args(args)
-            return _up_dry_run(args, spec) if args.dry_run else _up(args, spec)
-        if args.command == "down":
-            return _down_dry_run(args) if args.dry_run else _down(args)
-        return _status(args)
-    except (ClusterSpecError, ComputeAuthError) as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except ComputeAPIError as exc:
-        print(f"{PROG} {args.command}: failed: {exc}", file=sys.stderr)
-        return 1
+    if args.command == "up":
+        spec = spec_from_args(args)
+        return _up_dry_run(args, spec) if args.dry_run else _up(args, spec)
+    if args.command == "down":
+        return _down_dry_run(args) if args.dry_run else _down(args)
+    return _status(args)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ PROG = "hvd-transient discover"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from hvd_transient.cli import ArgumentParser, http_url, positive_seconds
+
+    parser = ArgumentParser(
         prog=PROG,
         description="Print one host:slots line per available host, minus hosts published as leaving.",
     )
@@ -51,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     gce.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                      help="RUNNING instances carrying this label (repeat for AND)")
     gce.add_argument("--use-ip", action="store_true", help="print internal IPs instead of instance names")
-    gce.add_argument("--api-url", help="Compute API base URL (default $HVDT_COMPUTE_API or Google's)")
-    gce.add_argument("--timeout", type=float, default=10.0, help="per-request timeout in seconds for the Compute and GCS APIs (default 10)")
+    gce.add_argument("--api-url", type=http_url, help="Compute API base URL (default $HVDT_COMPUTE_API or Google's)")
+    gce.add_argument("--timeout", type=positive_seconds, default=10.0, help="per-request timeout in seconds for the Compute and GCS APIs (default 10)")
     file_group = parser.add_argument_group("file backend")
     file_group.add_argument("--hosts-file", help="file of host[:slots] lines; '#' comments allowed")
     local = parser.add_argument_group("local backend")

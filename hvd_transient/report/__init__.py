@@ -19,10 +19,13 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
+from hvd_transient.cli import ArgumentParser, command, output_file
 from hvd_transient.report.analysis import NoEventsError, RunAnalysis, analyze
 from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE, CostEstimate, estimate_costs
 
 log = logging.getLogger(__name__)
+
+PROG = "hvd-transient report"
 
 
 class ReportError(RuntimeError):
@@ -67,15 +70,17 @@ def build(events: Sequence[dict[str, Any]], *, instance_type: str = DEFAULT_INST
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hvd-transient report",
+    p = ArgumentParser(
+        prog=PROG,
         description="Timeline, preemptions, checkpoint cost and money of a run, read from the event log "
                     "its workers wrote under RUN_URL/events/.",
         epilog="The cost compares this run on spot VMs with the same VM-seconds on demand and with one "
                "on-demand VM doing the whole job in the sum of the workers' seconds.")
     p.add_argument("url", metavar="RUN_URL", help="the run's --store: directory, file:///dir or gs://bucket/prefix")
-    p.add_argument("--json", metavar="PATH", help="also write a machine-readable report here")
-    p.add_argument("--plot", metavar="PATH", help="also draw the run (worker lifetimes, steps) into this PNG")
+    # output paths are checked before the (possibly remote) event log is read
+    p.add_argument("--json", metavar="PATH", type=output_file, help="also write a machine-readable report here")
+    p.add_argument("--plot", metavar="PATH", type=output_file,
+                   help="also draw the run (worker lifetimes, steps) into this PNG")
     p.add_argument("--instance-type", metavar="NAME", default=DEFAULT_INSTANCE_TYPE,
                    help=f"price-table name of each worker VM (default {DEFAULT_INSTANCE_TYPE}; "
                         "e.g. icac19/K80, g2-standard-8, n1-standard-8+2xnvidia-tesla-v100)")
@@ -86,14 +91,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@command(PROG)
 def main(argv: Sequence[str] | None = None) -> int:
+    """ReportError (and PlotUnavailableError) become one line and exit 2 in :func:`hvd_transient.cli.run`."""
     args = parser().parse_args(argv)
-    try:
-        analysis, cost = build(load_events(args.url), instance_type=args.instance_type, prices=args.prices,
-                               driver_instance_type=args.driver_instance_type)
-    except ReportError as exc:
-        print(f"hvd-transient report: {exc}", file=sys.stderr)
-        return 2
+    analysis, cost = build(load_events(args.url), instance_type=args.instance_type, prices=args.prices,
+                           driver_instance_type=args.driver_instance_type)
     from hvd_transient.report.render import render_text, to_json
 
     sys.stdout.write(render_text(analysis, cost))
@@ -101,13 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(to_json(analysis, cost), indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
-        from hvd_transient.report.plot import PlotUnavailableError, plot_run
+        from hvd_transient.report.plot import plot_run
 
-        try:
-            plot_run(analysis, args.plot)
-        except PlotUnavailableError as exc:
-            print(f"hvd-transient report: {exc}", file=sys.stderr)
-            return 2
+        plot_run(analysis, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
