@@ -1,8 +1,12 @@
 """A standard Horovod elastic Keras script, made preemption-safe by hvd-transient.
 
-The lines marked `# hvd-transient` are all it takes. Run it with, for example:
+The lines marked `# hvd-transient` are all it takes. Training resumes at the exact step and
+sample after every reset (leave, join, rollback) and cold restart: it ends after exactly
+epochs x steps-per-epoch optimizer steps, each sample of a pass over the data used once.
+Run it with, for example (Horovod 0.28 is elastic when given a discovery script):
 
-    horovodrun --elastic -np 2 --min-np 1 --max-np 4 \\
+    HVDT_DISCOVERY_BACKEND=local HVDT_HOSTS=localhost,127.0.0.1 HVDT_STORE=/tmp/run1 \\
+    horovodrun -np 2 --min-np 1 --max-np 4 \\
         --host-discovery-script launch/discover_hosts.sh --network-interfaces lo \\
         python examples/keras_elastic.py --store /tmp/run1
 """
@@ -16,7 +20,7 @@ import horovod.tensorflow.keras as hvd
 import tensorflow as tf
 
 import hvd_transient.keras as hvdt  # hvd-transient
-from hvd_transient.workloads import MODELS, batches, load_cifar10, synthetic_cifar10
+from hvd_transient.workloads import MODELS, load_cifar10, synthetic_cifar10
 
 
 def main() -> None:
@@ -43,12 +47,9 @@ def main() -> None:
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
 
-    state = hvdt.elastic_state(model, store=args.store, batch=0, epoch=0)  # hvd-transient
+    state = hvdt.elastic_state(model, store=args.store)  # hvd-transient
     callbacks = [
         hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit),
-        hvd.elastic.UpdateBatchStateCallback(state),
-        hvd.elastic.UpdateEpochStateCallback(state),
-        # last, so the checkpoint's data position includes the batch just finished
         hvdt.TransientCallback(state, store=args.store, base_lr=args.base_lr,  # hvd-transient
                                save_every_steps=args.save_every, notice_window_s=args.notice_window),
     ]
@@ -58,15 +59,15 @@ def main() -> None:
 
     @hvd.elastic.run
     def train(state):
-        seed = 1000 * hvd.rank() + int(model.optimizer.iterations.numpy())
-        model.fit(batches(images, labels, args.batch_size, seed), steps_per_epoch=args.steps_per_epoch,
-                  epochs=args.epochs - state.epoch, callbacks=callbacks,
+        # resumes at the exact sample and batch, on however many workers the ring has now
+        model.fit(hvdt.elastic_dataset(state, (images, labels), args.batch_size),  # hvd-transient
+                  steps_per_epoch=args.steps_per_epoch, epochs=args.epochs, callbacks=callbacks,
                   verbose=2 if hvd.rank() == 0 else 0)
 
     train(state)
     if hvd.rank() == 0:
-        print(f"done at step {int(model.optimizer.iterations.numpy())} on {hvd.size()} workers "
-              f"(pid {os.getpid()})", flush=True)
+        print(f"done at step {int(model.optimizer.iterations.numpy())} on {hvd.size()} workers, "
+              f"{state.samples} samples (pid {os.getpid()})", flush=True)
 
 
 if __name__ == "__main__":

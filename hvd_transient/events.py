@@ -15,8 +15,10 @@ start              a worker process began training: step, rank, size, crc (repli
 ring               (every rank) training (re)started on a ring: step, rank, size, master,
                    master_host, previous_master, lease_generation (master only)
 lr                 learning rate set for the ring: lr, size, mode
-first_step         first step completed on a new ring: step, size
-progress           every N steps: step, size
+resume_at          (every rank) fit resumed at: step, epoch, batch, steps_per_epoch, samples
+                   (global sample offset, with elastic_dataset; else null)
+first_step         first step completed on a new ring: step, size, samples (if tracked)
+progress           every N steps: step, size, samples (if tracked)
 notice             this host's watcher saw a notice: source, reason, detected_at, deadline
 notice_agreed      (every rank) step at which all ranks acted: step, leaving (hosts),
                    deadline (commit deadline), size
@@ -28,6 +30,7 @@ save_skipped       a periodic save was skipped: reason (one still in flight | al
 commit             (master) step, kind, size, lease_generation, bytes (periodic: whole step)
 save_failed        step, kind, error
 leave_published    this host published itself as leaving: step, deadline
+leaving_pruned     (master, when a ring begins) expired leaving records deleted: hosts
 reset              Horovod reset the ring: step (after), rolled_back, last_step
 stop_requested     (every rank) an operator stop was agreed at: step
 train_end          step

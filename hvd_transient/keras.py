@@ -1,30 +1,32 @@
 """Keras integration: preemption safety for a standard Horovod elastic Keras script.
 
-The four changed lines of a Horovod elastic script::
+The changed lines of a Horovod elastic script::
 
     import horovod.tensorflow.keras as hvd
     import hvd_transient.keras as hvdt                                        # (1)
 
     hvd.init()
     model.compile(optimizer=hvd.DistributedOptimizer(opt), loss=...)
-    state = hvdt.elastic_state(model, store=STORE, batch=0, epoch=0)         # (2) was hvd.elastic.KerasState
+    state = hvdt.elastic_state(model, store=STORE)                           # (2) was hvd.elastic.KerasState
     callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=50),
-                 hvd.elastic.UpdateBatchStateCallback(state),
-                 hvd.elastic.UpdateEpochStateCallback(state),
                  hvdt.TransientCallback(state, store=STORE, base_lr=LR)]     # (3)
 
     @hvd.elastic.run
     def train(state):
-        model.fit(dataset, steps_per_epoch=..., epochs=EPOCHS - state.epoch, callbacks=callbacks)
+        model.fit(hvdt.elastic_dataset(state, (x, y), BATCH),                # (4)
+                  steps_per_epoch=N, epochs=EPOCHS, callbacks=callbacks)
 
     train(state)
 
 ``elastic_state`` builds the optimizer's slot variables on every worker before
 the state is made (joining workers otherwise deadlock in ``state.sync()``), and
 on a cold start restores the run's latest committed checkpoint on rank 0, from
-where Horovod's own sync broadcasts it. Without ``--elastic`` (a static job),
-pass ``state=None``: a notice then writes the emergency checkpoint and stops
-``fit``; the relaunch resumes through :func:`restore_model`.
+where Horovod's own sync broadcasts it. ``TransientCallback`` makes every
+``fit`` resume at the exact batch the optimizer step says (no epoch is re-run
+after a reset), and ``elastic_dataset`` at the exact sample
+(:mod:`hvd_transient.data_position`). Without a discovery script (a static
+job), pass ``state=None``: a notice then writes the emergency checkpoint and
+stops ``fit``; the relaunch resumes through :func:`restore_model`.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ from ckpt_service.plan import SavePlan
 from ckpt_service.stores import open_store
 from hvd_transient.checksums import state_crc
 from hvd_transient.control import clear_stop
+from hvd_transient.data_position import SampleCursor, epoch_and_batch
+from hvd_transient.elastic_data import elastic_dataset
 from hvd_transient.hvd_collectives import HorovodCollectives
 from hvd_transient.lr_scaling import scaled_lr
 from hvd_transient.tf_snapshot import FusedSnapshot
@@ -87,7 +91,13 @@ def build_optimizer_slots(model: tf.keras.Model) -> None:
 
 
 def restore_model(model: tf.keras.Model, store: str) -> dict[str, Any] | None:
-    """Load the latest committed checkpoint of ``store`` into ``model``; its metadata, or None."""
+    """Load the latest committed checkpoint of ``store`` into ``model``; its metadata, or None.
+
+    A freshly built and compiled model works as it is: its optimizer's slot variables,
+    which Keras creates on the first step, are created here first.
+    """
+    if model.optimizer is not None:
+        build_optimizer_slots(model)
     variables = state_variables(model)
     manager = CheckpointManager(store, max_to_keep=None)
     try:
@@ -104,26 +114,94 @@ def restore_model(model: tf.keras.Model, store: str) -> dict[str, Any] | None:
 
 
 def elastic_state(model: tf.keras.Model, *, store: str, **state_kwargs: Any) -> Any:
-    """``hvd.elastic.KerasState`` that survives the whole cluster being lost.
+    """``hvd.elastic.KerasState`` that survives the whole cluster being lost, and knows its data position.
 
     Restores the latest committed checkpoint of this run (cold restart), resharded
     from whatever number of writers produced it. Only rank 0 reads it: Horovod's
     state sync then broadcasts it, and a worker joining a live job never has rank 0.
+    The state also carries ``samples``, the global sample offset of :func:`elastic_dataset`.
     """
     import horovod.tensorflow.keras as hvd
 
     build_optimizer_slots(model)
     restored = None
+    state_kwargs.setdefault("samples", 0)
     if hvd.rank() == 0:
         clear_stop(open_store(store))  # a stop request was for the previous launch
         restored = restore_model(model, store)
         if restored is not None:
-            for key in ("epoch", "batch"):
+            for key in ("epoch", "batch", "samples"):
                 if key in restored and key in state_kwargs:
                     state_kwargs[key] = int(restored[key])
-    state = hvd.elastic.KerasState(model, **state_kwargs)
+    state = _state_class(hvd.elastic.KerasState)(model, **state_kwargs)
     state.hvdt_restored = restored
     return state
+
+
+def _state_class(base: type) -> type:
+    class TransientKerasState(base):  # type: ignore[misc, valid-type]
+        """Horovod's KerasState whose ``samples`` always matches the model's optimizer step.
+
+        Horovod saves, restores and broadcasts the attributes; the offset is recomputed from
+        the step whenever it is saved or synced, so it is right after a commit (rollback),
+        a removal (no sync: the live value) and a join (rank 0's live value is broadcast).
+        """
+
+        def __init__(self, model: tf.keras.Model, **kwargs: Any) -> None:
+            self.hvdt_per_step: int | None = None
+            self.hvdt_cursor: SampleCursor | None = None
+            super().__init__(model, **kwargs)
+
+        def hvdt_track_samples(self, per_step: int) -> None:
+            """The input pipeline takes ``per_step`` samples per step from now on (called by elastic_dataset)."""
+            self.hvdt_per_step, self.hvdt_cursor = per_step, None
+
+        def hvdt_begin(self, step: int) -> None:
+            """A ``fit`` starts at ``step`` with the synced offset: the cursor of this ring."""
+            if self.hvdt_per_step:
+                self.hvdt_cursor = SampleCursor(step, int(self.samples), self.hvdt_per_step)
+
+        def hvdt_samples_at(self, step: int) -> int | None:
+            return None if self.hvdt_cursor is None else self.hvdt_cursor.samples_at(step)
+
+        def hvdt_advance(self, step: int) -> None:
+            if self.hvdt_cursor is not None:
+                self.samples = self.hvdt_cursor.samples_at(step)
+
+        def save(self) -> None:
+            if getattr(self, "hvdt_cursor", None) is not None:
+                self.hvdt_advance(int(self.model.optimizer.iterations.numpy()))
+            super().save()
+
+        def sync(self) -> None:
+            # Horovod broadcasts the *saved* attributes but the *live* model: send the live offset
+            if getattr(self, "hvdt_cursor", None) is not None:
+                self.hvdt_advance(int(self.model.optimizer.iterations.numpy()))
+                self._saved_state["samples"] = self.samples
+            super().sync()
+
+    return TransientKerasState
+
+
+class _ResumeAt:
+    """Makes Keras ``fit`` start at the batch the optimizer step says, not at the epoch's start.
+
+    Keras 2 asks ``model._training_state`` (BackupAndRestore's hook) for its initial epoch and
+    step right after ``on_train_begin``. With Horovod's ``epochs=EPOCHS - state.epoch`` pattern
+    the epoch is counted from ``state.epoch`` (``epoch_offset``); otherwise it is absolute.
+    """
+
+    def __init__(self, step: int, epoch_offset: int, on_resume: Any) -> None:
+        self.step, self.epoch_offset, self.on_resume = step, epoch_offset, on_resume
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch: int | None, initial_epoch: int,
+                                              mode: Any = None) -> tuple[int, int]:
+        if not steps_per_epoch:
+            return initial_epoch, 0
+        epoch, batch = epoch_and_batch(self.step, int(steps_per_epoch))
+        keras_epoch = initial_epoch + max(0, epoch - self.epoch_offset)
+        self.on_resume(int(steps_per_epoch), epoch, batch)
+        return keras_epoch, batch
 
 
 def weights_crc(model: tf.keras.Model) -> int:
@@ -175,6 +253,7 @@ class TransientCallback(tf.keras.callbacks.Callback):
         self._fused: FusedSnapshot | None = None
         self._fused_checked: tuple[int, int] | None = None  # (fit, optimizer variable count) last checked
         self._fits = 0
+        self._steps_per_epoch: int | None = None  # known once fit has resumed (Keras tells _ResumeAt)
         if state is not None:
             state.register_reset_callbacks([self._on_reset])
 
@@ -198,6 +277,16 @@ class TransientCallback(tf.keras.callbacks.Callback):
             self._fused_checked = check
         return self._fused
 
+    def _samples_at(self, step: int) -> int | None:
+        samples_at = getattr(self.state, "hvdt_samples_at", None)
+        return samples_at(step) if samples_at is not None else None
+
+    def _resumed(self, steps_per_epoch: int, epoch: int, batch: int) -> None:
+        self._steps_per_epoch = steps_per_epoch
+        if self.impl is not None:
+            self.impl.events.emit("resume_at", step=self._step(), epoch=epoch, batch=batch,
+                                  steps_per_epoch=steps_per_epoch, samples=self._samples_at(self._step()))
+
     def _snapshot(self) -> dict[str, Any]:
         # Only shapes and dtypes: _share_snapshot reads this rank's share in one call.
         return self._fused_snapshot().specs
@@ -208,8 +297,16 @@ class TransientCallback(tf.keras.callbacks.Callback):
     def _metadata(self, step: int) -> dict[str, Any]:
         # the step comes from the caller, which has read it already: a read is an eager op on the stall
         meta: dict[str, Any] = {"step": step, "world_size": self.impl.comm.size() if self.impl else 1}
+        if self._steps_per_epoch:
+            epoch, batch = epoch_and_batch(step, self._steps_per_epoch)
+            meta.update(epoch=epoch, batch=batch, steps_per_epoch=self._steps_per_epoch)
         if self.state is not None:
-            meta.update(epoch=int(getattr(self.state, "epoch", 0)), batch=int(getattr(self.state, "batch", 0)))
+            for key in ("epoch", "batch"):  # Horovod's own counters, where the script keeps them
+                if hasattr(self.state, key):
+                    meta[key] = int(getattr(self.state, key))
+            samples = self._samples_at(step)
+            if samples is not None:
+                meta["samples"] = samples
         lr = learning_rate_of(self.model.optimizer)
         if lr is not None:
             meta["lr"] = lr
@@ -238,13 +335,26 @@ class TransientCallback(tf.keras.callbacks.Callback):
                                   size=self.impl.comm.size(), crc=weights_crc(self.model),
                                   full_crc=state_crc(state_variables(self.model)),
                                   restored_step=restored.get("step") if restored else None)
-        self.impl.begin(self._step())
+        step = self._step()
+        begin = getattr(self.state, "hvdt_begin", None)
+        if begin is not None:
+            begin(step)
+        self.impl.begin(step)
         self._apply_lr()
+        # resume at the exact batch; a BackupAndRestore callback, which uses the same hook, wins.
+        # A reset leaves fit by an exception, without on_train_end: the old hook is replaced.
+        if getattr(self.model, "_training_state", None) is None or isinstance(self.model._training_state, _ResumeAt):
+            offset = int(getattr(self.state, "epoch", 0)) if self.state is not None else 0
+            self.model._training_state = _ResumeAt(step, offset, self._resumed)  # noqa: SLF001
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         assert self.impl is not None
         step = self._step()
-        outcome = self.impl.after_step(step, self._snapshot, partial(self._metadata, step), self._share_snapshot)
+        advance = getattr(self.state, "hvdt_advance", None)
+        if advance is not None:
+            advance(step)
+        outcome = self.impl.after_step(step, self._snapshot, partial(self._metadata, step), self._share_snapshot,
+                                       samples=self._samples_at(step))
         self.last_outcome = outcome
         if outcome.stop:
             self.model.stop_training = True  # every rank saw the same request at this step
@@ -258,6 +368,8 @@ class TransientCallback(tf.keras.callbacks.Callback):
             self.state.check_host_updates()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if isinstance(getattr(self.model, "_training_state", None), _ResumeAt):
+            self.model._training_state = None  # noqa: SLF001
         if self.impl is None:
             return
         step = self._step()
@@ -275,3 +387,7 @@ class TransientCallback(tf.keras.callbacks.Callback):
     def _on_reset(self) -> None:
         if self.impl is not None:
             self.impl.note_reset(self._step())
+
+
+__all__ = ["TransientCallback", "build_optimizer_slots", "elastic_dataset", "elastic_state", "learning_rate_of",
+           "restore_model", "state_variables", "weights_crc"]

@@ -18,10 +18,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ckpt_service.stores import open_store
 from hvd_transient.control import clear_stop, request_stop
@@ -83,20 +84,22 @@ class LocalCluster:
         self.process: subprocess.Popen[bytes] | None = None
         self._hosts = list(spec.hosts)
         self._vm_started: dict[str, float] = {}  # host -> when its current VM incarnation started
+        self._lock = threading.Lock()  # the state file is rewritten from timer threads too
+        self._timers: list[threading.Timer] = []
         self.started_at = 0.0
 
     # ---------------------------------------------------------------- lifecycle
 
-    def start(self, *, new_vms: bool = True) -> "LocalCluster":
-        """Launch horovodrun. ``new_vms``: the hosts are fresh VMs (a leaving record published
-        by an earlier VM of the same name no longer applies); False: the same VMs as before,
-        whose records then expire with their deadline."""
+    def start(self, *, vm_started: Mapping[str, float] | None = None) -> "LocalCluster":
+        """Launch horovodrun on fresh VMs: a leaving record an earlier VM of the same name
+        published no longer applies. ``vm_started``: the hosts that are still the same VMs as
+        before (e.g. another cluster's ``vm_started``), with their start times; their records
+        expire with their deadline."""
         self.spec.workdir.mkdir(parents=True, exist_ok=True)
         self.emulator.start()
         now = time.time()
         for host in self._hosts:
-            if new_vms or host not in self._vm_started:
-                self._vm_started[host] = now
+            self._vm_started[host] = (vm_started or {}).get(host, now)
         clear_stop(self.store)
         self._write_hosts()
         env = self.environment()
@@ -165,6 +168,8 @@ class LocalCluster:
                 os.kill(pid, signal.SIGKILL)
 
     def close(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
         self.stop()
         self.emulator.stop()
         if getattr(self, "_log", None):
@@ -187,14 +192,29 @@ class LocalCluster:
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.state_file)  # discovery must never read half a file
 
+    @property
+    def vm_started(self) -> dict[str, float]:
+        """When each host's current VM started (as the Compute API's ``lastStartTimestamp``)."""
+        return dict(self._vm_started)
+
     def add_host(self, host: str) -> None:
         """A new VM appears (or a preempted one is started again): discovery lists it from now on."""
         if host not in self.emulator.state():
             self.emulator.add_instance(host)
-        self._vm_started[host] = time.time()
-        if host not in self._hosts:
-            self._hosts.append(host)
-        self._write_hosts()
+        else:
+            self.emulator.reset(host)  # a VM started again has no pending notice
+        with self._lock:
+            self._vm_started[host] = time.time()
+            if host not in self._hosts:
+                self._hosts.append(host)
+            self._write_hosts()
+
+    def _vm_stopped(self, host: str) -> None:
+        """The window ended: Compute Engine stops a preempted VM, and it is listed no more (TERMINATED)."""
+        with self._lock:
+            if host in self._hosts:
+                self._hosts.remove(host)
+                self._write_hosts()
 
     def preempt(self, host: str, *, window_s: float = 30.0, kill_at_deadline: bool = True) -> float:
         """Give ``host`` a preemption notice now; SIGTERM its worker when the window ends. Returns the time."""
@@ -202,6 +222,11 @@ class LocalCluster:
         if kill_at_deadline and pid is None:
             raise ClusterError(f"no live worker is known on {host}")
         self.emulator.preempt(host, window=window_s, kill_pid=pid)
+        if kill_at_deadline:
+            stop = threading.Timer(window_s, self._vm_stopped, args=(host,))
+            stop.daemon = True
+            stop.start()
+            self._timers.append(stop)
         return time.time()
 
     def kill(self, host: str, sig: int = signal.SIGKILL) -> None:

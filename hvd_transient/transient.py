@@ -190,20 +190,22 @@ class TransientImpl:
 
     def after_step(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
                    metadata: Callable[[], dict[str, Any]],
-                   share_snapshot: ShareSnapshot | None = None) -> StepOutcome:
+                   share_snapshot: ShareSnapshot | None = None, *, samples: int | None = None) -> StepOutcome:
         """Every rank, after each optimizer step, with the global step number.
 
         ``snapshot()`` gives the state's tensors by name, ``metadata()`` the checkpoint
         metadata; both are called only when a save happens. With ``share_snapshot`` (see
         :data:`~ckpt_service.manager.ShareSnapshot`), saves take this rank's share from it and
-        ``snapshot()`` only needs to give shapes and dtypes (e.g. TensorSpecs).
+        ``snapshot()`` only needs to give shapes and dtypes (e.g. TensorSpecs). ``samples``: the
+        global sample offset after this step, if the input pipeline tracks one (logged with progress).
         """
         self.run.last_step = step
         first_after_begin = self.run.begun_at_step is not None and step == self.run.begun_at_step + 1
+        position = {} if samples is None else {"samples": samples}
         if first_after_begin:
-            self.events.emit("first_step", step=step, size=self.comm.size())
+            self.events.emit("first_step", step=step, size=self.comm.size(), **position)
         elif self.config.progress_every_steps and step % self.config.progress_every_steps == 0:
-            self.events.emit("progress", step=step, size=self.comm.size())
+            self.events.emit("progress", step=step, size=self.comm.size(), **position)
         every = self.config.save_every_steps
         save_due = bool(every) and step > 0 and step % every == 0 and not self.run.departure_pending
         if self.config.check_every_steps:

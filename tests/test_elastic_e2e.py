@@ -25,10 +25,11 @@ BASE_LR = 0.01
 
 
 def elastic_cmd(store: str, *, epochs: int, steps: int = 40, save_every: int = 25,
-                step_seconds: float = 0.05) -> tuple[str, ...]:
+                step_seconds: float = 0.05, notice_window: float = 30.0) -> tuple[str, ...]:
     return (sys.executable, ELASTIC, "--store", store, "--model", "small_cnn", "--epochs", str(epochs),
             "--steps-per-epoch", str(steps), "--save-every", str(save_every), "--base-lr", str(BASE_LR),
-            "--batches-per-commit", "5", "--step-seconds", str(step_seconds))
+            "--batches-per-commit", "5", "--step-seconds", str(step_seconds),
+            "--notice-window", str(notice_window))
 
 
 def cluster(tmp_path: Path, name: str, store: str, hosts: tuple[str, ...], command: tuple[str, ...],
@@ -231,3 +232,86 @@ def test_static_job_checkpoints_on_notice_and_relaunch_resumes(tmp_path: Path, c
     assert len(starts) == 2 and {e["step"] for e in starts} == {step}, "the relaunch must resume from the emergency checkpoint"
     over = {"gloo": "Gloo", "mpi": "MPI"}[controller]
     assert f"stopped at step 400 (resumed from {step}) on 2 processes over {over}" in resumed.log_tail(80)
+
+
+def expected_samples(rings: list[dict], step: int, batch: int) -> int:
+    """The global sample offset at ``step`` on a trajectory of rings (step they began at, size)."""
+    total = 0
+    for ring, following in zip(rings, rings[1:] + [None]):
+        end = step if following is None else min(step, following["step"])
+        total += max(0, end - ring["step"]) * ring["size"] * batch
+    return total
+
+
+def test_whole_run_exact_steps_and_samples_through_leave_join_loss_and_relaunch(tmp_path: Path) -> None:
+    """A run's life: a worker leaves, a VM joins, every VM is preempted at once and the cluster is
+    lost, then horovodrun is relaunched on the same host names (one more than were left): every
+    host gets a worker once the leaving records expire, training resumes at the emergency
+    checkpoint's exact step and sample offset on the new worker count, and the run ends at exactly
+    epochs x steps_per_epoch, every step having taken the next size x batch samples."""
+    store = str(tmp_path / "store")
+    epochs, per_epoch, batch = 6, 40, 32
+    hosts = ("localhost", "127.0.0.1", "127.0.1")
+    grace = (("HVDT_LEAVING_GRACE_S", "1"),)
+    # a short notice window, so that the leaving records expire soon after the whole cluster is lost
+    c = cluster(tmp_path, "first", store, hosts, elastic_cmd(store, epochs=epochs, steps=per_epoch, notice_window=20),
+                instances=hosts + ("127.1",), extra_env=grace)
+    with c:
+        c.wait_for_step(10, 180, size=3)
+        c.preempt("127.0.1", window_s=20)  # its VM stops when the window ends  # a worker leaves
+        c.wait_for(lambda ev: of(ev, "ring", size=2, host="localhost"), 120, "the ring to shrink to 2")
+        c.add_host("127.1")  # a new VM joins
+        c.wait_for(lambda ev: of(ev, "ring", size=3, host="127.1"), 180, "127.1 to join")
+        c.wait_for_step(max(e["step"] for e in of(c.events(), "ring", host="127.1")) + 10, 120, size=3)
+        live = ("localhost", "127.0.0.1", "127.1")
+        for host in live:  # a wave: every VM is preempted at once
+            c.preempt(host, window_s=20, kill_at_deadline=False)
+        c.wait_for(lambda ev: {e["host"] for e in of(ev, "leave_published")} == set(hosts + ("127.1",)), 120,
+                   "every worker to publish leaving")
+        first_events = c.events()
+        c.stop()  # the whole cluster is gone
+    [emergency] = [e for e in of(first_events, "commit", kind="emergency") if e["t"] > of(first_events, "ring",
+                   host="127.1")[0]["t"]]
+    cut = emergency["step"]
+    assert 0 < cut < epochs * per_epoch
+    records_end = max(e["deadline"] for e in of(first_events, "leave_published")) + 1
+    with CheckpointManager(store) as mgr:  # read now: retention removes it once the relaunch saves
+        meta = mgr.restore(step=cut).metadata
+
+    # relaunched on the same names, plus the host that had left earlier: the same VMs (no new
+    # incarnation), so each is admitted when its record's deadline + grace has passed
+    relaunch = cluster(tmp_path, "second", store, live + ("127.0.1",),
+                       elastic_cmd(store, epochs=epochs, steps=per_epoch, step_seconds=0.0), extra_env=grace)
+    relaunch.start(vm_started=c.vm_started)
+    try:
+        assert relaunch.wait(420) == 0, relaunch.log_tail()
+        events = relaunch.events()
+    finally:
+        relaunch.close()
+    second = [e for e in events if e["t"] >= relaunch.started_at]
+    starts = of(second, "start")
+    assert {e["host"] for e in starts} == set(live + ("127.0.1",)), "every host must get a worker"
+    assert min(e["t"] for e in starts) >= records_end - 0.5  # none was admitted while its record held
+    assert [e["restored_step"] for e in starts if e.get("restored_step") is not None] == [cut]
+    [resumed] = [e for e in of(second, "resume_at") if e["step"] == cut][:1]
+
+    # the trajectory: the first launch's rings up to the emergency step, then the relaunch's
+    observer = "localhost"
+    first_rings = [e for e in of(first_events, "ring", host=observer) if e["step"] < cut]
+    rings = first_rings + of(second, "ring", host=observer)
+    assert [r["size"] for r in rings][:3] == [3, 2, 3] and rings[-1]["size"] == 4
+    assert meta["samples"] == expected_samples(first_rings, cut, batch)
+    assert (resumed["epoch"], resumed["batch"]) == divmod(cut, per_epoch)
+    assert resumed["samples"] == meta["samples"]
+    # every logged offset is where the trajectory says: no sample skipped or taken twice
+    for e in of(first_events, "progress") + of(first_events, "first_step"):
+        if e["step"] <= cut:
+            assert e["samples"] == expected_samples(first_rings, e["step"], batch), e
+    for e in of(second, "progress") + of(second, "first_step"):
+        assert e["samples"] == expected_samples(rings, e["step"], batch), e
+    # exactly the nominal number of steps, on every worker, with identical weights
+    final = of(second, "weights")
+    assert {e["step"] for e in final} == {epochs * per_epoch}
+    assert len(final) == 4 and len({e["crc"] for e in final}) == 1
+    done = f"done at step {epochs * per_epoch} on 4 workers, {expected_samples(rings, epochs * per_epoch, batch)}"
+    assert done in relaunch.log_tail(200)
