@@ -1,6 +1,6 @@
 """A static Horovod job (``horovodrun -np N``, Gloo or MPI) made preemption-safe.
 
-Without ``--elastic`` the ring cannot shrink, so on a preemption notice every
+Without a discovery script (a static job) the ring cannot shrink, so on a preemption notice every
 rank writes its share of an emergency checkpoint, ``fit`` stops, and the job
 exits cleanly; relaunching the same command resumes from that checkpoint.
 

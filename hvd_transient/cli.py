@@ -248,7 +248,10 @@ def _usage() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    # discover runs every second under horovodrun, whose log would fill with its INFO lines
+    quiet = bool(args) and args[0] == "discover"
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     # google-api-core warns on every import about the interpreter's support window: noise to an operator,
     # and it would turn a one-line error about a gs:// store into three lines
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"google\.api_core")

@@ -169,15 +169,17 @@ def _state_class(base: type) -> type:
                 self.samples = self.hvdt_cursor.samples_at(step)
 
         def save(self) -> None:
-            if getattr(self, "hvdt_cursor", None) is not None:
-                self.hvdt_advance(int(self.model.optimizer.iterations.numpy()))
+            cursor = getattr(self, "hvdt_cursor", None)
+            if cursor is not None:
+                step = int(self.model.optimizer.iterations.numpy())
+                if step >= cursor.step0:  # before it, the model was restored, and the offset with it
+                    self.samples = cursor.samples_at(step)
             super().save()
 
         def sync(self) -> None:
-            # Horovod broadcasts the *saved* attributes but the *live* model: send the live offset
-            if getattr(self, "hvdt_cursor", None) is not None:
-                self.hvdt_advance(int(self.model.optimizer.iterations.numpy()))
-                self._saved_state["samples"] = self.samples
+            # Horovod broadcasts the *saved* attributes but the *live* model; the live offset is
+            # the one that matches it (advanced every batch, restored with the model on rollback)
+            self._saved_state["samples"] = self.samples
             super().sync()
 
     return TransientKerasState
@@ -230,6 +232,9 @@ class TransientCallback(tf.keras.callbacks.Callback):
         lr_scaling: ``linear`` | ``sqrt`` | ``none``: learning rate = f(active workers) x ``base_lr``.
         base_lr: the single-worker learning rate (None: leave the learning rate alone).
         watcher: ``auto`` | ``gce`` | ``aws`` | ``azure`` | ``local`` (env ``HVDT_WATCHER`` overrides).
+        resume_position: make each ``fit`` start at the epoch and batch the optimizer step says
+            (the script passes the whole run's ``epochs`` and ``steps_per_epoch``). None: on for an
+            elastic job, off for a static one, whose script may count the remaining steps itself.
     """
 
     def __init__(self, state: Any, *, store: str, save_every_steps: int | None = 500,
@@ -237,7 +242,7 @@ class TransientCallback(tf.keras.callbacks.Callback):
                  notice_window_s: float = 30.0, leave_margin_s: float = 5.0,
                  lr_scaling: str = "linear", base_lr: float | None = None, watcher: str = "auto",
                  max_to_keep: int | None = 3, keep_every_n_steps: int | None = None,
-                 save_on_train_end: bool = True) -> None:
+                 save_on_train_end: bool = True, resume_position: bool | None = None) -> None:
         super().__init__()
         scaled_lr(1.0, 1, lr_scaling)  # validate early
         self.state = state
@@ -248,6 +253,7 @@ class TransientCallback(tf.keras.callbacks.Callback):
             max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps, lr_scaling=lr_scaling,
             base_lr=base_lr)
         self.save_on_train_end = save_on_train_end
+        self.resume_position = state is not None if resume_position is None else resume_position
         self.impl: TransientImpl | None = None
         self.last_outcome = StepOutcome()
         self._fused: FusedSnapshot | None = None
@@ -343,7 +349,8 @@ class TransientCallback(tf.keras.callbacks.Callback):
         self._apply_lr()
         # resume at the exact batch; a BackupAndRestore callback, which uses the same hook, wins.
         # A reset leaves fit by an exception, without on_train_end: the old hook is replaced.
-        if getattr(self.model, "_training_state", None) is None or isinstance(self.model._training_state, _ResumeAt):
+        hook = getattr(self.model, "_training_state", None)
+        if self.resume_position and (hook is None or isinstance(hook, _ResumeAt)):
             offset = int(getattr(self.state, "epoch", 0)) if self.state is not None else 0
             self.model._training_state = _ResumeAt(step, offset, self._resumed)  # noqa: SLF001
 

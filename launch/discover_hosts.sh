@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Host discovery for horovodrun --elastic:
+# Host discovery for elastic horovodrun (Horovod 0.28 has no --elastic flag: a discovery
+# script with --min-np/--max-np is what makes a job elastic):
 #
-#   horovodrun --elastic --host-discovery-script launch/discover_hosts.sh ...
+#   horovodrun -np 2 --min-np 1 --max-np 8 --host-discovery-script launch/discover_hosts.sh ...
 #
 # Prints one "host:slots" line per available host, minus the hosts the run's
 # store lists as leaving (a preempted worker publishes itself there). It only
@@ -12,6 +13,8 @@
 # Environment:
 #   HVDT_DISCOVERY_BACKEND  gce | file | local                        (--backend; default local)
 #   HVDT_STORE              run store URL: dir, file://, gs://, memory:// (--store)
+#   HVDT_LEAVING_GRACE_S    seconds a leaving record still excludes its host after its
+#                           notice deadline (read by the command itself; default 60)
 #   HVDT_SLOTS              slots per host, or "auto" = one per GPU (gce) (--slots)
 #   gce backend:
 #     HVDT_PROJECT          GCP project id                             (--project)

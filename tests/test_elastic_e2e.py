@@ -195,6 +195,12 @@ def test_kill_without_notice_rolls_back_and_completes(tmp_path: Path) -> None:
         events = c.events()
     assert not of(events, "leave_published")
     assert of(events, "reset", host="localhost"), "Horovod's rollback path must run our reset hook"
+    # after the rollback the input stream restarts at the offset committed with the weights
+    rings = of(events, "ring", host="localhost")
+    assert [r["size"] for r in rings] == [3, 2]
+    for e in of(events, "progress", host="localhost") + of(events, "first_step", host="localhost"):
+        if e["t"] > rings[1]["t"]:
+            assert e["samples"] == expected_samples(rings, e["step"], 32), e
     final = of(events, "weights")
     assert {e["host"] for e in final} == {"localhost", "127.0.0.1"} and len({e["crc"] for e in final}) == 1
 

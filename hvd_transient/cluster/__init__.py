@@ -1,4 +1,4 @@
-"""Create, inspect and delete a GCE Spot training cluster for ``horovodrun --elastic``.
+"""Create, inspect and delete a GCE Spot training cluster for elastic ``horovodrun`` (with a discovery script).
 
 The topology is the paper's: N Spot GPU worker VMs plus one small on-demand CPU
 VM for the ``horovodrun`` driver, which must not sit on a VM that can be

@@ -1,4 +1,4 @@
-"""Host discovery for ``horovodrun --elastic --host-discovery-script``.
+"""Host discovery for elastic ``horovodrun --host-discovery-script ... --min-np N --max-np M``.
 
 Horovod runs the discovery script about once a second and reads ``host:slots``
 lines from its standard output. ``hvd-transient discover`` prints them from one
