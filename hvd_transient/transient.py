@@ -27,7 +27,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -40,7 +40,24 @@ from hvd_transient.election import (NoticeRound, decode_notice, elect_master, en
 from hvd_transient.events import EventLog
 from hvd_transient.membership import prune_leaving, publish_leaving
 
+if TYPE_CHECKING:
+    from hvd_transient.watchers import Notice
+
 log = logging.getLogger(__name__)
+
+
+class NoticeSource(Protocol):
+    """What the protocol needs of a watcher (:class:`hvd_transient.watchers.Watcher`, or a test's fake)."""
+
+    @property
+    def notice(self) -> "Notice | None": ...
+
+    #: the cloud's id of this VM, where known (leaving records carry it)
+    instance_id: str | None
+
+    def start(self) -> object: ...
+
+    def stop(self) -> None: ...
 
 
 class Collectives(Protocol):
@@ -115,7 +132,7 @@ def default_host() -> str:
 
 class TransientImpl:
     def __init__(self, config: TransientConfig, collectives: Collectives, *, host: str | None = None,
-                 watcher: Any = None, manager: CheckpointManager | None = None,
+                 watcher: NoticeSource | None = None, manager: CheckpointManager | None = None,
                  events: EventLog | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock  # step-rate measurement for the adaptive notice cadence
@@ -126,7 +143,7 @@ class TransientImpl:
             gather_timeout_s=config.async_gather_timeout_s)
         self.events = events or EventLog(self.manager.store, self.host)
         self.lease = Lease(self.manager.store, f"{self.host}:{os.getpid()}")
-        self.watcher = watcher if watcher is not None else _make_watcher(config, self.host)
+        self.watcher: NoticeSource | None = watcher if watcher is not None else _make_watcher(config, self.host)
         self.run = _RunState()
         self._stop_checked_at = float("-inf")
         self.notice_rounds = 0  # notice collectives run so far (benchmarks count them)
@@ -296,7 +313,7 @@ class TransientImpl:
         if rank in round_.leaving:
             self.run.leaving = True
             publish_leaving(self.manager.store, self.host, deadline=round_.deadline,
-                            instance_id=getattr(self.watcher, "instance_id", None))
+                            instance_id=self.watcher.instance_id if self.watcher is not None else None)
             self.events.emit("leave_published", step=step, deadline=round_.deadline, was_master=was_master)
         return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
                            departure_pending=True)
@@ -380,7 +397,7 @@ class TransientImpl:
         return ckpt
 
 
-def _make_watcher(config: TransientConfig, host: str) -> Any:
+def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
     """The configured watcher; ``{host}`` in GCE_METADATA_HOST selects a per-host emulator instance."""
     from hvd_transient.watchers import make_watcher
 
@@ -396,4 +413,4 @@ def _make_watcher(config: TransientConfig, host: str) -> Any:
         return None
 
 
-__all__ = ["CheckpointError", "Collectives", "StepOutcome", "TransientConfig", "TransientImpl", "default_host"]
+__all__ = ["CheckpointError", "Collectives", "NoticeSource", "StepOutcome", "TransientConfig", "TransientImpl", "default_host"]
