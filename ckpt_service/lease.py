@@ -119,11 +119,5 @@ class Lease:
     def _write(self, expected_generation: int, *, released: bool) -> int:
         record = LeaseRecord(self.holder, self.clock() + self.ttl_s, released, uuid.uuid4().hex)
         data = json.dumps(asdict(record)).encode()
-        try:
-            return self.store.put(self.key, data, if_generation_match=expected_generation)
-        except PreconditionFailedError:
-            # Did our own write land and only its reply get lost?
-            info = self.store.stat(self.key)
-            if info is not None and self.store.get(self.key) == data:
-                return info.generation
-            raise
+        # a write whose reply was lost is resolved by reading back (write_id makes data unique)
+        return self.store.put_resolved(self.key, data, if_generation_match=expected_generation)

@@ -160,3 +160,74 @@ def test_fixture_guard_rejects_an_emulator_that_ignores_preconditions(gcs_emulat
         with pytest.raises(EmulatorError, match="does not enforce ifGenerationMatch"):
             lax_emulator.assert_enforces_preconditions()
     gcs_emulator_session.assert_enforces_preconditions()  # and the real one passes
+
+
+# ---- every reply of a write lost: the client gives up although the server applied it ------------
+
+# The library's policy with a short deadline: once it gives up, the write's outcome is ambiguous.
+GIVE_UP_FAST = DEFAULT_RETRY.with_delay(initial=0.01, maximum=0.05, multiplier=2.0).with_timeout(1.0)
+
+
+@pytest.fixture
+def giving_up(gcs_emulator_session: GCSEmulator, proxy: FaultProxy, bucket: str) -> Iterator[GCSStore]:
+    proxy.reset()
+    client = gcs_emulator_session.client(endpoint=proxy.url)
+    yield GCSStore(bucket, f"t-{uuid.uuid4().hex[:12]}", client=client, retry=GIVE_UP_FAST)
+    proxy.reset()
+    client.close()
+
+
+def is_create_only(req) -> bool:
+    return is_upload(req) and "ifGenerationMatch=0" in req.path
+
+
+def test_every_reply_of_a_create_lost_the_raw_put_gives_up(giving_up: GCSStore, proxy: FaultProxy) -> None:
+    proxy.drop_response_of_next(match=is_upload, count=10**6)
+    with pytest.raises(StoreUnavailableError):
+        giving_up.put("commit", b"token-mine", if_generation_match=0)
+    proxy.reset()
+    assert giving_up.get("commit") == b"token-mine"  # yet the write was applied
+
+
+def test_every_reply_of_a_create_lost_is_resolved_by_reading_back(giving_up: GCSStore, proxy: FaultProxy) -> None:
+    proxy.drop_response_of_next(match=is_upload, count=10**6)
+    assert giving_up.create_exclusive("commit", b"token-mine") is True
+    assert "dropped-response" in proxy.outcomes(is_upload)
+    # a write the server refused stays refused, however its replies fare
+    assert giving_up.create_exclusive("commit", b"token-other") is False
+
+
+def test_save_whose_commit_replies_are_all_lost_reports_the_commit(giving_up: GCSStore, proxy: FaultProxy) -> None:
+    """The commit marker's create-only write is applied but no reply arrives: save() must say
+    committed (it is: listed, restorable, and saving it again conflicts), not failed."""
+    import numpy as np
+
+    from ckpt_service.manager import CheckpointManager, CommitConflictError
+
+    tensors = {"w": np.arange(5000, dtype=np.float32), "b": np.ones(3, np.float64)}
+    with CheckpointManager(giving_up, max_to_keep=None) as mgr:
+        proxy.drop_response_of_next(match=is_create_only, count=10**6)
+        manifest = mgr.save(7, tensors, metadata={"epoch": 1})
+        assert "dropped-response" in proxy.outcomes(is_create_only)
+        proxy.reset()
+        assert manifest.step == 7 and mgr.all_steps() == [7]
+        restored = mgr.restore()
+        np.testing.assert_array_equal(restored.tensors["w"], tensors["w"])
+        assert mgr.verify(7).ok
+        with pytest.raises(CommitConflictError):
+            mgr.save(7, tensors)
+
+
+def test_lease_write_whose_replies_are_all_lost_keeps_the_lease(giving_up: GCSStore, proxy: FaultProxy) -> None:
+    from ckpt_service.lease import Lease
+
+    lease = Lease(giving_up, "master-a")
+    first = lease.acquire()
+    proxy.drop_response_of_next(match=is_upload, count=10**6)
+    renewed = lease.fence()  # applied, reply lost: still ours, at the generation now stored
+    proxy.reset()
+    assert renewed > first and lease.held
+    assert giving_up.stat(lease.key).generation == renewed
+    other = Lease(giving_up, "master-b")
+    with pytest.raises(Exception, match="held by 'master-a'"):
+        other.acquire()

@@ -21,7 +21,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Iterator
 
-from ckpt_service.errors import BadTensorNameError, PreconditionFailedError
+from ckpt_service.errors import BadTensorNameError, PreconditionFailedError, StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -82,22 +82,44 @@ class ObjectStore(abc.ABC):
     def exists(self, key: str) -> bool:
         return self.stat(key) is not None
 
+    def put_resolved(self, key: str, data: bytes, *, if_generation_match: int) -> int:
+        """A conditional put whose outcome is never ambiguous; ``data`` must be unique to this writer.
+
+        A write whose *reply* was lost is either retried by the client, and then refused
+        by the precondition its own first attempt moved on, or given up with
+        :class:`StoreUnavailableError` although the server applied it. Either way,
+        reading the object back tells "my write is stored" (its generation is returned)
+        from "another write won" (:class:`PreconditionFailedError`) and from "nothing
+        changed" (the original error). When the read-back fails too, the outcome stays
+        unknown and the original error is raised.
+        """
+        try:
+            return self.put(key, data, if_generation_match=if_generation_match)
+        except (PreconditionFailedError, StoreUnavailableError) as exc:
+            try:
+                info = self.stat(key)
+                stored = self.get(key) if info is not None else None
+            except (KeyError, StoreUnavailableError):
+                raise exc from None
+            if info is not None and stored == data:
+                return info.generation
+            if (info.generation if info is not None else 0) != if_generation_match:
+                raise PreconditionFailedError(
+                    f"{self!r}: {key} is at generation {info.generation if info else 0} with another "
+                    f"writer's data, not {if_generation_match}") from exc
+            raise
+
     def create_exclusive(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if absent. Return True if this call's write is the one stored.
 
-        A create-only write whose *response* was lost is retried by cloud clients and
-        then fails with a precondition error on the caller's own write. Reading the
-        object back tells "someone else won" from "I won but lost the reply", so
-        ``data`` should contain something unique to the writer (a token).
+        Lost replies are resolved by :meth:`put_resolved`, so ``data`` should contain
+        something unique to the writer (a token).
         """
         try:
-            self.put(key, data, if_generation_match=0)
+            self.put_resolved(key, data, if_generation_match=0)
             return True
         except PreconditionFailedError:
-            try:
-                return self.get(key) == data
-            except KeyError:
-                return False
+            return False
 
     def delete_prefix(self, prefix: str) -> int:
         keys = list(self.list(prefix))
