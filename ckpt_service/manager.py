@@ -584,7 +584,9 @@ class CheckpointManager:
 
         Never deletes the latest committed step, nor an uncommitted step that is newer than
         it or was written to within ``abandoned_after_s`` (it may still be being written).
+        Temp files of writes killed midway (local store) go once that old too.
         """
+        self.store.sweep_temporary(self.abandoned_after_s)
         committed = self.all_steps()
         if not committed:
             return []

@@ -121,6 +121,13 @@ class ObjectStore(abc.ABC):
         except PreconditionFailedError:
             return False
 
+    def sweep_temporary(self, older_than_s: float, *, now: float | None = None) -> int:
+        """Remove what writes killed midway left behind, untouched for ``older_than_s``; returns how many.
+
+        Object stores write each object in one request and leave nothing behind: a no-op.
+        """
+        return 0
+
     def delete_prefix(self, prefix: str) -> int:
         keys = list(self.list(prefix))
         for key in keys:

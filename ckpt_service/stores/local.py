@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
 
 from ckpt_service.errors import ObjectNotFoundError, PreconditionFailedError, StoreUnavailableError
 from ckpt_service.stores.base import ObjectInfo, ObjectStore, check_key
+
+log = logging.getLogger(__name__)
 
 _TMP_PREFIX = ".tmp-"
 _LOCK_NAME = ".hvdt.lock"
@@ -57,12 +61,19 @@ class LocalStore(ObjectStore):
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
     def _write_tmp(self, path: Path, data: bytes) -> Path:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except PermissionError as exc:
-            raise StoreUnavailableError(f"cannot create {path.parent}: {exc}; check the store path") from exc
         tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
-        with open(tmp, "wb") as fh:
+        for attempt in range(2):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except PermissionError as exc:
+                raise StoreUnavailableError(f"cannot create {path.parent}: {exc}; check the store path") from exc
+            try:
+                fh = open(tmp, "wb")
+                break
+            except FileNotFoundError:
+                if attempt:  # a sweep removed the old empty folder between the two calls: once more
+                    raise
+        with fh:
             fh.write(data)
             if self.fsync:
                 fh.flush()
@@ -122,6 +133,38 @@ class LocalStore(ObjectStore):
                 if key.startswith(prefix):
                     keys.append(key)
         yield from sorted(keys)
+
+
+    def sweep_temporary(self, older_than_s: float, *, now: float | None = None) -> int:
+        """Delete temp files (a write killed before its rename) and then-empty folders older than
+        ``older_than_s``; younger ones may belong to a write in progress."""
+        cutoff = (time.time() if now is None else now) - older_than_s
+        removed = 0
+        emptied: set[Path] = set()  # folders this sweep took something from (their mtime is now)
+        for dirpath, _dirs, files in os.walk(self.root, topdown=False):
+            here = Path(dirpath)
+            for name in files:
+                path = here / name
+                if name.startswith(_TMP_PREFIX) and _mtime(path) < cutoff:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                        removed += 1
+                        emptied.add(here)
+            # an empty folder may be one a writer just made for its next file: only old ones go
+            if here != self.root and not any(here.iterdir()) and (here in emptied or _mtime(here) < cutoff):
+                with contextlib.suppress(OSError):
+                    here.rmdir()
+                    emptied.add(here.parent)
+        if removed:
+            log.info("removed %d stale temp files from %s", removed, self.root)
+        return removed
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")  # gone already: nothing to remove
 
 
 def _fsync_dir(path: Path) -> None:
