@@ -32,8 +32,9 @@ def emu():
 
 
 def gce(emu: MetadataEmulator, inst: str | None, key: str, *, headers=FLAVOR, timeout=AT_ONCE,
-        **params) -> requests.Response:
-    return requests.get(emu.gce_base_url(inst) + key, headers=headers, params=params, timeout=timeout)
+        allow_redirects: bool = True, **params) -> requests.Response:
+    return requests.get(emu.gce_base_url(inst) + key, headers=headers, params=params, timeout=timeout,
+                        allow_redirects=allow_redirects)
 
 
 # ---- GCE -----------------------------------------------------------------------------------------
@@ -137,14 +138,70 @@ def test_instances_are_isolated(emu):
     assert gce(emu, "zz", "instance/name").status_code == 404
 
 
-def test_plain_paths_route_by_host_name():
-    with MetadataEmulator(instances=["127.0.0.1", "localhost"]) as emu:
+def test_plain_paths_are_answered_by_the_default_instance_whatever_the_host():
+    """One rule: ``/i/<name>`` selects an instance; any other path gets the default one, the first
+    given, which ``GET /control/instances`` names, even when the Host header names another."""
+    with MetadataEmulator(instances=["localhost", "127.0.0.1"]) as emu:
+        control = requests.get(f"http://127.0.0.1:{emu.port}/control/instances", timeout=AT_ONCE).json()
         by_ip = requests.get(f"http://127.0.0.1:{emu.port}/computeMetadata/v1/instance/name",
                              headers=FLAVOR, timeout=AT_ONCE)
         by_alias = requests.get(f"http://localhost:{emu.port}/computeMetadata/v1/instance/name",
                                 headers=FLAVOR, timeout=AT_ONCE)
-    assert by_ip.text == "127.0.0.1"
-    assert by_alias.text == "localhost"
+        prefixed = requests.get(f"http://localhost:{emu.port}/i/127.0.0.1/computeMetadata/v1/instance/name",
+                                headers=FLAVOR, timeout=AT_ONCE)
+    assert control["default"] == "localhost"
+    assert by_ip.text == by_alias.text == "localhost"
+    assert prefixed.text == "127.0.0.1"
+
+
+def test_directories_listings_and_recursive_json_like_the_real_server(emu):
+    emu.add_instance("d", zone="europe-west4-a")
+    listing = gce(emu, "a", "instance/")
+    assert listing.status_code == 200 and listing.headers["Content-Type"] == "application/text"
+    names = listing.text.splitlines()
+    assert {"attributes/", "hostname", "id", "maintenance-event", "name", "preempted", "scheduling/",
+            "zone"} <= set(names) and names == sorted(names)
+    assert gce(emu, "a", "").text.splitlines() == ["instance/", "project/"]
+    assert gce(emu, "a", "instance/attributes/").text == ""  # an empty directory
+    assert gce(emu, "a", "instance/", alt="json").json() == names
+    # a directory without its slash is redirected to it; an unknown path is 404
+    moved = gce(emu, "a", "instance/scheduling", allow_redirects=False)
+    assert moved.status_code == 301 and moved.headers["Location"].endswith("/computeMetadata/v1/instance/scheduling/")
+    assert gce(emu, "a", "instance/scheduling").text.splitlines() == [
+        "automatic-restart", "on-host-maintenance", "preemptible"]
+    assert gce(emu, "a", "instance/nope/").status_code == 404
+    # recursive JSON, camelCase names and numeric ids, for every instance
+    for inst in ("a", "d"):
+        doc = gce(emu, inst, "instance/", recursive="true").json()
+        assert doc["name"] == inst and isinstance(doc["id"], int)
+        assert doc["preempted"] == "FALSE" and doc["maintenanceEvent"] == "NONE"
+        assert doc["scheduling"] == {"automaticRestart": "FALSE", "onHostMaintenance": "TERMINATE",
+                                     "preemptible": "TRUE"}
+        assert doc["attributes"] == {}
+    assert gce(emu, "d", "instance/", recursive="true").json()["zone"].endswith("/zones/europe-west4-a")
+    text = gce(emu, "a", "instance/scheduling/", recursive="true", alt="text").text
+    assert "preemptible TRUE\n" in text
+    assert gce(emu, "a", "instance/name", alt="json").json() == "a"
+    assert gce(emu, "a", "instance/", alt="yaml").status_code == 400
+
+
+def test_wait_for_change_on_a_recursive_directory_wakes_on_a_change_under_it(emu):
+    first = gce(emu, "a", "instance/", recursive="true")
+    assert first.headers["ETag"] == gce(emu, "a", "instance/", recursive="true").headers["ETag"]  # stable
+    other = gce(emu, "a", "project/", recursive="true")
+    results: dict[str, requests.Response] = {}
+    waiter = threading.Thread(target=lambda: results.setdefault("reply", gce(
+        emu, "a", "instance/", recursive="true", wait_for_change="true", last_etag=first.headers["ETag"],
+        timeout_sec=60, timeout=70)))
+    waiter.start()
+    emu.wait_for(lambda s: s["a"].requests >= 4, timeout=10)  # the long poll has arrived
+    emu.preempt("a", window=30)
+    waiter.join(30)
+    reply = results["reply"]
+    assert reply.json()["preempted"] == "TRUE"
+    assert reply.headers["ETag"] != first.headers["ETag"]
+    # a directory that did not change keeps its ETag
+    assert gce(emu, "a", "project/", recursive="true").headers["ETag"] == other.headers["ETag"]
 
 
 def test_scheduled_preemption_at_an_absolute_time(emu):

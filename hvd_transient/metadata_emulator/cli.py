@@ -37,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address to bind (default 127.0.0.1; keep it on loopback)")
     parser.add_argument("--port", type=port, default=0, help="port (default 0: any free port)")
     parser.add_argument("--instances", type=instance_names, default="instance-1",
-                        help="comma-separated instance names, e.g. localhost,127.0.0.1,127.1; "
-                             "the first is the default instance")
+                        help="comma-separated instance names, e.g. localhost,127.0.0.1,127.1. "
+                             "Requests under /i/<name>/ are answered by that instance; every other "
+                             "request by the default instance, the first named here (whatever the Host "
+                             "header says; 'default' in GET /control/instances)")
     return parser
 
 

@@ -1,9 +1,10 @@
 """HTTP routing of the emulator: GCE, AWS IMDSv2, Azure Scheduled Events and the control API.
 
-Paths (``/i/<instance>`` may be left out: then the instance named by the Host
-header, else the default instance, answers)::
+Paths (``/i/<instance>`` selects an instance; without it the default instance, the first
+one given, answers, whatever the Host header says)::
 
-    GET  [/i/<inst>]/computeMetadata/v1/<key>[?wait_for_change=true&last_etag=E&timeout_sec=S]
+    GET  [/i/<inst>]/computeMetadata/v1/<key or dir/>[?recursive=true][&alt=json|text]
+                                             [&wait_for_change=true&last_etag=E&timeout_sec=S]
     PUT  [/i/<inst>]/latest/api/token                    (X-aws-ec2-metadata-token-ttl-seconds)
     GET  [/i/<inst>]/latest/meta-data/<key>              (X-aws-ec2-metadata-token)
     GET  [/i/<inst>]/metadata/scheduledevents?api-version=2020-07-01   (Metadata: true)
@@ -28,6 +29,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from .gce_tree import TEXT
 from .model import GARBAGE_BODY, EmulatorError, Fault, InvalidRequestError, etag_of
 from .registry import UnknownKeyError
 
@@ -76,7 +78,7 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
                 self._control(method, path, query)
                 return
             path_instance, rest = _split_instance(path)
-            name = self.registry.resolve(path_instance, self.headers.get("Host"))
+            name = self.registry.resolve(path_instance)
             fault = self.registry.begin_request(name, rest)
             if fault is None:  # stopping: drop the connection unanswered
                 self.close_connection = True
@@ -106,27 +108,35 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
         if method != "GET":
             self._gce_reply(405, f"{method} is not allowed on the metadata server\n")
             return
+        view = {"recursive": query.get("recursive", "").lower() == "true", "alt": query.get("alt") or None}
         try:
+            if view["alt"] not in (None, "json", "text"):
+                raise InvalidRequestError(f"alt must be json or text, got {view['alt']!r}")
             if query.get("wait_for_change", "").lower() == "true":
                 timeout = _positive_float(query.get("timeout_sec"), "timeout_sec")
-                found = self.registry.gce_wait_for_change(name, key, query.get("last_etag"), timeout)
+                found = self.registry.gce_wait_for_change(name, key, query.get("last_etag"), timeout, **view)
                 if found is None:  # stopping
                     self.close_connection = True
                     return
             else:
-                found = self.registry.gce_read(name, key)
+                found = self.registry.gce_read(name, key, **view)
         except UnknownKeyError:
             self._gce_reply(404, f"metadata key {key!r} not found\n")
             return
         except InvalidRequestError as exc:
             self._gce_reply(400, f"{exc}\n")
             return
-        value, etag = found
-        self._gce_reply(200, value, etag=etag)
+        reply, etag = found
+        if reply.redirect is not None:  # a directory asked without its slash, as the real server does
+            location = self.path.split("?", 1)[0] + "/" + (f"?{urlsplit(self.path).query}" if "?" in self.path else "")
+            self._gce_reply(301, "", extra={"Location": location})
+            return
+        self._gce_reply(200, reply.body, etag=etag, content_type=reply.content_type)
 
-    def _gce_reply(self, status: int, body: str, etag: str | None = None) -> None:
-        self._reply(status, body, headers={"Metadata-Flavor": "Google",
-                                           "ETag": etag or etag_of("reply", body)})
+    def _gce_reply(self, status: int, body: str, etag: str | None = None, *, content_type: str = TEXT,
+                   extra: dict[str, str] | None = None) -> None:
+        self._reply(status, body, content_type=content_type,
+                    headers={"Metadata-Flavor": "Google", "ETag": etag or etag_of("reply", body), **(extra or {})})
 
     # ---- AWS IMDSv2 -------------------------------------------------------------------
     def _aws(self, method: str, name: str, path: str, fault: Fault) -> None:

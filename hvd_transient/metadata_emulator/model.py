@@ -226,8 +226,15 @@ class InstanceState:
             "instance/name": self.name,
             "instance/id": str(int(hashlib.sha256(self.name.encode()).hexdigest()[:15], 16)),
             "instance/zone": f"projects/{self.project_number}/zones/{self.zone}",
+            "instance/machine-type": f"projects/{self.project_number}/machineTypes/n1-standard-8",
+            # a Spot VM: what the real server shows under scheduling/
+            "instance/scheduling/automatic-restart": "FALSE",
+            "instance/scheduling/on-host-maintenance": "TERMINATE",
+            "instance/scheduling/preemptible": "TRUE",
+            "instance/attributes/": "",
             "project/project-id": self.project_id,
             "project/numeric-project-id": str(self.project_number),
+            "project/attributes/": "",
         }
 
     # ---- AWS IMDSv2 -------------------------------------------------------------

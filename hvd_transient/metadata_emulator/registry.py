@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Callable, Iterable, Mapping
 
+from .gce_tree import Reply, UnknownPathError, render
 from .model import (
     AWS_TOKEN_TTL_MAX_S,
     DEFAULT_WINDOW_S,
@@ -141,14 +142,14 @@ class Registry:
             return bool(ok) and not self._stopping
 
     # ---- serving ------------------------------------------------------------------
-    def resolve(self, path_instance: str | None, host_header: str | None) -> str:
-        """Which instance a request is for: the ``/i/<name>`` prefix, else the Host name, else the default."""
+    def resolve(self, path_instance: str | None) -> str:
+        """Which instance a request is for: the ``/i/<name>`` prefix, else the default instance
+        (the first one given; ``default`` in ``GET /control/instances``), whatever the Host header."""
         with self._cond:
             if path_instance is not None:
                 self._get(path_instance)
                 return path_instance
-            host = _host_name(host_header or "")
-            return host if host in self._instances else self._default
+            return self._default
 
     def begin_request(self, name: str, path: str) -> Fault | None:
         """Count a request and return the fault to apply; blocks while the fault is ``hang``.
@@ -165,22 +166,24 @@ class Registry:
             self._cond.wait_for(lambda: self._stopping or inst.fault is not Fault.HANG)
             return None if self._stopping else inst.fault
 
-    def gce_read(self, name: str, key: str) -> tuple[str, str]:
+    def gce_read(self, name: str, key: str, *, recursive: bool = False,
+                 alt: str | None = None) -> tuple[Reply, str]:
         with self._cond:
-            return self._gce_value(self._get(name), key)
+            return self._gce_value(self._get(name), key, recursive, alt)
 
-    def gce_wait_for_change(self, name: str, key: str, last_etag: str | None,
-                            timeout: float | None) -> tuple[str, str] | None:
-        """GCE ``wait_for_change``: return when the value's ETag differs from ``last_etag``
+    def gce_wait_for_change(self, name: str, key: str, last_etag: str | None, timeout: float | None, *,
+                            recursive: bool = False, alt: str | None = None) -> tuple[Reply, str] | None:
+        """GCE ``wait_for_change``: return when the reply's ETag differs from ``last_etag``
         (at once if it already does) or, without one, from the ETag at call time; return the
-        unchanged value after ``timeout``. None when the server is stopping."""
+        unchanged reply after ``timeout``. For a directory, a change anywhere under it counts.
+        None when the server is stopping."""
         with self._cond:
             inst = self._get(name)
-            _, start_etag = self._gce_value(inst, key)
+            _, start_etag = self._gce_value(inst, key, recursive, alt)
             baseline = last_etag if last_etag else start_etag
             self._cond.wait_for(
-                lambda: self._stopping or self._gce_value(inst, key)[1] != baseline, timeout)
-            return None if self._stopping else self._gce_value(inst, key)
+                lambda: self._stopping or self._gce_value(inst, key, recursive, alt)[1] != baseline, timeout)
+            return None if self._stopping else self._gce_value(inst, key, recursive, alt)
 
     def aws_issue_token(self, name: str, ttl_s: int) -> str:
         if not 1 <= ttl_s <= AWS_TOKEN_TTL_MAX_S:
@@ -264,15 +267,10 @@ class Registry:
             raise UnknownInstanceError(f"unknown instance {name!r}; known instances: {known}") from None
 
     @staticmethod
-    def _gce_value(inst: InstanceState, key: str) -> tuple[str, str]:
-        values = inst.gce_values()
-        if key not in values:
-            raise UnknownKeyError(key)
-        return values[key], etag_of(key, values[key])
-
-
-def _host_name(host_header: str) -> str:
-    """``name:port`` -> ``name`` (IPv6 ``[::1]:port`` kept whole, it names no instance)."""
-    if host_header.startswith("["):
-        return host_header
-    return host_header.rsplit(":", 1)[0]
+    def _gce_value(inst: InstanceState, key: str, recursive: bool, alt: str | None) -> tuple[Reply, str]:
+        try:
+            reply = render(inst.gce_values(), key, recursive=recursive, alt=alt)
+        except UnknownPathError:
+            raise UnknownKeyError(key) from None
+        # the ETag follows the content, so a change anywhere under a directory gives it a new one
+        return reply, etag_of(f"{key}?recursive={recursive}&alt={alt}", reply.body)
