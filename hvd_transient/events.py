@@ -1,7 +1,10 @@
 """Structured JSON-lines event log, one object per process under the run's store prefix.
 
-Object stores cannot append, so each process keeps its events in memory and
-rewrites its own ``events/<host>.<pid>.jsonl`` on flush. A background thread
+Object stores cannot append, so each process writes rolling segments,
+``events/<host>.<pid>.<seq>.jsonl``: a flush rewrites only the current segment,
+and a segment that holds ``segment_events`` events is sealed once written and
+dropped from memory, so neither memory nor the bytes of a flush grow with the
+length of the run. A background thread
 does the writing, rate limited (GCS allows about one write per second per
 object) except for the events others follow while the job runs; the few that
 matter when a machine is about to disappear are written before ``emit`` returns.
@@ -66,11 +69,15 @@ URGENT = frozenset({"election", "commit", "save_failed", "restore", "reset", "st
 class EventLog:
     """Events of one process; a background thread writes them so ``emit`` never waits on the store."""
 
-    def __init__(self, store: ObjectStore | None, host: str, *, min_flush_interval_s: float = 2.0) -> None:
+    def __init__(self, store: ObjectStore | None, host: str, *, min_flush_interval_s: float = 2.0,
+                 segment_events: int = 1000) -> None:
+        if segment_events < 1:
+            raise ValueError(f"segment_events must be at least 1, not {segment_events}")
         self.store, self.host = store, host
-        self.key = f"{EVENTS_PREFIX}{host}.{os.getpid()}.jsonl"
         self.min_flush_interval_s = min_flush_interval_s
-        self._events: list[dict[str, Any]] = []
+        self.segment_events = segment_events
+        self._seq = 0
+        self._events: list[dict[str, Any]] = []  # the current segment's, not yet sealed
         self._lock = threading.Lock()        # guards the list and the flags
         self._write_lock = threading.Lock()  # one store write at a time, in order
         self._last_flush = 0.0
@@ -103,15 +110,28 @@ class EventLog:
             with self._lock:
                 if not self._dirty:
                     return
-                body = "".join(json.dumps(e, default=str) + "\n" for e in self._events).encode()
+                written = list(self._events)
+                key = self.key
                 self._dirty = self._urgent = False
                 self._last_flush = time.monotonic()
+            body = "".join(json.dumps(e, default=str) + "\n" for e in written).encode()
             try:
-                self.store.put(self.key, body)
+                self.store.put(key, body)
             except Exception as exc:  # the log must never break training
                 log.warning("could not write the event log to %s: %s", self.store.url, exc)
                 with self._lock:
                     self._dirty = True
+                return
+            if len(written) >= self.segment_events:
+                with self._lock:  # sealed: what came after the snapshot opens the next segment
+                    self._events = self._events[len(written):]
+                    self._seq += 1
+                    self._dirty = self._dirty or bool(self._events)
+
+    @property
+    def key(self) -> str:
+        """The current segment's object."""
+        return f"{EVENTS_PREFIX}{self.host}.{os.getpid()}.{self._seq:06d}.jsonl"
 
     def close(self) -> None:
         """Stop the background writer and write what is left."""
@@ -132,6 +152,8 @@ class EventLog:
         while not self._closed.is_set():
             self._wake.wait()
             self._wake.clear()
+            if self._closed.is_set():  # close() flushes what is left itself: don't sit out the rate limit
+                return
             with self._lock:
                 dirty, urgent = self._dirty, self._urgent
                 wait = self._last_flush + self.min_flush_interval_s - time.monotonic()
@@ -146,12 +168,13 @@ class EventLog:
 
     @property
     def events(self) -> list[dict[str, Any]]:
+        """This process's events still in memory (the current segment; earlier ones are in the store)."""
         with self._lock:
             return list(self._events)
 
 
 def read_events(store: ObjectStore) -> list[dict[str, Any]]:
-    """Every process's events, merged and sorted by time."""
+    """Every process's events (every segment), merged and sorted by time."""
     events: list[dict[str, Any]] = []
     for key in store.list(EVENTS_PREFIX):
         if key.endswith(".jsonl"):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 from ckpt_service.stores.memory import MemoryStore
@@ -89,3 +90,29 @@ def test_a_failing_store_never_raises_into_training() -> None:
     log.emit("progress", step=2)                         # background path
     log.close()
     assert [e["event"] for e in log.events] == ["leave_published", "progress"]
+
+
+def test_a_long_run_writes_rolling_segments_with_bounded_memory_and_flushes() -> None:
+    """A multi-day run's progress events: memory and each flush stay bounded by the segment size,
+    and reading the log back gives every event, in order, from all segments."""
+    store = MemoryStore()
+    sizes: list[int] = []
+
+    class Recording(MemoryStore):
+        def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+            sizes.append(len(data))
+            return store.put(key, data, if_generation_match=if_generation_match)
+
+    log = EventLog(Recording(), "h1", min_flush_interval_s=0.0, segment_events=50)
+    for step in range(1, 1001):
+        log.emit("progress", step=step * 10, size=4)
+        if step % 7 == 0:
+            log.flush()
+        assert len(log.events) <= 50 + 7
+    log.close()
+    keys = sorted(store.list("events/"))
+    assert 1000 // 57 <= len(keys) <= 20  # each sealed segment holds 50 events and what came during its write
+    assert all(k.startswith(f"events/h1.{os.getpid()}.") for k in keys)
+    assert max(sizes) < 57 * 100  # a flush carries at most one segment, however long the run
+    events = read_events(store)
+    assert [e["step"] for e in events] == [step * 10 for step in range(1, 1001)]
