@@ -105,8 +105,6 @@ class Lease:
             ) from None
         return self.generation
 
-    renew = fence
-
     def release(self) -> None:
         if self.generation is None:
             return

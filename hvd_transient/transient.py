@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
 
-from ckpt_service.errors import CheckpointError, NothingToRestoreError
+from ckpt_service.errors import CheckpointError
 from ckpt_service.lease import Lease
-from ckpt_service.manager import Checkpoint, CheckpointManager, CommitConflictError, ShareSnapshot
+from ckpt_service.manager import CheckpointManager, CommitConflictError, ShareSnapshot
 from hvd_transient.control import STOP_POLL_S, stop_requested
 from hvd_transient.election import (NoticeRound, decode_notice, elect_master, encode_notice,
                                    steps_until_next_check)
@@ -130,12 +130,21 @@ def default_host() -> str:
     return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
 
+@dataclass(frozen=True)
+class Clocks:
+    """The two clocks of the protocol, injected together: ``monotonic`` measures intervals (the
+    step rate, the stop-poll cadence), ``wall`` is Unix time, in which notice deadlines are given."""
+
+    monotonic: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+
+
 class TransientImpl:
     def __init__(self, config: TransientConfig, collectives: Collectives, *, host: str | None = None,
                  watcher: NoticeSource | None = None, manager: CheckpointManager | None = None,
-                 events: EventLog | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 events: EventLog | None = None, clocks: Clocks = Clocks()) -> None:
         self.config = config
-        self.clock = clock  # step-rate measurement for the adaptive notice cadence
+        self.clocks = clocks
         self.comm = collectives
         self.host = host or default_host()
         self.manager = manager or CheckpointManager(
@@ -165,7 +174,7 @@ class TransientImpl:
         self.run.last_step = step
         # a new ring checks at its first step, then adapts to the step rate it measures
         self.run.next_check_step = step + 1
-        self.run.last_round_step, self.run.last_round_at = step, self.clock()
+        self.run.last_round_step, self.run.last_round_at = step, self.clocks.monotonic()
         self._move_lease(self.run.master)
         if rank == self.run.master:
             self._prune_leaving()
@@ -246,7 +255,7 @@ class TransientImpl:
         return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending)
 
     def _notice_round(self, step: int) -> NoticeRound:
-        now = self.clock()
+        now = self.clocks.monotonic()
         elapsed, steps = now - self.run.last_round_at, step - self.run.last_round_step
         self.run.last_round_step, self.run.last_round_at = step, now
         notice = self.watcher.notice if self.watcher is not None else None
@@ -270,7 +279,7 @@ class TransientImpl:
         """The master looks at the store now and then; the collective shares its answer."""
         if self.comm.rank() != self.run.master:
             return False
-        now = time.monotonic()
+        now = self.clocks.monotonic()
         if now - self._stop_checked_at >= STOP_POLL_S:
             self._stop_checked_at = now
             try:
@@ -282,7 +291,7 @@ class TransientImpl:
     def _emergency(self, step: int, round_: NoticeRound, snapshot: Callable[[], Mapping[str, Any]],
                    metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None) -> StepOutcome:
         rank, size = self.comm.rank(), self.comm.size()
-        deadline = (round_.deadline or time.time() + self.config.notice_window_s) - self.config.leave_margin_s
+        deadline = (round_.deadline or self.clocks.wall() + self.config.notice_window_s) - self.config.leave_margin_s
         leaving_hosts = [self.run.hosts[r] for r in round_.leaving]
         self.events.emit("notice_agreed", step=step, leaving=leaving_hosts, deadline=deadline, size=size)
 
@@ -292,7 +301,7 @@ class TransientImpl:
         if waited:
             self.events.emit("wait_inflight", step=step)
             try:
-                self.manager.wait(timeout=max(0.0, (deadline - time.time()) / 3))
+                self.manager.wait(timeout=max(0.0, (deadline - self.clocks.wall()) / 3))
             except Exception as exc:
                 log.warning("in-flight checkpoint did not finish before the emergency save: %s", exc)
 
@@ -339,7 +348,7 @@ class TransientImpl:
         """Synchronous sharded save on every rank; returns (on every rank) whether it committed."""
         rank, size = self.comm.rank(), self.comm.size()
         self.events.emit("save_start", step=step, kind=kind, size=size)
-        t0 = time.time()
+        t0 = self.clocks.monotonic()
         error = None
         try:
             self.manager.save(step, tensors, meta, rank=rank, world_size=size,
@@ -352,7 +361,7 @@ class TransientImpl:
             error = f"{type(exc).__name__}: {exc}"
         stats = self.manager.last_stats
         outcome = self.comm.broadcast_json({"ok": error is None, "error": error}, coordinator)
-        self.events.emit("save_end", step=step, kind=kind, seconds=time.time() - t0,
+        self.events.emit("save_end", step=step, kind=kind, seconds=self.clocks.monotonic() - t0,
                          bytes=stats.bytes_written if stats and stats.step == step else 0)
         if outcome["ok"]:
             if rank == coordinator:
@@ -384,18 +393,6 @@ class TransientImpl:
         if started:
             self.events.emit("async_save", step=step, stall_ms=(time.perf_counter() - t0) * 1e3, size=size)
 
-    # --------------------------------------------------------------- cold start
-
-    def restore_latest(self) -> Checkpoint | None:
-        """The latest committed checkpoint of this run, or None if there is none."""
-        try:
-            ckpt = self.manager.restore()
-        except NothingToRestoreError:
-            return None
-        self.events.emit("restore", step=ckpt.step, writers=ckpt.manifest.world_size,
-                         bytes=ckpt.manifest.nbytes)
-        return ckpt
-
 
 def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
     """The configured watcher; ``{host}`` in GCE_METADATA_HOST selects a per-host emulator instance."""
@@ -413,4 +410,4 @@ def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
         return None
 
 
-__all__ = ["CheckpointError", "Collectives", "NoticeSource", "StepOutcome", "TransientConfig", "TransientImpl", "default_host"]
+__all__ = ["CheckpointError", "Clocks", "Collectives", "NoticeSource", "StepOutcome", "TransientConfig", "TransientImpl", "default_host"]

@@ -15,7 +15,7 @@ from hvd_transient.control import request_stop
 from hvd_transient.election import decode_notice, elect_master, encode_notice, steps_until_next_check
 from hvd_transient.lr_scaling import scaled_lr
 from hvd_transient.membership import leaving_hosts, publish_leaving, read_leaving
-from hvd_transient.transient import TransientConfig, TransientImpl
+from hvd_transient.transient import Clocks, TransientConfig, TransientImpl
 from hvd_transient.watchers import Notice
 
 HOSTS = ["h0", "h1", "h2"]
@@ -249,7 +249,7 @@ def test_adaptive_cadence_is_agreed_and_still_catches_a_notice() -> None:
     # rank 2's clock runs 50% fast: the ranks still pick one cadence from the summed vector
     clocks = [lambda: now["t"], lambda: now["t"], lambda: now["t"] * 1.5]
     impls = [TransientImpl(config, FakeCollectives(group, r), host=HOSTS[r], watcher=FakeWatcher(),
-                           clock=clocks[r]) for r in range(3)]
+                           clocks=Clocks(monotonic=clocks[r])) for r in range(3)]
     group.run(lambda r: impls[r].begin(0))
     checked_at = []
     for step in range(1, 31):
