@@ -68,6 +68,7 @@ TYPED_ERRORS: tuple[tuple[str, str, int], ...] = (
     ("hvd_transient.discovery.errors", "DiscoveryError", EXIT_FAILURE),
     ("hvd_transient.cluster.spec", "ClusterSpecError", EXIT_USAGE),
     ("hvd_transient.cluster.compute_api", "ComputeAuthError", EXIT_USAGE),
+    ("hvd_transient.cluster.compute_api", "ComputeConfigError", EXIT_USAGE),
     ("hvd_transient.cluster.compute_api", "ComputeAPIError", EXIT_FAILURE),
     ("hvd_transient.report", "ReportError", EXIT_USAGE),
     ("hvd_transient.report.plot", "PlotUnavailableError", EXIT_USAGE),

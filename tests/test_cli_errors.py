@@ -8,6 +8,7 @@ argument-validation paths run: no demo, benchmark or emulator is really started.
 """
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -39,10 +40,11 @@ def busy_port() -> Iterator[str]:
         yield str(sock.getsockname()[1])
 
 
-def hvdt(*args: str, module: bool = False) -> subprocess.CompletedProcess[str]:
+def hvdt(*args: str, module: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "hvd_transient.cli"] if module else [CLI]
     # the timeout only guards against a case that starts something long instead of refusing it
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                          env={**os.environ, **(env or {})})
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess[str], bad: str, status: int) -> str:
@@ -168,6 +170,13 @@ def test_a_missing_store_is_not_created(paths: dict[str, str]) -> None:
     assert_one_line_error(hvdt("stop", str(target)), "no-such-dir", 2)
     assert_one_line_error(hvdt("ckpt", "gc", str(target), "--keep", "1"), "no-such-dir", 2)
     assert not Path(paths["missing"]).exists()
+
+
+def test_a_bad_compute_api_url_in_the_environment_is_a_setup_error() -> None:
+    env = {"HVDT_COMPUTE_API": "compute.example", "HVDT_COMPUTE_ANONYMOUS": "1"}
+    for args in (("discover", "--backend", "gce", "--project", "p", "--label", "a=b"),
+                 ("cluster", "status", "--name", "exp", "--project", "p")):
+        assert_one_line_error(hvdt(*args, env=env), "HVDT_COMPUTE_API", 2)
 
 
 def test_python_dash_m_answers_the_same_way(paths: dict[str, str]) -> None:

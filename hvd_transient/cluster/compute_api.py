@@ -44,6 +44,10 @@ class ComputeAPIError(RuntimeError):
         self.reason = reason
 
 
+class ComputeConfigError(ComputeAPIError, ValueError):
+    """The client is misconfigured (a bad API URL): the setup must change, no request was sent."""
+
+
 class ComputeNotFoundError(ComputeAPIError, LookupError):
     """404: the project, zone, group or instance does not exist."""
 
@@ -157,7 +161,8 @@ class ComputeAPI:
                 f"--api-url or {API_URL_ENV} as well, or unset {ANONYMOUS_ENV}"
             )
         if not url.startswith(("http://", "https://")):
-            raise ComputeAPIError(f"compute API URL {url!r} must start with http:// or https://")
+            source = "--api-url" if api_url else API_URL_ENV if os.environ.get(API_URL_ENV) else "the API URL"
+            raise ComputeConfigError(f"{source}: compute API URL {url!r} must start with http:// or https://")
         return cls(make_session(scopes, anonymous=anonymous), url, **kwargs)
 
     # ---- transport ------------------------------------------------------------------------

@@ -86,7 +86,13 @@ def _slots(args: argparse.Namespace) -> int | None:
 
 
 def _gce_hosts(args: argparse.Namespace, slots: int | None) -> list[Host]:
-    from hvd_transient.cluster.compute_api import READONLY_SCOPE, ComputeAPI, ComputeAPIError, ComputeAuthError
+    from hvd_transient.cluster.compute_api import (
+        READONLY_SCOPE,
+        ComputeAPI,
+        ComputeAPIError,
+        ComputeAuthError,
+        ComputeConfigError,
+    )
     from hvd_transient.discovery.gce import discover_gce, parse_labels
 
     labels = parse_labels(args.label)
@@ -100,7 +106,7 @@ def _gce_hosts(args: argparse.Namespace, slots: int | None) -> list[Host]:
         return discover_gce(
             api, project=args.project, zones=zones, mig=args.mig, labels=labels, slots=slots, use_ip=args.use_ip
         )
-    except ComputeAuthError as exc:  # no credentials, or 401/403: fix the setup, not a blip
+    except (ComputeAuthError, ComputeConfigError) as exc:  # no credentials, 401/403, a bad URL: fix the setup
         raise DiscoveryConfigError(str(exc)) from None
     except ComputeAPIError as exc:
         raise DiscoveryError(str(exc)) from None
