@@ -41,7 +41,11 @@ def gce(emu: MetadataEmulator, inst: str | None, key: str, *, headers=FLAVOR, ti
 def test_gce_requires_metadata_flavor_header(emu):
     denied = gce(emu, "a", "instance/preempted", headers={})
     assert denied.status_code == 403
-    assert denied.headers["Metadata-Flavor"] == "Google" and denied.headers["ETag"]
+    # as the real server: Google's HTML error page, still flavoured, without an ETag
+    assert denied.headers["Metadata-Flavor"] == "Google" and "ETag" not in denied.headers
+    assert denied.headers["Content-Type"] == "text/html; charset=UTF-8"
+    assert "Missing Metadata-Flavor:Google header." in denied.text
+    assert "/i/a/computeMetadata/v1/instance/preempted" in denied.text
     wrong = gce(emu, "a", "instance/preempted", headers={"Metadata-Flavor": "Amazon"})
     assert wrong.status_code == 403
 
@@ -52,7 +56,8 @@ def test_gce_requires_metadata_flavor_header(emu):
 
 def test_gce_rejects_forwarded_requests(emu):
     reply = gce(emu, "a", "instance/name", headers={**FLAVOR, "X-Forwarded-For": "10.0.0.1"})
-    assert reply.status_code == 403
+    assert reply.status_code == 403 and reply.headers["Metadata-Flavor"] == "Google"
+    assert "X-Forwarded-For" in reply.text
 
 
 def test_gce_serves_instance_and_project_keys(emu):
@@ -61,7 +66,12 @@ def test_gce_serves_instance_and_project_keys(emu):
     assert re.fullmatch(r"projects/\d+/zones/[a-z0-9-]+", gce(emu, "b", "instance/zone").text)
     assert gce(emu, "b", "project/project-id").text
     assert gce(emu, "b", "instance/maintenance-event").text == "NONE"
-    assert gce(emu, "b", "instance/no-such-key").status_code == 404
+    ok = gce(emu, "b", "instance/name")
+    assert ok.headers["Content-Type"] == "application/text" and re.fullmatch(r"[0-9a-f]{16}", ok.headers["ETag"])
+    missing = gce(emu, "b", "instance/no-such-key")
+    assert missing.status_code == 404 and missing.headers["Metadata-Flavor"] == "Google"
+    assert missing.headers["Content-Type"] == "text/html; charset=UTF-8"
+    assert "<code>/i/b/computeMetadata/v1/instance/no-such-key</code> was not found" in missing.text
 
 
 def test_etag_changes_with_the_value_only(emu):
@@ -117,9 +127,13 @@ def test_timeout_sec_returns_the_unchanged_value(emu):
     assert reply.headers["ETag"] == current.headers["ETag"]
 
 
-def test_bad_timeout_sec_is_a_400(emu):
-    reply = gce(emu, "a", "instance/preempted", wait_for_change="true", timeout_sec="soon")
-    assert reply.status_code == 400
+def test_bad_long_polls_are_a_400(emu):
+    assert gce(emu, "a", "instance/preempted", wait_for_change="true", timeout_sec="soon").status_code == 400
+    # GCE takes whole seconds only
+    assert gce(emu, "a", "instance/preempted", wait_for_change="true", timeout_sec="1.5").status_code == 400
+    # a plain directory listing cannot be waited on, only a key or a recursive directory
+    listing = gce(emu, "a", "instance/", wait_for_change="true", timeout_sec=60)
+    assert listing.status_code == 400 and "recursive=true" in listing.text
 
 
 def test_instances_are_isolated(emu):
@@ -138,70 +152,182 @@ def test_instances_are_isolated(emu):
     assert gce(emu, "zz", "instance/name").status_code == 404
 
 
+def _plain(emu: MetadataEmulator, host: str, key: str) -> requests.Response:
+    """``key`` without the ``/i/<name>`` prefix, sent to ``host`` (an alias of 127.0.0.1)."""
+    return requests.get(f"http://{host}:{emu.port}/computeMetadata/v1/{key}", headers=FLAVOR, timeout=AT_ONCE)
+
+
 def test_plain_paths_are_answered_by_the_default_instance_whatever_the_host():
     """One rule: ``/i/<name>`` selects an instance; any other path gets the default one, the first
     given, which ``GET /control/instances`` names, even when the Host header names another."""
     with MetadataEmulator(instances=["localhost", "127.0.0.1"]) as emu:
         control = requests.get(f"http://127.0.0.1:{emu.port}/control/instances", timeout=AT_ONCE).json()
-        by_ip = requests.get(f"http://127.0.0.1:{emu.port}/computeMetadata/v1/instance/name",
-                             headers=FLAVOR, timeout=AT_ONCE)
-        by_alias = requests.get(f"http://localhost:{emu.port}/computeMetadata/v1/instance/name",
-                                headers=FLAVOR, timeout=AT_ONCE)
+        by_ip = _plain(emu, "127.0.0.1", "instance/name")
+        by_alias = _plain(emu, "localhost", "instance/name")
         prefixed = requests.get(f"http://localhost:{emu.port}/i/127.0.0.1/computeMetadata/v1/instance/name",
                                 headers=FLAVOR, timeout=AT_ONCE)
+        emu.add_instance("127.1")  # a later instance never becomes the default
+        later = _plain(emu, "127.0.0.1", "instance/name")
+        emu.preempt("localhost", window=30)  # the default's state is what plain paths see
+        recursive = requests.get(f"http://127.0.0.1:{emu.port}/computeMetadata/v1/instance/",
+                                 params={"recursive": "true"}, headers=FLAVOR, timeout=AT_ONCE).json()
+        unknown = requests.get(f"http://127.0.0.1:{emu.port}/i/nope/computeMetadata/v1/instance/name",
+                               headers=FLAVOR, timeout=AT_ONCE)
     assert control["default"] == "localhost"
-    assert by_ip.text == by_alias.text == "localhost"
+    assert by_ip.text == by_alias.text == later.text == "localhost"
     assert prefixed.text == "127.0.0.1"
+    assert recursive["name"] == "localhost" and recursive["preempted"] == "TRUE"
+    assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
 
 
-def test_directories_listings_and_recursive_json_like_the_real_server(emu):
-    emu.add_instance("d", zone="europe-west4-a")
+def test_default_instance_can_be_chosen_and_is_reported():
+    with MetadataEmulator(instances=["a", "b"], default_instance="b") as emu:
+        control = requests.get(f"{emu.url}/control/instances", timeout=AT_ONCE).json()
+        plain = _plain(emu, "127.0.0.1", "instance/name")
+    assert control["default"] == "b" and plain.text == "b"
+
+
+def test_cli_help_states_the_instance_rule():
+    from hvd_transient.metadata_emulator.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "/i/<name>/" in text and "default instance, the first named here" in text
+    assert "Host header" in text
+
+
+def test_directory_listings_like_the_real_server(emu):
     listing = gce(emu, "a", "instance/")
     assert listing.status_code == 200 and listing.headers["Content-Type"] == "application/text"
+    assert listing.headers["Metadata-Flavor"] == "Google" and listing.headers["ETag"]
     names = listing.text.splitlines()
-    assert {"attributes/", "hostname", "id", "maintenance-event", "name", "preempted", "scheduling/",
-            "zone"} <= set(names) and names == sorted(names)
-    assert gce(emu, "a", "").text.splitlines() == ["instance/", "project/"]
-    assert gce(emu, "a", "instance/attributes/").text == ""  # an empty directory
+    assert {"attributes/", "hostname", "id", "machine-type", "maintenance-event", "name",
+            "network-interfaces/", "preempted", "scheduling/", "zone"} <= set(names)
+    assert names == sorted(names) and listing.text.endswith("\n")
     assert gce(emu, "a", "instance/", alt="json").json() == names
-    # a directory without its slash is redirected to it; an unknown path is 404
-    moved = gce(emu, "a", "instance/scheduling", allow_redirects=False)
-    assert moved.status_code == 301 and moved.headers["Location"].endswith("/computeMetadata/v1/instance/scheduling/")
-    assert gce(emu, "a", "instance/scheduling").text.splitlines() == [
+    assert gce(emu, "a", "instance/network-interfaces/").text == "0/\n"
+    assert gce(emu, "a", "instance/attributes/").text == ""  # an empty directory, not a 404
+    assert gce(emu, "a", "instance/scheduling/").text.splitlines() == [
         "automatic-restart", "on-host-maintenance", "preemptible"]
+    assert gce(emu, "a", "").text == "instance/\nproject/\n"  # computeMetadata/v1/
+    assert gce(emu, "a", "project/").text.splitlines() == ["attributes/", "numeric-project-id", "project-id"]
+    # above v1, as on the real server: what google-auth's ping asks for
+    root = requests.get(emu.root_url("a") + "/", headers=FLAVOR, timeout=AT_ONCE)
+    assert root.status_code == 200 and root.text == "computeMetadata/\n"
+    assert root.headers["Metadata-Flavor"] == "Google"
+    # a directory without its slash is a 301 to the slash form, query kept; unknown paths 404
+    moved = gce(emu, "a", "instance/scheduling", allow_redirects=False, recursive="true")
+    assert moved.status_code == 301 and moved.headers["Metadata-Flavor"] == "Google"
+    assert moved.headers["Location"] == "/i/a/computeMetadata/v1/instance/scheduling/?recursive=true"
+    v1 = requests.get(f"{emu.root_url('a')}/computeMetadata/v1", headers=FLAVOR, timeout=AT_ONCE,
+                      allow_redirects=False)
+    assert v1.status_code == 301 and v1.headers["Location"] == "/i/a/computeMetadata/v1/"
+    assert gce(emu, "a", "instance/scheduling", recursive="true").json() == {  # followed, query kept
+        "automaticRestart": "FALSE", "onHostMaintenance": "TERMINATE", "preemptible": "TRUE"}
     assert gce(emu, "a", "instance/nope/").status_code == 404
-    # recursive JSON, camelCase names and numeric ids, for every instance
-    for inst in ("a", "d"):
-        doc = gce(emu, inst, "instance/", recursive="true").json()
-        assert doc["name"] == inst and isinstance(doc["id"], int)
-        assert doc["preempted"] == "FALSE" and doc["maintenanceEvent"] == "NONE"
-        assert doc["scheduling"] == {"automaticRestart": "FALSE", "onHostMaintenance": "TERMINATE",
-                                     "preemptible": "TRUE"}
-        assert doc["attributes"] == {}
-    assert gce(emu, "d", "instance/", recursive="true").json()["zone"].endswith("/zones/europe-west4-a")
-    text = gce(emu, "a", "instance/scheduling/", recursive="true", alt="text").text
-    assert "preemptible TRUE\n" in text
-    assert gce(emu, "a", "instance/name", alt="json").json() == "a"
     assert gce(emu, "a", "instance/", alt="yaml").status_code == 400
 
 
-def test_wait_for_change_on_a_recursive_directory_wakes_on_a_change_under_it(emu):
-    first = gce(emu, "a", "instance/", recursive="true")
-    assert first.headers["ETag"] == gce(emu, "a", "instance/", recursive="true").headers["ETag"]  # stable
-    other = gce(emu, "a", "project/", recursive="true")
-    results: dict[str, requests.Response] = {}
-    waiter = threading.Thread(target=lambda: results.setdefault("reply", gce(
-        emu, "a", "instance/", recursive="true", wait_for_change="true", last_etag=first.headers["ETag"],
-        timeout_sec=60, timeout=70)))
-    waiter.start()
-    emu.wait_for(lambda s: s["a"].requests >= 4, timeout=10)  # the long poll has arrived
+def test_recursive_json_for_two_instances(emu):
+    emu.add_instance("d", zone="europe-west4-a", project_id="other-project")
+    emu.preempt("d", window=30)
+    docs = {inst: gce(emu, inst, "instance/", recursive="true") for inst in ("a", "d")}
+    for inst, reply in docs.items():
+        assert reply.headers["Content-Type"] == "application/json"
+        doc = reply.json()
+        assert doc["name"] == doc["hostname"] == inst
+        assert isinstance(doc["id"], int) and str(doc["id"]) == gce(emu, inst, "instance/id").text
+        assert doc["maintenanceEvent"] == "NONE"
+        assert doc["scheduling"] == {"automaticRestart": "FALSE", "onHostMaintenance": "TERMINATE",
+                                     "preemptible": "TRUE"}
+        assert doc["attributes"] == {}
+        assert re.fullmatch(r"projects/\d+/machineTypes/[a-z0-9-]+", doc["machineType"])
+        [nic] = doc["networkInterfaces"]  # a numbered directory is a JSON array
+        assert nic["ip"] == gce(emu, inst, "instance/network-interfaces/0/ip").text and nic["mtu"] == 1460
+        assert not {"maintenance-event", "machine-type", "network-interfaces"} & set(doc)
+    a, d = docs["a"].json(), docs["d"].json()
+    assert (a["preempted"], d["preempted"]) == ("FALSE", "TRUE")
+    assert a["id"] != d["id"] and a["networkInterfaces"][0]["ip"] != d["networkInterfaces"][0]["ip"]
+    assert re.fullmatch(r"projects/\d+/zones/europe-west4-a", d["zone"]) and a["zone"].endswith("/us-central1-a")
+    project = gce(emu, "d", "project/", recursive="true").json()
+    assert project == {"attributes": {}, "numericProjectId": project["numericProjectId"],
+                       "projectId": "other-project"}
+    assert isinstance(project["numericProjectId"], int)
+    everything = gce(emu, "d", "", recursive="true").json()  # computeMetadata/v1/?recursive=true
+    assert everything["instance"] == d and everything["project"] == project
+    # alt=json on a key is its JSON value; alt=text on a recursive directory one "path value" a line
+    assert gce(emu, "d", "instance/name", alt="json").json() == "d"
+    assert gce(emu, "d", "instance/id", alt="json").json() == d["id"]
+    text = gce(emu, "d", "instance/", recursive="true", alt="text")
+    assert text.headers["Content-Type"] == "application/text"
+    lines = text.text.splitlines()
+    assert "preempted TRUE" in lines and "scheduling/preemptible TRUE" in lines
+    assert "network-interfaces/0/mtu 1460" in lines and "name d" in lines
+
+
+def test_directory_etags_follow_the_content(emu):
+    def etag(inst: str, key: str, **params: str) -> str:
+        return gce(emu, inst, key, **params).headers["ETag"]
+
+    tree, listing = etag("a", "instance/", recursive="true"), etag("a", "instance/")
+    project = etag("a", "project/", recursive="true")
+    other = etag("b", "instance/", recursive="true")
+    assert etag("a", "instance/", recursive="true") == tree  # stable while nothing changes
+    assert etag("a", "instance/", recursive="true", alt="text") != tree  # another representation
     emu.preempt("a", window=30)
-    waiter.join(30)
-    reply = results["reply"]
-    assert reply.json()["preempted"] == "TRUE"
-    assert reply.headers["ETag"] != first.headers["ETag"]
-    # a directory that did not change keeps its ETag
-    assert gce(emu, "a", "project/", recursive="true").headers["ETag"] == other.headers["ETag"]
+    assert etag("a", "instance/", recursive="true") != tree  # preempted changed under instance/
+    assert etag("a", "instance/") == listing  # the names in the listing did not change
+    assert etag("a", "project/", recursive="true") == project
+    assert etag("b", "instance/", recursive="true") == other  # nor did another instance
+
+
+def test_wait_for_change_on_a_recursive_directory_wakes_on_a_preemption(emu):
+    first = {inst: gce(emu, inst, "instance/", recursive="true") for inst in ("a", "b")}
+    results: dict[str, requests.Response] = {}
+
+    def wait(inst: str, timeout_sec: int) -> None:
+        results[inst] = gce(emu, inst, "instance/", recursive="true", wait_for_change="true",
+                            last_etag=first[inst].headers["ETag"], timeout_sec=timeout_sec, timeout=70)
+
+    before = emu.instance("a").requests
+    waiter = threading.Thread(target=wait, args=("a", 60))
+    waiter.start()
+    assert emu.wait_for(lambda s: s["a"].requests > before, timeout=10)  # the long poll has arrived
+    assert "a" not in results  # and is parked: nothing under instance/ changed yet
+
+    emu.preempt("a", window=30)
+    waiter.join(AT_ONCE)
+    assert not waiter.is_alive()
+    reply = results["a"]
+    assert reply.status_code == 200 and reply.json()["preempted"] == "TRUE"
+    assert reply.headers["ETag"] != first["a"].headers["ETag"]
+    assert reply.headers["ETag"] == gce(emu, "a", "instance/", recursive="true").headers["ETag"]
+
+    # b's directory did not change: its long poll ends at timeout_sec with the same content
+    wait("b", 1)
+    assert results["b"].headers["ETag"] == first["b"].headers["ETag"]
+    assert results["b"].json() == first["b"].json()
+
+
+def test_wait_for_change_on_a_directory_with_a_stale_etag_returns_at_once(emu):
+    reply = gce(emu, "a", "instance/", recursive="true", wait_for_change="true", last_etag="0",
+                timeout_sec=60)  # "0": what Google's guest agent sends first
+    assert reply.status_code == 200 and reply.json()["name"] == "a"
+
+
+def test_google_auth_metadata_client_reads_the_emulator(emu, monkeypatch):
+    """google-auth's own GCE client: its ping, a recursive read through the 301, a 404."""
+    from google.auth.compute_engine import _metadata
+    from google.auth.transport.requests import Request
+
+    request = Request()
+    monkeypatch.setenv("GCE_METADATA_IP", emu.metadata_host("b"))
+    assert _metadata.ping(request, timeout=AT_ONCE, retry_count=1)
+    root = emu.gce_base_url("b")
+    doc = _metadata.get(request, "instance", root=root, recursive=True, retry_count=1)
+    assert isinstance(doc, dict) and doc["name"] == "b" and doc["scheduling"]["preemptible"] == "TRUE"
+    assert _metadata.get(request, "project/project-id", root=root, retry_count=1) == "hvd-transient-local"
+    assert _metadata.get(request, "instance/nope", root=root, retry_count=1,
+                         return_none_for_not_found_error=True) is None
 
 
 def test_scheduled_preemption_at_an_absolute_time(emu):
@@ -409,6 +535,8 @@ def test_cli_serves_until_sigterm():
     try:
         url = proc.stdout.readline().strip()
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url), url
+        banner = [proc.stdout.readline() for _ in range(4)]
+        assert f"  default instance x (paths without /i/<name>): GCE_METADATA_HOST={url[7:]}\n" in banner
         reply = requests.get(f"{url}/i/y/computeMetadata/v1/instance/name", headers=FLAVOR, timeout=AT_ONCE)
         assert reply.text == "y"
         assert requests.post(f"{url}/control/instances/x/preempt", json={}, timeout=AT_ONCE).ok

@@ -2,4 +2,4 @@ import sys
 
 from . import main
 
-sys.exit(main())
+sys.exit(main(sys.argv[1:]))

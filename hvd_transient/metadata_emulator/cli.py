@@ -1,4 +1,9 @@
-"""``hvd-transient metadata-emulator``: run the emulator until SIGINT or SIGTERM."""
+"""``hvd-transient metadata-emulator``: run the emulator until SIGINT or SIGTERM.
+
+Each instance is reached under ``/i/<name>/``; any other path is answered by the default
+instance, the first of ``--instances`` (``default`` in ``GET /control/instances``). The
+Host header never selects an instance, so aliases of 127.0.0.1 all reach the default one.
+"""
 from __future__ import annotations
 
 import argparse
@@ -64,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(emu.url, flush=True)
         for name in names:
             print(f"  {name}: GCE_METADATA_HOST={emu.metadata_host(name)}", flush=True)
+        print(f"  default instance {emu.registry.default} (paths without /i/<name>): "
+              f"GCE_METADATA_HOST={emu.metadata_host()}", flush=True)
         print(f"  control: {emu.url}/control/instances", flush=True)
         stop.wait()
     finally:

@@ -1,10 +1,16 @@
 """HTTP routing of the emulator: GCE, AWS IMDSv2, Azure Scheduled Events and the control API.
 
-Paths (``/i/<instance>`` selects an instance; without it the default instance, the first
-one given, answers, whatever the Host header says)::
+Which instance answers, one rule for every API: a path under ``/i/<name>/`` is answered by
+instance ``<name>`` (404 if there is none); any other path by the default instance, the first
+one given (or ``default_instance=``), which ``GET /control/instances`` names as ``default``.
+The Host header and the client's address play no part: every alias of 127.0.0.1 reaches the
+same server, so only the path can tell instances apart.
+
+Paths::
 
     GET  [/i/<inst>]/computeMetadata/v1/<key or dir/>[?recursive=true][&alt=json|text]
                                              [&wait_for_change=true&last_etag=E&timeout_sec=S]
+    GET  [/i/<inst>]/  and  [/i/<inst>]/computeMetadata/       GCE directory listings (a ping)
     PUT  [/i/<inst>]/latest/api/token                    (X-aws-ec2-metadata-token-ttl-seconds)
     GET  [/i/<inst>]/latest/meta-data/<key>              (X-aws-ec2-metadata-token)
     GET  [/i/<inst>]/metadata/scheduledevents?api-version=2020-07-01   (Metadata: true)
@@ -24,13 +30,14 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from .gce_tree import TEXT
-from .model import GARBAGE_BODY, EmulatorError, Fault, InvalidRequestError, etag_of
+from .gce_tree import HTML, error_page, is_directory_path
+from .model import DEFAULT_WINDOW_S, GARBAGE_BODY, EmulatorError, Fault, InvalidRequestError
 from .registry import UnknownKeyError
 
 if TYPE_CHECKING:
@@ -38,7 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GCE_PREFIX = "/computeMetadata/v1/"
+GCE_ROOT = "/computeMetadata"
+#: on every GCE reply, errors included: clients (google-auth's ping, gcp-metadata) check it
+GCE_HEADERS = {"Metadata-Flavor": "Google"}
 AWS_TOKEN_PATH = "/latest/api/token"
 AWS_META_PREFIX = "/latest/meta-data/"
 AZURE_EVENTS_PATH = "/metadata/scheduledevents"
@@ -83,8 +92,8 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
             if fault is None:  # stopping: drop the connection unanswered
                 self.close_connection = True
                 return
-            if rest.startswith(GCE_PREFIX):
-                self._gce(method, name, rest[len(GCE_PREFIX):], query, fault)
+            if _is_gce_path(rest):
+                self._gce(method, name, rest[1:], query, fault)
             elif rest == AWS_TOKEN_PATH or rest.startswith(AWS_META_PREFIX):
                 self._aws(method, name, rest, fault)
             elif rest.startswith("/metadata/"):
@@ -95,48 +104,49 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
             self._reply_json(exc.http_status, {"error": str(exc)})
 
     # ---- GCE --------------------------------------------------------------------------
-    def _gce(self, method: str, name: str, key: str, query: dict[str, str], fault: Fault) -> None:
+    def _gce(self, method: str, name: str, path: str, query: dict[str, str], fault: Fault) -> None:
+        """``path`` is server-root-relative: ``computeMetadata/v1/...``, or a directory above it."""
         if fault is not Fault.OK:
             self._fault_reply(fault, gce=True)
             return
+        url_path = urlsplit(self.path).path
+        # the real server turns proxied requests away, and requires the header (SSRF guards)
         if self.headers.get("X-Forwarded-For"):
-            self._gce_reply(403, "Request had an X-Forwarded-For header and was rejected.\n")
+            self._gce_error(403, url_path, "Request had an X-Forwarded-For header.")
             return
         if self.headers.get("Metadata-Flavor") != "Google":
-            self._gce_reply(403, "Missing required header: Metadata-Flavor: Google\n")
+            self._gce_error(403, url_path, "Missing Metadata-Flavor:Google header.")
             return
         if method != "GET":
-            self._gce_reply(405, f"{method} is not allowed on the metadata server\n")
+            self._gce_error(405, url_path)
             return
-        view = {"recursive": query.get("recursive", "").lower() == "true", "alt": query.get("alt") or None}
         try:
-            if view["alt"] not in (None, "json", "text"):
-                raise InvalidRequestError(f"alt must be json or text, got {view['alt']!r}")
-            if query.get("wait_for_change", "").lower() == "true":
-                timeout = _positive_float(query.get("timeout_sec"), "timeout_sec")
-                found = self.registry.gce_wait_for_change(name, key, query.get("last_etag"), timeout, **view)
+            q = parse_gce_query(query, path)
+            if q.wait_for_change:
+                found = self.registry.gce_wait_for_change(name, path, q.last_etag, q.timeout_sec,
+                                                          recursive=q.recursive, alt=q.alt)
                 if found is None:  # stopping
                     self.close_connection = True
                     return
             else:
-                found = self.registry.gce_read(name, key, **view)
+                found = self.registry.gce_read(name, path, recursive=q.recursive, alt=q.alt)
         except UnknownKeyError:
-            self._gce_reply(404, f"metadata key {key!r} not found\n")
+            self._gce_error(404, url_path)
             return
         except InvalidRequestError as exc:
-            self._gce_reply(400, f"{exc}\n")
+            self._gce_error(400, url_path, str(exc))
             return
         reply, etag = found
         if reply.redirect is not None:  # a directory asked without its slash, as the real server does
-            location = self.path.split("?", 1)[0] + "/" + (f"?{urlsplit(self.path).query}" if "?" in self.path else "")
-            self._gce_reply(301, "", extra={"Location": location})
+            query_string = urlsplit(self.path).query
+            location = urlsplit(self.path).path + "/" + (f"?{query_string}" if query_string else "")
+            self._reply(301, "", content_type=HTML, headers={**GCE_HEADERS, "Location": location})
             return
-        self._gce_reply(200, reply.body, etag=etag, content_type=reply.content_type)
+        self._reply(200, reply.body, content_type=reply.content_type, headers={**GCE_HEADERS, "ETag": etag})
 
-    def _gce_reply(self, status: int, body: str, etag: str | None = None, *, content_type: str = TEXT,
-                   extra: dict[str, str] | None = None) -> None:
-        self._reply(status, body, content_type=content_type,
-                    headers={"Metadata-Flavor": "Google", "ETag": etag or etag_of("reply", body), **(extra or {})})
+    def _gce_error(self, status: int, url_path: str, detail: str = "") -> None:
+        # no ETag: the real server's error pages carry none
+        self._reply(status, error_page(status, url_path, detail), content_type=HTML, headers=GCE_HEADERS)
 
     # ---- AWS IMDSv2 -------------------------------------------------------------------
     def _aws(self, method: str, name: str, path: str, fault: Fault) -> None:
@@ -223,9 +233,10 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
             return
         name, action = parts[1], parts[2]
         if action == "preempt":
+            window = _opt_float(body, "window")
             snap = reg.preempt(name, at=_opt_float(body, "at"), delay=_opt_float(body, "delay"),
-                               window=_opt_float(body, "window", 30.0), kill_pid=body.get("kill_pid"),
-                               kill_signal=body.get("signal"))
+                               window=DEFAULT_WINDOW_S if window is None else window,
+                               kill_pid=body.get("kill_pid"), kill_signal=body.get("signal"))
         elif action == "maintenance":
             snap = reg.set_maintenance(name, str(body.get("event", "")))
         elif action == "fault":
@@ -276,6 +287,11 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+def _is_gce_path(path: str) -> bool:
+    """The root (which GCE clients ping) and everything under ``/computeMetadata``."""
+    return path == "/" or path == GCE_ROOT or path.startswith(GCE_ROOT + "/")
+
+
 def _split_instance(path: str) -> tuple[str | None, str]:
     """``/i/<name>/rest`` -> (name, ``/rest``); any other path -> (None, path)."""
     if path.startswith("/i/"):
@@ -284,22 +300,41 @@ def _split_instance(path: str) -> tuple[str | None, str]:
     return None, path
 
 
-def _positive_float(raw: str | None, what: str) -> float | None:
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise InvalidRequestError(f"{what} must be a number of seconds, got {raw!r}") from None
-    if value < 0:
-        raise InvalidRequestError(f"{what} must be >= 0, got {raw!r}")
-    return value
+@dataclass(frozen=True)
+class GceQuery:
+    """The query parameters of a GCE metadata request, checked."""
+
+    recursive: bool = False
+    alt: str | None = None
+    wait_for_change: bool = False
+    last_etag: str | None = None
+    timeout_sec: int | None = None
 
 
-def _opt_float(body: dict, key: str, default: float | None = None) -> float | None:
+def parse_gce_query(query: Mapping[str, str], path: str) -> GceQuery:
+    """Check a GCE request's parameters as the real server does; InvalidRequestError -> 400."""
+    alt = query.get("alt") or None
+    if alt not in (None, "json", "text"):
+        raise InvalidRequestError(f"alt must be json or text, got {alt!r}")
+    recursive = query.get("recursive", "").lower() == "true"
+    wait = query.get("wait_for_change", "").lower() == "true"
+    if wait and is_directory_path(path) and not recursive:
+        raise InvalidRequestError("wait_for_change on a directory needs recursive=true")
+    raw = query.get("timeout_sec")
+    timeout: int | None = None
+    if raw:
+        # GCE takes whole seconds only
+        if not raw.isdigit():
+            raise InvalidRequestError(f"timeout_sec must be a whole number of seconds, got {raw!r}")
+        timeout = int(raw)
+    return GceQuery(recursive=recursive, alt=alt, wait_for_change=wait,
+                    last_etag=query.get("last_etag") or None, timeout_sec=timeout)
+
+
+def _opt_float(body: dict, key: str) -> float | None:
     value = body.get(key)
     if value is None:
-        return default
+        return None
     try:
         return float(value)
     except (TypeError, ValueError):

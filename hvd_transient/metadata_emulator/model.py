@@ -232,9 +232,24 @@ class InstanceState:
             "instance/scheduling/on-host-maintenance": "TERMINATE",
             "instance/scheduling/preemptible": "TRUE",
             "instance/attributes/": "",
+            **{f"instance/network-interfaces/0/{k}": v for k, v in self._network_interface().items()},
             "project/project-id": self.project_id,
             "project/numeric-project-id": str(self.project_number),
             "project/attributes/": "",
+        }
+
+    def _network_interface(self) -> dict[str, str]:
+        """nic0 of a VPC "default" network; the address follows the name, like the instance id."""
+        digest = int(hashlib.sha256(self.name.encode()).hexdigest()[:8], 16)
+        ip = f"10.128.{digest % 16}.{digest // 16 % 252 + 2}"  # in 10.128.0.0/20, past the gateway
+        return {
+            "gateway": "10.128.0.1",
+            "ip": ip,
+            # GCE MACs are 42:01 followed by the internal IPv4 address
+            "mac": "42:01:" + ":".join(f"{int(octet):02x}" for octet in ip.split(".")),
+            "mtu": "1460",
+            "network": f"projects/{self.project_number}/networks/default",
+            "subnetmask": "255.255.240.0",
         }
 
     # ---- AWS IMDSv2 -------------------------------------------------------------

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable, Iterable, Mapping
 
-from .gce_tree import Reply, UnknownPathError, render
+from .gce_tree import Reply, UnknownPathError, render, under_root
 from .model import (
     AWS_TOKEN_TTL_MAX_S,
     DEFAULT_WINDOW_S,
@@ -166,12 +166,13 @@ class Registry:
             self._cond.wait_for(lambda: self._stopping or inst.fault is not Fault.HANG)
             return None if self._stopping else inst.fault
 
-    def gce_read(self, name: str, key: str, *, recursive: bool = False,
+    def gce_read(self, name: str, path: str, *, recursive: bool = False,
                  alt: str | None = None) -> tuple[Reply, str]:
+        """The reply and ETag for ``GET /<path>`` (``computeMetadata/v1/...``, or a directory above it)."""
         with self._cond:
-            return self._gce_value(self._get(name), key, recursive, alt)
+            return self._gce_value(self._get(name), path, recursive, alt)
 
-    def gce_wait_for_change(self, name: str, key: str, last_etag: str | None, timeout: float | None, *,
+    def gce_wait_for_change(self, name: str, path: str, last_etag: str | None, timeout: float | None, *,
                             recursive: bool = False, alt: str | None = None) -> tuple[Reply, str] | None:
         """GCE ``wait_for_change``: return when the reply's ETag differs from ``last_etag``
         (at once if it already does) or, without one, from the ETag at call time; return the
@@ -179,11 +180,11 @@ class Registry:
         None when the server is stopping."""
         with self._cond:
             inst = self._get(name)
-            _, start_etag = self._gce_value(inst, key, recursive, alt)
+            _, start_etag = self._gce_value(inst, path, recursive, alt)
             baseline = last_etag if last_etag else start_etag
             self._cond.wait_for(
-                lambda: self._stopping or self._gce_value(inst, key, recursive, alt)[1] != baseline, timeout)
-            return None if self._stopping else self._gce_value(inst, key, recursive, alt)
+                lambda: self._stopping or self._gce_value(inst, path, recursive, alt)[1] != baseline, timeout)
+            return None if self._stopping else self._gce_value(inst, path, recursive, alt)
 
     def aws_issue_token(self, name: str, ttl_s: int) -> str:
         if not 1 <= ttl_s <= AWS_TOKEN_TTL_MAX_S:
@@ -222,7 +223,7 @@ class Registry:
                     if inst.activate_if_due(now):
                         log.info("instance %s: preemption notice, deadline %.3f", inst.name, inst.deadline)
                         changed = True
-                    if inst.kill_due(now):
+                    if inst.kill_due(now) and inst.kill_pid is not None:  # (kill_due implies a pid)
                         inst.killed_at = now  # claimed: never signalled twice
                         kills.append((inst, inst.kill_pid, inst.kill_signal or signal.SIGTERM))
                 if changed:
@@ -267,10 +268,10 @@ class Registry:
             raise UnknownInstanceError(f"unknown instance {name!r}; known instances: {known}") from None
 
     @staticmethod
-    def _gce_value(inst: InstanceState, key: str, recursive: bool, alt: str | None) -> tuple[Reply, str]:
+    def _gce_value(inst: InstanceState, path: str, recursive: bool, alt: str | None) -> tuple[Reply, str]:
         try:
-            reply = render(inst.gce_values(), key, recursive=recursive, alt=alt)
+            reply = render(under_root(inst.gce_values()), path, recursive=recursive, alt=alt)
         except UnknownPathError:
-            raise UnknownKeyError(key) from None
+            raise UnknownKeyError(path) from None
         # the ETag follows the content, so a change anywhere under a directory gives it a new one
-        return reply, etag_of(f"{key}?recursive={recursive}&alt={alt}", reply.body)
+        return reply, etag_of(f"{path}?recursive={recursive}&alt={alt}", reply.body)

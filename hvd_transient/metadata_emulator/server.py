@@ -9,6 +9,10 @@ Usage::
 
 Every control method also exists over HTTP under ``/control/`` (see handler.py),
 so processes that did not start the emulator can drive it.
+
+A path without the ``/i/<name>`` prefix is answered by the default instance:
+``default_instance`` if given, else the first of ``instances`` (``default`` in
+``GET /control/instances``); the Host header never selects one.
 """
 from __future__ import annotations
 
