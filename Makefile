@@ -44,6 +44,7 @@ $(STAMP): $(CONSTRAINTS) setup.py Makefile
 	touch $(STAMP)
 
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 demo: setup

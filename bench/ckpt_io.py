@@ -52,8 +52,8 @@ import numpy as np
 warnings.filterwarnings("ignore", category=FutureWarning, module="google.api_core")
 
 from common import (  # noqa: E402
-    BenchError,
     MB,
+    BenchError,
     Panel,
     Spread,
     command_line,
@@ -913,8 +913,7 @@ def _maybe_emulator(enabled: bool) -> Iterator[Any]:
         yield None
         return
     try:
-        from ckpt_service.gcs_emulator import gcs_emulator
-        from ckpt_service.gcs_emulator import fake_gcs_server_binary
+        from ckpt_service.gcs_emulator import fake_gcs_server_binary, gcs_emulator
         fake_gcs_server_binary()
     except Exception as exc:
         raise BenchError(f"cannot use the GCS emulator ({exc}); install the dev extras "

@@ -49,9 +49,11 @@ import numpy as np
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="google.api_core")
 
+from ckpt_io import SharedState  # noqa: E402  (shared-memory state, store clients)
+from ckpt_io import _Worker as IoWorker  # noqa: E402
 from common import (  # noqa: E402
-    BenchError,
     MB,
+    BenchError,
     Panel,
     Spread,
     command_line,
@@ -67,7 +69,6 @@ from common import (  # noqa: E402
     spread,
     write_results,
 )
-from ckpt_io import SharedState, _Worker as IoWorker  # noqa: E402  (shared-memory state, store clients)
 
 log = logging.getLogger("emergency_save")
 
@@ -450,7 +451,8 @@ def summarize(rows: Sequence[Row], cfg: Config) -> dict[str, Any]:
         if ours:
             best = max(ours, key=lambda r: r.mb_per_s.median)
             rate = best.mb_per_s.median
-            entry = {"mb": rate * NOTICE_WINDOW_S, "mb_before_commit_deadline": rate * (NOTICE_WINDOW_S - LEAVE_MARGIN_S),
+            entry = {"mb": rate * NOTICE_WINDOW_S,
+                     "mb_before_commit_deadline": rate * (NOTICE_WINDOW_S - LEAVE_MARGIN_S),
                      "mb_per_s": rate, "writers": best.writers, "from_size": largest, "extrapolated": True}
             if single:
                 entry["single_writer_mb"] = single[0].mb_per_s.median * NOTICE_WINDOW_S
@@ -667,9 +669,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(readme)
     notes = [
         "the clock starts when the parent sets the notice Event the armed writers wait on, and stops when the "
-        "parent's poll (every --poll-ms, growing to 1% of the elapsed time, at most 50 ms) sees the commit marker (CheckpointManager.latest_step) or the baseline's "
+        "parent's poll (every --poll-ms, growing to 1% of the elapsed time, at most 50 ms) sees the commit "
+        "marker (CheckpointManager.latest_step) or the baseline's "
         "object in the store",
-        f"shard records gathered through {'a process queue (stand-in for the Horovod allgather)' if cfg.gather == 'queue' else 'the store'}",
+        "shard records gathered through "
+        + ("a process queue (stand-in for the Horovod allgather)" if cfg.gather == "queue" else "the store"),
         "no deadline is set, so every save completes; fits_30s compares the slowest repeat with the 30 s GCE "
         "notice, fits_commit_deadline with the 25 s the protocol leaves before the leave margin",
         "max_state_mb_in_30s is an extrapolation (MB/s at the largest measured state x 30 s), not a measurement",

@@ -494,7 +494,6 @@ def summarize(ms: Sequence[Measurement], records: Sequence[RunRecord], cfg: Conf
         mine = [m for m in ok if m.variant == variant]
         rolled = spread_or_none([m.steps_rolled_back for m in mine])
         resume = spread_or_none([m.resume_ms for m in mine])
-        publish = spread_or_none([m.publish_to_resume_ms for m in mine])
         lost = spread_or_none([m.lost_s for m in mine])
         summary[f"{variant}_steps_rolled_back"] = rolled.median if rolled else None
         summary[f"{variant}_steps_rolled_back_max"] = rolled.max if rolled else None
@@ -521,7 +520,8 @@ def summarize(ms: Sequence[Measurement], records: Sequence[RunRecord], cfg: Conf
                 "job_s": spread_summary(spread_or_none([m.job_s for m in mine])),
                 "left_after_notice_s": spread_summary(spread_or_none([m.left_at_s for m in mine])),
                 "killed_at_deadline": sum(m.killed for m in mine),
-                "phases_ms": {p: spread_summary(spread_or_none([m.phases_ms.get(p) for m in mine])) for p in phase_names},
+                "phases_ms": {p: spread_summary(spread_or_none([m.phases_ms.get(p) for m in mine]))
+                              for p in phase_names},
             }
         summary["scenarios"][scenario] = entry
     o, b = summary["ours_resume_ms_median"], summary["baseline_resume_ms_median"]
@@ -723,7 +723,8 @@ def _failed(plan: RunPlan, total: int | None, exc: Exception) -> Measurement:
     text = f"{type(exc).__name__}: {exc}".splitlines()[0]
     return Measurement(variant=plan.variant, scenario=plan.scenario, repeat=plan.repeat, target="", master="",
                        steps_rolled_back=0, step_before=None, step_after=None, resets=0, resume_ms=None,
-                       publish_to_resume_ms=None, notice_to_resume_ms=None, stall_ms=None, lost_s=None, train_to_t_s=None,
+                       publish_to_resume_ms=None, notice_to_resume_ms=None, stall_ms=None, lost_s=None,
+                       train_to_t_s=None,
                        total_steps=total or 0, exit_code=None,
                        job_s=None, left_at_s=None, killed=False, rate_before=None, rate_after=None, marks={},
                        phases_ms={}, error=text)

@@ -527,10 +527,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fresh start: the same command and hosts with an empty store",
         "machine shared with other jobs: compare medians measured in the same run",
     ]
-    params: dict[str, Any] = {"throughput": None if cfg is None else {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+    params: dict[str, Any] = {"throughput": None if cfg is None
+                              else {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
                               "restart": None if rc is None else asdict(rc),
                               "writer_hosts": WRITER_HOSTS, "restart_hosts": RESTART_HOSTS}
-    out_rows = [{"part": "throughput", **r.as_dict()} for r in rows] + [{"part": "restart", **asdict(x)} for x in launches]
+    out_rows = ([{"part": "throughput", **r.as_dict()} for r in rows]
+                + [{"part": "restart", **asdict(x)} for x in launches])
     out = write_results(args.out, name="restore", summary=summary, rows=out_rows, params=params, notes=notes,
                         machine=machine)
     markdown = "\n".join(md_parts)

@@ -35,8 +35,7 @@ from ckpt_service.errors import CheckpointError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager, CommitConflictError, ShareSnapshot
 from hvd_transient.control import STOP_POLL_S, stop_requested
-from hvd_transient.election import (NoticeRound, decode_notice, elect_master, encode_notice,
-                                   steps_until_next_check)
+from hvd_transient.election import NoticeRound, decode_notice, elect_master, encode_notice, steps_until_next_check
 from hvd_transient.events import EventLog
 from hvd_transient.membership import prune_leaving, publish_leaving
 
@@ -410,4 +409,5 @@ def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
         return None
 
 
-__all__ = ["CheckpointError", "Clocks", "Collectives", "NoticeSource", "StepOutcome", "TransientConfig", "TransientImpl", "default_host"]
+__all__ = ["CheckpointError", "Clocks", "Collectives", "NoticeSource", "StepOutcome", "TransientConfig",
+           "TransientImpl", "default_host"]

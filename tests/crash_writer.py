@@ -7,9 +7,10 @@ import os
 import signal
 import sys
 
+from ckpt_helpers import sample_state
+
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import open_store
-from ckpt_helpers import sample_state
 
 
 class KillingStore:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ckpt_helpers import flip_one_byte_of_a_chunk, sample_state
 
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import LocalStore
-from ckpt_helpers import flip_one_byte_of_a_chunk, sample_state
 
 CLI = str(Path(sys.executable).parent / "hvd-transient")
 

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from fake_compute_api import FakeComputeAPI
+
 from hvd_transient.cluster import cli
 from hvd_transient.cluster.gcloud import create_command, render
 from hvd_transient.cluster.rest_plan import instance_body, up_requests

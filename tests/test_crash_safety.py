@@ -10,9 +10,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from ckpt_helpers import assert_same_state, sample_state
 
 from ckpt_service.manager import CheckpointManager
-from ckpt_helpers import assert_same_state, sample_state
 
 HERE = Path(__file__).resolve().parent
 TRIALS = 6

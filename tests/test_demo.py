@@ -17,7 +17,8 @@ def test_demo_plays_the_default_story_and_reports(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     out = subprocess.run(
         [CLI, "demo", "--model", "small_cnn", "--epochs", "40", "--steps-per-epoch", "20",
-         "--save-every", "40", "--step-seconds", "0.05", "--workdir", str(tmp_path / "runs"), "--json", str(report), "--timeout", "600"],
+         "--save-every", "40", "--step-seconds", "0.05", "--workdir", str(tmp_path / "runs"), "--json", str(report),
+         "--timeout", "600"],
         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     body = json.loads(report.read_text())

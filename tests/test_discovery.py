@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_compute_api import FakeComputeAPI, parse_filter
 
 from ckpt_service.stores import LocalStore
 from hvd_transient.discovery import cli
@@ -33,7 +34,6 @@ from hvd_transient.membership import (
     read_leaving,
     still_leaving,
 )
-from fake_compute_api import FakeComputeAPI, parse_filter
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "launch" / "discover_hosts.sh"

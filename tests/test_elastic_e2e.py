@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from fault_proxy import FaultProxy
 
 from ckpt_service.manager import CheckpointManager
-from fault_proxy import FaultProxy
 from hvd_transient.checksums import state_crc
 from hvd_transient.local_cluster import LocalCluster, LocalClusterSpec, of
 
@@ -235,7 +235,8 @@ def test_static_job_checkpoints_on_notice_and_relaunch_resumes(tmp_path: Path, c
         assert resumed.wait(300) == 0, resumed.log_tail()
         events = resumed.events()
     starts = [e for e in of(events, "start") if e["t"] >= resumed.started_at]
-    assert len(starts) == 2 and {e["step"] for e in starts} == {step}, "the relaunch must resume from the emergency checkpoint"
+    assert len(starts) == 2 and {e["step"] for e in starts} == {step}, \
+        "the relaunch must resume from the emergency checkpoint"
     over = {"gloo": "Gloo", "mpi": "MPI"}[controller]
     assert f"stopped at step 400 (resumed from {step}) on 2 processes over {over}" in resumed.log_tail(80)
 

@@ -9,12 +9,12 @@ import uuid
 from typing import Iterator
 
 import pytest
+from fault_proxy import FaultProxy, is_download, is_upload
+from gcs_emulator import EmulatorError, GCSEmulator  # the gcs_emulator_session fixture comes from conftest.py
 from google.cloud.storage.retry import DEFAULT_RETRY
 
 from ckpt_service.errors import PreconditionFailedError, StoreUnavailableError
 from ckpt_service.stores.gcs import MULTIPART_LIMIT, GCSStore
-from fault_proxy import FaultProxy, is_download, is_upload
-from gcs_emulator import EmulatorError, GCSEmulator  # the gcs_emulator_session fixture comes from conftest.py
 
 # The library's retry policy with short waits, so absorbing faults costs milliseconds.
 FAST_RETRY = DEFAULT_RETRY.with_delay(initial=0.01, maximum=0.1, multiplier=2.0).with_timeout(20.0)

@@ -5,11 +5,11 @@ import threading
 
 import numpy as np
 import pytest
+from ckpt_helpers import BACKENDS, make_backend_store
 
 from ckpt_service.errors import LeaseLostError
 from ckpt_service.lease import Lease, LeaseHeldError
 from ckpt_service.manager import CheckpointManager, CommitConflictError
-from ckpt_helpers import BACKENDS, make_backend_store
 
 
 @pytest.fixture(params=BACKENDS)

@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
+from ckpt_helpers import BACKENDS, assert_same_state, flip_one_byte_of_a_chunk, make_backend_store, sample_state
 
 from ckpt_service import layout
 from ckpt_service.errors import (
@@ -22,7 +23,6 @@ from ckpt_service.manager import BadMetadataError, BadSnapshotError, CheckpointM
 from ckpt_service.manifest import CommitMarker, crc32c
 from ckpt_service.plan import SavePlan, TensorSpecs, spec_of
 from ckpt_service.stores import MemoryStore
-from ckpt_helpers import BACKENDS, assert_same_state, flip_one_byte_of_a_chunk, make_backend_store, sample_state
 
 
 @pytest.fixture(params=BACKENDS)

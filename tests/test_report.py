@@ -329,7 +329,8 @@ def test_real_run_log_fixture() -> None:
     a = analyze(read_events(LocalStore(REAL_LOG)))
     assert [r.size for r in a.rings] == [3, 2, 3, 2, 1]
     worker, master, killed = a.preemptions
-    assert (worker.host, worker.notice, worker.was_master, worker.checkpoint_committed) == ("localhost", True, False, True)
+    assert (worker.host, worker.notice, worker.was_master, worker.checkpoint_committed) == \
+        ("localhost", True, False, True)
     assert worker.steps_rolled_back == 0 and worker.resume_ms > 0 and worker.deadline_met
     assert (master.host, master.was_master, master.new_master) == ("127.0.0.1", True, "127.0.1")
     assert master.checkpoint_committed and master.steps_rolled_back == 0

@@ -13,13 +13,13 @@ tf = pytest.importorskip("tensorflow")
 
 from ckpt_service.manager import CheckpointManager, DeferredShare, prepare_share  # noqa: E402
 from ckpt_service.plan import make_save_plan, spec_of  # noqa: E402
+from hvd_transient import tf_snapshot  # noqa: E402
 from hvd_transient.keras import (  # noqa: E402
     TransientCallback,
     build_optimizer_slots,
     learning_rate_of,
     state_variables,
 )
-from hvd_transient import tf_snapshot  # noqa: E402
 from hvd_transient.tf_snapshot import (  # noqa: E402
     AliasedShare,
     FusedSnapshot,

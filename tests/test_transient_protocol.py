@@ -6,11 +6,11 @@ import uuid
 
 import numpy as np
 import pytest
+from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
-from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 from hvd_transient.control import request_stop
 from hvd_transient.election import decode_notice, elect_master, encode_notice, steps_until_next_check
 from hvd_transient.lr_scaling import scaled_lr

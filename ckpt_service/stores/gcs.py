@@ -28,7 +28,6 @@ import threading
 from typing import TYPE_CHECKING, Iterator
 
 import requests
-from requests.adapters import HTTPAdapter
 from google.api_core import exceptions as gexc
 from google.api_core.retry import Retry
 from google.auth import exceptions as auth_exc
@@ -36,6 +35,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption
 from google.cloud.storage.retry import DEFAULT_RETRY, ConditionalRetryPolicy, is_generation_specified
+from requests.adapters import HTTPAdapter
 
 from ckpt_service.errors import (
     BadStoreURLError,

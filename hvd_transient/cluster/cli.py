@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--package", default="hvd-transient", help="pip requirement the VMs install")
     up.add_argument("--store", type=store_url, help="run store URL (gs://bucket/run) given to every VM as HVDT_STORE")
     up.add_argument("--ssh-user", default="hvdt")
-    up.add_argument("--ssh-public-key", metavar="FILE", help="public key horovodrun's ssh uses (e.g. ~/.ssh/id_ed25519.pub)")
+    up.add_argument("--ssh-public-key", metavar="FILE",
+                    help="public key horovodrun's ssh uses (e.g. ~/.ssh/id_ed25519.pub)")
     up.add_argument("--startup-script", metavar="FILE", help=f"default: {DEFAULT_STARTUP_SCRIPT}")
     up.add_argument("--dry-run", action="store_true", help="print the requests and gcloud commands; send nothing")
     up.add_argument("--timeout", type=positive_seconds, default=900.0, help="seconds to wait for the VMs (default 900)")
@@ -159,8 +160,8 @@ def _print_dry_run(title: str, requests: list, commands: list[list[str]], fmt: s
         print(request.render())
         print()
     print("# equivalent gcloud commands")
-    for command in commands:
-        print(render(command))
+    for gcloud_command in commands:
+        print(render(gcloud_command))
 
 
 def _up_dry_run(args: argparse.Namespace, spec: ClusterSpec) -> int:

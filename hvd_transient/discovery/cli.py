@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="RUNNING instances carrying this label (repeat for AND)")
     gce.add_argument("--use-ip", action="store_true", help="print internal IPs instead of instance names")
     gce.add_argument("--api-url", type=http_url, help="Compute API base URL (default $HVDT_COMPUTE_API or Google's)")
-    gce.add_argument("--timeout", type=positive_seconds, default=10.0, help="per-request timeout in seconds for the Compute and GCS APIs (default 10)")
+    gce.add_argument("--timeout", type=positive_seconds, default=10.0,
+                     help="per-request timeout in seconds for the Compute and GCS APIs (default 10)")
     file_group = parser.add_argument_group("file backend")
     file_group.add_argument("--hosts-file", help="file of host[:slots] lines; '#' comments allowed")
     local = parser.add_argument_group("local backend")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hvd_transient.discovery.errors import DiscoveryConfigError
-from hvd_transient.discovery.hosts import Host, parse_host_list, parse_host_lines, parse_state_document
+from hvd_transient.discovery.hosts import Host, parse_host_lines, parse_host_list, parse_state_document
 
 
 def read_text(path: str, what: str) -> str:
