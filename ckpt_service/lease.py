@@ -9,8 +9,13 @@ conditional write on the generation the writer last saw, so:
   ``fence()`` is called immediately before writing a commit marker.
 
 Each write carries a unique ``write_id`` so that a write whose reply was lost
-(the client retries and then sees a precondition failure on its *own* write)
-is recognised as won rather than lost.
+(the client retries and then sees a precondition failure on its *own* write,
+or gives up although the server applied it) is recognised by reading it back
+(:meth:`ObjectStore.put_resolved`) as won rather than lost, and one that was
+not applied as not applied. If even the read-back fails, the write's outcome is
+unknown (:class:`WriteOutcomeUnknownError`) and the generation held is kept; if
+the next compare-and-swap is refused, finding that write's record stored means
+it landed, and the renewal is made on top of it.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from typing import Callable
 
 from ckpt_service.errors import CheckpointError, LeaseLostError, PreconditionFailedError
 from ckpt_service.layout import LEASE_KEY
-from ckpt_service.stores.base import ObjectStore
+from ckpt_service.stores.base import ObjectStore, WriteOutcomeUnknownError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,9 @@ class Lease:
                  clock: Callable[[], float] = time.time) -> None:
         self.store, self.holder, self.ttl_s, self.key, self.clock = store, holder, ttl_s, key, clock
         self.generation: int | None = None
+        # The bytes of this holder's last write whose outcome stayed unknown: if a later
+        # compare-and-swap is refused, finding them stored means that write landed after all.
+        self._unresolved: bytes | None = None
 
     @property
     def held(self) -> bool:
@@ -55,15 +63,15 @@ class Lease:
 
     def read(self) -> tuple[LeaseRecord | None, int]:
         """The current record and its generation (0 when absent)."""
-        info = self.store.stat(self.key)
-        if info is None:
+        stored = self.store.get_versioned(self.key)  # the record and the generation it is at, in one read
+        if stored is None:
             return None, 0
+        body, generation = stored
         try:
-            body = json.loads(self.store.get(self.key))
-            return LeaseRecord(**body), info.generation
-        except (KeyError, ValueError, TypeError):
+            return LeaseRecord(**json.loads(body)), generation
+        except (ValueError, TypeError):
             log.warning("lease object %s is unreadable; treating it as expired", self.key)
-            return LeaseRecord("", 0.0, True, ""), info.generation
+            return LeaseRecord("", 0.0, True, ""), generation
 
     def acquire(self, *, steal: bool = False, attempts: int = 5) -> int:
         """Take the lease. ``steal=True`` is for an elected successor (all ranks agreed).
@@ -71,6 +79,9 @@ class Lease:
         A successor may race the predecessor's ``release()``; a lost compare-and-swap is
         then simply re-read and tried again (``attempts`` times) rather than given up.
         """
+        if attempts < 1:
+            raise ValueError(f"attempts must be at least 1, not {attempts}")
+        taken: int | None = None
         for attempt in range(attempts):
             record, generation = self.read()
             if record is not None and not steal and not record.usable_by(self.holder, self.clock()):
@@ -80,7 +91,7 @@ class Lease:
                     "expire or elect a new master"
                 )
             try:
-                self.generation = self._write(generation, released=False)
+                taken = self.generation = self._write(generation, released=False)
                 break
             except PreconditionFailedError:
                 if attempt == attempts - 1:
@@ -89,14 +100,15 @@ class Lease:
                         "competing for it") from None
         if record is not None and record.holder not in ("", self.holder) and not record.released:
             log.warning("took over the checkpoint-master lease from %s", record.holder)
-        return self.generation
+        assert taken is not None  # the loop either took it or raised
+        return taken
 
     def fence(self) -> int:
         """Renew the lease if still held; raise LeaseLostError otherwise. Call right before a commit."""
         if self.generation is None:
             raise LeaseLostError(f"{self.holder} does not hold the checkpoint-master lease; acquire it first")
         try:
-            self.generation = self._write(self.generation, released=False)
+            self.generation = self._renew(released=False)
         except PreconditionFailedError:
             lost, self.generation = self.generation, None
             raise LeaseLostError(
@@ -109,13 +121,36 @@ class Lease:
         if self.generation is None:
             return
         try:
-            self._write(self.generation, released=True)
+            self._renew(released=True)
         except PreconditionFailedError:
             log.info("lease already taken over; nothing to release")
         self.generation = None
+
+    def _renew(self, *, released: bool) -> int:
+        """Compare-and-swap on the generation held, or on this holder's own earlier write whose
+        outcome was unknown if that is what is stored now."""
+        assert self.generation is not None
+        try:
+            return self._write(self.generation, released=released)
+        except PreconditionFailedError:
+            landed = self._unresolved
+            if landed is None:
+                raise
+            stored = self.store.get_versioned(self.key)
+            self._unresolved = None  # known now, either way
+            if stored is None or stored[0] != landed:
+                raise
+            log.info("the lease write whose outcome was unknown had been applied (generation %d)", stored[1])
+            return self._write(stored[1], released=released)
 
     def _write(self, expected_generation: int, *, released: bool) -> int:
         record = LeaseRecord(self.holder, self.clock() + self.ttl_s, released, uuid.uuid4().hex)
         data = json.dumps(asdict(record)).encode()
         # a write whose reply was lost is resolved by reading back (write_id makes data unique)
-        return self.store.put_resolved(self.key, data, if_generation_match=expected_generation)
+        try:
+            generation = self.store.put_resolved(self.key, data, if_generation_match=expected_generation)
+        except WriteOutcomeUnknownError:
+            self._unresolved = data
+            raise
+        self._unresolved = None
+        return generation

@@ -53,6 +53,7 @@ from ckpt_service.plan import (
 )
 from ckpt_service.retention import steps_to_delete
 from ckpt_service.stores import ObjectStore, open_store
+from ckpt_service.stores.base import WriteOutcomeUnknownError
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,11 @@ class CheckpointManager:
         io_threads: int = 8,
         abandoned_after_s: float = 600.0,
         gather_timeout_s: float = 600.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``abandoned_after_s``: how long an uncommitted step's files, or a temp file of a write
+        killed midway, stay untouched before gc takes them for abandoned (younger ones may belong to
+        a save in flight). ``clock`` gives wall-clock seconds for those ages (tests move it)."""
         self.store = open_store(store) if isinstance(store, str) else store
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
@@ -149,6 +154,7 @@ class CheckpointManager:
         self.compression = compression
         self.abandoned_after_s = abandoned_after_s
         self.gather_timeout_s = gather_timeout_s
+        self.clock = clock
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ckpt-io")
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         self._inflight: Future[Manifest | None] | None = None
@@ -167,14 +173,15 @@ class CheckpointManager:
         """The save plan of ``specs`` over ``world_size`` writers (cached: plans are immutable and
         planning a few hundred tensors costs about a millisecond of every save's stall)."""
         # A TensorSpecs is its own key: its hash is computed once and a lookup matches it by identity.
-        checked = isinstance(specs, TensorSpecs)
-        key = (specs if checked else tuple(specs), world_size)
+        specs_key: tuple[TensorSpec, ...] | TensorSpecs = specs if isinstance(specs, TensorSpecs) else tuple(specs)
+        key = (specs_key, world_size)
         with self._plans_lock:
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        plan = make_save_plan(specs.specs if checked else key[0], world_size, chunk_bytes=self.chunk_bytes)
+        plan = make_save_plan(specs_key.specs if isinstance(specs_key, TensorSpecs) else specs_key, world_size,
+                              chunk_bytes=self.chunk_bytes)
         with self._plans_lock:
             self._plans[key] = plan
             while len(self._plans) > PLAN_CACHE_SIZE:
@@ -419,7 +426,16 @@ class CheckpointManager:
         if deadline is not None and time.time() > deadline:
             raise SaveAbandonedError(f"step {step}: the deadline passed before the commit; nothing was committed")
         marker = CommitMarker(step, mkey, crc32c(body), token, time.time(), generation)
-        if not self.store.create_exclusive(layout.commit_key(step), marker.to_json()):
+        # A lost reply is resolved by reading the marker back (its token is this attempt's):
+        # applied is committed, not applied raises the store's error, unknown says so.
+        try:
+            created = self.store.create_exclusive(layout.commit_key(step), marker.to_json())
+        except WriteOutcomeUnknownError as exc:
+            raise WriteOutcomeUnknownError(
+                f"step {step}: the commit marker write got no answer and could not be read back, so the step may "
+                f"or may not be committed in {self.url}; list the committed steps once the store is reachable "
+                f"({exc})") from exc
+        if not created:
             raise CommitConflictError(
                 f"step {step} is already committed in {self.url}; the existing commit stands")
         log.info("committed step %d (%d bytes, %d writers) to %s", step, manifest.nbytes,
@@ -586,7 +602,8 @@ class CheckpointManager:
         it or was written to within ``abandoned_after_s`` (it may still be being written).
         Temp files of writes killed midway (local store) go once that old too.
         """
-        self.store.sweep_temporary(self.abandoned_after_s)
+        now = self.clock()
+        self.store.sweep_temporary(self.abandoned_after_s, now=now)
         committed = self.all_steps()
         if not committed:
             return []
@@ -594,16 +611,16 @@ class CheckpointManager:
                                  self.keep_every_n_steps)
         for step in doomed:
             self.delete(step)
-        latest, now = committed[-1], time.time()
+        latest = committed[-1]
         for name in self.store.list_dirs(layout.STEPS_PREFIX):
-            step = layout.parse_step_dir(name)
-            if step is None or step in committed or step >= latest:
+            uncommitted = layout.parse_step_dir(name)
+            if uncommitted is None or uncommitted in committed or uncommitted >= latest:
                 continue
-            keys = list(self.store.list(layout.step_prefix(step)))
+            keys = list(self.store.list(layout.step_prefix(uncommitted)))
             infos = [i for i in (self.store.stat(k) for k in keys) if i is not None]
             if infos and now - max(i.mtime for i in infos) > self.abandoned_after_s:
-                self.store.delete_prefix(layout.step_prefix(step))
-                doomed.append(step)
+                self.store.delete_prefix(layout.step_prefix(uncommitted))
+                doomed.append(uncommitted)
         if doomed:
             log.info("retention removed steps %s from %s", doomed, self.url)
         return doomed

@@ -19,8 +19,13 @@ from typing import Callable, Iterator
 
 import pytest
 
-from ckpt_service.errors import BadTensorNameError, ObjectNotFoundError, PreconditionFailedError
-from ckpt_service.stores.base import ObjectStore
+from ckpt_service.errors import (
+    BadTensorNameError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StoreUnavailableError,
+)
+from ckpt_service.stores.base import ObjectInfo, ObjectStore, WriteOutcomeUnknownError
 
 BAD_KEYS = ["", "/abs", "../up", "a/../b", "a//b", "./a", "a/.", "a/", "a\\b", "nul\x00byte"]
 PAYLOADS = {
@@ -181,6 +186,67 @@ class StoreConformance:
                 store.put("a/y", b"2", if_generation_match=42)
         assert list(store.list("")) == ["a/x"]
 
+    # ---- reading back an ambiguous conditional write ---------------------------------------
+
+    def test_get_versioned_pairs_the_bytes_with_their_generation(self, store: ObjectStore) -> None:
+        assert store.get_versioned("k") is None
+        g1 = store.put("k", b"one")
+        assert store.get_versioned("k") == (b"one", g1)
+        g2 = store.put("k", b"two", if_generation_match=g1)
+        assert store.get_versioned("k") == (b"two", g2) and store.stat("k").generation == g2
+        store.delete("k")
+        assert store.get_versioned("k") is None
+
+    def test_create_applied_but_every_reply_lost_is_reported_as_done(self, store: ObjectStore) -> None:
+        flaky = LostReplies(store, apply=True)
+        assert flaky.create_exclusive("commit", b"token-mine") is True
+        assert flaky.failed_puts == 1
+        assert store.get("commit") == b"token-mine"
+
+    def test_create_applied_then_refused_on_retry_is_reported_as_done(self, store: ObjectStore) -> None:
+        # the client retried the applied write and got a 412 from its own first attempt
+        flaky = LostReplies(store, apply=True, error=PreconditionFailedError("412 on the retry"))
+        gen = flaky.put_resolved("commit", b"token-mine", if_generation_match=0)
+        assert gen == store.stat("commit").generation
+
+    def test_compare_and_swap_applied_but_reply_lost_returns_the_new_generation(self, store: ObjectStore) -> None:
+        g1 = store.put("lease", b"holder-1", if_generation_match=0)
+        g2 = LostReplies(store, apply=True).put_resolved("lease", b"holder-1-renewed", if_generation_match=g1)
+        assert g2 > g1 and store.get_versioned("lease") == (b"holder-1-renewed", g2)
+
+    def test_write_never_applied_raises_the_store_error(self, store: ObjectStore) -> None:
+        g1 = store.put("lease", b"holder-1", if_generation_match=0)
+        flaky = LostReplies(store, apply=False)
+        with pytest.raises(StoreUnavailableError) as info:
+            flaky.put_resolved("lease", b"holder-1-renewed", if_generation_match=g1)
+        assert not isinstance(info.value, WriteOutcomeUnknownError)  # known: nothing changed
+        with pytest.raises(StoreUnavailableError):
+            flaky.create_exclusive("commit", b"token-mine")
+        assert store.get_versioned("lease") == (b"holder-1", g1) and store.stat("commit") is None
+
+    def test_another_writer_won_while_the_reply_was_lost(self, store: ObjectStore) -> None:
+        flaky = LostReplies(store, apply=False, meanwhile=lambda: store.put("commit", b"token-other"))
+        assert flaky.create_exclusive("commit", b"token-mine") is False
+        g1 = store.put("lease", b"holder-1")
+        flaky = LostReplies(store, apply=False, meanwhile=lambda: store.put("lease", b"holder-2"))
+        with pytest.raises(PreconditionFailedError, match="another writer"):
+            flaky.put_resolved("lease", b"holder-1-renewed", if_generation_match=g1)
+
+    def test_reply_and_read_back_both_lost_is_an_unknown_outcome(self, store: ObjectStore) -> None:
+        flaky = LostReplies(store, apply=True, read_back_fails=True)
+        with pytest.raises(WriteOutcomeUnknownError, match="may or may not"):
+            flaky.create_exclusive("commit", b"token-mine")
+        assert store.get("commit") == b"token-mine"  # it was applied: why "unknown" must not say "failed"
+
+    def test_sweep_temporary_never_touches_an_object(self, store: ObjectStore) -> None:
+        keys = ["commits/000000000001.json", "steps/000000000001/data/x", "lease/master.json"]
+        for key in keys:
+            store.put(key, key.encode())
+        # even with everything taken for a century old
+        assert store.sweep_temporary(0.0, now=time.time() + 100 * 365 * 86400) == 0
+        assert list(store.list()) == sorted(keys)
+        assert all(store.get(k) == k.encode() for k in keys)
+
     # ---- listing --------------------------------------------------------------------------
 
     def test_list_by_prefix(self, store: ObjectStore) -> None:
@@ -242,6 +308,47 @@ class StoreConformance:
         gen2 = store.put("big/blob", data[::-1])
         assert gen2 > gen1
         assert store.get("big/blob") == data[::-1]
+
+
+class LostReplies(ObjectStore):
+    """A store in front of ``inner`` whose conditional writes all end in an error, like a write
+    whose replies a network lost: ``apply`` says whether the server applied it first, ``meanwhile``
+    runs (another writer) before it, and ``read_back_fails`` makes reading it back fail too.
+    Backend-independent; tests/test_gcs_faults.py does the same over a real network to GCS."""
+
+    def __init__(self, inner: ObjectStore, *, apply: bool, error: Exception | None = None,
+                 meanwhile: Callable[[], object] | None = None, read_back_fails: bool = False) -> None:
+        self.inner, self.url, self.apply, self.meanwhile = inner, inner.url, apply, meanwhile
+        self.error = error or StoreUnavailableError("gave up after retrying (connection reset by peer)")
+        self.read_back_fails = read_back_fails
+        self.failed_puts = 0
+
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        if if_generation_match is None:
+            return self.inner.put(key, data)
+        if self.meanwhile is not None:
+            self.meanwhile()
+        if self.apply:
+            self.inner.put(key, data, if_generation_match=if_generation_match)
+        self.failed_puts += 1
+        raise self.error
+
+    def get_versioned(self, key: str) -> tuple[bytes, int] | None:
+        if self.read_back_fails:
+            raise StoreUnavailableError("read-back: connection reset by peer")
+        return self.inner.get_versioned(key)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        return self.inner.stat(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return self.inner.list(prefix)
 
 
 def _race(write: Callable[[int], object]) -> list[object]:

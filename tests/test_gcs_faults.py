@@ -8,12 +8,16 @@ from __future__ import annotations
 import uuid
 from typing import Iterator
 
+import numpy as np
 import pytest
 from fault_proxy import FaultProxy, is_download, is_upload
 from gcs_emulator import EmulatorError, GCSEmulator  # the gcs_emulator_session fixture comes from conftest.py
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from ckpt_service.errors import PreconditionFailedError, StoreUnavailableError
+from ckpt_service.errors import LeaseLostError, PreconditionFailedError, StoreUnavailableError
+from ckpt_service.lease import Lease, LeaseHeldError
+from ckpt_service.manager import CheckpointManager, CommitConflictError
+from ckpt_service.stores.base import WriteOutcomeUnknownError
 from ckpt_service.stores.gcs import MULTIPART_LIMIT, GCSStore
 
 # The library's retry policy with short waits, so absorbing faults costs milliseconds.
@@ -200,10 +204,6 @@ def test_every_reply_of_a_create_lost_is_resolved_by_reading_back(giving_up: GCS
 def test_save_whose_commit_replies_are_all_lost_reports_the_commit(giving_up: GCSStore, proxy: FaultProxy) -> None:
     """The commit marker's create-only write is applied but no reply arrives: save() must say
     committed (it is: listed, restorable, and saving it again conflicts), not failed."""
-    import numpy as np
-
-    from ckpt_service.manager import CheckpointManager, CommitConflictError
-
     tensors = {"w": np.arange(5000, dtype=np.float32), "b": np.ones(3, np.float64)}
     with CheckpointManager(giving_up, max_to_keep=None) as mgr:
         proxy.drop_response_of_next(match=is_create_only, count=10**6)
@@ -219,8 +219,6 @@ def test_save_whose_commit_replies_are_all_lost_reports_the_commit(giving_up: GC
 
 
 def test_lease_write_whose_replies_are_all_lost_keeps_the_lease(giving_up: GCSStore, proxy: FaultProxy) -> None:
-    from ckpt_service.lease import Lease
-
     lease = Lease(giving_up, "master-a")
     first = lease.acquire()
     proxy.drop_response_of_next(match=is_upload, count=10**6)
@@ -229,5 +227,104 @@ def test_lease_write_whose_replies_are_all_lost_keeps_the_lease(giving_up: GCSSt
     assert renewed > first and lease.held
     assert giving_up.stat(lease.key).generation == renewed
     other = Lease(giving_up, "master-b")
-    with pytest.raises(Exception, match="held by 'master-a'"):
+    with pytest.raises(LeaseHeldError, match="held by 'master-a'"):
         other.acquire()
+
+
+TENSORS = {"w": np.arange(5000, dtype=np.float32), "b": np.ones(3, np.float64)}
+
+
+def is_commit_read_back(req) -> bool:
+    return is_download(req) and "commits%2F" in req.path
+
+
+def test_save_whose_commit_reply_is_lost_once_reports_the_commit(store: GCSStore, proxy: FaultProxy) -> None:
+    """The retry path: the client re-sends the applied create and gets a 412 from its own marker."""
+    with CheckpointManager(store, max_to_keep=None) as mgr:
+        proxy.drop_response_of_next(match=is_create_only)
+        manifest = mgr.save(3, TENSORS)
+        assert [s.status for s in proxy.seen if is_create_only(s.request)] == [200, 412]
+        assert manifest is not None and manifest.step == 3 and mgr.all_steps() == [3]
+        assert mgr.last_stats is not None and mgr.last_stats.committed
+        np.testing.assert_array_equal(mgr.restore().tensors["w"], TENSORS["w"])
+
+
+def test_save_whose_commit_never_reaches_the_server_reports_failure(giving_up: GCSStore, proxy: FaultProxy) -> None:
+    """Every create refused before the server saw it: reading back finds no marker, so save() fails
+    with the store's error (not 'unknown'), nothing is committed, and the same step saves later."""
+    with CheckpointManager(giving_up, max_to_keep=None) as mgr:
+        proxy.fail_next(10**6, status=503, match=is_create_only)
+        with pytest.raises(StoreUnavailableError) as info:
+            mgr.save(7, TENSORS)
+        assert not isinstance(info.value, WriteOutcomeUnknownError)
+        assert set(proxy.outcomes(is_create_only)) == {"injected-503"}
+        assert proxy.outcomes(is_commit_read_back) == ["forwarded"]  # it did read back
+        proxy.reset()
+        assert mgr.all_steps() == []
+        assert mgr.save(7, TENSORS) is not None and mgr.all_steps() == [7]
+
+
+def test_save_whose_commit_and_read_back_are_both_lost_says_unknown(giving_up: GCSStore, proxy: FaultProxy) -> None:
+    with CheckpointManager(giving_up, max_to_keep=None) as mgr:
+        proxy.drop_response_of_next(match=is_create_only, count=10**6)
+        proxy.fail_next(10**6, status=503, match=is_commit_read_back)
+        with pytest.raises(WriteOutcomeUnknownError, match="step 7: .*may or may not be committed"):
+            mgr.save(7, TENSORS)
+        proxy.reset()
+        assert mgr.all_steps() == [7]  # it was applied: reporting a plain failure would have been wrong
+
+
+def test_lease_acquire_and_release_whose_replies_are_all_lost(giving_up: GCSStore, proxy: FaultProxy) -> None:
+    lease = Lease(giving_up, "master-a")
+    proxy.drop_response_of_next(match=is_upload, count=10**6)
+    generation = lease.acquire()  # created, every reply lost: read back as ours
+    assert "dropped-response" in proxy.outcomes(is_upload)
+    assert lease.held and giving_up.stat(lease.key).generation == generation
+    with pytest.raises(LeaseHeldError, match="held by 'master-a'"):
+        Lease(giving_up, "master-b").acquire()
+    lease.release()  # applied, every reply lost: released
+    proxy.reset()
+    assert not lease.held
+    assert Lease(giving_up, "master-b").acquire() > generation  # no steal needed
+
+
+def test_lease_fence_whose_reply_is_lost_once(store: GCSStore, proxy: FaultProxy) -> None:
+    """The retry path for a compare-and-swap: the retry gets a 412 from the renewal it made itself."""
+    lease = Lease(store, "master-a")
+    first = lease.acquire()
+    proxy.reset()
+    proxy.drop_response_of_next(match=is_upload)
+    renewed = lease.fence()
+    assert [s.status for s in proxy.seen if is_upload(s.request)] == [200, 412]
+    assert renewed > first and store.stat(lease.key).generation == renewed
+    assert lease.fence() > renewed  # and the generation it holds is the current one
+
+
+def test_lease_fence_never_applied_keeps_the_lease(giving_up: GCSStore, proxy: FaultProxy) -> None:
+    """A renewal refused before the server saw it is a store error, not a lost lease."""
+    lease = Lease(giving_up, "master-a")
+    first = lease.acquire()
+    proxy.fail_next(10**6, status=503, match=is_upload)
+    with pytest.raises(StoreUnavailableError) as info:
+        lease.fence()
+    assert not isinstance(info.value, (LeaseLostError, WriteOutcomeUnknownError))
+    proxy.reset()
+    assert lease.generation == first and giving_up.stat(lease.key).generation == first
+    assert lease.fence() > first
+
+
+def test_lost_replies_never_hide_a_lost_lease(gcs_emulator_session: GCSEmulator, giving_up: GCSStore,
+                                             proxy: FaultProxy) -> None:
+    """The successor took the lease; the zombie's renewal is refused (412) and every reply lost:
+    reading back finds the successor's record, so the zombie learns it lost and cannot commit."""
+    zombie = Lease(giving_up, "master-a")
+    zombie.acquire()
+    direct = GCSStore(giving_up.bucket_name, giving_up.prefix, client=gcs_emulator_session.client())
+    successor = Lease(direct, "master-b")
+    successor.acquire(steal=True)
+    proxy.drop_response_of_next(match=is_upload, count=10**6)
+    with pytest.raises(LeaseLostError):
+        zombie.fence()
+    assert "dropped-response" in proxy.outcomes(is_upload)
+    proxy.reset()
+    assert not zombie.held and successor.fence() > 0

@@ -6,10 +6,12 @@ import threading
 import numpy as np
 import pytest
 from ckpt_helpers import BACKENDS, make_backend_store
+from store_conformance import LostReplies
 
-from ckpt_service.errors import LeaseLostError
+from ckpt_service.errors import LeaseLostError, StoreUnavailableError
 from ckpt_service.lease import Lease, LeaseHeldError
 from ckpt_service.manager import CheckpointManager, CommitConflictError
+from ckpt_service.stores.base import WriteOutcomeUnknownError
 
 
 @pytest.fixture(params=BACKENDS)
@@ -101,3 +103,72 @@ def test_racing_would_be_masters_exactly_one_commit_per_step(store) -> None:
             assert mgr.restore(step=step).tensors["w"][0] == step
     finally:
         mgr.close()
+
+
+# ---- lease writes whose answer is lost ------------------------------------------------------------
+
+
+def test_acquire_fence_release_applied_but_replies_lost(store) -> None:
+    lossy = Lease(LostReplies(store, apply=True), "host-a")
+    g1 = lossy.acquire()
+    assert lossy.held and store.stat(lossy.key).generation == g1
+    g2 = lossy.fence()
+    assert g2 > g1 and store.stat(lossy.key).generation == g2
+    with pytest.raises(LeaseHeldError, match="host-a"):
+        Lease(store, "host-b").acquire()
+    lossy.release()
+    assert not lossy.held
+    assert Lease(store, "host-b").acquire() > g2  # released: no steal needed
+
+
+def test_fence_never_applied_is_a_store_error_and_keeps_the_lease(store) -> None:
+    lease = Lease(store, "host-a")
+    g1 = lease.acquire()
+    lossy = Lease(LostReplies(store, apply=False), "host-a")
+    lossy.generation = g1  # the same holder, whose renewals now never reach the store
+    with pytest.raises(StoreUnavailableError) as info:
+        lossy.fence()
+    assert not isinstance(info.value, WriteOutcomeUnknownError)
+    assert lossy.generation == g1 and store.stat(lease.key).generation == g1
+    assert lease.fence() > g1  # nothing changed: the holder still renews it
+
+
+def test_fence_lost_to_a_successor_while_replies_are_lost(store) -> None:
+    zombie = Lease(store, "old")
+    zombie.acquire()
+    steal = Lease(store, "new")
+    zombie.store = LostReplies(store, apply=False, meanwhile=lambda: steal.acquire(steal=True))
+    with pytest.raises(LeaseLostError):
+        zombie.fence()
+    assert not zombie.held and steal.fence() > 0
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_fence_whose_outcome_stayed_unknown_is_found_out_by_the_next(store, applied: bool) -> None:
+    lease = Lease(store, "host-a")
+    g1 = lease.acquire()
+    lease.store = LostReplies(store, apply=applied, read_back_fails=True)
+    with pytest.raises(WriteOutcomeUnknownError):
+        lease.fence()
+    assert lease.generation == g1  # neither renewed nor lost: not known
+    assert (store.stat(lease.key).generation > g1) is applied
+    lease.store = store
+    g2 = lease.fence()  # on top of the unknown write if it landed, on g1 if not
+    assert g2 > g1 and store.stat(lease.key).generation == g2
+    with pytest.raises(LeaseHeldError, match="host-a"):
+        Lease(store, "host-b").acquire()
+
+
+def test_an_unknown_write_of_the_holder_is_not_mistaken_for_a_successor(store) -> None:
+    """The holder's unknown write landed, then a successor took over: the next fence is lost."""
+    lease = Lease(store, "old")
+    lease.acquire()
+    lease.store = LostReplies(store, apply=True, read_back_fails=True)
+    with pytest.raises(WriteOutcomeUnknownError):
+        lease.fence()
+    lease.store = store
+    successor = Lease(store, "new")
+    successor.acquire(steal=True)
+    with pytest.raises(LeaseLostError):
+        lease.fence()
+    assert successor.fence() > 0

@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 import pytest
 from ckpt_helpers import BACKENDS, assert_same_state, flip_one_byte_of_a_chunk, make_backend_store, sample_state
+from store_conformance import LostReplies
 
 from ckpt_service import layout
 from ckpt_service.errors import (
@@ -17,12 +18,14 @@ from ckpt_service.errors import (
     FormatVersionError,
     NothingToRestoreError,
     SaveAbandonedError,
+    StoreUnavailableError,
     StructureMismatchError,
 )
 from ckpt_service.manager import BadMetadataError, BadSnapshotError, CheckpointManager, CommitConflictError
 from ckpt_service.manifest import CommitMarker, crc32c
 from ckpt_service.plan import SavePlan, TensorSpecs, spec_of
 from ckpt_service.stores import MemoryStore
+from ckpt_service.stores.base import WriteOutcomeUnknownError
 
 
 @pytest.fixture(params=BACKENDS)
@@ -259,6 +262,59 @@ def test_gc_removes_abandoned_but_not_in_progress_steps(store) -> None:
         assert mgr.gc(keep=1) == [] and mgr.all_steps() == [2]
     finally:
         mgr.close()
+
+
+def test_gc_ages_abandoned_steps_by_the_manager_clock(store) -> None:
+    clock = [time.time()]
+    mgr = CheckpointManager(store, max_to_keep=5, clock=lambda: clock[0])
+
+    def failing_gather(record):
+        raise RuntimeError("died")
+
+    try:
+        with pytest.raises(RuntimeError):
+            mgr.save(1, sample_state(), gather=failing_gather)
+        mgr.save(2, sample_state())
+        assert list(store.list(layout.step_prefix(1))), "written just now: it may still be in flight"
+        clock[0] += mgr.abandoned_after_s + 1
+        assert mgr.gc() == [1]
+        assert not list(store.list(layout.step_prefix(1))) and mgr.all_steps() == [2]
+    finally:
+        mgr.close()
+
+
+# ---- a commit marker write whose answer is lost -----------------------------------------------
+
+
+def test_commit_applied_but_every_reply_lost_is_reported_as_committed(store) -> None:
+    state = sample_state(3)
+    with CheckpointManager(LostReplies(store, apply=True), max_to_keep=None) as lossy:
+        manifest = lossy.save(5, state, {"epoch": 2})
+        assert manifest is not None and manifest.step == 5
+        assert lossy.last_stats is not None and lossy.last_stats.committed
+    with CheckpointManager(store, max_to_keep=None) as mgr:
+        assert mgr.all_steps() == [5] and mgr.verify(5).ok
+        assert_same_state(mgr.restore().tensors, state)
+        with pytest.raises(CommitConflictError):
+            mgr.save(5, state)
+
+
+def test_commit_never_applied_is_reported_as_failed_and_commits_nothing(store) -> None:
+    state = sample_state(3)
+    with CheckpointManager(LostReplies(store, apply=False), max_to_keep=None) as lossy:
+        with pytest.raises(StoreUnavailableError) as info:
+            lossy.save(5, state)
+        assert not isinstance(info.value, WriteOutcomeUnknownError)
+        assert lossy.all_steps() == []
+    with CheckpointManager(store, max_to_keep=None) as mgr:
+        assert mgr.save(5, state) is not None  # the step is free: the failed attempt left no marker
+        assert_same_state(mgr.restore().tensors, state)
+
+
+def test_commit_whose_read_back_fails_too_says_the_outcome_is_unknown(store) -> None:
+    with CheckpointManager(LostReplies(store, apply=True, read_back_fails=True), max_to_keep=None) as lossy:
+        with pytest.raises(WriteOutcomeUnknownError, match="step 5: .*may or may not be committed"):
+            lossy.save(5, sample_state(3))
 
 
 def test_partitioned_restore_reads_only_the_chunks_it_needs(tmp_path) -> None:

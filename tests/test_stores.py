@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from store_conformance import StoreConformance
 
 from ckpt_service.errors import BadStoreURLError, MissingCredentialsError, StoreUnavailableError
 from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore, open_store
+from ckpt_service.stores.base import WriteOutcome, classify_write
 from ckpt_service.stores.gcs import GCSStore
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +42,92 @@ class TestLocalStore(StoreConformance):
         (self.root / "a" / ".tmp-b.deadbeef").write_bytes(b"partial")
         (self.root / ".tmp-c.cafe").write_bytes(b"partial")
         assert list(store.list()) == ["a/b"]
+
+    # ---- sweeping what writes killed midway left behind ------------------------------------
+
+    def _age(self, path: Path, seconds: float) -> None:
+        t = time.time() - seconds
+        os.utime(path, (t, t))
+
+    def test_sweep_removes_old_temp_files_and_the_folders_they_leave_empty(self, store: LocalStore) -> None:
+        store.put("commits/000000000001.json", b"marker", if_generation_match=0)
+        store.put("steps/000000000001/data/x", b"published")
+        old_commit_tmp = self.root / "commits" / ".tmp-000000000002.json.aa"
+        old_piece_tmp = self.root / "steps" / "000000000002" / "data" / "f4" / "00000.n1" / ".tmp-0.bb"
+        for tmp in (old_commit_tmp, old_piece_tmp):
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(b"partial")
+            self._age(tmp, 700)
+        for folder in [old_piece_tmp.parent, *old_piece_tmp.parent.parents]:
+            if folder == self.root:
+                break
+            self._age(folder, 5)  # young folders: they go only because the sweep emptied them
+        self._age(self.root / "steps" / "000000000001" / "data" / "x", 10**6)  # old, but published
+        assert store.sweep_temporary(600) == 2
+        assert not old_commit_tmp.exists() and not (self.root / "steps" / "000000000002").exists()
+        assert (self.root / "commits").is_dir()  # still holds the committed marker
+        assert list(store.list()) == ["commits/000000000001.json", "steps/000000000001/data/x"]
+        assert (self.root / ".hvdt.lock").exists() and self.root.is_dir()
+
+    def test_sweep_keeps_young_temp_files_and_young_empty_folders(self, store: LocalStore) -> None:
+        young = self.root / "steps" / "000000000003" / "data" / ".tmp-0.cc"  # a write in flight
+        young.parent.mkdir(parents=True)
+        young.write_bytes(b"partial")
+        fresh_dir = self.root / "steps" / "000000000004" / "data"  # a writer's next folder, made just now
+        fresh_dir.mkdir(parents=True)
+        old_dir = self.root / "steps" / "000000000000"
+        old_dir.mkdir()
+        self._age(old_dir, 700)
+        assert store.sweep_temporary(600) == 0
+        assert young.read_bytes() == b"partial" and fresh_dir.is_dir()
+        assert not old_dir.exists()  # empty and untouched for longer than the threshold
+        # the same young file, seen from a clock past the threshold
+        assert store.sweep_temporary(600, now=time.time() + 601) == 1
+        assert not young.exists()
+
+    def test_sweep_of_a_store_that_does_not_exist_yet(self, store: LocalStore) -> None:
+        assert store.sweep_temporary(0) == 0
+        assert not self.root.exists()
+
+    def test_write_recreates_a_folder_a_sweep_removed_under_it(self, store: LocalStore, monkeypatch) -> None:
+        """A sweep may remove an empty folder between a write's mkdir and its open: the write makes
+        it again instead of failing."""
+        import builtins
+
+        import ckpt_service.stores.local as local_module
+
+        real_open, swept = builtins.open, []
+
+        def open_after_a_sweep(path, *args, **kwargs):
+            if not swept and Path(path).name.startswith(".tmp-"):
+                swept.append(Path(path).parent)
+                Path(path).parent.rmdir()  # what the sweep does to a folder it finds empty
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(local_module, "open", open_after_a_sweep, raising=False)
+        store.put("steps/000000000005/data/x", b"payload")
+        assert swept == [self.root / "steps" / "000000000005" / "data"]
+        assert store.get("steps/000000000005/data/x") == b"payload"
+
+    def test_write_survives_a_sweep_inside_its_mkdir(self, store: LocalStore, monkeypatch) -> None:
+        """mkdir(parents=True) makes the parents, then the leaf: a sweep that removes a just-made,
+        still empty parent in between makes the leaf's mkdir fail; the write makes them again."""
+        real_mkdir, swept = Path.mkdir, []
+        target = self.root / "steps" / "000000000006" / "data"
+
+        def mkdir_raced_by_a_sweep(self_: Path, mode: int = 0o777, parents: bool = False,
+                                   exist_ok: bool = False) -> None:
+            if self_ == target and not swept:
+                real_mkdir(self_.parent, parents=True, exist_ok=True)
+                swept.append(self_.parent)
+                self_.parent.rmdir()
+                real_mkdir(self_, mode)  # FileNotFoundError: the parent is gone
+            real_mkdir(self_, mode, parents, exist_ok)
+
+        monkeypatch.setattr(Path, "mkdir", mkdir_raced_by_a_sweep)
+        store.put("steps/000000000006/data/x", b"payload")
+        assert swept == [self.root / "steps" / "000000000006"]
+        assert store.get("steps/000000000006/data/x") == b"payload"
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +204,47 @@ class TestGCSStore(StoreConformance):
         store.put("step-1/manifest.json", b"{}", if_generation_match=0)
         assert open_store(f"gs://{bucket}/runs/r1").get("step-1/manifest.json") == b"{}"
         assert list(open_store(f"gs://{bucket}").list()) == ["runs/r1/step-1/manifest.json"]
+
+
+# ---- reading back an ambiguous write (pure) ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "stored, expected_generation, outcome",
+    [
+        ((b"mine", 7), 0, WriteOutcome.APPLIED),  # created, reply lost
+        ((b"mine", 7), 5, WriteOutcome.APPLIED),  # swapped, reply lost
+        (None, 0, WriteOutcome.NOT_APPLIED),  # create never reached the server
+        ((b"before", 5), 5, WriteOutcome.NOT_APPLIED),  # swap never applied
+        ((b"theirs", 7), 0, WriteOutcome.SUPERSEDED),  # another create won
+        ((b"theirs", 7), 5, WriteOutcome.SUPERSEDED),  # another swap won
+        (None, 5, WriteOutcome.SUPERSEDED),  # deleted since: the generation expected is gone
+    ],
+)
+def test_classify_write(stored, expected_generation, outcome) -> None:
+    assert classify_write(stored, b"mine", expected_generation) is outcome
+
+
+def test_default_get_versioned_refuses_an_object_that_changes_while_read() -> None:
+    class Racing(MemoryStore):
+        """Uses the base class's read-back; another writer replaces the object between its reads."""
+
+        get_versioned = ObjectStore.get_versioned
+
+        def get(self, key: str) -> bytes:
+            data = super().get(key)
+            if self.race:
+                self.put(key, b"theirs")
+            return data
+
+    store = Racing()
+    store.race = False
+    gen = store.put("k", b"mine")
+    assert store.get_versioned("k") == (b"mine", gen)
+    assert store.get_versioned("absent") is None
+    store.race = True
+    with pytest.raises(StoreUnavailableError, match="changed while being read back"):
+        store.get_versioned("k")
 
 
 # ---- store URLs ------------------------------------------------------------------------------

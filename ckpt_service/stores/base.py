@@ -16,6 +16,8 @@ Keys are ``/``-separated relative paths. One shared test suite
 from __future__ import annotations
 
 import abc
+import builtins
+import enum
 import logging
 import posixpath
 from dataclasses import dataclass
@@ -32,6 +34,28 @@ class ObjectInfo:
     size: int
     generation: int
     mtime: float  # seconds since the epoch
+
+
+class WriteOutcomeUnknownError(StoreUnavailableError):
+    """A conditional write got no answer and reading it back failed too: it may have been applied."""
+
+
+class WriteOutcome(enum.Enum):
+    """What reading back tells about a conditional write whose answer was an error."""
+
+    APPLIED = "applied"  # this writer's bytes are stored: the write won
+    SUPERSEDED = "superseded"  # the object moved off the expected generation with other bytes: it lost
+    NOT_APPLIED = "not applied"  # still at the expected generation: nothing changed
+
+
+def classify_write(stored: tuple[bytes, int] | None, data: bytes, expected_generation: int) -> WriteOutcome:
+    """Pure: the outcome of a conditional write of ``data`` on ``expected_generation`` (0: create-only),
+    given what is stored now (bytes and generation, None if absent). ``data`` is unique to the
+    writer (a token), so finding it means this write is the one stored."""
+    if stored is not None and stored[0] == data:
+        return WriteOutcome.APPLIED
+    generation = stored[1] if stored is not None else 0
+    return WriteOutcome.NOT_APPLIED if generation == expected_generation else WriteOutcome.SUPERSEDED
 
 
 def check_key(key: str) -> str:
@@ -82,6 +106,25 @@ class ObjectStore(abc.ABC):
     def exists(self, key: str) -> bool:
         return self.stat(key) is not None
 
+    def get_versioned(self, key: str) -> tuple[bytes, int] | None:
+        """The object's bytes and the generation they belong to, or None if absent.
+
+        The pair must be consistent (one read), which reading back an ambiguous write relies
+        on. This default reads the generation before and after the bytes; a backend that can
+        answer both in one request overrides it.
+        """
+        before = self.stat(key)
+        if before is None:
+            return None
+        try:
+            data = self.get(key)
+        except KeyError:
+            return None  # deleted between the two reads
+        after = self.stat(key)
+        if after is None or after.generation != before.generation:
+            raise StoreUnavailableError(f"{self!r}: {key} changed while being read back; try again")
+        return data, before.generation
+
     def put_resolved(self, key: str, data: bytes, *, if_generation_match: int) -> int:
         """A conditional put whose outcome is never ambiguous; ``data`` must be unique to this writer.
 
@@ -91,23 +134,28 @@ class ObjectStore(abc.ABC):
         reading the object back tells "my write is stored" (its generation is returned)
         from "another write won" (:class:`PreconditionFailedError`) and from "nothing
         changed" (the original error). When the read-back fails too, the outcome stays
-        unknown and the original error is raised.
+        unknown: :class:`WriteOutcomeUnknownError`.
         """
         try:
             return self.put(key, data, if_generation_match=if_generation_match)
         except (PreconditionFailedError, StoreUnavailableError) as exc:
             try:
-                info = self.stat(key)
-                stored = self.get(key) if info is not None else None
-            except (KeyError, StoreUnavailableError):
-                raise exc from None
-            if info is not None and stored == data:
-                return info.generation
-            if (info.generation if info is not None else 0) != if_generation_match:
+                stored = self.get_versioned(key)
+            except StoreUnavailableError as read_exc:
+                raise WriteOutcomeUnknownError(
+                    f"{self!r}: the conditional write of {key} may or may not have been applied ({exc}); "
+                    f"reading it back failed too ({read_exc})") from exc
+            outcome = classify_write(stored, data, if_generation_match)
+            if outcome is WriteOutcome.APPLIED:
+                assert stored is not None  # classify_write says so
+                log.info("%r: the conditional write of %s answered %s, yet reading back shows it applied",
+                         self, key, type(exc).__name__)
+                return stored[1]
+            if outcome is WriteOutcome.SUPERSEDED:
                 raise PreconditionFailedError(
-                    f"{self!r}: {key} is at generation {info.generation if info else 0} with another "
+                    f"{self!r}: {key} is at generation {stored[1] if stored else 0} with another "
                     f"writer's data, not {if_generation_match}") from exc
-            raise
+            raise  # NOT_APPLIED: the original error says why
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if absent. Return True if this call's write is the one stored.
@@ -134,7 +182,7 @@ class ObjectStore(abc.ABC):
             self.delete(key)
         return len(keys)
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         """Names of the immediate 'sub-directories' below ``prefix`` (which ends with '/')."""
         names = {k[len(prefix):].split("/", 1)[0] for k in self.list(prefix) if "/" in k[len(prefix):]}
         return sorted(names)

@@ -9,8 +9,10 @@ conditional writes a ``ConditionalRetryPolicy`` around it (the policy behind
 ``DEFAULT_RETRY_IF_GENERATION_SPECIFIED``). Unconditional whole-object writes
 are retried as well: re-sending the same bytes leaves the same object.
 A retried create-only write whose first attempt was applied but whose response
-was lost fails with a precondition error on the caller's *own* write;
-:meth:`ObjectStore.create_exclusive` tells that case apart by reading back.
+was lost fails with a precondition error on the caller's *own* write, and one
+whose every reply is lost gives up although it was applied;
+:meth:`ObjectStore.put_resolved` tells these apart by reading back (one download
+gives the bytes and their generation).
 
 ``STORAGE_EMULATOR_HOST`` (e.g. fake-gcs-server) is honoured: the client then
 uses anonymous credentials and never looks for Application Default Credentials.
@@ -182,17 +184,34 @@ class GCSStore(ObjectStore):
 
     # ---- ObjectStore ----------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
+    def _download(self, key: str, what: str) -> tuple[bytes, Blob] | None:
+        """The object's bytes and the blob that read them (it holds their generation); None if absent."""
         blob = self._blob(key)
-        what = f"get {self.url}/{key}"
         with self._translated(what):
             try:
-                data = blob.download_as_bytes(retry=self.retry, timeout=self.timeout)
+                data: bytes = blob.download_as_bytes(retry=self.retry, timeout=self.timeout)
             except gexc.NotFound:
                 self._check_bucket_after_miss(what)
-                raise ObjectNotFoundError(f"{self.url}/{key} does not exist") from None
+                return None
         self._bucket_seen = True
-        return data
+        return data, blob
+
+    def get(self, key: str) -> bytes:
+        found = self._download(key, f"get {self.url}/{key}")
+        if found is None:
+            raise ObjectNotFoundError(f"{self.url}/{key} does not exist")
+        return found[0]
+
+    def get_versioned(self, key: str) -> tuple[bytes, int] | None:
+        # One download: the client takes the generation from its x-goog-generation header.
+        what = f"read back {self.url}/{key}"
+        found = self._download(key, what)
+        if found is None:
+            return None
+        data, blob = found
+        if blob.generation is None:
+            raise StoreUnavailableError(f"{what}: the server returned no object generation")
+        return data, int(blob.generation)
 
     def stat(self, key: str) -> ObjectInfo | None:
         name = self._object_name(key)

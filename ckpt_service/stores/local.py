@@ -43,6 +43,15 @@ class LocalStore(ObjectStore):
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFoundError(f"{self.root}/{key} does not exist") from None
 
+    def get_versioned(self, key: str) -> tuple[bytes, int] | None:
+        # An open file keeps the inode it opened, even if os.replace publishes another one:
+        # its bytes and its fstat mtime (the generation) belong together.
+        try:
+            with open(self._path(key), "rb") as fh:
+                return fh.read(), os.fstat(fh.fileno()).st_mtime_ns
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def stat(self, key: str) -> ObjectInfo | None:
         try:
             st = self._path(key).stat()
@@ -62,17 +71,18 @@ class LocalStore(ObjectStore):
 
     def _write_tmp(self, path: Path, data: bytes) -> Path:
         tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
-        for attempt in range(2):
+        for attempt in range(3):
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-            except PermissionError as exc:
-                raise StoreUnavailableError(f"cannot create {path.parent}: {exc}; check the store path") from exc
-            try:
                 fh = open(tmp, "wb")
                 break
             except FileNotFoundError:
-                if attempt:  # a sweep removed the old empty folder between the two calls: once more
+                # A concurrent sweep removed an empty folder on this path between the mkdir and
+                # the open (or inside mkdir's own walk down the parents): make it again.
+                if attempt == 2:
                     raise
+            except PermissionError as exc:
+                raise StoreUnavailableError(f"cannot write in {path.parent}: {exc}; check the store path") from exc
         with fh:
             fh.write(data)
             if self.fsync:
@@ -133,7 +143,6 @@ class LocalStore(ObjectStore):
                 if key.startswith(prefix):
                     keys.append(key)
         yield from sorted(keys)
-
 
     def sweep_temporary(self, older_than_s: float, *, now: float | None = None) -> int:
         """Delete temp files (a write killed before its rename) and then-empty folders older than

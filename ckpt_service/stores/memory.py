@@ -39,6 +39,11 @@ class MemoryStore(ObjectStore):
             entry = self._objects.get(check_key(key))
         return None if entry is None else ObjectInfo(key, len(entry[0]), entry[1], entry[2])
 
+    def get_versioned(self, key: str) -> tuple[bytes, int] | None:
+        with self._lock:
+            entry = self._objects.get(check_key(key))
+        return None if entry is None else (entry[0], entry[1])
+
     def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
         check_key(key)
         with self._lock:
