@@ -13,26 +13,22 @@ import argparse
 import os
 import signal
 from pathlib import Path
-from typing import Iterator
 
-from ckpt_helpers import sample_state
+from ckpt_helpers import DelegatingStore, sample_state
 
 from ckpt_service.manager import CheckpointManager
-from ckpt_service.stores import LocalStore, ObjectInfo, ObjectStore, open_store
+from ckpt_service.stores import LocalStore, ObjectStore, open_store
 
 KEEP = 3
 
 
-class KillingStore(ObjectStore):
-    """Delegates to a real store; dies like a preempted VM at a chosen write.
-
-    An ObjectStore itself, so that the conditional writes the base class builds on ``put``
-    (the commit marker's create_exclusive) are counted and can be killed too.
-    """
+class KillingStore(DelegatingStore):
+    """Delegates to a real store; dies like a preempted VM at a chosen write (the conditional
+    writes the base class builds on ``put``, the commit marker's among them, are counted too)."""
 
     def __init__(self, inner: ObjectStore, kill_at: int, inside: bool = False) -> None:
-        self._inner, self.kill_at, self.armed, self.puts = inner, kill_at, False, 0
-        self.url = inner.url
+        super().__init__(inner)
+        self.kill_at, self.armed, self.puts = kill_at, False, 0
         self.inside = inside
         if inside:  # the local store writes a temp file, then renames it: die between the two
             assert isinstance(inner, LocalStore), "--inside needs a local store"
@@ -51,25 +47,7 @@ class KillingStore(ObjectStore):
             self.puts += 1
             if self.puts == self.kill_at and not self.inside:
                 os.kill(os.getpid(), signal.SIGKILL)
-        return self._inner.put(key, data, if_generation_match=if_generation_match)
-
-    def get(self, key: str) -> bytes:
-        return self._inner.get(key)
-
-    def get_versioned(self, key: str) -> tuple[bytes, int] | None:
-        return self._inner.get_versioned(key)
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        return self._inner.stat(key)
-
-    def delete(self, key: str) -> None:
-        self._inner.delete(key)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        return self._inner.list(prefix)
-
-    def sweep_temporary(self, older_than_s: float, *, now: float | None = None) -> int:
-        return self._inner.sweep_temporary(older_than_s, now=now)
+        return self.inner.put(key, data, if_generation_match=if_generation_match)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import pytest
+from ckpt_helpers import DelegatingStore
 
 from ckpt_service.errors import (
     BadTensorNameError,
@@ -25,7 +26,7 @@ from ckpt_service.errors import (
     PreconditionFailedError,
     StoreUnavailableError,
 )
-from ckpt_service.stores.base import ObjectInfo, ObjectStore, WriteOutcomeUnknownError
+from ckpt_service.stores.base import ObjectStore, WriteOutcomeUnknownError
 
 BAD_KEYS = ["", "/abs", "../up", "a/../b", "a//b", "./a", "a/.", "a/", "a\\b", "nul\x00byte"]
 PAYLOADS = {
@@ -310,7 +311,7 @@ class StoreConformance:
         assert store.get("big/blob") == data[::-1]
 
 
-class LostReplies(ObjectStore):
+class LostReplies(DelegatingStore):
     """A store in front of ``inner`` whose conditional writes all end in an error, like a write
     whose replies a network lost: ``apply`` says whether the server applied it first, ``meanwhile``
     runs (another writer) before it, and ``read_back_fails`` makes reading it back fail too.
@@ -318,7 +319,8 @@ class LostReplies(ObjectStore):
 
     def __init__(self, inner: ObjectStore, *, apply: bool, error: Exception | None = None,
                  meanwhile: Callable[[], object] | None = None, read_back_fails: bool = False) -> None:
-        self.inner, self.url, self.apply, self.meanwhile = inner, inner.url, apply, meanwhile
+        super().__init__(inner)
+        self.apply, self.meanwhile = apply, meanwhile
         self.error = error or StoreUnavailableError("gave up after retrying (connection reset by peer)")
         self.read_back_fails = read_back_fails
         self.failed_puts = 0
@@ -337,18 +339,6 @@ class LostReplies(ObjectStore):
         if self.read_back_fails:
             raise StoreUnavailableError("read-back: connection reset by peer")
         return self.inner.get_versioned(key)
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        return self.inner.stat(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        return self.inner.list(prefix)
 
 
 def _race(write: Callable[[int], object]) -> list[object]:
