@@ -164,15 +164,24 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
-def positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0 (a timeout)."""
+def _seconds(text: str, *, zero_ok: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, not {text!r}")
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds {'>=' if zero_ok else '>'} 0, not {text!r}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (a timeout)."""
+    return _seconds(text, zero_ok=False)
+
+
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0 (a grace that may be none)."""
+    return _seconds(text, zero_ok=True)
 
 
 def port(text: str) -> int:

@@ -40,11 +40,6 @@ def epoch_and_batch(step: int, steps_per_epoch: int) -> tuple[int, int]:
     return divmod(step, steps_per_epoch)
 
 
-def block_start(offset: int, rank: int, batch_size: int, size: int, step: int = 0) -> int:
-    """First stream position rank ``rank`` reads at the ``step``-th step after ``offset``."""
-    return offset + step * size * batch_size + rank * batch_size
-
-
 def pass_and_index(position: int, num_samples: int) -> tuple[int, int]:
     """Stream position -> (pass number, position inside that pass's permutation)."""
     return divmod(position, num_samples)

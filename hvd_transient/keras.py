@@ -142,9 +142,10 @@ def _state_class(base: type) -> type:
     class TransientKerasState(base):  # type: ignore[misc, valid-type]
         """Horovod's KerasState whose ``samples`` always matches the model's optimizer step.
 
-        Horovod saves, restores and broadcasts the attributes; the offset is recomputed from
-        the step whenever it is saved or synced, so it is right after a commit (rollback),
-        a removal (no sync: the live value) and a join (rank 0's live value is broadcast).
+        Horovod saves, restores and broadcasts the attributes. The offset is advanced every
+        batch and recomputed from the step when saved, and sync sends the live value, so it is
+        right after a rollback (restored with the model), a removal (no sync: the live value)
+        and a join (rank 0's live value is broadcast).
         """
 
         def __init__(self, model: tf.keras.Model, **kwargs: Any) -> None:

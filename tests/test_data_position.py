@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hvd_transient.data_position import SampleCursor, block_start, epoch_and_batch, pass_and_index
+from hvd_transient.data_position import SampleCursor, epoch_and_batch, pass_and_index
 from hvd_transient.elastic_data import stream_batches, stream_indices
 
 
@@ -19,7 +19,6 @@ def test_counters():
         epoch_and_batch(3, 0)
     cursor = SampleCursor(step0=100, samples0=6400, per_step=3 * 32)
     assert cursor.samples_at(100) == 6400 and cursor.samples_at(110) == 6400 + 960
-    assert block_start(1000, rank=2, batch_size=8, size=4, step=3) == 1000 + 3 * 32 + 16
     assert pass_and_index(2500, 1000) == (2, 500)
 
 

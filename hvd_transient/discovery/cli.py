@@ -27,7 +27,7 @@ PROG = "hvd-transient discover"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hvd_transient.cli import ArgumentParser, http_url, positive_seconds
+    from hvd_transient.cli import ArgumentParser, http_url, non_negative_seconds, positive_seconds
 
     parser = ArgumentParser(
         prog=PROG,
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", required=True, choices=BACKENDS, help="where the hosts come from")
     parser.add_argument("--store", help="run store URL (local path, file://, gs://, memory://): drop leaving hosts")
     parser.add_argument(
-        "--leaving-grace", type=_seconds, default=os.environ.get("HVDT_LEAVING_GRACE_S", "60"), metavar="SECONDS",
+        "--leaving-grace", type=non_negative_seconds, default=os.environ.get("HVDT_LEAVING_GRACE_S", "60"),
+        metavar="SECONDS",
         help="a leaving record stops excluding its host this long after its notice deadline "
         "(default 60, or $HVDT_LEAVING_GRACE_S); on gce a restarted or recreated VM is admitted at once",
     )
@@ -62,16 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--hosts", help="comma-separated host[:slots] list")
     local.add_argument("--state-file", help="simulator state file: host[:slots] lines or JSON")
     return parser
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, not {text!r}")
-    return value
 
 
 def _split_csv(values: Sequence[str]) -> list[str]:
