@@ -16,8 +16,10 @@ setup: $(STAMP)
 HOROVOD_BUILD := HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
   HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
 # pip's own wheel cache ignores build flags (it would hand back a wheel built without MPI), so
-# the Horovod wheel is built once per (flags, pins) into a directory keyed by both.
-WHEEL_KEY := $(shell printf '%s' "$(HOROVOD_BUILD)" | cat - $(CONSTRAINTS) | sha256sum | cut -c1-16)
+# the Horovod wheel is built once per (flags, pins it builds against) into a directory keyed by
+# both; pinning a tool such as a linter does not rebuild it.
+WHEEL_PINS := $(shell grep -E '^(tensorflow-cpu|horovod|numpy|protobuf)==' $(CONSTRAINTS))
+WHEEL_KEY := $(shell printf '%s' "$(HOROVOD_BUILD) $(WHEEL_PINS)" | sha256sum | cut -c1-16)
 WHEELS := $(HOME)/.cache/hvd-transient/wheels/$(WHEEL_KEY)
 
 $(STAMP): $(CONSTRAINTS) setup.py Makefile

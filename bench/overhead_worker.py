@@ -97,7 +97,7 @@ def _load_callable(spec: str) -> Callable[[], Any]:
 def load_model(spec: dict[str, str]) -> tf.keras.Model:
     kind, value = spec["kind"], spec["value"]
     if kind == "builtin":
-        from hvd_transient.workloads import MODELS
+        from hvd_transient.testing.workloads import MODELS
 
         return MODELS[value]()
     if kind == "function":

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from ckpt_service.stores import open_store
 from hvd_transient.events import EventLog
-from hvd_transient.workloads import MODELS, batches, load_cifar10, synthetic_cifar10
+from hvd_transient.testing.workloads import MODELS, batches, load_cifar10, synthetic_cifar10
 
 PROGRESS_EVERY_STEPS = 10
 

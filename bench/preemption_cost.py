@@ -213,7 +213,7 @@ def pick_target(scenario: str, master: str) -> str:
 
 
 def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
-    from hvd_transient.local_cluster import LocalCluster, LocalClusterSpec
+    from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
 
     plan.workdir.mkdir(parents=True, exist_ok=True)
     total = plan.total_steps
@@ -671,7 +671,7 @@ def store_root(spec: str, tmp: Path) -> Iterator[str]:
         yield str(tmp / "stores")
     elif spec == "gcs":
         try:
-            from ckpt_service.gcs_emulator import gcs_emulator
+            from ckpt_service.testing.gcs_emulator import gcs_emulator
         except ImportError as exc:
             raise BenchError(f"cannot start the GCS emulator ({exc}); install the dev extras") from exc
         with gcs_emulator() as emu:  # sets STORAGE_EMULATOR_HOST for the workers too
@@ -769,7 +769,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     # hvd-transient's workers have normally left before their deadline: the emulator then reports a
     # SIGTERM it could not deliver, which is the expected outcome (rows record "killed")
-    logging.getLogger("hvd_transient.metadata_emulator.registry").setLevel(logging.ERROR)
+    logging.getLogger("hvd_transient.testing.metadata_emulator.registry").setLevel(logging.ERROR)
     if args.repeats < 1 or args.window_s <= 0 or args.steps_per_epoch < 1 or args.warmup_steps < 10:
         print("preemption_cost: --repeats and --steps-per-epoch must be >= 1, --window-s > 0, "
               "--warmup-steps >= 10 (the step rate is measured over the warm-up)", file=sys.stderr)

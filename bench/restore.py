@@ -210,7 +210,7 @@ def launch_phases(marks: Mapping[str, float]) -> dict[str, float]:
 
 
 def _cluster(store: str, hosts: Sequence[str], command: tuple[str, ...], workdir: Path) -> Any:
-    from hvd_transient.local_cluster import LocalCluster, LocalClusterSpec
+    from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
 
     return LocalCluster(LocalClusterSpec(store=store, hosts=tuple(hosts), command=command, workdir=workdir))
 
@@ -226,7 +226,7 @@ def _first_steps(cluster: Any, size: int) -> Any:
 def write_checkpoint(store: str, rc: RestartConfig, workdir: Path) -> int:
     """Train on 3 workers until a periodic checkpoint of all 3 commits, then lose the whole cluster."""
     from ckpt_service.manager import CheckpointManager
-    from hvd_transient.local_cluster import of
+    from hvd_transient.testing.local_cluster import of
 
     save_every = 2 * rc.steps_per_epoch
     cmd = example_command(store, rc, workdir / "trace", save_every=save_every)
@@ -273,7 +273,7 @@ def run_store(spec: str, tmp: Path) -> Iterator[Any]:
     if spec == "local":
         yield lambda name: str(tmp / "stores" / f"{name}-{next(counter)}")
     elif spec == "gcs":
-        from ckpt_service.gcs_emulator import gcs_emulator
+        from ckpt_service.testing.gcs_emulator import gcs_emulator
 
         with gcs_emulator() as emu:  # the workers inherit STORAGE_EMULATOR_HOST
             bucket = emu.new_bucket("restore")

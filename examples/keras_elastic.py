@@ -20,7 +20,7 @@ import horovod.tensorflow.keras as hvd
 import tensorflow as tf
 
 import hvd_transient.keras as hvdt  # hvd-transient
-from hvd_transient.workloads import MODELS, load_cifar10, synthetic_cifar10
+from hvd_transient.testing.workloads import MODELS, load_cifar10, synthetic_cifar10
 
 
 def main() -> None:

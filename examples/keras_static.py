@@ -16,7 +16,7 @@ import horovod.tensorflow.keras as hvd
 import tensorflow as tf
 
 import hvd_transient.keras as hvdt  # hvd-transient
-from hvd_transient.workloads import MODELS, batches, synthetic_cifar10
+from hvd_transient.testing.workloads import MODELS, batches, synthetic_cifar10
 
 
 def main() -> None:

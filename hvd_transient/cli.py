@@ -41,10 +41,10 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "ckpt": ("ckpt_service.cli", "inspect, verify, garbage-collect and export checkpoints"),
-    "metadata-emulator": ("hvd_transient.metadata_emulator", "run a GCE metadata-server emulator"),
+    "metadata-emulator": ("hvd_transient.testing.metadata_emulator", "run a GCE metadata-server emulator"),
     "discover": ("hvd_transient.discovery.cli", "print host:slots lines for horovodrun --host-discovery-script"),
     "cluster": ("hvd_transient.cluster.cli", "create, inspect and delete a GCE spot training cluster"),
-    "demo": ("hvd_transient.demo", "run the local transient-cluster demo"),
+    "demo": ("hvd_transient.testing.demo", "run the local transient-cluster demo"),
     "report": ("hvd_transient.report", "timeline, cost and checkpoint report of a run"),
     "stop": ("hvd_transient.control", "ask a running job to checkpoint and stop cleanly"),
     "bench": ("hvd_transient.bench_cli", "run the benchmarks in bench/"),
@@ -73,10 +73,10 @@ TYPED_ERRORS: tuple[tuple[str, str, int], ...] = (
     ("hvd_transient.report", "ReportError", EXIT_USAGE),
     ("hvd_transient.report.plot", "PlotUnavailableError", EXIT_USAGE),
     ("hvd_transient.pricing", "PriceTableError", EXIT_USAGE),
-    ("hvd_transient.schedule", "ScheduleError", EXIT_USAGE),
+    ("hvd_transient.testing.schedule", "ScheduleError", EXIT_USAGE),
     ("hvd_transient.bench_cli", "BenchNotFoundError", EXIT_USAGE),
-    ("hvd_transient.metadata_emulator.model", "EmulatorError", EXIT_USAGE),
-    ("hvd_transient.local_cluster", "ClusterError", EXIT_FAILURE),
+    ("hvd_transient.testing.metadata_emulator.model", "EmulatorError", EXIT_USAGE),
+    ("hvd_transient.testing.local_cluster", "ClusterError", EXIT_FAILURE),
 )
 
 

@@ -7,7 +7,8 @@ from typing import Iterator
 
 import numpy as np
 
-from ckpt_service.stores import LocalStore, MemoryStore, ObjectInfo, ObjectStore
+from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore
+from ckpt_service.testing.delegating import DelegatingStore  # noqa: F401  (re-exported for the tests)
 
 BACKENDS = ["memory", "local", "gcs"]
 
@@ -54,35 +55,3 @@ def flip_one_byte_of_a_chunk(store: ObjectStore, step: int) -> str:
     data[len(data) // 2] ^= 0xFF
     store.put(key, bytes(data))
     return key
-
-
-class DelegatingStore(ObjectStore):
-    """An ObjectStore forwarding every call to ``inner``; fault-injecting wrappers override a few.
-
-    An ObjectStore itself, so the helpers the base class builds on ``put`` and ``get_versioned``
-    (create_exclusive, put_resolved) run through the wrapper's overrides.
-    """
-
-    def __init__(self, inner: ObjectStore) -> None:
-        self.inner, self.url = inner, inner.url
-
-    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
-        return self.inner.put(key, data, if_generation_match=if_generation_match)
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def get_versioned(self, key: str) -> tuple[bytes, int] | None:
-        return self.inner.get_versioned(key)
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        return self.inner.stat(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        return self.inner.list(prefix)
-
-    def sweep_temporary(self, older_than_s: float, *, now: float | None = None) -> int:
-        return self.inner.sweep_temporary(older_than_s, now=now)

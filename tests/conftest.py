@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+# The store suite ships in the package; its asserts still get pytest's detailed messages.
+pytest.register_assert_rewrite("ckpt_service.testing.store_conformance")
+
 # Nothing in the tests may probe the real GCE metadata address.
 os.environ.setdefault("NO_GCE_CHECK", "true")
 

@@ -1,11 +1,11 @@
-"""The fake-gcs-server session fixture; the server itself lives in ckpt_service.gcs_emulator."""
+"""The fake-gcs-server session fixture; the server itself lives in ckpt_service.testing.gcs_emulator."""
 from __future__ import annotations
 
 from typing import Iterator
 
 import pytest
 
-from ckpt_service.gcs_emulator import (  # noqa: F401  (re-exported for the tests)
+from ckpt_service.testing.gcs_emulator import (  # noqa: F401  (re-exported for the tests)
     EmulatorError,
     GCSEmulator,
     fake_gcs_server_binary,

@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 from ckpt_helpers import BACKENDS, make_backend_store
-from store_conformance import LostReplies
+from ckpt_service.testing.store_conformance import LostReplies
 
 from ckpt_service.errors import LeaseLostError, StoreUnavailableError
 from ckpt_service.lease import Lease, LeaseHeldError

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_transient.local_cluster import LocalCluster, LocalClusterSpec
+from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
 
 
 def spec(tmp_path: Path, **kw) -> LocalClusterSpec:

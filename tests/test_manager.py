@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import pytest
 from ckpt_helpers import BACKENDS, assert_same_state, flip_one_byte_of_a_chunk, make_backend_store, sample_state
-from store_conformance import LostReplies
+from ckpt_service.testing.store_conformance import LostReplies
 
 from ckpt_service import layout
 from ckpt_service.errors import (

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from hvd_transient.metadata_emulator import MetadataEmulator
+from hvd_transient.testing.metadata_emulator import MetadataEmulator
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -188,7 +188,7 @@ def test_default_instance_can_be_chosen_and_is_reported():
 
 
 def test_cli_help_states_the_instance_rule():
-    from hvd_transient.metadata_emulator.cli import build_parser
+    from hvd_transient.testing.metadata_emulator.cli import build_parser
 
     text = " ".join(build_parser().format_help().split())
     assert "/i/<name>/" in text and "default instance, the first named here" in text

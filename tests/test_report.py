@@ -459,7 +459,7 @@ def test_cli_prices_file_overrides(tmp_path: Path) -> None:
 @pytest.mark.horovod
 def test_report_of_a_real_preemption(tmp_path: Path) -> None:
     """Real horovodrun on two local hosts: the worker that is not the master gets a notice."""
-    from hvd_transient.local_cluster import LocalCluster, LocalClusterSpec, of
+    from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec, of
 
     store = str(tmp_path / "store")
     example = str(Path(__file__).resolve().parent.parent / "examples" / "keras_elastic.py")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_transient.schedule import (
+from hvd_transient.testing.schedule import (
     Action,
     ScheduleError,
     default_schedule,

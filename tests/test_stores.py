@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from gcs_emulator import GCSEmulator  # the gcs_emulator_session fixture comes from conftest.py
-from store_conformance import StoreConformance
+from ckpt_service.testing.store_conformance import StoreConformance
 
 from ckpt_service.errors import BadStoreURLError, MissingCredentialsError, StoreUnavailableError
 from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore, open_store

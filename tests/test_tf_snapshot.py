@@ -29,7 +29,7 @@ from hvd_transient.tf_snapshot import (  # noqa: E402
     direct_call,
     host_outputs,
 )
-from hvd_transient.workloads import MODELS  # noqa: E402
+from hvd_transient.testing.workloads import MODELS  # noqa: E402
 
 
 def small_model() -> tf.keras.Model:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from hvd_transient.metadata_emulator import MetadataEmulator
+from hvd_transient.testing.metadata_emulator import MetadataEmulator
 from hvd_transient.watchers import (
     AwsWatcher,
     AzureWatcher,

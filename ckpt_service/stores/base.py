@@ -11,7 +11,7 @@ from a store, which Google Cloud Storage, a POSIX directory and a dict all give:
 * listing by prefix.
 
 Keys are ``/``-separated relative paths. One shared test suite
-(``tests/store_conformance.py``) is run against every implementation.
+(``ckpt_service.testing.store_conformance``) is run against every implementation.
 """
 from __future__ import annotations
 

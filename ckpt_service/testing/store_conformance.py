@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import pytest
-from ckpt_helpers import DelegatingStore
 
 from ckpt_service.errors import (
     BadTensorNameError,
@@ -27,6 +26,7 @@ from ckpt_service.errors import (
     StoreUnavailableError,
 )
 from ckpt_service.stores.base import ObjectStore, WriteOutcomeUnknownError
+from ckpt_service.testing.delegating import DelegatingStore
 
 BAD_KEYS = ["", "/abs", "../up", "a/../b", "a//b", "./a", "a/.", "a/", "a\\b", "nul\x00byte"]
 PAYLOADS = {

@@ -27,14 +27,14 @@ from typing import Any, Callable, Mapping, Sequence
 from ckpt_service.stores import open_store
 from hvd_transient.control import clear_stop, request_stop
 from hvd_transient.events import read_events
-from hvd_transient.metadata_emulator import MetadataEmulator
+from hvd_transient.testing.metadata_emulator import MetadataEmulator
 
 log = logging.getLogger(__name__)
 
 #: Names that resolve to this machine's loopback interface, each a distinct local host for Horovod.
 HOST_ALIASES = ("localhost", "127.0.0.1", "127.0.1", "127.1", "2130706433", "0x7f000001")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DISCOVERY_SCRIPT = REPO_ROOT / "launch" / "discover_hosts.sh"
 
 Event = dict[str, Any]

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hvd_transient.cli import ArgumentParser, command, positive_int, positive_seconds, store_url
-from hvd_transient.local_cluster import HOST_ALIASES, LocalCluster, LocalClusterSpec, of
-from hvd_transient.schedule import Action, default_schedule, lifetime_schedule, load_schedule
+from hvd_transient.testing.local_cluster import HOST_ALIASES, LocalCluster, LocalClusterSpec, of
+from hvd_transient.testing.schedule import Action, default_schedule, lifetime_schedule, load_schedule
 
 log = logging.getLogger(__name__)
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "keras_elastic.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "keras_elastic.py"
 SHOWN = {"notice": "notice", "notice_agreed": "all ranks agreed", "election": "new checkpoint master",
          "commit": "checkpoint committed", "leave_published": "leaving the ring", "reset": "ring reset",
          "save_failed": "checkpoint FAILED", "stop_requested": "stop"}
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--save-every", type=positive_int, default=50, help="periodic checkpoint interval (steps)")
     p.add_argument("--window", type=positive_seconds, default=30.0, help="preemption notice window (s)")
-    p.add_argument("--schedule", help="JSON schedule file (see hvd_transient/schedule.py)")
+    p.add_argument("--schedule", help="JSON schedule file (see hvd_transient/testing/schedule.py)")
     p.add_argument("--lifetimes", type=int, metavar="SEED",
                    help="draw preemption times from ICAC'19-like VM lifetimes with this seed")
     p.add_argument("--day-seconds", type=float, default=600.0,
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = args.store
         extra_env: tuple[tuple[str, str], ...] = ()
         if args.gcs_emulator:
-            from ckpt_service.gcs_emulator import gcs_emulator
+            from ckpt_service.testing.gcs_emulator import gcs_emulator
 
             emu = stack.enter_context(gcs_emulator())
             bucket = emu.new_bucket("demo")
