@@ -37,6 +37,9 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 PREFIX = "/compute/v1/"
+BETA_PREFIX = "/compute/beta/"
+#: fields only the beta API accepts; v1 rejects a body carrying them, as the real one does
+BETA_SCHEDULING_FIELDS = ("preemptionNoticeDuration",)
 _TERM = re.compile(r'\(\s*([A-Za-z0-9_.\-]+)\s*(=|!=)\s*"([^"]*)"\s*\)')
 
 
@@ -53,6 +56,7 @@ class RecordedRequest:
     query: dict[str, str]
     body: Any
     authorization: str | None
+    version: str = "v1"  # the API version the path was under
 
 
 @dataclass
@@ -266,16 +270,23 @@ class FakeComputeAPI:
             body = json.loads(raw) if raw else None
         except ValueError:
             body = raw.decode(errors="replace")
-        path = parsed.path[len(PREFIX):] if parsed.path.startswith(PREFIX) else parsed.path
+        prefix = next((p for p in (PREFIX, BETA_PREFIX) if parsed.path.startswith(p)), None)
+        version = prefix.strip("/").split("/")[-1] if prefix else ""
+        path = parsed.path[len(prefix):] if prefix else parsed.path
         with self._lock:
             self.requests.append(RecordedRequest(
-                handler.command, path, query, body, handler.headers.get("Authorization")))
+                handler.command, path, query, body, handler.headers.get("Authorization"), version))
             failure = self._failures.pop(0) if self._failures else None
         try:
             if failure:
                 raise HTTPError(failure, "backendError", "injected failure")
-            if not parsed.path.startswith(PREFIX):
+            if prefix is None:
                 raise HTTPError(404, "notFound", f"no such API path {parsed.path}")
+            beta_only = [f for f in BETA_SCHEDULING_FIELDS
+                         if isinstance(body, dict) and f in (body.get("scheduling") or {})]
+            if version == "v1" and beta_only:
+                raise HTTPError(400, "invalid", f"Invalid JSON payload received. Unknown name {beta_only[0]!r} "
+                                "at 'instance.scheduling': Cannot find field.")
             status, payload = self._route(handler.command, path.split("/"), query, body)
         except HTTPError as exc:
             status, payload = exc.status, {"error": {

@@ -224,6 +224,44 @@ def test_up_status_down_lifecycle(compute, capsys):
     assert "no VMs labelled hvdt-cluster=exp" in capsys.readouterr().out
 
 
+def test_longer_preemption_notice_goes_to_the_beta_api_and_into_the_metadata(compute, capsys):
+    """`--preemption-notice-duration` sets the beta scheduling field (v1 would reject it) on the Spot
+    workers only, and writes the duration where the watchers read it."""
+    from hvd_transient.watchers.gce import NOTICE_ATTRIBUTE
+
+    assert cli.main([*UP, "--preemption-notice-duration", "120s"]) == 0
+    created = {i["name"]: i for i in compute.instances(PROJECT)}
+    worker, driver = created["exp-worker-0"], created["exp-driver"]
+    assert worker["scheduling"]["preemptionNoticeDuration"] == {"seconds": 120}
+    assert metadata(worker)[NOTICE_ATTRIBUTE] == "120"
+    assert "preemptionNoticeDuration" not in driver["scheduling"] and NOTICE_ATTRIBUTE not in metadata(driver)
+    inserts = {r.body["name"]: r.version for r in compute.requests_matching("POST", "/instances")}
+    assert inserts == {"exp-driver": "v1", "exp-worker-0": "beta", "exp-worker-1": "beta"}
+
+    # the v1 API refuses the field: the client must not send it there
+    from hvd_transient.cluster.compute_api import ComputeAPI, ComputeAPIError
+
+    body = instance_body(plan_instances(spec(preemption_notice_s=120))[1], spec(preemption_notice_s=120))
+    with pytest.raises(ComputeAPIError, match="preemptionNoticeDuration"):
+        ComputeAPI.connect(api_url=compute.base_url, anonymous=True).call(
+            "POST", f"projects/{PROJECT}/zones/{ZA}/instances", body={**body, "name": "exp-worker-9"})
+
+
+def test_longer_notice_dry_run_shows_the_beta_request_and_gcloud_flag(capsys):
+    assert cli.main([*UP, "--preemption-notice-duration", "90", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    beta = cli.DEFAULT_API_URL.replace("/v1", "/beta")
+    assert f"POST {beta}/projects/{PROJECT}/zones/{ZA}/instances" in out  # the Spot workers
+    assert f"POST {cli.DEFAULT_API_URL}/projects/{PROJECT}/zones/{ZA}/instances" in out  # the driver
+    assert '"seconds": 90' in out
+    assert "gcloud beta compute instances create exp-worker-0" in out and "--preemption-notice-duration=90s" in out
+    for bad in ("0", "-5", "2m", "1.5"):
+        with pytest.raises(SystemExit) as exited:  # argparse's usage error
+            cli.main([*UP, f"--preemption-notice-duration={bad}", "--dry-run"])
+        assert exited.value.code == 2
+        assert "--preemption-notice-duration" in capsys.readouterr().err
+
+
 def test_up_again_refills_preempted_workers(compute, capsys):
     assert cli.main(UP) == 0
     inserts = len(compute.requests_matching("POST", "/instances"))

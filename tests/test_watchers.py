@@ -21,6 +21,7 @@ from hvd_transient.watchers import (
     make_watcher,
     read_dmi,
 )
+from hvd_transient.watchers.gce import NOTICE_ATTRIBUTE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,6 +93,23 @@ def test_gce_watcher_sees_a_notice_already_there_at_start(emu, watchers):
     notice = w.wait(WAIT)
     assert notice is not None and notice.instance == "b"
     assert notice.deadline == pytest.approx(notice.detected_at + 30)  # the default GCE window
+
+
+@pytest.mark.parametrize("attribute, given, expected", [
+    ("120", None, 120.0),     # `cluster up --preemption-notice-duration 120`
+    (None, None, 30.0),       # a VM created without it: Compute Engine's 30 s
+    ("soon", None, 30.0),     # garbage in the attribute: the safe default, never a longer guess
+    ("120", 45.0, 45.0),      # an explicit window wins
+])
+def test_gce_watcher_window_follows_the_vms_configured_notice(emu, watchers, attribute, given, expected):
+    if attribute is not None:
+        emu.set_attribute("c", NOTICE_ATTRIBUTE, attribute)
+    emu.preempt("c", window=expected)
+    w = gce_watcher(emu, "c", **({} if given is None else {"window": given}))
+    watchers.append(w.start())
+    notice = w.wait(WAIT)
+    assert notice is not None and w.window == expected
+    assert notice.deadline == pytest.approx(notice.detected_at + expected)
 
 
 def test_gce_watcher_takes_its_url_from_gce_metadata_host(emu, watchers, monkeypatch):

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="extra labels (repeatable)")
     up.add_argument("--termination-action", choices=("STOP", "DELETE"), default="STOP",
                     help="what GCE does to a preempted worker (default STOP: rerun 'up' to restart it)")
+    up.add_argument("--preemption-notice-duration", type=notice_seconds, metavar="SECONDS",
+                    help="preemption notice the Spot workers get, e.g. 120 or 120s (GCE beta field "
+                         "scheduling.preemptionNoticeDuration; default: Compute Engine's 30 s); "
+                         "the workers' watchers read it from the VM's metadata")
     up.add_argument("--driver-machine-type", default="n1-standard-4")
     up.add_argument("--driver-zone", help="zone of the driver VM (default: the first zone)")
     up.add_argument("--network", default="global/networks/default")
@@ -112,6 +116,14 @@ def _read(path: str | Path, what: str) -> str:
         raise ClusterSpecError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
 
+def notice_seconds(text: str) -> int:
+    """argparse type: whole seconds of preemption notice, ``120`` or ``120s`` (Compute takes whole seconds)."""
+    digits = text[:-1] if text.endswith("s") else text
+    if not digits.isdigit() or int(digits) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of seconds > 0 such as 120 or 120s, not {text!r}")
+    return int(digits)
+
+
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     script_path = args.startup_script or DEFAULT_STARTUP_SCRIPT
     if not args.startup_script and not DEFAULT_STARTUP_SCRIPT.is_file():
@@ -124,6 +136,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         machine_type=args.machine_type, gpu_type=gpu_type, gpus_per_worker=args.gpus_per_worker,
         image_family=args.image_family, image_project=args.image_project, boot_disk_gb=args.boot_disk_gb,
         labels=parse_label_items(args.label), termination_action=args.termination_action,
+        preemption_notice_s=args.preemption_notice_duration,
         driver_machine_type=args.driver_machine_type, driver_zone=args.driver_zone, network=args.network,
         subnetwork=args.subnetwork, external_ip=not args.no_external_ip, service_account=args.service_account,
         package=args.package, store=args.store, ssh_user=args.ssh_user,

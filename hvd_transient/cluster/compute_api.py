@@ -265,7 +265,10 @@ class ComputeAPI:
             return None
 
     def insert_instance(self, project: str, zone: str, body: Mapping[str, Any]) -> dict:
-        return self.call("POST", f"projects/{project}/zones/{zone}/instances", body=body)
+        from hvd_transient.cluster.rest_plan import api_base_for
+
+        base = api_base_for(self.base_url, body)  # a beta field goes to the beta API
+        return self.call("POST", f"{base}/projects/{project}/zones/{zone}/instances", body=body)
 
     def delete_instance(self, project: str, zone: str, name: str) -> dict:
         return self.call("DELETE", f"projects/{project}/zones/{zone}/instances/{name}")

@@ -21,8 +21,10 @@ def _metadata_flag(items: list[dict[str, str]]) -> str | None:
 
 def create_command(spec: ClusterSpec, plan: InstancePlan) -> list[str]:
     sched = scheduling(plan, spec)
+    # the notice duration is a beta flag, as its REST field is a beta field
+    beta = ["beta"] if "preemptionNoticeDuration" in sched else []
     argv = [
-        "gcloud", "compute", "instances", "create", plan.name,
+        "gcloud", *beta, "compute", "instances", "create", plan.name,
         f"--project={spec.project}",
         f"--zone={plan.zone}",
         f"--machine-type={plan.machine_type}",
@@ -31,6 +33,8 @@ def create_command(spec: ClusterSpec, plan: InstancePlan) -> list[str]:
     if plan.spot:
         argv += [f"--instance-termination-action={sched['instanceTerminationAction']}",
                  "--maintenance-policy=TERMINATE", "--no-restart-on-failure"]
+        if beta:
+            argv.append(f"--preemption-notice-duration={sched['preemptionNoticeDuration']['seconds']}s")
     else:
         argv += ["--maintenance-policy=MIGRATE", "--restart-on-failure"]
     if plan.gpu_count and spec.attaches_gpus:

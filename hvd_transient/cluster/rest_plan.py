@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from hvd_transient.cluster.spec import CLUSTER_LABEL, ClusterSpec, InstancePlan, plan_instances
+from hvd_transient.watchers.gce import NOTICE_ATTRIBUTE
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,15 @@ def scheduling(plan: InstancePlan, spec: ClusterSpec) -> dict[str, Any]:
     if plan.spot:
         # GPUs cannot live-migrate, and a Spot VM must not restart by itself after preemption:
         # `cluster up` restarts (STOP) or recreates (DELETE) it deliberately.
-        return {
+        spot: dict[str, Any] = {
             "provisioningModel": "SPOT",
             "instanceTerminationAction": spec.termination_action,
             "onHostMaintenance": "TERMINATE",
             "automaticRestart": False,
         }
+        if spec.preemption_notice_s is not None:
+            spot["preemptionNoticeDuration"] = {"seconds": spec.preemption_notice_s}
+        return spot
     return {"provisioningModel": "STANDARD", "onHostMaintenance": "MIGRATE", "automaticRestart": True}
 
 
@@ -53,6 +57,9 @@ def metadata_items(plan: InstancePlan, spec: ClusterSpec) -> list[dict[str, str]
     }
     if spec.store:
         items["hvdt-store"] = spec.store
+    if plan.spot and spec.preemption_notice_s is not None:
+        # the metadata server has no key for the notice duration: the watchers read it here
+        items[NOTICE_ATTRIBUTE] = str(spec.preemption_notice_s)
     if plan.gpu_count:
         items["install-nvidia-driver"] = "True"  # honoured by Deep Learning VM images
     if spec.ssh_public_key:
@@ -95,8 +102,22 @@ def _zone_url(base_url: str, project: str, zone: str) -> str:
     return f"{base_url.rstrip('/')}/projects/{project}/zones/{zone}"
 
 
+def api_base_for(base_url: str, body: Mapping[str, Any]) -> str:
+    """``base_url``, or its beta counterpart when ``body`` uses a beta-only field."""
+    if "preemptionNoticeDuration" in (body.get("scheduling") or {}):
+        return beta_url(base_url)
+    return base_url
+
+
+def beta_url(base_url: str) -> str:
+    """``.../compute/v1`` -> ``.../compute/beta`` (the beta API takes the same requests)."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] + "/beta" if base.endswith("/v1") else base
+
+
 def insert_request(base_url: str, spec: ClusterSpec, plan: InstancePlan) -> RestRequest:
-    return RestRequest("POST", f"{_zone_url(base_url, spec.project, plan.zone)}/instances", instance_body(plan, spec))
+    body = instance_body(plan, spec)
+    return RestRequest("POST", f"{_zone_url(api_base_for(base_url, body), spec.project, plan.zone)}/instances", body)
 
 
 def delete_request(base_url: str, project: str, zone: str, name: str) -> RestRequest:

@@ -56,6 +56,9 @@ class ClusterSpec:
     boot_disk_gb: int = 100
     labels: tuple[tuple[str, str], ...] = ()
     termination_action: str = "STOP"
+    #: seconds of preemption notice for the Spot workers (GCE ``scheduling.preemptionNoticeDuration``,
+    #: a beta field); None: the default 30 s
+    preemption_notice_s: int | None = None
     driver_machine_type: str = "n1-standard-4"
     driver_zone: str | None = None  # default: the first zone
     network: str = "global/networks/default"
@@ -88,6 +91,9 @@ class ClusterSpec:
             raise ClusterSpecError(
                 f"--termination-action must be one of {', '.join(TERMINATION_ACTIONS)}, not {self.termination_action!r}"
             )
+        if self.preemption_notice_s is not None and self.preemption_notice_s < 1:
+            raise ClusterSpecError(
+                f"--preemption-notice-duration must be a positive number of seconds, not {self.preemption_notice_s}")
         if self.boot_disk_gb < 10:
             raise ClusterSpecError(f"--boot-disk-gb must be at least 10, not {self.boot_disk_gb}")
         for key, value in self.labels:

@@ -63,6 +63,9 @@ class LocalClusterSpec:
     extra_env: tuple[tuple[str, str], ...] = ()
     #: metadata-emulator instances that exist from the start (hosts that may join later too)
     instances: tuple[str, ...] = field(default=())
+    #: the VMs' configured preemption notice (seconds), as ``cluster up --preemption-notice-duration``
+    #: writes it into each VM's metadata; the watchers read it from there
+    notice_s: float = 30.0
     #: extra horovodrun options, e.g. ("--verbose",)
     horovodrun_args: tuple[str, ...] = ()
 
@@ -97,6 +100,8 @@ class LocalCluster:
         expire with their deadline."""
         self.spec.workdir.mkdir(parents=True, exist_ok=True)
         self.emulator.start()
+        for instance in self.emulator.state():
+            self._configure_vm(instance)
         now = time.time()
         for host in self._hosts:
             self._vm_started[host] = (vm_started or {}).get(host, now)
@@ -201,6 +206,7 @@ class LocalCluster:
         """A new VM appears (or a preempted one is started again): discovery lists it from now on."""
         if host not in self.emulator.state():
             self.emulator.add_instance(host)
+            self._configure_vm(host)
         else:
             self.emulator.reset(host)  # a VM started again has no pending notice
         with self._lock:
@@ -209,6 +215,11 @@ class LocalCluster:
                 self._hosts.append(host)
             self._write_hosts()
 
+    def _configure_vm(self, host: str) -> None:
+        from hvd_transient.watchers.gce import NOTICE_ATTRIBUTE
+
+        self.emulator.set_attribute(host, NOTICE_ATTRIBUTE, f"{self.spec.notice_s:g}")
+
     def _vm_stopped(self, host: str) -> None:
         """The window ended: Compute Engine stops a preempted VM, and it is listed no more (TERMINATED)."""
         with self._lock:
@@ -216,8 +227,10 @@ class LocalCluster:
                 self._hosts.remove(host)
                 self._write_hosts()
 
-    def preempt(self, host: str, *, window_s: float = 30.0, kill_at_deadline: bool = True) -> float:
-        """Give ``host`` a preemption notice now; SIGTERM its worker when the window ends. Returns the time."""
+    def preempt(self, host: str, *, window_s: float | None = None, kill_at_deadline: bool = True) -> float:
+        """Give ``host`` a preemption notice now (``window_s``, default the VMs' configured notice);
+        SIGTERM its worker when the window ends. Returns the time."""
+        window_s = self.spec.notice_s if window_s is None else window_s
         pid = self.worker_pids().get(host) if kill_at_deadline else None
         if kill_at_deadline and pid is None:
             raise ClusterError(f"no live worker is known on {host}")

@@ -24,6 +24,11 @@ from .metadata_http import expect_status, new_session, printable_text
 log = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "http://metadata.google.internal/computeMetadata/v1/"
+#: the notice a Spot VM gets unless it was created with a longer one
+DEFAULT_WINDOW_S = 30.0
+#: Instance attribute holding the VM's ``scheduling.preemptionNoticeDuration`` in seconds. The
+#: metadata server exposes no key for that setting, so ``cluster up`` writes it here too.
+NOTICE_ATTRIBUTE = "hvdt-preemption-notice-s"
 HEADERS = {"Metadata-Flavor": "Google"}
 MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
 
@@ -47,13 +52,15 @@ class GceWatcher(Watcher):
 
     source = "gce"
 
-    def __init__(self, base_url: str | None = None, *, window: float = 30.0,
+    def __init__(self, base_url: str | None = None, *, window: float | None = None,
                  long_poll_timeout: int = 60, request_margin: float = 5.0,
                  connect_timeout: float = 2.0, watch_maintenance: bool = True,
                  instance: str | None = None, on_notice: NoticeCallback | None = None,
                  initial_backoff: float = 0.5, max_backoff: float = 30.0) -> None:
-        super().__init__(window=window, instance=instance, on_notice=on_notice,
-                         initial_backoff=initial_backoff, max_backoff=max_backoff)
+        # window None: the VM's configured notice (read once, with the instance name), else 30 s
+        super().__init__(window=DEFAULT_WINDOW_S if window is None else window, instance=instance,
+                         on_notice=on_notice, initial_backoff=initial_backoff, max_backoff=max_backoff)
+        self._window_known = window is not None
         self.base_url = gce_base_url(base_url)
         # GCE takes whole seconds for timeout_sec.
         self.long_poll_timeout = max(1, int(round(long_poll_timeout)))
@@ -68,7 +75,11 @@ class GceWatcher(Watcher):
         return pollers
 
     def resolve_instance(self, session: requests.Session) -> str:
-        """This VM's name (asked once; the host name if the server has no ``instance/name``), and its id."""
+        """This VM's name (asked once; the host name if the server has no ``instance/name``), its id
+        and, unless given, its notice window."""
+        if not self._window_known:
+            self.window = self._configured_window(session)
+            self._window_known = True
         if self.instance_id is None:
             reply = self._get(session, "instance/id")
             if reply.status_code == 200:
@@ -81,6 +92,22 @@ class GceWatcher(Watcher):
                 expect_status(reply, 200)
                 self.instance = printable_text(reply, "instance name")
         return self.instance
+
+    def _configured_window(self, session: requests.Session) -> float:
+        reply = self._get(session, f"instance/attributes/{NOTICE_ATTRIBUTE}")
+        if reply.status_code != 200:
+            return DEFAULT_WINDOW_S
+        text = printable_text(reply, NOTICE_ATTRIBUTE)
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0:
+            log.warning("metadata attribute %s is %r, not a positive number of seconds: assuming a %.0f s notice",
+                        NOTICE_ATTRIBUTE, text, DEFAULT_WINDOW_S)
+            return DEFAULT_WINDOW_S
+        log.info("this VM gets a %.0f s preemption notice (%s)", seconds, NOTICE_ATTRIBUTE)
+        return seconds
 
     def _get(self, session: requests.Session, key: str, params: dict[str, str] | None = None,
              read_timeout: float | None = None) -> requests.Response:

@@ -156,6 +156,7 @@ class InstanceState:
     requests: int = 0
     fault_hits: dict[str, int] = field(default_factory=dict)  # fault -> requests that met it
     path_hits: dict[str, int] = field(default_factory=dict)   # API path (no query) -> requests
+    attributes: dict[str, str] = field(default_factory=dict)  # custom metadata (instance/attributes/)
 
     # ---- preemption life cycle -------------------------------------------------
     @property
@@ -231,7 +232,8 @@ class InstanceState:
             "instance/scheduling/automatic-restart": "FALSE",
             "instance/scheduling/on-host-maintenance": "TERMINATE",
             "instance/scheduling/preemptible": "TRUE",
-            "instance/attributes/": "",
+            **({f"instance/attributes/{k}": v for k, v in self.attributes.items()}
+               or {"instance/attributes/": ""}),
             **{f"instance/network-interfaces/0/{k}": v for k, v in self._network_interface().items()},
             "project/project-id": self.project_id,
             "project/numeric-project-id": str(self.project_number),

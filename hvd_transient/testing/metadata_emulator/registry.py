@@ -68,6 +68,16 @@ class Registry:
             self._cond.notify_all()
             return inst.snapshot()
 
+    def set_attribute(self, name: str, key: str, value: str) -> InstanceSnapshot:
+        """Set a custom metadata attribute (``instance/attributes/<key>``), as instance creation does."""
+        if not key or "/" in key:
+            raise InvalidRequestError(f"bad attribute key {key!r}: use a non-empty key without '/'")
+        with self._cond:
+            inst = self._get(name)
+            inst.attributes[key] = str(value)
+            self._cond.notify_all()
+            return inst.snapshot()
+
     def preempt(self, name: str, *, at: float | None = None, delay: float | None = None,
                 window: float = DEFAULT_WINDOW_S, kill_pid: int | None = None,
                 kill_signal: int | str | None = None) -> InstanceSnapshot:

@@ -131,6 +131,9 @@ class MetadataEmulator:
         return self.registry.preempt(instance, at=at, delay=delay, window=window,
                                      kill_pid=kill_pid, kill_signal=kill_signal)
 
+    def set_attribute(self, instance: str, key: str, value: str) -> InstanceSnapshot:
+        return self.registry.set_attribute(instance, key, value)
+
     def set_maintenance(self, instance: str, event: str) -> InstanceSnapshot:
         return self.registry.set_maintenance(instance, event)
 
