@@ -14,11 +14,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ckpt_service.errors import (
+    BadMetadataError,
+    BadSnapshotError,
+    BadStoreKeyError,
     BadStoreURLError,
     BadTensorNameError,
     CheckpointError,
+    CommitConflictError,
     CorruptCheckpointError,
     FormatVersionError,
+    IncompleteShardRecordsError,
     LeaseLostError,
     MissingCredentialsError,
     NothingToRestoreError,
@@ -27,25 +32,19 @@ from ckpt_service.errors import (
     SaveAbandonedError,
     StoreUnavailableError,
     StructureMismatchError,
+    WriterFailedError,
 )
 
 if TYPE_CHECKING:
+    from ckpt_service.gather import StoreGather
     from ckpt_service.lease import Lease, LeaseHeldError
-    from ckpt_service.manager import (
-        BadSnapshotError,
-        Checkpoint,
-        CheckpointManager,
-        CommitConflictError,
-        DeferredShare,
-    )
+    from ckpt_service.manager import Checkpoint, CheckpointManager, DeferredShare
     from ckpt_service.plan import BadTensorSpecError, TensorSpec, TensorSpecs
+    from ckpt_service.stores import open_store
 
 _LAZY = {
     "CheckpointManager": "ckpt_service.manager",
     "Checkpoint": "ckpt_service.manager",
-    "CommitConflictError": "ckpt_service.manager",
-    "BadMetadataError": "ckpt_service.manager",
-    "BadSnapshotError": "ckpt_service.manager",
     "DeferredShare": "ckpt_service.manager",
     "TensorSpec": "ckpt_service.plan",
     "TensorSpecs": "ckpt_service.plan",
@@ -66,8 +65,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BadStoreURLError", "BadTensorNameError", "CheckpointError", "CorruptCheckpointError",
-    "FormatVersionError", "LeaseLostError", "MissingCredentialsError", "NothingToRestoreError",
+    "BadMetadataError", "BadSnapshotError", "BadStoreKeyError", "BadStoreURLError", "BadTensorNameError",
+    "CheckpointError", "CommitConflictError", "CorruptCheckpointError", "FormatVersionError",
+    "IncompleteShardRecordsError", "LeaseLostError", "MissingCredentialsError", "NothingToRestoreError",
     "ObjectNotFoundError", "PreconditionFailedError", "SaveAbandonedError", "StoreUnavailableError",
-    "StructureMismatchError", *_LAZY,
+    "StructureMismatchError", "WriterFailedError", *_LAZY,
 ]

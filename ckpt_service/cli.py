@@ -12,23 +12,26 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from ckpt_service.errors import CheckpointError, NothingToRestoreError
 from hvd_transient.cli import ArgumentParser, command, existing_store_url, non_negative_int, output_file, positive_int
 
+if TYPE_CHECKING:
+    from ckpt_service.manager import CheckpointManager
+
 PROG = "hvd-transient ckpt"
 
 
-def _manager(url: str) -> Any:
-    from ckpt_service.manager import CheckpointManager
+def _manager(url: str) -> CheckpointManager:
+    from ckpt_service.manager import CheckpointManager  # zarr only for commands that read checkpoints
 
     return CheckpointManager(url, max_to_keep=None)
 
 
-def _step(mgr: Any, step: int | None) -> int:
+def _step(mgr: CheckpointManager, step: int | None) -> int:
     if step is not None:
         return step
     latest = mgr.latest_step()
@@ -43,7 +46,7 @@ def _nothing_committed(url: str) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     mgr = _manager(args.url)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for step in mgr.all_steps():
         try:
             m = mgr.manifest(step)
@@ -148,4 +151,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(None))

@@ -45,6 +45,10 @@ class BadTensorNameError(CheckpointError, ValueError):
     """A tensor name would escape the checkpoint's directory or is otherwise unusable."""
 
 
+class BadStoreKeyError(CheckpointError, ValueError):
+    """A store key (or listing prefix) is empty, absolute, or has '.', '..' or empty path segments."""
+
+
 class StructureMismatchError(CheckpointError, ValueError):
     """A restored tensor's shape or dtype differs from what the caller expected."""
 
@@ -59,3 +63,23 @@ class LeaseLostError(CheckpointError, RuntimeError):
 
 class SaveAbandonedError(CheckpointError, TimeoutError):
     """A save could not finish before its deadline and was abandoned (nothing was committed)."""
+
+
+class WriterFailedError(CheckpointError, RuntimeError):
+    """A writer of a multi-writer save reported an error instead of its pieces (nothing was committed)."""
+
+
+class IncompleteShardRecordsError(CheckpointError, ValueError):
+    """The writers' shard records are unreadable or do not cover the save plan exactly (nothing was committed)."""
+
+
+class CommitConflictError(CheckpointError, FileExistsError):
+    """This step was already committed (by another master); the earlier commit stands."""
+
+
+class BadMetadataError(CheckpointError, TypeError):
+    """Checkpoint metadata must be a JSON-serialisable dict."""
+
+
+class BadSnapshotError(CheckpointError, ValueError):
+    """A share snapshot does not match this rank's pieces of the plan, or a tensor has no data."""

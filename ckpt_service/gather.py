@@ -1,8 +1,9 @@
 """How writers' shard records reach the coordinator.
 
 ``ckpt_service`` needs no Horovod: a *gather* is any callable that every rank
-calls with its own small JSON-able record and that returns the list of all
-ranks' records on the coordinator (``None`` elsewhere). ``hvd_transient``
+calls with its own shard record, in JSON form (:meth:`ShardRecord.to_json`), and
+that returns the list of all ranks' records on the coordinator (``None``
+elsewhere). ``hvd_transient``
 supplies one built on Horovod collectives; :class:`StoreGather` works through
 the store itself and needs no collective at all, which is what background
 (async) saves use.
@@ -12,19 +13,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ckpt_service.errors import SaveAbandonedError
 from ckpt_service.layout import record_key
+from ckpt_service.shard_records import RecordJSON
 from ckpt_service.stores.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
-Record = dict[str, Any]
-Gather = Callable[[Record], Optional[list[Record]]]
+Gather = Callable[[RecordJSON], Optional[list[RecordJSON]]]
 
 
-def single_rank_gather(record: Record) -> list[Record]:
+def single_rank_gather(record: RecordJSON) -> list[RecordJSON]:
     return [record]
 
 
@@ -43,12 +44,12 @@ class StoreGather:
         self.deadline = deadline if deadline is not None else time.time() + timeout_s
         self.max_interval_s = max_interval_s
 
-    def __call__(self, record: Record) -> list[Record] | None:
+    def __call__(self, record: RecordJSON) -> list[RecordJSON] | None:
         self.store.put(record_key(self.step, self.rank), json.dumps(record).encode())
         if self.rank != self.coordinator:
             return None
         missing = set(range(self.world_size))
-        records: dict[int, Record] = {}
+        records: dict[int, RecordJSON] = {}
         interval = 0.005
         while True:
             for rank in sorted(missing):

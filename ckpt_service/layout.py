@@ -1,15 +1,25 @@
 """Where things live under a run's store prefix (pure key naming).
 
+Checkpoints (written by :mod:`ckpt_service`)::
+
     steps/000000000120/data/float32/00003.<nonce>/...   zarr v3 array, one piece
     steps/000000000120/records/rank-00001.json          a writer's shard record (store gather)
     steps/000000000120/manifest.<token>.json            the manifest
     commits/000000000120.json                           create-only commit marker
     lease/master.json                                   checkpoint-master lease
 
+The training side (:mod:`hvd_transient`) keeps its own objects in the same store::
+
+    hosts/leaving/<host>.json                           a host under preemption notice
+    control/stop                                        an operator's stop request
+    events/<host>.<pid>.<seq>.jsonl                     one segment of a process's event log
+
 Commit markers live in their own small directory so that finding the committed
 steps is one short listing, however many data objects the steps hold.
 """
 from __future__ import annotations
+
+# ---- checkpoints --------------------------------------------------------------------------------
 
 STEPS_PREFIX = "steps/"
 COMMITS_PREFIX = "commits/"
@@ -49,3 +59,36 @@ def piece_prefix(step: int, group: str, index: int, nonce: str) -> str:
 
 def parse_step_dir(name: str) -> int | None:
     return int(name) if name.isdigit() else None
+
+
+# ---- the training side's objects ----------------------------------------------------------------
+# Retention and gc list and delete only under STEPS_PREFIX and COMMITS_PREFIX, so the
+# prefixes below are never touched by them: their owners create and remove their own objects.
+
+LEAVING_PREFIX = "hosts/leaving/"
+CONTROL_PREFIX = "control/"
+STOP_KEY = CONTROL_PREFIX + "stop"
+EVENTS_PREFIX = "events/"
+EVENTS_SUFFIX = ".jsonl"
+
+
+def leaving_key(host: str) -> str:
+    """``w-1`` -> ``hosts/leaving/w-1.json``."""
+    return f"{LEAVING_PREFIX}{host}.json"
+
+
+def host_of_leaving_key(key: str) -> str | None:
+    """``hosts/leaving/w-1.json`` -> ``w-1`` (None for anything else)."""
+    if not key.startswith(LEAVING_PREFIX) or not key.endswith(".json"):
+        return None
+    return key[len(LEAVING_PREFIX):-len(".json")] or None
+
+
+def events_key(host: str, pid: int, seq: int) -> str:
+    """Segment ``seq`` of the event log of process ``pid`` on ``host``."""
+    return f"{EVENTS_PREFIX}{host}.{pid}.{seq:06d}{EVENTS_SUFFIX}"
+
+
+def is_events_key(key: str) -> bool:
+    """Whether ``key`` (from a listing of ``EVENTS_PREFIX``) is an event-log segment."""
+    return key.startswith(EVENTS_PREFIX) and key.endswith(EVENTS_SUFFIX)

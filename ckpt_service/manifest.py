@@ -7,25 +7,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import google_crc32c
 import numpy as np
+from numpy.typing import NDArray
 
-from ckpt_service.errors import CorruptCheckpointError, FormatVersionError
+from ckpt_service.errors import BadMetadataError, CorruptCheckpointError, FormatVersionError
 from ckpt_service.plan import TensorPlacement, TensorSpec
 
 FORMAT_NAME = "hvd-transient-checkpoint"
 FORMAT_VERSION = 1
 
 
-def crc32c(data: bytes | np.ndarray) -> int:
+def crc32c(data: bytes | NDArray[Any]) -> int:
     """crc32c of bytes, or of an array's raw bytes without copying them."""
     if isinstance(data, np.ndarray):
         view = np.ascontiguousarray(data).view()
         view.flags.writeable = False  # the C extension takes read-only buffers only
-        return google_crc32c.value(view)
-    return google_crc32c.value(data)
+        return int(google_crc32c.value(view))
+    return int(google_crc32c.value(data))
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,21 @@ class CommitMarker:
             return cls(**body)
         except TypeError as exc:
             raise CorruptCheckpointError(f"{where} is malformed: {exc}") from exc
+
+
+def checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of ``metadata`` as the manifest will hold it (a JSON round trip), or BadMetadataError."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise BadMetadataError(f"metadata must be a dict, got {type(metadata).__name__}")
+    try:
+        copied: dict[str, Any] = json.loads(json.dumps(dict(metadata)))
+    except (TypeError, ValueError) as exc:
+        raise BadMetadataError(
+            f"checkpoint metadata must be JSON-serialisable ({exc}); convert numpy scalars with "
+            "int()/float() and arrays with .tolist(), or save arrays as tensors") from exc
+    return copied
 
 
 def _load_json(data: bytes, where: str) -> dict[str, Any]:

@@ -10,12 +10,14 @@ piece never exists half-written under its final keys on a local disk.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import zarr
+from numpy.typing import NDArray
+from zarr.abc.codec import BytesBytesCodec
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
-from zarr.core.buffer import default_buffer_prototype
+from zarr.core.buffer import Buffer, default_buffer_prototype
 from zarr.storage import MemoryStore
 
 from ckpt_service.errors import CorruptCheckpointError
@@ -24,9 +26,9 @@ METADATA_KEY = "zarr.json"
 COMPRESSIONS = ("none", "zstd", "blosc")
 
 
-def _compressors(compression: str) -> tuple[object, ...]:
+def _compressors(compression: str) -> tuple[BytesBytesCodec, ...]:
     if compression == "none":
-        codecs: tuple[object, ...] = ()  # weights barely compress; CPU time matters in a notice window
+        codecs: tuple[BytesBytesCodec, ...] = ()  # weights barely compress; CPU time matters in a notice window
     elif compression == "zstd":
         codecs = (ZstdCodec(level=1),)
     elif compression == "blosc":
@@ -36,9 +38,9 @@ def _compressors(compression: str) -> tuple[object, ...]:
     return codecs + (Crc32cCodec(),)
 
 
-def encode_piece(flat: np.ndarray, chunk_elements: int, compression: str = "none") -> dict[str, bytes]:
+def encode_piece(flat: NDArray[Any], chunk_elements: int, compression: str = "none") -> dict[str, bytes]:
     """Return the zarr objects (relative key -> bytes) that hold ``flat``."""
-    staging: dict[str, object] = {}
+    staging: dict[str, Buffer] = {}
     array = zarr.create_array(
         store=MemoryStore(staging),
         shape=flat.shape,
@@ -50,7 +52,7 @@ def encode_piece(flat: np.ndarray, chunk_elements: int, compression: str = "none
     )
     if flat.size:
         array[:] = flat
-    return {key: buf.to_bytes() for key, buf in staging.items()}  # type: ignore[attr-defined]
+    return {key: buf.to_bytes() for key, buf in staging.items()}
 
 
 def chunk_keys(size: int, chunk_elements: int, start: int = 0, stop: int | None = None) -> list[str]:
@@ -64,7 +66,7 @@ def chunk_keys(size: int, chunk_elements: int, start: int = 0, stop: int | None 
 
 
 def decode_piece(objects: Mapping[str, bytes | None], *, where: str, start: int = 0,
-                 stop: int | None = None) -> np.ndarray:
+                 stop: int | None = None) -> NDArray[Any]:
     """Elements [start, stop) of a piece from its objects; every chunk read is checksum-verified."""
     if objects.get(METADATA_KEY) is None:
         raise CorruptCheckpointError(f"{where}: zarr metadata is missing")

@@ -12,13 +12,13 @@ import sys
 import time
 from typing import Sequence
 
+from ckpt_service.layout import STOP_KEY
 from ckpt_service.stores import open_store
 from ckpt_service.stores.base import ObjectStore
 from hvd_transient.cli import ArgumentParser, command, existing_store_url
 
 PROG = "hvd-transient stop"
 
-STOP_KEY = "control/stop"
 STOP_POLL_S = 2.0
 
 

@@ -27,12 +27,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping
 
+from ckpt_service import layout
 from ckpt_service.errors import ObjectNotFoundError
 from ckpt_service.stores.base import ObjectStore, check_key
 
 log = logging.getLogger(__name__)
 
-LEAVING_PREFIX = "hosts/leaving/"
 #: seconds after a record's deadline during which it still excludes its host (the VM stops
 #: within seconds of the deadline; the grace covers clock skew and a slow stop)
 DEFAULT_GRACE_S = 60.0
@@ -98,14 +98,7 @@ def still_leaving(record: LeavingRecord, now: float, *, grace_s: float = DEFAULT
 
 
 def _key(host: str) -> str:
-    return check_key(f"{LEAVING_PREFIX}{host}.json")
-
-
-def host_of_key(key: str) -> str | None:
-    """``hosts/leaving/w-1.json`` -> ``w-1`` (None for anything else under the prefix)."""
-    if not key.startswith(LEAVING_PREFIX) or not key.endswith(".json"):
-        return None
-    return key[len(LEAVING_PREFIX):-len(".json")] or None
+    return check_key(layout.leaving_key(host))  # a host name that would not make a valid key fails here
 
 
 def publish_leaving(store: ObjectStore, host: str, *, reason: str = "preemption-notice",
@@ -125,8 +118,8 @@ def clear_leaving(store: ObjectStore, host: str) -> None:
 def read_leaving(store: ObjectStore) -> list[LeavingRecord]:
     """Every record in the store (a record deleted while listing is skipped)."""
     records = []
-    for key in store.list(LEAVING_PREFIX):
-        host = host_of_key(key)
+    for key in store.list(layout.LEAVING_PREFIX):
+        host = layout.host_of_leaving_key(key)
         if host is None:
             continue
         try:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 

@@ -6,12 +6,12 @@ import threading
 import numpy as np
 import pytest
 from ckpt_helpers import BACKENDS, make_backend_store
-from ckpt_service.testing.store_conformance import LostReplies
 
 from ckpt_service.errors import LeaseLostError, StoreUnavailableError
 from ckpt_service.lease import Lease, LeaseHeldError
 from ckpt_service.manager import CheckpointManager, CommitConflictError
 from ckpt_service.stores.base import WriteOutcomeUnknownError
+from ckpt_service.testing.store_conformance import LostReplies
 
 
 @pytest.fixture(params=BACKENDS)

@@ -10,7 +10,6 @@ from typing import Callable
 import numpy as np
 import pytest
 from ckpt_helpers import BACKENDS, assert_same_state, flip_one_byte_of_a_chunk, make_backend_store, sample_state
-from ckpt_service.testing.store_conformance import LostReplies
 
 from ckpt_service import layout
 from ckpt_service.errors import (
@@ -20,12 +19,14 @@ from ckpt_service.errors import (
     SaveAbandonedError,
     StoreUnavailableError,
     StructureMismatchError,
+    WriterFailedError,
 )
 from ckpt_service.manager import BadMetadataError, BadSnapshotError, CheckpointManager, CommitConflictError
 from ckpt_service.manifest import CommitMarker, crc32c
 from ckpt_service.plan import SavePlan, TensorSpecs, spec_of
 from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import WriteOutcomeUnknownError
+from ckpt_service.testing.store_conformance import LostReplies
 
 
 @pytest.fixture(params=BACKENDS)
@@ -551,9 +552,71 @@ def test_a_rank_whose_snapshot_fails_tells_the_coordinator_at_once(asynchronous:
                 managers[1].save(2, state, rank=1, world_size=2, snapshot=broken)
         thread.join(timeout=120)  # a hang guard only: without the error record it would wait an hour
         assert not thread.is_alive()
-        assert isinstance(outcome["rank0"], SaveAbandonedError)
+        assert isinstance(outcome["rank0"], WriterFailedError)
         assert "rank 1: RuntimeError: device lost" in str(outcome["rank0"])
         assert managers[0].all_steps() == [1]
     finally:
         for m in managers:
             m.close()
+
+
+# ------------------------------------------------------------------ shard records and failures
+
+
+def test_shard_records_keep_their_json_form() -> None:
+    from ckpt_service.manifest import PieceRecord
+    from ckpt_service.shard_records import ShardRecord
+
+    piece = PieceRecord("float32", 0, 0, 10, 10, "steps/000000000001/data/float32/00000.abc/", 123, 40, 1)
+    record = ShardRecord(1, (piece,), "abc")
+    body = record.to_json()
+    assert list(body) == ["rank", "nonce", "pieces", "bytes"]
+    assert body["pieces"][0]["key"] == piece.key and body["bytes"] == 40
+    assert ShardRecord.from_json(json.loads(json.dumps(body))) == record
+    failed = ShardRecord.failed(2, RuntimeError("disk full")).to_json()
+    assert failed == {"rank": 2, "error": "RuntimeError: disk full", "pieces": [], "bytes": 0}
+
+
+def test_records_that_do_not_cover_the_plan_commit_nothing() -> None:
+    from ckpt_service.errors import IncompleteShardRecordsError
+
+    def dropping_gather(record):
+        return [{**record, "pieces": record["pieces"][1:]}]
+
+    def garbled_gather(record):
+        return [{"rank": "zero"}]
+
+    with CheckpointManager(MemoryStore(), max_to_keep=None, chunk_bytes=4096) as mgr:
+        mgr.save(1, sample_state(1))
+        for gather in (dropping_gather, garbled_gather):
+            with pytest.raises(IncompleteShardRecordsError):
+                mgr.save(2, sample_state(2), gather=gather)
+        assert mgr.all_steps() == [1]
+
+
+def test_a_background_failure_never_waited_for_is_logged_when_the_next_save_starts(caplog) -> None:
+    def broken_gather(record):
+        raise RuntimeError("network down")
+
+    with CheckpointManager(MemoryStore(), max_to_keep=None) as mgr:
+        assert mgr.save_async(1, sample_state(), gather=broken_gather)
+        deadline = time.time() + 60
+        while mgr.save_in_flight and time.time() < deadline:
+            time.sleep(0.01)
+        with caplog.at_level(logging.ERROR):
+            assert mgr.save_async(2, sample_state())  # not refused for the earlier failure
+        failures = [r for r in caplog.records if "previous background checkpoint failed" in r.getMessage()]
+        assert len(failures) == 1 and failures[0].exc_info is not None
+        assert mgr.wait(timeout=60) is not None and mgr.all_steps() == [2]
+
+
+def test_run_store_keys_of_the_training_side() -> None:
+    assert layout.events_key("w-1", 4242, 3) == "events/w-1.4242.000003.jsonl"
+    assert layout.is_events_key(layout.events_key("w-1", 4242, 3)) and not layout.is_events_key("events/x.json")
+    assert layout.leaving_key("w-1") == "hosts/leaving/w-1.json"
+    assert layout.host_of_leaving_key(layout.leaving_key("w-1")) == "w-1"
+    assert layout.host_of_leaving_key("hosts/leaving/.json") is None
+    assert layout.STOP_KEY == "control/stop"
+    # none of them lies under the prefixes retention lists and deletes
+    for key in (layout.events_key("h", 1, 0), layout.leaving_key("h"), layout.STOP_KEY, layout.LEASE_KEY):
+        assert not key.startswith((layout.STEPS_PREFIX, layout.COMMITS_PREFIX))

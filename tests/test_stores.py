@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 from gcs_emulator import GCSEmulator  # the gcs_emulator_session fixture comes from conftest.py
-from ckpt_service.testing.store_conformance import StoreConformance
 
 from ckpt_service.errors import BadStoreURLError, MissingCredentialsError, StoreUnavailableError
 from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore, open_store
 from ckpt_service.stores.base import WriteOutcome, classify_write
 from ckpt_service.stores.gcs import GCSStore
+from ckpt_service.testing.store_conformance import StoreConformance
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -342,8 +342,8 @@ def test_missing_credentials_is_a_typed_error_naming_the_fix(tmp_path: Path) -> 
 
 
 def test_local_list_prefix_cannot_climb_out_of_the_root(tmp_path: Path) -> None:
-    from ckpt_service.errors import BadTensorNameError
+    from ckpt_service.errors import BadStoreKeyError
 
     store = LocalStore(tmp_path / "root", fsync=False)
-    with pytest.raises(BadTensorNameError):
+    with pytest.raises(BadStoreKeyError):
         list(store.list("../../etc/host"))

@@ -23,7 +23,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Iterator
 
-from ckpt_service.errors import BadTensorNameError, PreconditionFailedError, StoreUnavailableError
+from ckpt_service.errors import BadStoreKeyError, PreconditionFailedError, StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,10 @@ def classify_write(stored: tuple[bytes, int] | None, data: bytes, expected_gener
 def check_key(key: str) -> str:
     """Reject keys that could escape the store's root or alias another key."""
     if not key or key.startswith("/") or "\\" in key or "\x00" in key:
-        raise BadTensorNameError(f"invalid store key {key!r}: keys are non-empty relative '/'-paths")
+        raise BadStoreKeyError(f"invalid store key {key!r}: keys are non-empty relative '/'-paths")
     parts = key.split("/")
     if any(p in ("", ".", "..") for p in parts) or posixpath.normpath(key) != key:
-        raise BadTensorNameError(
+        raise BadStoreKeyError(
             f"invalid store key {key!r}: empty, '.' or '..' path segments are not allowed"
         )
     return key

@@ -296,7 +296,7 @@ def _make_client(max_connections: int) -> storage.Client:
     if os.environ.get(EMULATOR_ENV):
         client = storage.Client(
             project=os.environ.get("GOOGLE_CLOUD_PROJECT") or EMULATOR_PROJECT,
-            credentials=AnonymousCredentials(),
+            credentials=AnonymousCredentials(),  # type: ignore[no-untyped-call]  # google-auth leaves it unannotated
         )
     else:
         try:

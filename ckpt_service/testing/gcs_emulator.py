@@ -27,9 +27,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import IO, TYPE_CHECKING, Iterator
 
 import requests
+
+if TYPE_CHECKING:
+    from google.cloud import storage
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,8 @@ def fake_gcs_server_binary() -> Path:
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @dataclass
@@ -74,14 +78,14 @@ class GCSEmulator:
         """Variables that point a google-cloud-storage client (in any process) at this emulator."""
         return {"STORAGE_EMULATOR_HOST": self.url, "GOOGLE_CLOUD_PROJECT": self.project, "NO_GCE_CHECK": "true"}
 
-    def client(self, endpoint: str | None = None):  # -> google.cloud.storage.Client
+    def client(self, endpoint: str | None = None) -> storage.Client:
         """An anonymous client for this emulator, or for ``endpoint`` (e.g. a proxy in front of it)."""
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage
 
         return storage.Client(
             project=self.project,
-            credentials=AnonymousCredentials(),
+            credentials=AnonymousCredentials(),  # type: ignore[no-untyped-call]  # google-auth leaves it unannotated
             client_options={"api_endpoint": endpoint or self.url},
         )
 
@@ -136,7 +140,7 @@ class GCSEmulator:
             )
 
 
-def _start(port: int, log_file) -> subprocess.Popen[bytes]:
+def _start(port: int, log_file: IO[bytes]) -> subprocess.Popen[bytes]:
     url = f"http://127.0.0.1:{port}"
     cmd = [
         str(fake_gcs_server_binary()),

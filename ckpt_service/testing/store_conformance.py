@@ -20,12 +20,12 @@ from typing import Callable, Iterator
 import pytest
 
 from ckpt_service.errors import (
-    BadTensorNameError,
+    BadStoreKeyError,
     ObjectNotFoundError,
     PreconditionFailedError,
     StoreUnavailableError,
 )
-from ckpt_service.stores.base import ObjectStore, WriteOutcomeUnknownError
+from ckpt_service.stores.base import ObjectInfo, ObjectStore, WriteOutcomeUnknownError
 from ckpt_service.testing.delegating import DelegatingStore
 
 BAD_KEYS = ["", "/abs", "../up", "a/../b", "a//b", "./a", "a/.", "a/", "a\\b", "nul\x00byte"]
@@ -38,6 +38,13 @@ PAYLOADS = {
 }
 RACERS = 8
 LARGE_SIZE = 9 * 1024 * 1024  # above the 8 MiB multipart limit of GCS clients
+
+
+def stat_of(store: ObjectStore, key: str) -> ObjectInfo:
+    """The info of an object the test has written (its absence fails the test)."""
+    info = store.stat(key)
+    assert info is not None, f"{key} is missing from {store!r}"
+    return info
 
 
 class StoreConformance:
@@ -82,7 +89,7 @@ class StoreConformance:
         gens = [store.put("k", f"v{i}".encode()) for i in range(5)]
         assert store.get("k") == b"v4"
         assert gens == sorted(gens) and len(set(gens)) == len(gens), gens
-        assert store.stat("k").generation == gens[-1]
+        assert stat_of(store, "k").generation == gens[-1]
 
     def test_keys_with_spaces_and_unicode(self, store: ObjectStore) -> None:
         key = "run one/tensör #1/part=0.bin"
@@ -95,7 +102,7 @@ class StoreConformance:
         assert not store.exists("absent")
         store.put("present", b"")
         assert store.exists("present")
-        assert store.stat("present").size == 0
+        assert stat_of(store, "present").size == 0
 
     def test_get_of_absent_key_raises_object_not_found(self, store: ObjectStore) -> None:
         with pytest.raises(ObjectNotFoundError, match="absent") as info:
@@ -126,7 +133,7 @@ class StoreConformance:
         with pytest.raises(PreconditionFailedError):
             store.put("lock", b"second", if_generation_match=0)
         assert store.get("lock") == b"first"
-        assert store.stat("lock").generation == gen
+        assert stat_of(store, "lock").generation == gen
 
     def test_compare_and_swap_succeeds_with_current_generation(self, store: ObjectStore) -> None:
         g1 = store.put("lease", b"one", if_generation_match=0)
@@ -135,7 +142,7 @@ class StoreConformance:
         assert store.get("lease") == b"two"
         g3 = store.put("lease", b"three", if_generation_match=g2)
         assert g3 > g2
-        assert store.stat("lease").generation == g3
+        assert stat_of(store, "lease").generation == g3
 
     def test_compare_and_swap_fails_with_stale_generation(self, store: ObjectStore) -> None:
         g1 = store.put("lease", b"one")
@@ -144,7 +151,7 @@ class StoreConformance:
         with pytest.raises(PreconditionFailedError):
             store.put("lease", b"zombie", if_generation_match=g1)
         assert store.get("lease") == b"two"
-        assert store.stat("lease").generation == g2
+        assert stat_of(store, "lease").generation == g2
 
     def test_compare_and_swap_on_absent_key_fails(self, store: ObjectStore) -> None:
         with pytest.raises(PreconditionFailedError):
@@ -194,7 +201,7 @@ class StoreConformance:
         g1 = store.put("k", b"one")
         assert store.get_versioned("k") == (b"one", g1)
         g2 = store.put("k", b"two", if_generation_match=g1)
-        assert store.get_versioned("k") == (b"two", g2) and store.stat("k").generation == g2
+        assert store.get_versioned("k") == (b"two", g2) and stat_of(store, "k").generation == g2
         store.delete("k")
         assert store.get_versioned("k") is None
 
@@ -208,7 +215,7 @@ class StoreConformance:
         # the client retried the applied write and got a 412 from its own first attempt
         flaky = LostReplies(store, apply=True, error=PreconditionFailedError("412 on the retry"))
         gen = flaky.put_resolved("commit", b"token-mine", if_generation_match=0)
-        assert gen == store.stat("commit").generation
+        assert gen == stat_of(store, "commit").generation
 
     def test_compare_and_swap_applied_but_reply_lost_returns_the_new_generation(self, store: ObjectStore) -> None:
         g1 = store.put("lease", b"holder-1", if_generation_match=0)
@@ -277,13 +284,13 @@ class StoreConformance:
 
     @pytest.mark.parametrize("key", BAD_KEYS)
     def test_bad_keys_are_rejected(self, store: ObjectStore, key: str) -> None:
-        with pytest.raises(BadTensorNameError):
+        with pytest.raises(BadStoreKeyError):
             store.put(key, b"x")
-        with pytest.raises(BadTensorNameError):
+        with pytest.raises(BadStoreKeyError):
             store.get(key)
-        with pytest.raises(BadTensorNameError):
+        with pytest.raises(BadStoreKeyError):
             store.stat(key)
-        with pytest.raises(BadTensorNameError):
+        with pytest.raises(BadStoreKeyError):
             store.delete(key)
         assert list(store.list()) == []
 
@@ -305,7 +312,7 @@ class StoreConformance:
         data = bytes(range(251)) * (LARGE_SIZE // 251 + 1)
         gen1 = store.put("big/blob", data)
         assert store.get("big/blob") == data
-        assert store.stat("big/blob").size == len(data)
+        assert stat_of(store, "big/blob").size == len(data)
         gen2 = store.put("big/blob", data[::-1])
         assert gen2 > gen1
         assert store.get("big/blob") == data[::-1]

@@ -52,6 +52,7 @@ def _store_leaving(url: str) -> list["LeavingRecord"]:
 
 
 def _gcs_leaving(url: str, *, timeout: float) -> list["LeavingRecord"]:
+    from ckpt_service.layout import LEAVING_PREFIX
     from ckpt_service.stores import MemoryStore
     from hvd_transient.cluster.compute_api import (
         ComputeAPI,
@@ -60,7 +61,7 @@ def _gcs_leaving(url: str, *, timeout: float) -> list["LeavingRecord"]:
         ComputeNotFoundError,
         make_session,
     )
-    from hvd_transient.membership import LEAVING_PREFIX, read_leaving
+    from hvd_transient.membership import read_leaving
 
     parsed = urlparse(url)
     bucket, prefix = parsed.netloc, parsed.path.strip("/")

@@ -1,0 +1,100 @@
+"""What a restore reads (pure): which tensors, which element range of which piece, and where it goes.
+
+Any reader count can read any writer count: a reader picks its tensors
+(:func:`select_tensors`), then fetches from each piece only the hull of the elements those
+tensors occupy in it (:func:`piece_reads`), so a resharding reader fetches only the chunks
+under its own tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ckpt_service.errors import StructureMismatchError
+from ckpt_service.manifest import PieceRecord, TensorEntry
+from ckpt_service.plan import plan_reads
+
+
+@dataclass(frozen=True)
+class PieceRead:
+    """Group elements [start, stop) of one piece."""
+
+    piece: PieceRecord
+    start: int
+    stop: int
+
+
+def overlaps(entry: TensorEntry, piece: PieceRecord) -> bool:
+    return (entry.group == piece.group and entry.size > 0
+            and entry.offset < piece.stop and piece.start < entry.offset + entry.size)
+
+
+def select_tensors(entries: Mapping[str, TensorEntry], names: Iterable[str] | None,
+                   partition: tuple[int, int] | None, step: int) -> list[str]:
+    """The tensors to read: ``names`` (default: all), and of those, with ``partition=(reader, readers)``,
+    this reader's byte-balanced share of whole tensors."""
+    wanted = list(entries) if names is None else list(names)
+    missing = [n for n in wanted if n not in entries]
+    if missing:
+        raise StructureMismatchError(f"step {step} has no tensors named {missing}")
+    if partition is not None:
+        reader, readers = partition
+        share = set(plan_reads([entries[n].placement for n in wanted], readers)[reader])
+        wanted = [n for n in wanted if n in share]
+    return wanted
+
+
+def piece_reads(pieces: Iterable[PieceRecord], entries: Mapping[str, TensorEntry],
+                wanted: Iterable[str]) -> list[PieceRead]:
+    """Per piece that holds bytes of a wanted tensor, the hull of the elements they occupy in it."""
+    chosen = [entries[n] for n in wanted]
+    reads = []
+    for piece in pieces:
+        spans = [(max(e.offset, piece.start), min(e.offset + e.size, piece.stop))
+                 for e in chosen if overlaps(e, piece)]
+        if spans:
+            reads.append(PieceRead(piece, min(a for a, _ in spans), max(b for _, b in spans)))
+    return reads
+
+
+def empty_tensors(entries: Mapping[str, TensorEntry], wanted: Iterable[str]) -> dict[str, NDArray[Any]]:
+    """Flat buffers for the wanted tensors, filled by :func:`place`."""
+    return {n: np.empty(entries[n].size, dtype=entries[n].dtype) for n in wanted}
+
+
+def place(out: Mapping[str, NDArray[Any]], entries: Mapping[str, TensorEntry], read: PieceRead,
+          flat: NDArray[Any]) -> None:
+    """Copy the elements ``flat`` holds (those of ``read``) into the flat tensors of ``out`` they belong to."""
+    piece = read.piece
+    for name, buffer in out.items():
+        entry = entries[name]
+        if overlaps(entry, piece):
+            lo, hi = max(entry.offset, piece.start), min(entry.offset + entry.size, piece.stop)
+            buffer[lo - entry.offset:hi - entry.offset] = flat[lo - read.start:hi - read.start]
+
+
+def check_expected(entries: Mapping[str, TensorEntry], expected: Mapping[str, Any], step: int) -> None:
+    """Raise StructureMismatchError unless the stored tensors are exactly ``expected`` (names to arrays
+    or ``(shape, dtype)``)."""
+    problems = []
+    for name, want in expected.items():
+        if name not in entries:
+            problems.append(f"{name}: missing from the checkpoint")
+            continue
+        if isinstance(want, tuple) and len(want) == 2 and not isinstance(want[0], int):
+            shape, dtype = tuple(want[0]), np.dtype(want[1])
+        else:
+            arr = np.asarray(want)
+            shape, dtype = arr.shape, arr.dtype
+        entry = entries[name]
+        # byte order is normalised to little-endian on save, so it is not a mismatch
+        if tuple(entry.shape) != tuple(shape) or np.dtype(entry.dtype) != dtype.newbyteorder("<"):
+            problems.append(f"{name}: stored {entry.shape} {entry.dtype}, expected {tuple(shape)} {dtype}")
+    extra = sorted(set(entries) - set(expected))
+    if extra:
+        problems.append(f"not expected but stored: {extra}")
+    if problems:
+        raise StructureMismatchError(f"step {step} does not match the expected structure: " + "; ".join(problems))

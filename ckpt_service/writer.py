@@ -1,0 +1,283 @@
+"""Saving: plan, write this rank's share, gather the shard records, commit on the coordinator.
+
+Synchronous saves run on the caller's thread; an asynchronous save takes the share on
+the caller's thread and does the rest on one background thread, one save at a time.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from ckpt_service import layout
+from ckpt_service.commit import commit_step
+from ckpt_service.errors import CheckpointError, SaveAbandonedError
+from ckpt_service.gather import Gather, StoreGather, single_rank_gather
+from ckpt_service.lease import Lease
+from ckpt_service.manifest import Manifest, PieceRecord, checked_metadata, crc32c
+from ckpt_service.piece_io import encode_piece
+from ckpt_service.plan import SavePlan, TensorSpec, TensorSpecs
+from ckpt_service.plan_cache import PlanCache
+from ckpt_service.shard_records import ShardRecord
+from ckpt_service.share import DeferredShare, Piece, Share, ShareSnapshot, checked_share, prepare_share, specs_to_save
+from ckpt_service.stores.base import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What one rank did in its last save (for event logs and benchmarks)."""
+
+    step: int
+    rank: int
+    bytes_written: int
+    stall_s: float  # time the caller was blocked (the snapshot, for async saves)
+    write_s: float
+    committed: bool
+
+
+class CheckpointWriter:
+    """Saves numbered steps to one store; piece uploads run in parallel on ``io``.
+
+    ``after_commit`` runs on the coordinator after each commit (retention); a CheckpointError
+    from it is logged, never raised: the commit stands.
+    """
+
+    def __init__(self, store: ObjectStore, io: Executor, plans: PlanCache, *, compression: str = "none",
+                 gather_timeout_s: float = 600.0, after_commit: Callable[[], object] | None = None) -> None:
+        self.store = store
+        self.plans = plans
+        self.compression = compression
+        self.gather_timeout_s = gather_timeout_s
+        self.after_commit = after_commit
+        self.last_stats: SaveStats | None = None
+        self._io = io
+        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
+        self._inflight: Future[Manifest | None] | None = None
+        self._inflight_lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    def plan(self, specs: Iterable[TensorSpec] | TensorSpecs, world_size: int = 1) -> SavePlan:
+        return self.plans.plan(specs, world_size)
+
+    def _plan_and_share(self, tensors: Mapping[str, Any], rank: int, world_size: int,
+                        snapshot: ShareSnapshot | None) -> tuple[SavePlan, Share]:
+        plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
+        if snapshot is None:
+            return plan, prepare_share(plan, rank, tensors)
+        taken = snapshot(plan, rank)
+        if isinstance(taken, DeferredShare):
+            deferred = taken
+            return plan, lambda: checked_share(plan, rank, deferred.assemble())
+        return plan, checked_share(plan, rank, taken)
+
+    def save(
+        self,
+        step: int,
+        tensors: Mapping[str, Any],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        gather: Gather | None = None,
+        coordinator: int = 0,
+        lease: Lease | None = None,
+        deadline: float | None = None,
+        snapshot: ShareSnapshot | None = None,
+    ) -> Manifest | None:
+        """See :meth:`ckpt_service.manager.CheckpointManager.save`."""
+        t0 = time.perf_counter()
+        try:
+            plan, share = self._plan_and_share(tensors, rank, world_size, snapshot)
+        except Exception as exc:
+            self._report_failed_share(step, rank, world_size, gather, coordinator, deadline, exc)
+            raise
+        return self._save_planned(step, plan, share, checked_metadata(metadata), rank, gather,
+                                  coordinator, lease, deadline, stall_start=t0)
+
+    def save_async(
+        self,
+        step: int,
+        tensors: Mapping[str, Any],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        gather: Gather | None = None,
+        coordinator: int = 0,
+        lease: Lease | None = None,
+        if_busy: str = "skip",
+        on_done: Callable[[Manifest | None, BaseException | None], None] | None = None,
+        snapshot: ShareSnapshot | None = None,
+    ) -> bool:
+        """See :meth:`ckpt_service.manager.CheckpointManager.save_async`."""
+        if if_busy not in ("skip", "wait"):
+            raise ValueError(f"if_busy must be 'skip' or 'wait', not {if_busy!r}")
+        with self._inflight_lock:
+            busy = self._inflight is not None and not self._inflight.done()
+        if busy:
+            if if_busy == "skip":
+                log.info("checkpoint of step %d skipped: the previous save is still being persisted", step)
+                return False
+            self.wait()
+        else:
+            self._log_background_error()
+        t0 = time.perf_counter()
+        # The snapshot is exactly this rank's pieces, in contiguous host buffers.
+        try:
+            plan, share = self._plan_and_share(tensors, rank, world_size, snapshot)
+        except Exception as exc:
+            # the other ranks' background saves gather through the store; tell the coordinator
+            self._report_failed_share(step, rank, world_size, gather, coordinator, None, exc)
+            raise
+        stall = time.perf_counter() - t0
+        meta = checked_metadata(metadata)
+        with self._inflight_lock:
+            future = self._bg.submit(
+                self._save_planned, step, plan, share, meta, rank, gather, coordinator, lease, None,
+                stall_s=stall,
+            )
+            self._inflight = future
+        if on_done is not None:
+            done = on_done
+            future.add_done_callback(lambda f: done(None if f.exception() else f.result(), f.exception()))
+        return True
+
+    def wait(self, timeout: float | None = None) -> Manifest | None:
+        """Block until the in-flight async save is done; re-raise its error. TimeoutError if not done."""
+        with self._inflight_lock:
+            future = self._inflight
+        if future is None:
+            return None
+        try:
+            return future.result(timeout=timeout)  # concurrent.futures.TimeoutError is a TimeoutError
+        finally:
+            if future.done():  # its outcome is reported once, here
+                with self._inflight_lock:
+                    if self._inflight is future:
+                        self._inflight = None
+
+    @property
+    def save_in_flight(self) -> bool:
+        with self._inflight_lock:
+            return self._inflight is not None and not self._inflight.done()
+
+    def _log_background_error(self) -> None:
+        """Log how the finished background save failed, if it did, and forget it.
+
+        Called when the next save starts, not by ``wait``: a caller that never waited still
+        learns of the failure from the log, and the new save is not refused for an old one.
+        A caller that wants the error raised gets it from :meth:`wait`.
+        """
+        with self._inflight_lock:
+            future, self._inflight = self._inflight, None
+        if future is None:
+            return
+        error = future.exception()
+        if error is not None:
+            log.error("the previous background checkpoint failed: %s", error, exc_info=error)
+
+    def close(self) -> None:
+        """Wait for the in-flight save (re-raising its error), then stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            self._bg.shutdown(wait=True)
+
+    def _report_failed_share(self, step: int, rank: int, world_size: int, gather: Gather | None,
+                             coordinator: int, deadline: float | None, exc: BaseException) -> None:
+        """A rank that could not build its share still reaches the gather with an error record.
+
+        Otherwise the other ranks would wait on it (a collective gather: forever; the store
+        gather: until its timeout) before the coordinator abandons the step.
+        """
+        if world_size <= 1:
+            return
+        if gather is None:
+            if rank == coordinator:
+                return  # the others post their records to the store and do not wait for this rank
+            gather = StoreGather(self.store, step, rank, world_size, coordinator=coordinator, deadline=deadline,
+                                 timeout_s=self.gather_timeout_s)
+        try:
+            gather(ShardRecord.failed(rank, exc).to_json())
+        except Exception as gather_exc:  # the caller needs the original error, not this one
+            log.warning("could not report the failed share of step %d to the other ranks: %s", step, gather_exc)
+
+    def _save_planned(
+        self,
+        step: int,
+        plan: SavePlan,
+        share: Share,
+        metadata: dict[str, Any],
+        rank: int,
+        gather: Gather | None,
+        coordinator: int,
+        lease: Lease | None,
+        deadline: float | None,
+        *,
+        stall_start: float | None = None,
+        stall_s: float | None = None,
+    ) -> Manifest | None:
+        world_size = plan.world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        t_write = time.perf_counter()
+        if gather is None:
+            gather = single_rank_gather if world_size == 1 else StoreGather(
+                self.store, step, rank, world_size, coordinator=coordinator, deadline=deadline,
+                timeout_s=self.gather_timeout_s)
+        try:
+            pieces = share() if callable(share) else share  # a deferred share is assembled here
+            record = self._write_share(step, rank, pieces, deadline)
+        except Exception as exc:
+            # Every rank must still reach the gather, or the others would wait on it forever;
+            # the coordinator sees the error record and abandons the step.
+            gather(ShardRecord.failed(rank, exc).to_json())
+            raise
+        write_s = time.perf_counter() - t_write
+        gathered = gather(record.to_json())
+        manifest = None
+        if rank == coordinator:
+            if gathered is None:
+                raise CheckpointError("the gather returned no records on the coordinator")
+            records = [ShardRecord.from_json(r) for r in gathered]
+            manifest = commit_step(self.store, step, plan, records, metadata, lease, deadline)
+            self._apply_retention(step)
+        stall = stall_s if stall_s is not None else time.perf_counter() - (stall_start or t_write)
+        self.last_stats = SaveStats(step, rank, record.nbytes, stall, write_s, manifest is not None)
+        return manifest
+
+    def _apply_retention(self, step: int) -> None:
+        if self.after_commit is None:
+            return
+        try:
+            self.after_commit()
+        except CheckpointError as exc:  # retention is housekeeping: never fail a commit for it
+            log.warning("retention after step %d failed: %s", step, exc)
+
+    def _write_share(self, step: int, rank: int, share: list[Piece], deadline: float | None) -> ShardRecord:
+        """Upload this rank's pieces under keys unique to this attempt; returns its shard record."""
+        nonce = uuid.uuid4().hex[:12]
+        pieces: list[PieceRecord] = []
+        uploads: list[Future[int]] = []
+        for item, flat in share:
+            if deadline is not None and time.time() > deadline:
+                raise SaveAbandonedError(
+                    f"step {step}: rank {rank} ran out of time before writing all its pieces; nothing "
+                    "was committed and the previous checkpoint stays the latest")
+            prefix = layout.piece_prefix(step, item.group, item.index, nonce)
+            for key, data in encode_piece(flat, item.chunk_elements, self.compression).items():
+                uploads.append(self._io.submit(self.store.put, prefix + key, data))
+            pieces.append(PieceRecord(item.group, item.index, item.start, item.stop, item.chunk_elements,
+                                      prefix, crc32c(flat), item.nbytes, rank))
+        for future in uploads:
+            future.result()
+        return ShardRecord(rank, tuple(pieces), nonce)
