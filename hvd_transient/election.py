@@ -6,7 +6,7 @@ collective), so all ranks agree without a further round of messages.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection
+from typing import Any, Collection
 
 import numpy as np
 
@@ -21,6 +21,7 @@ class NoticeRound:
     stop: bool = False
     busy: bool = False      # some rank is still persisting a background save
     elapsed_s: float = 0.0  # mean over ranks of the seconds since each one's previous round
+    early_warning: bool = False  # some rank got an early warning: checkpoint now, nobody leaves
 
     @property
     def any(self) -> bool:
@@ -28,28 +29,29 @@ class NoticeRound:
 
 
 def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = False,
-                  busy: bool = False, elapsed_s: float = 0.0) -> np.ndarray:
+                  busy: bool = False, elapsed_s: float = 0.0, early_warning: bool = False) -> np.ndarray[Any, Any]:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
-    Layout: ``[leaving flag per rank | deadline per rank | stop | busy | elapsed us]``.
+    Layout: ``[leaving flag per rank | deadline per rank | stop | busy | elapsed us | early warning]``.
     The elapsed time travels in whole microseconds, so the sum is exact and every rank
     derives the same next check step from it.
     """
-    vec = np.zeros(2 * size + 3, dtype=np.float64)
+    vec = np.zeros(2 * size + 4, dtype=np.float64)
     if deadline is not None:
         vec[rank] = 1.0
         vec[size + rank] = deadline
     vec[2 * size] = 1.0 if stop else 0.0
     vec[2 * size + 1] = 1.0 if busy else 0.0
     vec[2 * size + 2] = float(round(max(0.0, elapsed_s) * 1e6))
+    vec[2 * size + 3] = 1.0 if early_warning else 0.0
     return vec
 
 
-def decode_notice(summed: np.ndarray, size: int) -> NoticeRound:
+def decode_notice(summed: np.ndarray[Any, Any], size: int) -> NoticeRound:
     leaving = tuple(int(i) for i in np.flatnonzero(summed[:size] > 0.5))
     deadline = min((float(summed[size + i]) for i in leaving), default=None)
     return NoticeRound(leaving, deadline, bool(summed[2 * size] > 0.5), bool(summed[2 * size + 1] > 0.5),
-                       float(summed[2 * size + 2]) / 1e6 / size)
+                       float(summed[2 * size + 2]) / 1e6 / size, bool(summed[2 * size + 3] > 0.5))
 
 
 def steps_until_next_check(elapsed_s: float, steps: int, interval_s: float, max_steps: int) -> int:

@@ -14,7 +14,9 @@ import numpy as np
 class HorovodCollectives:
     def __init__(self, hvd: Any = None) -> None:
         if hvd is None:
-            import horovod.tensorflow as hvd  # the keras module re-exports the same ops
+            import horovod.tensorflow  # the keras module re-exports the same ops
+
+            hvd = horovod.tensorflow
         self.hvd = hvd
 
     def rank(self) -> int:
@@ -23,7 +25,7 @@ class HorovodCollectives:
     def size(self) -> int:
         return int(self.hvd.size())
 
-    def allreduce_sum(self, values: np.ndarray) -> np.ndarray:
+    def allreduce_sum(self, values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         import tensorflow as tf
 
         out = self.hvd.allreduce(tf.constant(values), op=self.hvd.Sum, name="hvdt.notice")

@@ -163,7 +163,7 @@ def as_lifetime(value: LifetimeLike) -> WorkerLifetime:
     if isinstance(value, WorkerLifetime):
         return value
     try:
-        instance_type, spot, seconds = value  # type: ignore[misc]
+        instance_type, spot, seconds = value
     except (TypeError, ValueError):
         raise ValueError(
             f"a lifetime is (instance_type, spot, seconds) or a WorkerLifetime, not {value!r}"

@@ -149,6 +149,29 @@ def test_aws_watcher_takes_the_deadline_from_the_notice_time(emu, watchers):
     assert notice.deadline == int(emu.instance("b").deadline)  # the "time" field, whole seconds
 
 
+AWS_REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
+
+
+def test_aws_rebalance_recommendation_is_an_early_warning_not_a_notice(emu, watchers):
+    """The recommendation is kept as ``warning``; the watcher goes on and still sees the notice."""
+    w = make("aws", emu, "a")
+    watchers.append(w.start())
+    assert hits(emu, "a", AWS_REBALANCE, 1)
+    assert w.warning is None
+    emu.recommend_rebalance("a")
+    assert emu.wait_for(lambda s: w.warning is not None, timeout=WAIT)
+    warning = w.warning
+    assert warning is not None and warning.early and warning.reason == "rebalance-recommendation"
+    assert w.notice is None and w.running  # nothing to leave yet: keep training, keep watching
+
+    seen_action = emu.instance("a").path_hits.get(AWS_ACTION, 0)
+    assert hits(emu, "a", AWS_ACTION, seen_action + 1)  # the instance-action poll goes on
+    emu.preempt("a", window=120)
+    notice = w.wait(WAIT)
+    assert notice is not None and not notice.early and notice.reason == "spot-interruption terminate"
+    assert w.warning is warning
+
+
 def test_azure_watcher_takes_the_deadline_from_not_before(emu, watchers):
     w = make("azure", emu, "c")
     watchers.append(w.start())

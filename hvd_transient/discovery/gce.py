@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from hvd_transient.discovery.errors import DiscoveryConfigError
 from hvd_transient.discovery.hosts import Host
@@ -54,18 +54,18 @@ def label_filter(labels: Mapping[str, str]) -> str:
     return " ".join(terms)
 
 
-def internal_ip(instance: Mapping) -> str | None:
+def internal_ip(instance: Mapping[str, Any]) -> str | None:
     for nic in instance.get("networkInterfaces") or []:
         if nic.get("networkIP"):
             return str(nic["networkIP"])
     return None
 
 
-def gpu_count(instance: Mapping) -> int:
+def gpu_count(instance: Mapping[str, Any]) -> int:
     return sum(int(acc.get("acceleratorCount", 0)) for acc in instance.get("guestAccelerators") or [])
 
 
-def incarnation(instance: Mapping) -> Incarnation | None:
+def incarnation(instance: Mapping[str, Any]) -> Incarnation | None:
     """The instance's id and last start (RFC 3339 ``lastStartTimestamp``) as Unix seconds."""
     started = instance.get("lastStartTimestamp")
     started_at = None
@@ -80,7 +80,7 @@ def incarnation(instance: Mapping) -> Incarnation | None:
     return Incarnation(instance_id=str(instance_id) if instance_id else None, started_at=started_at)
 
 
-def _host(instance: Mapping, *, slots: int | None, use_ip: bool) -> Host | None:
+def _host(instance: Mapping[str, Any], *, slots: int | None, use_ip: bool) -> Host | None:
     name = str(instance.get("name", ""))
     ip = internal_ip(instance)
     host_slots = slots if slots is not None else max(1, gpu_count(instance))
@@ -93,7 +93,7 @@ def _host(instance: Mapping, *, slots: int | None, use_ip: bool) -> Host | None:
 
 
 def hosts_from_instances(
-    instances: Iterable[Mapping], *, labels: Mapping[str, str], slots: int | None, use_ip: bool
+    instances: Iterable[Mapping[str, Any]], *, labels: Mapping[str, str], slots: int | None, use_ip: bool
 ) -> list[Host]:
     """RUNNING instances carrying every label, sorted by name.
 
@@ -113,8 +113,8 @@ def hosts_from_instances(
 
 
 def hosts_from_managed(
-    members: Iterable[Mapping],
-    instances_by_name: Mapping[str, Mapping] | None,
+    members: Iterable[Mapping[str, Any]],
+    instances_by_name: Mapping[str, Mapping[str, Any]] | None,
     *,
     slots: int | None,
     use_ip: bool,

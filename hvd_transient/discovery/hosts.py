@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from hvd_transient.discovery.errors import DiscoveryConfigError
 
@@ -114,7 +114,7 @@ def parse_state_document(text: str, default_slots: int = 1, *, origin: str = "")
     return hosts
 
 
-def _incarnation(item: dict, where: str) -> "Incarnation | None":
+def _incarnation(item: dict[str, Any], where: str) -> "Incarnation | None":
     from hvd_transient.membership import Incarnation
 
     started_at, instance_id = item.get("started_at"), item.get("instance_id")

@@ -291,8 +291,8 @@ class LocalCluster:
         def reached(events: list[Event]) -> int | None:
             steps = [e["step"] for e in events if e.get("event") in ("progress", "first_step")
                      and e.get("step", -1) >= step and (size is None or e.get("size") == size)]
-            return max(steps) if steps else None
-        return self.wait_for(reached, timeout, f"step {step}" + (f" on {size} workers" if size else ""))
+            return int(max(steps)) if steps else None
+        return int(self.wait_for(reached, timeout, f"step {step}" + (f" on {size} workers" if size else "")))
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -7,6 +7,7 @@ python-pickle-free ``.npz`` form of CIFAR-10 if a user has one locally.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -51,7 +52,7 @@ def small_cnn(num_classes: int = 10, input_shape: tuple[int, int, int] = (32, 32
 MODELS = {"resnet32": resnet32, "small_cnn": small_cnn}
 
 
-def synthetic_cifar10(n: int = 2048, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def synthetic_cifar10(n: int = 2048, seed: int = 0) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """Learnable CIFAR-10-shaped data: each class is a fixed random image plus noise."""
     rng = np.random.default_rng(seed)
     prototypes = rng.standard_normal((10, 32, 32, 3)).astype(np.float32)
@@ -60,7 +61,7 @@ def synthetic_cifar10(n: int = 2048, seed: int = 0) -> tuple[np.ndarray, np.ndar
     return images, labels.astype(np.int64)
 
 
-def load_cifar10(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+def load_cifar10(path: str | Path) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """Real CIFAR-10 from an ``.npz`` with ``x_train`` (N,32,32,3 uint8) and ``y_train``."""
     with np.load(path, allow_pickle=False) as data:
         x = data["x_train"].astype(np.float32) / 255.0
@@ -68,7 +69,7 @@ def load_cifar10(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     return (x - x.mean(axis=(0, 1, 2))) / x.std(axis=(0, 1, 2)), y
 
 
-def batches(images: np.ndarray, labels: np.ndarray, batch_size: int, seed: int) -> tf.data.Dataset:
+def batches(images: np.ndarray[Any, Any], labels: np.ndarray[Any, Any], batch_size: int, seed: int) -> tf.data.Dataset:
     """An endless, shuffled stream of batches; ``seed`` differs per worker.
 
     Built from tensors (no Python generator thread feeds it).

@@ -3,6 +3,8 @@
 ``spot/instance-action`` is 404 until an interruption is scheduled, then
 ``{"action": "terminate"|"stop"|"hibernate", "time": "2026-11-22T08:22:00Z"}``
 about two minutes ahead; AWS suggests polling every 5 s.
+``events/recommendations/rebalance`` (``{"noticeTime": "..."}``) appears earlier,
+when the instance is at elevated risk of interruption: an early warning.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def parse_iso8601_z(text: str) -> float:
     try:
         parsed = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise MetadataGarbageError(f"instance-action time {text!r} is not ISO 8601") from None
+        raise MetadataGarbageError(f"IMDS time {text!r} is not ISO 8601") from None
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=timezone.utc)
     return parsed.timestamp()
@@ -55,7 +57,7 @@ class AwsWatcher(Watcher):
         self.request_timeout = float(request_timeout)
 
     def _pollers(self) -> Sequence[Poller]:
-        return [_InstanceActionPoller(self)]
+        return [_InstanceActionPoller(self), _RebalancePoller(self)]
 
 
 class _InstanceActionPoller(Poller):
@@ -108,3 +110,21 @@ class _InstanceActionPoller(Poller):
             self.token = printable_text(reply, "IMDSv2 token")
             self.token_expiry = time.monotonic() + TOKEN_TTL_S - 60
         return self.token
+
+
+class _RebalancePoller(_InstanceActionPoller):
+    """The rebalance recommendation: an early warning, reported once."""
+
+    name = "rebalance"
+
+    def _poll(self) -> Notice | None:
+        reply = self._get("events/recommendations/rebalance")
+        detected_at = time.time()
+        if reply.status_code == 404:
+            return None
+        expect_status(reply, 200)
+        recommendation = json_object(reply)
+        if not isinstance(recommendation.get("noticeTime"), str):
+            raise MetadataGarbageError(f"rebalance recommendation has no 'noticeTime': {recommendation!r:.120}")
+        parse_iso8601_z(recommendation["noticeTime"])  # garbage is an error, as for instance-action
+        return self.w.make_notice("rebalance-recommendation", detected_at=detected_at, early=True)

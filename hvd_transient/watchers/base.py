@@ -6,6 +6,9 @@ and returns a ``Notice`` or None, or raises. Errors are logged and retried with
 a capped, jittered exponential backoff (tenacity); a stop interrupts the
 backoff at once. The first notice from any poller wins, is kept, sets the
 event behind ``wait()``, and runs ``on_notice`` on the watcher's thread.
+An *early warning* (``Notice.early``: AWS's rebalance recommendation) is kept
+apart as ``warning``; it ends only the poller that saw it, and the watcher
+goes on watching for the notice itself.
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ class Notice:
 
     ``detected_at`` and ``deadline`` are epoch seconds; the deadline is when
     the machine may be gone (notice time + window on GCE, the ``time`` field
-    on AWS, ``NotBefore`` on Azure).
+    on AWS, ``NotBefore`` on Azure). An ``early`` notice is a warning that
+    the machine is at elevated risk, with no deadline yet (its ``deadline`` is
+    only the earliest a real notice could end): checkpoint, keep training, stay.
     """
 
     source: str
@@ -37,6 +42,7 @@ class Notice:
     detected_at: float
     deadline: float
     reason: str
+    early: bool = False
 
     def seconds_left(self, now: float | None = None) -> float:
         return self.deadline - (time.time() if now is None else now)
@@ -74,6 +80,7 @@ class Watcher(abc.ABC):
         self._max_backoff = float(max_backoff)
         self._lock = threading.Lock()
         self._notice: Notice | None = None
+        self._warning: Notice | None = None
         self._found = threading.Event()  # a notice was seen
         self._done = threading.Event()   # a notice was seen or stop() was called
         self._stopped = False
@@ -91,11 +98,11 @@ class Watcher(abc.ABC):
         """Hook run in ``stop()`` on the caller's thread."""
 
     def make_notice(self, reason: str, *, detected_at: float | None = None,
-                    deadline: float | None = None, instance: str | None = None) -> Notice:
+                    deadline: float | None = None, instance: str | None = None, early: bool = False) -> Notice:
         now = time.time() if detected_at is None else detected_at
         return Notice(source=self.source, instance=instance or self.instance or "unknown",
                       detected_at=now, deadline=now + self.window if deadline is None else deadline,
-                      reason=reason)
+                      reason=reason, early=early)
 
     # ---- public API -----------------------------------------------------------------------
     def start(self) -> "Watcher":
@@ -145,6 +152,11 @@ class Watcher(abc.ABC):
         return self._notice
 
     @property
+    def warning(self) -> Notice | None:
+        """The early warning seen so far (AWS rebalance recommendation), if any."""
+        return self._warning
+
+    @property
     def running(self) -> bool:
         return any(t.is_alive() for t in self._threads) and not self._done.is_set()
 
@@ -165,7 +177,7 @@ class Watcher(abc.ABC):
             wait=tenacity.wait_exponential_jitter(initial=self._initial_backoff, max=self._max_backoff,
                                                   jitter=self._initial_backoff),
             stop=tenacity.stop_when_event_set(self._done),
-            sleep=self._done.wait,  # stop() cuts a backoff short
+            sleep=lambda seconds: None if self._done.wait(seconds) else None,  # stop() cuts a backoff short
             before_sleep=lambda state: log.warning(
                 "%s watcher (%s): %s; retry %d in %.1f s", self.source, poller.name,
                 _describe(state.outcome.exception() if state.outcome else None),
@@ -182,12 +194,20 @@ class Watcher(abc.ABC):
                 continue
             if notice is not None:
                 self._report(notice)
-                return
+                return  # a notice ends the watch; a warning ends this poller only
             pause = poller.pause()
             if pause > 0:
                 self._done.wait(pause)
 
     def _report(self, notice: Notice) -> None:
+        if notice.early:
+            with self._lock:
+                if self._warning is not None or self._stopped:
+                    return
+                self._warning = notice
+            log.warning("%s watcher: early warning for %s (%s): checkpointing, training goes on",
+                        notice.source, notice.instance, notice.reason)
+            return
         with self._lock:
             if self._notice is not None or self._stopped:
                 return

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import requests
 
@@ -33,13 +33,13 @@ HEADERS = {"Metadata-Flavor": "Google"}
 MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
 
 
-def gce_base_url(base_url: str | None = None, env: dict[str, str] | None = None) -> str:
+def gce_base_url(base_url: str | None = None, env: Mapping[str, str] | None = None) -> str:
     """The constructor's URL, else ``http://{GCE_METADATA_HOST}/computeMetadata/v1/``, else the real one."""
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     if base_url:
         url = base_url
-    elif env.get("GCE_METADATA_HOST"):
-        url = f"http://{env['GCE_METADATA_HOST'].rstrip('/')}/computeMetadata/v1/"
+    elif environ.get("GCE_METADATA_HOST"):
+        url = f"http://{environ['GCE_METADATA_HOST'].rstrip('/')}/computeMetadata/v1/"
     else:
         url = DEFAULT_BASE_URL
     if not url.startswith(("http://", "https://")):

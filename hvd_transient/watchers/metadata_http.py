@@ -41,4 +41,4 @@ def printable_text(reply: requests.Response, what: str) -> str:
     if not raw or len(raw) > 4096 or not all(0x20 <= b < 0x7F for b in raw):
         raise MetadataGarbageError(f"{reply.url} answered 200 with a {what} that is not "
                                    f"printable text: {raw[:80]!r}")
-    return raw.decode("ascii")
+    return str(raw.decode("ascii"))

@@ -21,6 +21,7 @@ Paths::
     POST /control/instances                   {"name", "hostname"?, "zone"?, "project_id"?}
     POST /control/instances/<inst>/preempt    {"at"? | "delay"?, "window"?, "kill_pid"?, "signal"?}
     POST /control/instances/<inst>/maintenance {"event": "TERMINATE_ON_HOST_MAINTENANCE"}
+    POST /control/instances/<inst>/rebalance  AWS rebalance recommendation now
     POST /control/instances/<inst>/fault      {"mode": "hang" | "500" | "garbage" | "ok"}
     POST /control/instances/<inst>/reset      a fresh VM under the same name
 """
@@ -64,7 +65,8 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
 
     @property
     def registry(self) -> "Registry":
-        return self.server.registry  # type: ignore[attr-defined]
+        registry: Registry = self.server.registry  # type: ignore[attr-defined]
+        return registry
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug("%s %s", self.address_string(), format % args)
@@ -239,17 +241,19 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
                                kill_pid=body.get("kill_pid"), kill_signal=body.get("signal"))
         elif action == "maintenance":
             snap = reg.set_maintenance(name, str(body.get("event", "")))
+        elif action == "rebalance":
+            snap = reg.recommend_rebalance(name)
         elif action == "fault":
             snap = reg.set_fault(name, str(body.get("mode", "")))
         elif action == "reset":
             snap = reg.reset(name)
         else:
             self._reply_json(404, {"error": f"unknown action {action!r}: "
-                                            "use preempt, maintenance, fault or reset"})
+                                            "use preempt, maintenance, rebalance, fault or reset"})
             return
         self._reply_json(200, snap.to_json())
 
-    def _read_json(self) -> dict:
+    def _read_json(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
         if length > MAX_BODY:
             raise InvalidRequestError(f"request body of {length} bytes is too large")
@@ -331,7 +335,7 @@ def parse_gce_query(query: Mapping[str, str], path: str) -> GceQuery:
                     last_etag=query.get("last_etag") or None, timeout_sec=timeout)
 
 
-def _opt_float(body: dict, key: str) -> float | None:
+def _opt_float(body: dict[str, Any], key: str) -> float | None:
     value = body.get(key)
     if value is None:
         return None

@@ -21,6 +21,7 @@ import signal
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any
 
 DEFAULT_WINDOW_S = 30.0
 DEFAULT_PROJECT_ID = "hvd-transient-local"
@@ -121,6 +122,7 @@ class InstanceSnapshot:
     scheduled_at: float | None
     notice_at: float | None
     deadline: float | None
+    rebalance_at: float | None
     kill_pid: int | None
     kill_signal: str | None
     killed_at: float | None
@@ -129,7 +131,7 @@ class InstanceSnapshot:
     fault_hits: dict[str, int]
     path_hits: dict[str, int]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
 
@@ -157,6 +159,7 @@ class InstanceState:
     fault_hits: dict[str, int] = field(default_factory=dict)  # fault -> requests that met it
     path_hits: dict[str, int] = field(default_factory=dict)   # API path (no query) -> requests
     attributes: dict[str, str] = field(default_factory=dict)  # custom metadata (instance/attributes/)
+    rebalance_at: float | None = None  # AWS: when a rebalance recommendation was issued
 
     # ---- preemption life cycle -------------------------------------------------
     @property
@@ -204,7 +207,7 @@ class InstanceState:
         """A fresh VM reusing the name: no notice, no maintenance, no fault."""
         changed = self.preempted
         self.maintenance_event, self.fault = "NONE", Fault.OK
-        self.window = self.scheduled_at = self.notice_at = None
+        self.window = self.scheduled_at = self.notice_at = self.rebalance_at = None
         self.kill_pid = self.kill_signal = self.killed_at = self.kill_error = None
         self.aws_tokens.clear()
         if changed:
@@ -267,13 +270,15 @@ class InstanceState:
             "local-hostname": self.hostname,
             "placement/availability-zone": self.zone,
         }
+        if self.rebalance_at is not None:
+            values["events/recommendations/rebalance"] = json.dumps({"noticeTime": iso8601_z(self.rebalance_at)})
         if self.preempted and self.deadline is not None:
             values["spot/instance-action"] = json.dumps(
                 {"action": "terminate", "time": iso8601_z(self.deadline)})
         return values
 
     # ---- Azure Scheduled Events -------------------------------------------------
-    def azure_document(self) -> dict:
+    def azure_document(self) -> dict[str, Any]:
         events = []
         if self.preempted and self.deadline is not None:
             events.append({
@@ -295,7 +300,8 @@ class InstanceState:
             name=self.name, hostname=self.hostname, zone=self.zone, project_id=self.project_id,
             preempted=self.preempted, maintenance_event=self.maintenance_event,
             fault=self.fault.value, window=self.window, scheduled_at=self.scheduled_at,
-            notice_at=self.notice_at, deadline=self.deadline, kill_pid=self.kill_pid,
+            notice_at=self.notice_at, deadline=self.deadline, rebalance_at=self.rebalance_at,
+            kill_pid=self.kill_pid,
             kill_signal=self.kill_signal.name if self.kill_signal else None,
             killed_at=self.killed_at, kill_error=self.kill_error,
             requests=self.requests, fault_hits=dict(self.fault_hits), path_hits=dict(self.path_hits),

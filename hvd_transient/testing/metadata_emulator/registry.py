@@ -13,7 +13,7 @@ import secrets
 import signal
 import threading
 import time
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .gce_tree import Reply, UnknownPathError, render, under_root
 from .model import (
@@ -105,6 +105,15 @@ class Registry:
                 log.info("instance %s: preemption notice now, deadline %.3f", name, inst.deadline)
             else:
                 log.info("instance %s: preemption scheduled at %.3f", name, when)
+            self._cond.notify_all()
+            return inst.snapshot()
+
+    def recommend_rebalance(self, name: str) -> InstanceSnapshot:
+        """AWS: issue a rebalance recommendation (elevated interruption risk; no deadline) now."""
+        with self._cond:
+            inst = self._get(name)
+            if inst.rebalance_at is None:
+                inst.rebalance_at = self._clock()
             self._cond.notify_all()
             return inst.snapshot()
 
@@ -215,7 +224,7 @@ class Registry:
                 raise PermissionError("missing, invalid or expired IMDSv2 token")
             return inst.aws_values().get(key)
 
-    def azure_document(self, name: str) -> dict:
+    def azure_document(self, name: str) -> dict[str, Any]:
         with self._cond:
             return self._get(name).azure_document()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from http.server import ThreadingHTTPServer
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .handler import MetadataRequestHandler
 from .model import DEFAULT_WINDOW_S, Fault, InstanceSnapshot
@@ -38,7 +38,7 @@ class _EmulatorHTTPServer(ThreadingHTTPServer):
         self.registry = registry
         super().__init__(address, MetadataRequestHandler)
 
-    def handle_error(self, request, client_address) -> None:  # type: ignore[override]
+    def handle_error(self, request: Any, client_address: Any) -> None:
         # Clients that time out on a hung request close their socket; writing the
         # late reply then fails. That is expected, not worth a traceback on stderr.
         log.debug("request from %s failed", client_address, exc_info=True)
@@ -133,6 +133,9 @@ class MetadataEmulator:
 
     def set_attribute(self, instance: str, key: str, value: str) -> InstanceSnapshot:
         return self.registry.set_attribute(instance, key, value)
+
+    def recommend_rebalance(self, instance: str) -> InstanceSnapshot:
+        return self.registry.recommend_rebalance(instance)
 
     def set_maintenance(self, instance: str, event: str) -> InstanceSnapshot:
         return self.registry.set_maintenance(instance, event)
