@@ -33,7 +33,8 @@ def main() -> None:
     p.add_argument("--base-lr", type=float, default=0.01, help="single-worker learning rate")
     p.add_argument("--save-every", type=int, default=50, help="periodic checkpoint interval (steps)")
     p.add_argument("--batches-per-commit", type=int, default=10, help="Horovod in-memory commit cadence")
-    p.add_argument("--notice-window", type=float, default=30.0)
+    p.add_argument("--notice-window", type=float, default=None,
+                   help="seconds a notice gives (default: what the VM is configured with; GCE Spot: 30)")
     p.add_argument("--cifar10-npz", help="real CIFAR-10 (.npz with x_train, y_train); synthetic if absent")
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="extra time per step, to stretch a tiny run over a preemption schedule")

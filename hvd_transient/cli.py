@@ -28,7 +28,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, NoReturn, Protocol, Sequence
 from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("hvd_transient.bench_cli", "run the benchmarks in bench/"),
 }
 
-MainFn = Callable[[Sequence[str] | None], int]
+class MainFn(Protocol):
+    """A subcommand's ``main``: its arguments (None: ``sys.argv[1:]``) -> exit status."""
+
+    def __call__(self, argv: Sequence[str] | None = None) -> int: ...
 
 
 class UsageError(ValueError):

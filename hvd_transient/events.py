@@ -10,60 +10,37 @@ object) except for the events others follow while the job runs; the few that
 matter when a machine is about to disappear are written before ``emit`` returns.
 The report and the benchmarks read every file back and merge them by time.
 
-Every event has ``t`` (epoch seconds), ``event``, ``host`` and ``pid``; the kinds:
-
-=================  ==================================================================
-start              a worker process began training: step, rank, size, crc (replicated
-                   state), full_crc, restored_step (rank 0 of a cold restart)
-ring               (every rank) training (re)started on a ring: step, rank, size, master,
-                   master_host, previous_master, lease_generation (master only)
-lr                 learning rate set for the ring: lr, size, mode
-resume_at          (every rank) fit resumed at: step, epoch, batch, steps_per_epoch, samples
-                   (global sample offset, with elastic_dataset; else null)
-first_step         first step completed on a new ring: step, size, samples (if tracked)
-progress           every N steps: step, size, samples (if tracked)
-notice             this host's watcher saw a notice: source, reason, detected_at, deadline
-notice_agreed      (every rank) step at which all ranks acted: step, leaving (hosts),
-                   deadline (commit deadline), size
-wait_inflight      an in-flight background save was waited for before the emergency save
-election           master moved: step, old_master(_host), new_master(_host), lease_generation
-save_start/_end    step, kind (emergency|periodic|final), seconds, bytes (this rank's share)
-async_save         a periodic background save started: step, stall_ms, size
-save_skipped       a periodic save was skipped: reason (one still in flight | already committed)
-commit             (master) step, kind, size, lease_generation, bytes (periodic: whole step)
-save_failed        step, kind, error
-leave_published    this host published itself as leaving: step, deadline
-leaving_pruned     (master, when a ring begins) expired leaving records deleted: hosts
-reset              Horovod reset the ring: step (after), rolled_back, last_step
-stop_requested     (every rank) an operator stop was agreed at: step
-train_end          step
-weights            step, crc (replicated state), size, rank
-restore            (rank 0) a checkpoint was restored: step, writers, bytes
-lease_error        error
-=================  ==================================================================
+The kinds of event and their fields are declared in :mod:`hvd_transient.event_schema`:
+``emit`` takes one of its dataclasses (``log.emit(Progress(step=10, size=4))``), and
+:func:`read_records` gives the log back as typed :class:`~hvd_transient.event_schema.Record`
+objects (:func:`read_events`: the same as plain dicts). On disk every event is one JSON
+object with ``t`` (epoch seconds), ``event`` (the kind), ``host``, ``pid`` and its fields.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import logging
+import math
 import os
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, Mapping, TypeVar
 
+from ckpt_service.layout import EVENTS_PREFIX, events_key, is_events_key
 from ckpt_service.stores.base import ObjectStore
+from hvd_transient.event_schema import KINDS, EventBody, Record, from_json_dict, to_json_dict
 
 log = logging.getLogger(__name__)
 
-EVENTS_PREFIX = "events/"
 #: written to the store before emit() returns: the process may vanish right after these
 #: (a leaving worker is aborted by Horovod once the ring is reset without it)
-DURABLE = frozenset({"notice", "notice_agreed", "leave_published", "train_end", "weights"})
+DURABLE = frozenset(name for name, cls in KINDS.items() if cls.durable)
 #: written at once by the background writer, bypassing the rate limit (the report and the
 #: benchmarks follow these while the job runs)
-URGENT = frozenset({"election", "commit", "save_failed", "restore", "reset", "start", "ring", "async_save",
-                    "stop_requested"})
+URGENT = frozenset(name for name, cls in KINDS.items() if cls.urgent)
+
+B = TypeVar("B", bound=EventBody)
 
 
 class EventLog:
@@ -80,7 +57,7 @@ class EventLog:
         self._events: list[dict[str, Any]] = []  # the current segment's, not yet sealed
         self._lock = threading.Lock()        # guards the list and the flags
         self._write_lock = threading.Lock()  # one store write at a time, in order
-        self._last_flush = 0.0
+        self._last_flush = -math.inf  # the first write is never held back
         self._dirty = False
         self._urgent = False
         self._wake = threading.Event()
@@ -88,19 +65,23 @@ class EventLog:
         self._writer: threading.Thread | None = None
         atexit.register(self.flush)  # rate-limited events must still reach the store
 
-    def emit(self, kind: str, /, **fields: Any) -> dict[str, Any]:
-        event = {"t": time.time(), "event": kind, "host": self.host, "pid": os.getpid(), **fields}
+    def emit(self, body: B) -> Record[B]:
+        """Log one event (a dataclass of :mod:`hvd_transient.event_schema`) and return it as logged."""
+        if not isinstance(body, EventBody) or KINDS.get(body.event) is not type(body):
+            raise TypeError(f"not a declared event kind: {body!r}")
+        record = Record(time.time(), self.host, os.getpid(), body)
+        event = to_json_dict(record)
         with self._lock:
             self._events.append(event)
             self._dirty = True
-            self._urgent |= kind in URGENT
-        log.info("event %s %s", kind, {k: v for k, v in fields.items()})
-        if kind in DURABLE or self._closed.is_set():
+            self._urgent |= body.urgent
+        log.info("event %s", body)
+        if body.durable or self._closed.is_set():
             self.flush()
         else:
             self._start_writer()
             self._wake.set()
-        return event
+        return record
 
     def flush(self) -> None:
         """Write every event so far to the store now (on the calling thread)."""
@@ -131,7 +112,7 @@ class EventLog:
     @property
     def key(self) -> str:
         """The current segment's object."""
-        return f"{EVENTS_PREFIX}{self.host}.{os.getpid()}.{self._seq:06d}.jsonl"
+        return events_key(self.host, os.getpid(), self._seq)
 
     def close(self) -> None:
         """Stop the background writer and write what is left."""
@@ -173,11 +154,27 @@ class EventLog:
             return list(self._events)
 
 
+def read_records(store: ObjectStore) -> list[Record[EventBody]]:
+    """Every process's events as typed records, merged and sorted by time (see
+    :func:`~hvd_transient.event_schema.from_json_dict` for what is skipped)."""
+    return parse_records(read_events(store))
+
+
+def parse_records(events: Iterable[Record[EventBody] | Mapping[str, Any]]) -> list[Record[EventBody]]:
+    """Typed records of logged objects (records pass through), sorted by time."""
+    out: list[Record[EventBody]] = []
+    for e in events:
+        record = e if isinstance(e, Record) else from_json_dict(e) if isinstance(e, Mapping) else None
+        if record is not None:
+            out.append(record)
+    return sorted(out, key=lambda r: r.t)
+
+
 def read_events(store: ObjectStore) -> list[dict[str, Any]]:
-    """Every process's events (every segment), merged and sorted by time."""
+    """Every process's events (every segment) as the logged dicts, merged and sorted by time."""
     events: list[dict[str, Any]] = []
     for key in store.list(EVENTS_PREFIX):
-        if key.endswith(".jsonl"):
+        if is_events_key(key):
             events.extend(_parse_lines(store.get(key)))
     return sorted(events, key=lambda e: e.get("t", 0.0))
 

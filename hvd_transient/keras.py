@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import tensorflow as tf
@@ -40,6 +40,7 @@ import tensorflow as tf
 from ckpt_service.manager import CheckpointManager, DeferredShare
 from ckpt_service.plan import SavePlan
 from ckpt_service.stores import open_store
+from hvd_transient import event_schema as ev
 from hvd_transient.checksums import state_crc
 from hvd_transient.control import clear_stop
 from hvd_transient.data_position import SampleCursor, epoch_and_batch
@@ -139,7 +140,7 @@ def elastic_state(model: tf.keras.Model, *, store: str, **state_kwargs: Any) -> 
 
 
 def _state_class(base: type) -> type:
-    class TransientKerasState(base):  # type: ignore[misc, valid-type]
+    class TransientKerasState(base):  # type: ignore[misc]
         """Horovod's KerasState whose ``samples`` always matches the model's optimizer step.
 
         Horovod saves, restores and broadcasts the attributes. The offset is advanced every
@@ -219,7 +220,7 @@ def weights_crc(model: tf.keras.Model) -> int:
                       if name.startswith("optimizer/") or id(v) in trainable})
 
 
-class TransientCallback(tf.keras.callbacks.Callback):
+class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
     """Preemption-aware checkpointing, master election and LR scaling for ``model.fit``.
 
     Args:
@@ -229,7 +230,9 @@ class TransientCallback(tf.keras.callbacks.Callback):
         check_interval_s: how often (seconds) the ranks run their one tiny notice collective; the
             step count between checks adapts to the measured step rate, so a notice costs at most
             about this much of its window. ``check_every_steps=N`` fixes it to every N steps instead.
-        notice_window_s: how long a notice gives on this cloud (GCE: 30 s).
+        notice_window_s: how long a notice gives (None: the watcher finds it: on GCE the VM's
+            configured notice, ``cluster up --preemption-notice-duration``, else 30 s; on AWS
+            and Azure the deadline the notice carries).
         lr_scaling: ``linear`` | ``sqrt`` | ``none``: learning rate = f(active workers) x ``base_lr``.
         base_lr: the single-worker learning rate (None: leave the learning rate alone).
         watcher: ``auto`` | ``gce`` | ``aws`` | ``azure`` | ``local`` (env ``HVDT_WATCHER`` overrides).
@@ -240,7 +243,7 @@ class TransientCallback(tf.keras.callbacks.Callback):
 
     def __init__(self, state: Any, *, store: str, save_every_steps: int | None = 500,
                  check_every_steps: int | None = None, check_interval_s: float = 1.0,
-                 notice_window_s: float = 30.0, leave_margin_s: float = 5.0,
+                 notice_window_s: float | None = None, leave_margin_s: float = 5.0,
                  lr_scaling: str = "linear", base_lr: float | None = None, watcher: str = "auto",
                  max_to_keep: int | None = 3, keep_every_n_steps: int | None = None,
                  save_on_train_end: bool = True, resume_position: bool | None = None) -> None:
@@ -291,14 +294,15 @@ class TransientCallback(tf.keras.callbacks.Callback):
     def _resumed(self, steps_per_epoch: int, epoch: int, batch: int) -> None:
         self._steps_per_epoch = steps_per_epoch
         if self.impl is not None:
-            self.impl.events.emit("resume_at", step=self._step(), epoch=epoch, batch=batch,
-                                  steps_per_epoch=steps_per_epoch, samples=self._samples_at(self._step()))
+            self.impl.events.emit(ev.ResumeAt(step=self._step(), epoch=epoch, batch=batch,
+                                              steps_per_epoch=steps_per_epoch,
+                                              samples=self._samples_at(self._step())))
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> Mapping[str, Any]:
         # Only shapes and dtypes: _share_snapshot reads this rank's share in one call.
         return self._fused_snapshot().specs
 
-    def _share_snapshot(self, plan: SavePlan, rank: int) -> list[np.ndarray] | DeferredShare:
+    def _share_snapshot(self, plan: SavePlan, rank: int) -> list[np.ndarray[Any, Any]] | DeferredShare:
         return self._fused_snapshot()(plan, rank)
 
     def _metadata(self, step: int) -> dict[str, Any]:
@@ -329,7 +333,7 @@ class TransientCallback(tf.keras.callbacks.Callback):
         except (AttributeError, TypeError, ValueError) as exc:
             log.warning("cannot set the learning rate (a schedule?): %s", exc)
             return
-        self.impl.events.emit("lr", lr=lr, size=size, mode=self.config.lr_scaling)
+        self.impl.events.emit(ev.Lr(lr=lr, size=size, mode=self.config.lr_scaling))
 
     # ---- Keras hooks -------------------------------------------------------------------
 
@@ -338,10 +342,10 @@ class TransientCallback(tf.keras.callbacks.Callback):
         if self.impl is None:
             self.impl = TransientImpl(self.config, HorovodCollectives())
             restored = getattr(self.state, "hvdt_restored", None)
-            self.impl.events.emit("start", step=self._step(), rank=self.impl.comm.rank(),
-                                  size=self.impl.comm.size(), crc=weights_crc(self.model),
-                                  full_crc=state_crc(state_variables(self.model)),
-                                  restored_step=restored.get("step") if restored else None)
+            self.impl.events.emit(ev.Start(step=self._step(), rank=self.impl.comm.rank(),
+                                           size=self.impl.comm.size(), crc=weights_crc(self.model),
+                                           full_crc=state_crc(state_variables(self.model)),
+                                           restored_step=restored.get("step") if restored else None))
         step = self._step()
         begin = getattr(self.state, "hvdt_begin", None)
         if begin is not None:
@@ -389,8 +393,8 @@ class TransientCallback(tf.keras.callbacks.Callback):
             if self.impl.comm.broadcast_json(needed, master):
                 self.impl.save_now(step, self._snapshot(), self._metadata(step), coordinator=master,
                                    deadline=None, kind="final", share_snapshot=self._share_snapshot)
-        self.impl.events.emit("weights", step=step, crc=weights_crc(self.model), size=self.impl.comm.size(),
-                              rank=self.impl.comm.rank())
+        self.impl.events.emit(ev.Weights(step=step, crc=weights_crc(self.model), size=self.impl.comm.size(),
+                                         rank=self.impl.comm.rank()))
 
     def _on_reset(self) -> None:
         if self.impl is not None:

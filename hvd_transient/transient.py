@@ -34,6 +34,7 @@ import numpy as np
 from ckpt_service.errors import CheckpointError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager, CommitConflictError, ShareSnapshot
+from hvd_transient import event_schema as ev
 from hvd_transient.control import STOP_POLL_S, stop_requested
 from hvd_transient.election import NoticeRound, decode_notice, elect_master, encode_notice, steps_until_next_check
 from hvd_transient.events import EventLog
@@ -51,6 +52,11 @@ class NoticeSource(Protocol):
     @property
     def notice(self) -> "Notice | None": ...
 
+    @property
+    def warning(self) -> "Notice | None":
+        """An early warning (AWS rebalance recommendation): checkpoint, keep training, stay."""
+        ...
+
     #: the cloud's id of this VM, where known (leaving records carry it)
     instance_id: str | None
 
@@ -66,11 +72,15 @@ class Collectives(Protocol):
 
     def size(self) -> int: ...
 
-    def allreduce_sum(self, values: np.ndarray) -> np.ndarray: ...
+    def allreduce_sum(self, values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]: ...
 
     def allgather_json(self, obj: Any) -> list[Any]: ...
 
     def broadcast_json(self, obj: Any, root: int) -> Any: ...
+
+
+#: the shortest notice a cloud gives (GCE Spot default), for a notice without a deadline
+DEFAULT_NOTICE_WINDOW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,9 @@ class TransientConfig:
     check_every_steps: int | None = None
     check_interval_s: float = 1.0
     max_check_every_steps: int = 1000
-    notice_window_s: float = 30.0
+    #: how long a notice gives when the notice itself carries no deadline; None: what the VM is
+    #: configured with (GCE: ``cluster up --preemption-notice-duration``, else 30 s)
+    notice_window_s: float | None = None
     #: seconds of the window kept for leaving the ring after the emergency commit
     leave_margin_s: float = 5.0
     watcher: str = "auto"
@@ -155,6 +167,9 @@ class TransientImpl:
         self.run = _RunState()
         self._stop_checked_at = float("-inf")
         self.notice_rounds = 0  # notice collectives run so far (benchmarks count them)
+        self._notice_logged = False
+        self._warning_logged = False
+        self._warning_handled = False  # a checkpoint answered this rank's early warning
         self._stop_seen = False
         if self.watcher is not None:
             self.watcher.start()
@@ -177,9 +192,9 @@ class TransientImpl:
         self._move_lease(self.run.master)
         if rank == self.run.master:
             self._prune_leaving()
-        self.events.emit("ring", step=step, rank=rank, size=size, master=self.run.master,
-                         master_host=self.run.hosts[self.run.master], previous_master=previous_master,
-                         lease_generation=self.lease.generation if rank == self.run.master else None)
+        self.events.emit(ev.Ring(step=step, rank=rank, size=size, master=self.run.master,
+                                 master_host=self.run.hosts[self.run.master], previous_master=previous_master,
+                                 lease_generation=self.lease.generation if rank == self.run.master else None))
 
     def _prune_leaving(self) -> None:
         """Delete leaving records whose VM is gone by now (discovery already ignores them)."""
@@ -189,12 +204,12 @@ class TransientImpl:
             log.warning("could not prune expired leaving records: %s", exc)
             return
         if pruned:
-            self.events.emit("leaving_pruned", hosts=sorted(pruned))
+            self.events.emit(ev.LeavingPruned(hosts=tuple(sorted(pruned))))
 
     def note_reset(self, step_after: int) -> int:
         """Record a reset (called on every rank); returns how many steps were rolled back."""
         rolled_back = max(0, self.run.last_step - step_after) if self.run.last_step >= 0 else 0
-        self.events.emit("reset", step=step_after, rolled_back=rolled_back, last_step=self.run.last_step)
+        self.events.emit(ev.Reset(step=step_after, rolled_back=rolled_back, last_step=self.run.last_step))
         self.run.last_step = step_after
         return rolled_back
 
@@ -204,7 +219,7 @@ class TransientImpl:
             self.manager.wait(timeout=self.config.async_gather_timeout_s)
         except Exception as exc:  # a failed background save must not fail a finished run
             log.warning("the last background checkpoint did not complete: %s", exc)
-        self.events.emit("train_end", step=step)
+        self.events.emit(ev.TrainEnd(step=step))
 
     def close(self) -> None:
         if self.watcher is not None:
@@ -226,13 +241,12 @@ class TransientImpl:
         """
         self.run.last_step = step
         first_after_begin = self.run.begun_at_step is not None and step == self.run.begun_at_step + 1
-        position = {} if samples is None else {"samples": samples}
         if first_after_begin:
-            self.events.emit("first_step", step=step, size=self.comm.size(), **position)
+            self.events.emit(ev.FirstStep(step=step, size=self.comm.size(), samples=samples))
         elif self.config.progress_every_steps and step % self.config.progress_every_steps == 0:
-            self.events.emit("progress", step=step, size=self.comm.size(), **position)
+            self.events.emit(ev.Progress(step=step, size=self.comm.size(), samples=samples))
         every = self.config.save_every_steps
-        save_due = bool(every) and step > 0 and step % every == 0 and not self.run.departure_pending
+        save_due = every is not None and every > 0 and step > 0 and step % every == 0 and not self.run.departure_pending
         if self.config.check_every_steps:
             check_due = step % self.config.check_every_steps == 0
         else:
@@ -243,14 +257,20 @@ class TransientImpl:
             if new:
                 return self._emergency(step, round_, snapshot, metadata, share_snapshot)
             if round_.stop:
-                self.events.emit("stop_requested", step=step)
+                self.events.emit(ev.StopRequested(step=step))
                 return StepOutcome(stop=True, departure_pending=self.run.departure_pending)
+            if round_.early_warning and not round_.busy:
+                # Some VM is at elevated risk: every rank takes a checkpoint now (in the
+                # background, as a periodic one) so a notice that follows finds a recent one.
+                self._periodic_save(step, snapshot, metadata, share_snapshot, kind="early")
+                self._warning_handled = self._warning_handled or self._warning_pending()
+                return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending)
             # Every rank takes the same decision: a save starts only if no rank is still busy,
             # so the writers of one step always meet in its gather.
             if save_due and not round_.busy:
                 self._periodic_save(step, snapshot, metadata, share_snapshot)
             elif save_due:
-                self.events.emit("save_skipped", step=step, reason="previous save still in flight")
+                self.events.emit(ev.SaveSkipped(step=step, reason="previous save still in flight"))
         return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending)
 
     def _notice_round(self, step: int) -> NoticeRound:
@@ -260,19 +280,31 @@ class TransientImpl:
         notice = self.watcher.notice if self.watcher is not None else None
         rank, size = self.comm.rank(), self.comm.size()
         if notice is not None and self.host not in self.run.handled_leavers:
-            if not self.run.leaving and not getattr(self, "_notice_logged", False):
+            if not self.run.leaving and not self._notice_logged:
                 self._notice_logged = True
-                self.events.emit("notice", source=notice.source, reason=notice.reason,
-                                 detected_at=notice.detected_at, deadline=notice.deadline)
+                self.events.emit(ev.Notice(source=notice.source, reason=notice.reason,
+                                           detected_at=notice.detected_at, deadline=notice.deadline))
         deadline = notice.deadline if notice is not None else None
+        warned = self._warning_pending()
+        if warned and not self._warning_logged:
+            self._warning_logged = True
+            warning = self.watcher.warning if self.watcher is not None else None
+            if warning is not None:
+                self.events.emit(ev.EarlyWarning(source=warning.source, reason=warning.reason,
+                                                 detected_at=warning.detected_at))
         summed = self.comm.allreduce_sum(encode_notice(rank, size, deadline, self._stop_requested(),
-                                                       self.manager.save_in_flight, elapsed))
+                                                       self.manager.save_in_flight, elapsed, warned))
         round_ = decode_notice(summed, size)
         self.notice_rounds += 1
         # Every rank got the same sum, so every rank picks the same next check step.
         self.run.next_check_step = step + steps_until_next_check(
             round_.elapsed_s, steps, self.config.check_interval_s, self.config.max_check_every_steps)
         return round_
+
+    def _warning_pending(self) -> bool:
+        """This rank's watcher has an early warning no checkpoint has answered yet."""
+        return (not self._warning_handled and self.watcher is not None
+                and getattr(self.watcher, "warning", None) is not None)
 
     def _stop_requested(self) -> bool:
         """The master looks at the store now and then; the collective shares its answer."""
@@ -290,15 +322,16 @@ class TransientImpl:
     def _emergency(self, step: int, round_: NoticeRound, snapshot: Callable[[], Mapping[str, Any]],
                    metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None) -> StepOutcome:
         rank, size = self.comm.rank(), self.comm.size()
-        deadline = (round_.deadline or self.clocks.wall() + self.config.notice_window_s) - self.config.leave_margin_s
+        window = self.config.notice_window_s or DEFAULT_NOTICE_WINDOW_S
+        deadline = (round_.deadline or self.clocks.wall() + window) - self.config.leave_margin_s
         leaving_hosts = [self.run.hosts[r] for r in round_.leaving]
-        self.events.emit("notice_agreed", step=step, leaving=leaving_hosts, deadline=deadline, size=size)
+        self.events.emit(ev.NoticeAgreed(step=step, leaving=tuple(leaving_hosts), deadline=deadline, size=size))
 
         # A background save still in flight gets part of the window; its commit (if it still
         # holds the lease) is independent of the emergency step, so nothing can tear.
         waited = self.manager.save_in_flight
         if waited:
-            self.events.emit("wait_inflight", step=step)
+            self.events.emit(ev.WaitInflight(step=step))
             try:
                 self.manager.wait(timeout=max(0.0, (deadline - self.clocks.wall()) / 3))
             except Exception as exc:
@@ -308,10 +341,10 @@ class TransientImpl:
         new_master = elect_master(size, round_.leaving)
         if new_master != self.run.master:
             self._move_lease(new_master)
-            self.events.emit("election", step=step, old_master=self.run.master, new_master=new_master,
-                             old_master_host=self.run.hosts[self.run.master],
-                             new_master_host=self.run.hosts[new_master],
-                             lease_generation=self.lease.generation if rank == new_master else None)
+            self.events.emit(ev.Election(step=step, old_master=self.run.master, new_master=new_master,
+                                         old_master_host=self.run.hosts[self.run.master],
+                                         new_master_host=self.run.hosts[new_master],
+                                         lease_generation=self.lease.generation if rank == new_master else None))
             self.run.master = new_master
 
         committed = self.save_now(step, snapshot(), metadata(), coordinator=new_master, deadline=deadline,
@@ -322,7 +355,7 @@ class TransientImpl:
             self.run.leaving = True
             publish_leaving(self.manager.store, self.host, deadline=round_.deadline,
                             instance_id=self.watcher.instance_id if self.watcher is not None else None)
-            self.events.emit("leave_published", step=step, deadline=round_.deadline, was_master=was_master)
+            self.events.emit(ev.LeavePublished(step=step, deadline=round_.deadline, was_master=was_master))
         return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
                            departure_pending=True)
 
@@ -340,13 +373,13 @@ class TransientImpl:
                 self.lease.release()
         except CheckpointError as exc:
             log.error("checkpoint-master lease hand-over failed: %s", exc)
-            self.events.emit("lease_error", error=str(exc))
+            self.events.emit(ev.LeaseError(error=str(exc)))
 
     def save_now(self, step: int, tensors: Mapping[str, Any], meta: dict[str, Any], *, coordinator: int,
                   deadline: float | None, kind: str, share_snapshot: ShareSnapshot | None = None) -> bool:
         """Synchronous sharded save on every rank; returns (on every rank) whether it committed."""
         rank, size = self.comm.rank(), self.comm.size()
-        self.events.emit("save_start", step=step, kind=kind, size=size)
+        self.events.emit(ev.SaveStart(step=step, kind=kind, size=size))
         t0 = self.clocks.monotonic()
         error = None
         try:
@@ -360,44 +393,47 @@ class TransientImpl:
             error = f"{type(exc).__name__}: {exc}"
         stats = self.manager.last_stats
         outcome = self.comm.broadcast_json({"ok": error is None, "error": error}, coordinator)
-        self.events.emit("save_end", step=step, kind=kind, seconds=self.clocks.monotonic() - t0,
-                         bytes=stats.bytes_written if stats and stats.step == step else 0)
+        self.events.emit(ev.SaveEnd(step=step, kind=kind, seconds=self.clocks.monotonic() - t0,
+                                    bytes=stats.bytes_written if stats and stats.step == step else 0))
         if outcome["ok"]:
             if rank == coordinator:
-                self.events.emit("commit", step=step, kind=kind, size=size,
-                                 lease_generation=self.lease.generation)
+                self.events.emit(ev.Commit(step=step, kind=kind, size=size, lease_generation=self.lease.generation))
         else:
-            self.events.emit("save_failed", step=step, kind=kind, error=outcome["error"])
+            self.events.emit(ev.SaveFailed(step=step, kind=kind, error=outcome["error"]))
         return bool(outcome["ok"])
 
     def _periodic_save(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
-                       metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None) -> None:
+                       metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None,
+                       kind: str = "periodic") -> None:
         rank, size = self.comm.rank(), self.comm.size()
         master = self.run.master
         t0 = time.perf_counter()
         def done(manifest: Any, error: BaseException | None) -> None:
             if isinstance(error, CommitConflictError):
                 # After a rollback the ring replays steps; this one is already durable.
-                self.events.emit("save_skipped", step=step, reason="already committed")
+                self.events.emit(ev.SaveSkipped(step=step, reason="already committed"))
             elif error is not None:
-                self.events.emit("save_failed", step=step, kind="periodic", error=f"{type(error).__name__}: {error}")
+                self.events.emit(ev.SaveFailed(step=step, kind=kind, error=f"{type(error).__name__}: {error}"))
             elif manifest is not None:  # the coordinator
-                self.events.emit("commit", step=step, kind="periodic", size=size, bytes=manifest.nbytes,
-                                 lease_generation=manifest.lease_generation)
+                self.events.emit(ev.Commit(step=step, kind=kind, size=size, bytes=manifest.nbytes,
+                                           lease_generation=manifest.lease_generation))
 
         started = self.manager.save_async(
             step, snapshot(), metadata(), rank=rank, world_size=size, coordinator=master,
             lease=self.lease if rank == master else None, if_busy="wait",  # not busy: agreed above
             on_done=done, snapshot=share_snapshot)
         if started:
-            self.events.emit("async_save", step=step, stall_ms=(time.perf_counter() - t0) * 1e3, size=size)
+            self.events.emit(ev.AsyncSave(step=step, stall_ms=(time.perf_counter() - t0) * 1e3, size=size,
+                                          kind=None if kind == "periodic" else kind))
 
 
 def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
     """The configured watcher; ``{host}`` in GCE_METADATA_HOST selects a per-host emulator instance."""
     from hvd_transient.watchers import make_watcher
 
-    opts: dict[str, Any] = {"window": config.notice_window_s, "instance": host}
+    opts: dict[str, Any] = {"instance": host}
+    if config.notice_window_s is not None:  # else each watcher's own: the VM's configuration or the cloud's
+        opts["window"] = config.notice_window_s
     metadata_host = os.environ.get("GCE_METADATA_HOST", "")
     if "{host}" in metadata_host:
         opts["base_url"] = f"http://{metadata_host.format(host=host).rstrip('/')}/computeMetadata/v1/"

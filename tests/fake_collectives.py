@@ -68,10 +68,11 @@ class FakeCollectives:
 
 
 class FakeWatcher:
-    """A watcher whose notice the test sets."""
+    """A watcher whose notice (and early warning) the test sets."""
 
     def __init__(self) -> None:
         self.notice = None
+        self.warning = None
         self.instance_id: str | None = None
 
     def start(self) -> "FakeWatcher":

@@ -15,12 +15,15 @@ terms (``status``, ``name``, ``labels.KEY``), optionally joined by ``AND``.
 Anything else is answered 400, as a typo would be by the real API.
 
 Instances carry ``id`` and, once RUNNING, ``lastStartTimestamp`` (RFC 3339), as the
-real API does; ``preempt`` models a Spot VM whose preemption's termination action
-is STOP: it goes TERMINATED and keeps its name and id until ``.../start`` runs it
-again with a new ``lastStartTimestamp``.
+real API does; ``preempt`` models a Spot VM's preemption by its termination action:
+STOP (the default) leaves it TERMINATED, keeping its name and id until ``.../start``
+runs it again with a new ``lastStartTimestamp``; DELETE makes it disappear.
 
 Test hooks: ``add_instance``, ``set_status``, ``preempt``, ``add_mig``, ``fail_next`` (inject
-5xx), ``rejected_inserts`` (make an insert operation fail), ``page_size`` (force
+5xx), ``rejected_inserts`` (make an insert operation fail), ``exhaust``/``restore`` (a
+zone's capacity or quota runs out and comes back: its inserts and starts fail, as real
+Compute fails them, with a DONE operation whose ``error.errors[0].code`` is
+``ZONE_RESOURCE_POOL_EXHAUSTED``, ``QUOTA_EXCEEDED``...), ``page_size`` (force
 pagination), ``operation_polls`` (operations stay RUNNING for that many polls)
 and ``requests`` (everything received).
 """
@@ -40,6 +43,8 @@ PREFIX = "/compute/v1/"
 BETA_PREFIX = "/compute/beta/"
 #: fields only the beta API accepts; v1 rejects a body carrying them, as the real one does
 BETA_SCHEDULING_FIELDS = ("preemptionNoticeDuration",)
+STOCKOUT = "ZONE_RESOURCE_POOL_EXHAUSTED"
+QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
 _TERM = re.compile(r'\(\s*([A-Za-z0-9_.\-]+)\s*(=|!=)\s*"([^"]*)"\s*\)')
 
 
@@ -106,6 +111,8 @@ class FakeComputeAPI:
         self._lock = threading.Lock()
         self._failures: list[int] = []
         self.rejected_inserts: dict[str, tuple[str, str]] = {}  # instance name -> (error code, message)
+        #: zone -> (error code, message, Spot requests only): see exhaust()
+        self.zone_errors: dict[str, tuple[str, str, bool]] = {}
         self._ids = itertools.count(1000)
         self._ips = itertools.count(10)
         self._server: ThreadingHTTPServer | None = None
@@ -177,13 +184,42 @@ class FakeComputeAPI:
         with self._lock:
             self._set_status(self._state.instances[(project, zone, name)], status)
 
-    def preempt(self, project: str, zone: str, name: str) -> None:
-        """Compute Engine preempts a Spot VM whose termination action is STOP: it stays, TERMINATED."""
+    def preempt(self, project: str, zone: str, name: str, *, action: str | None = None) -> None:
+        """Compute Engine preempts a Spot VM: with termination action STOP (the VM's
+        ``scheduling.instanceTerminationAction``, else STOP; ``action`` overrides it) it stays,
+        TERMINATED; with DELETE it is gone."""
         with self._lock:
-            instance = self._state.instances[(project, zone, name)]
-            if instance.get("scheduling", {}).get("provisioningModel") != "SPOT":
+            key = (project, zone, name)
+            instance = self._state.instances[key]
+            scheduling = instance.get("scheduling", {})
+            if scheduling.get("provisioningModel") != "SPOT":
                 raise ValueError(f"{name} is not a Spot VM; only Spot VMs are preempted")
-            self._set_status(instance, "TERMINATED")
+            action = action or scheduling.get("instanceTerminationAction") or "STOP"
+            if action == "DELETE":
+                del self._state.instances[key]
+            else:
+                self._set_status(instance, "TERMINATED")
+
+    def exhaust(self, zone: str, code: str = STOCKOUT, *, spot_only: bool = False,
+                message: str | None = None) -> None:
+        """From now on inserts and starts in ``zone`` fail with ``code`` (e.g. ``ZONE_RESOURCE_POOL_EXHAUSTED``,
+        ``ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS``, ``QUOTA_EXCEEDED``): the request is accepted and its
+        operation ends DONE with that error, as real Compute does. ``spot_only``: on-demand requests still work."""
+        if message is None:
+            message = (f"Quota 'PREEMPTIBLE_NVIDIA_T4_GPUS' exceeded. Limit: 0.0 in region {zone.rsplit('-', 1)[0]}."
+                       if "QUOTA" in code else
+                       f"The zone 'projects/-/zones/{zone}' does not have enough resources available to fulfill "
+                       "the request. Try a different zone, or try again later.")
+        with self._lock:
+            self.zone_errors[zone] = (code, message, spot_only)
+
+    def restore(self, zone: str | None = None) -> None:
+        """Capacity (or quota) is back in ``zone`` (every zone when None)."""
+        with self._lock:
+            if zone is None:
+                self.zone_errors.clear()
+            else:
+                self.zone_errors.pop(zone, None)
 
     def add_mig(self, project: str, zone: str, group: str, members: dict[str, str]) -> None:
         """``members``: instance name -> currentAction (NONE, DELETING, ...)."""
@@ -252,6 +288,13 @@ class FakeComputeAPI:
             op.resource["status"] = "DONE"
             if error:
                 op.resource["error"] = {"errors": [{"code": error[0], "message": error[1]}]}
+
+    def _zone_error(self, zone: str, spot: bool) -> tuple[str, str] | None:
+        """The error a capacity-consuming request in ``zone`` meets now (decided when it is sent)."""
+        found = self.zone_errors.get(zone)
+        if found is None or (found[2] and not spot):
+            return None
+        return found[0], found[1]
 
     def _page(self, items: list, query: dict[str, str]) -> tuple[list, str | None]:
         size = int(query.get("maxResults", 500))
@@ -384,7 +427,8 @@ class FakeComputeAPI:
             raise HTTPError(409, "alreadyExists", f"The resource 'projects/{project}/zones/{zone}/instances/"
                                                   f"{name}' already exists")
         self._store(project, zone, body, status="PROVISIONING", ip=None)
-        rejection = self.rejected_inserts.get(name)
+        spot = (body.get("scheduling") or {}).get("provisioningModel") == "SPOT"
+        rejection = self.rejected_inserts.get(name) or self._zone_error(zone, spot)
 
         def done() -> tuple[str, str] | None:
             if rejection:  # e.g. no Spot capacity: the operation fails and the VM never appears
@@ -415,8 +459,13 @@ class FakeComputeAPI:
         instance = self._instance("GET", project, zone, name)
         if instance["status"] not in ("TERMINATED", "STOPPED", "SUSPENDED"):
             return self._operation(project, zone, "start", name, None)
+        # a stopped Spot VM needs new capacity to start: it stays TERMINATED when there is none
+        failure = self._zone_error(zone, (instance.get("scheduling") or {}).get("provisioningModel") == "SPOT")
 
-        def done() -> None:
+        def done() -> tuple[str, str] | None:
+            if failure:
+                return failure
             self._set_status(self._state.instances[(project, zone, name)], "RUNNING")
+            return None
 
         return self._operation(project, zone, "start", name, done)

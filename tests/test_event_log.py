@@ -1,12 +1,22 @@
-"""The event log: what reaches the store when, and that emit() never waits on a slow store."""
+"""The event log: what reaches the store when, that emit() never waits on a slow store, and the schema
+every event is emitted and read back with."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
+from pathlib import Path
+from typing import Any, Callable
 
+import pytest
+
+from ckpt_service.stores import LocalStore
 from ckpt_service.stores.memory import MemoryStore
-from hvd_transient.events import EventLog, read_events
+from hvd_transient import event_schema as ev
+from hvd_transient.events import DURABLE, URGENT, EventLog, read_events, read_records
+
+REAL_LOG = Path(__file__).resolve().parent / "data" / "report_events"
 
 
 class GatedStore(MemoryStore):
@@ -29,7 +39,7 @@ class GatedStore(MemoryStore):
             self.written.notify_all()
         return generation
 
-    def wait_for_put(self, predicate, timeout: float = 10.0) -> bool:
+    def wait_for_put(self, predicate: Callable[[list[str]], bool], timeout: float = 10.0) -> bool:
         with self.written:
             return self.written.wait_for(lambda: any(predicate(p) for p in self.puts), timeout)
 
@@ -37,8 +47,8 @@ class GatedStore(MemoryStore):
 def test_durable_events_are_in_the_store_when_emit_returns() -> None:
     store = GatedStore()
     log = EventLog(store, "h1", min_flush_interval_s=60.0)
-    log.emit("progress", step=1)
-    log.emit("leave_published", step=2, deadline=None)
+    log.emit(ev.Progress(step=1, size=2))
+    log.emit(ev.LeavePublished(step=2, deadline=None))
     assert [e["event"] for e in read_events(store)] == ["progress", "leave_published"]
     log.close()
 
@@ -47,11 +57,11 @@ def test_emit_does_not_wait_for_a_slow_store() -> None:
     store = GatedStore()
     store.gate.clear()                     # every write hangs until the gate opens
     log = EventLog(store, "h1", min_flush_interval_s=0.0)
-    log.emit("progress", step=1)           # the background writer takes this one and hangs
+    log.emit(ev.Progress(step=1, size=2))           # the background writer takes this one and hangs
     assert store.entered.wait(10)
     for step in range(2, 50):              # returns although the store is stuck
-        log.emit("progress", step=step)
-    log.emit("async_save", step=50, stall_ms=1.0, size=2)
+        log.emit(ev.Progress(step=step, size=2))
+    log.emit(ev.AsyncSave(step=50, stall_ms=1.0, size=2))
     assert store.puts == []
     store.gate.set()
     assert store.wait_for_put(lambda events: events[-1:] == ["async_save"] and len(events) == 50)
@@ -61,22 +71,22 @@ def test_emit_does_not_wait_for_a_slow_store() -> None:
 def test_urgent_events_bypass_the_rate_limit_and_carry_earlier_ones() -> None:
     store = GatedStore()
     log = EventLog(store, "h1", min_flush_interval_s=3600.0)
-    log.emit("progress", step=1)          # first write: nothing to rate-limit yet
+    log.emit(ev.Progress(step=1, size=2))          # first write: nothing to rate-limit yet
     assert store.wait_for_put(lambda events: events == ["progress"])
-    log.emit("progress", step=2)          # held back by the rate limit ...
-    log.emit("commit", step=2, kind="periodic", size=1, lease_generation=1)  # ... until an urgent one
+    log.emit(ev.Progress(step=2, size=2))          # held back by the rate limit ...
+    log.emit(ev.Commit(step=2, kind="periodic", size=1, lease_generation=1))  # ... until an urgent one
     assert store.wait_for_put(lambda events: events == ["progress", "progress", "commit"])
 
 
 def test_close_writes_what_the_rate_limit_held_back() -> None:
     store = GatedStore()
     log = EventLog(store, "h1", min_flush_interval_s=3600.0)
-    log.emit("progress", step=1)
+    log.emit(ev.Progress(step=1, size=2))
     assert store.wait_for_put(lambda events: events == ["progress"])
-    log.emit("progress", step=2)
+    log.emit(ev.Progress(step=2, size=2))
     log.close()
     assert [e["step"] for e in read_events(store)] == [1, 2]
-    log.emit("progress", step=3)          # after close: written at once
+    log.emit(ev.Progress(step=3, size=2))          # after close: written at once
     assert [e["step"] for e in read_events(store)] == [1, 2, 3]
 
 
@@ -86,8 +96,8 @@ def test_a_failing_store_never_raises_into_training() -> None:
             raise OSError("store unreachable")
 
     log = EventLog(Broken("broken"), "h1", min_flush_interval_s=0.0)
-    log.emit("leave_published", step=1, deadline=None)   # synchronous path
-    log.emit("progress", step=2)                         # background path
+    log.emit(ev.LeavePublished(step=1, deadline=None))   # synchronous path
+    log.emit(ev.Progress(step=2, size=2))                         # background path
     log.close()
     assert [e["event"] for e in log.events] == ["leave_published", "progress"]
 
@@ -105,7 +115,7 @@ def test_a_long_run_writes_rolling_segments_with_bounded_memory_and_flushes() ->
 
     log = EventLog(Recording(), "h1", min_flush_interval_s=0.0, segment_events=50)
     for step in range(1, 1001):
-        log.emit("progress", step=step * 10, size=4)
+        log.emit(ev.Progress(step=step * 10, size=4))
         if step % 7 == 0:
             log.flush()
         assert len(log.events) <= 50 + 7
@@ -116,3 +126,64 @@ def test_a_long_run_writes_rolling_segments_with_bounded_memory_and_flushes() ->
     assert max(sizes) < 57 * 100  # a flush carries at most one segment, however long the run
     events = read_events(store)
     assert [e["step"] for e in events] == [step * 10 for step in range(1, 1001)]
+
+
+# --------------------------------------------------------------------------- the schema
+
+
+def test_emit_takes_only_declared_kinds_with_their_exact_fields() -> None:
+    log = EventLog(None, "h1")
+    with pytest.raises(TypeError):
+        log.emit("progress", step=1)  # type: ignore[call-arg, type-var]
+    with pytest.raises(TypeError):
+        ev.Progress(step=1, sise=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        ev.Reset(step=1, rolled_back=0)  # type: ignore[call-arg]
+
+    @dataclasses.dataclass(frozen=True)
+    class Undeclared(ev.Progress):
+        extra: int = 0
+
+    with pytest.raises(TypeError):
+        log.emit(Undeclared(step=1, size=2))
+    record = log.emit(ev.NoticeAgreed(step=3, leaving=("b",), deadline=None, size=2))
+    assert record.event == "notice_agreed" and record.host == "h1" and record.pid == os.getpid()
+    assert log.events == [{"t": record.t, "event": "notice_agreed", "host": "h1", "pid": os.getpid(), "step": 3,
+                           "leaving": ["b"], "deadline": None, "size": 2}]
+
+
+def test_durable_and_urgent_kinds() -> None:
+    assert DURABLE == {"notice", "early_warning", "notice_agreed", "leave_published", "train_end", "weights"}
+    assert URGENT == {"election", "commit", "save_failed", "restore", "reset", "start", "ring", "async_save",
+                      "stop_requested"}
+
+
+def test_every_kind_round_trips_through_json() -> None:
+    values: dict[str, Any] = {"int": 3, "float": 1.5, "str": "x", "bool": True, "tuple[str, ...]": ("a", "b")}
+    for name, cls in ev.KINDS.items():
+        fields = {}
+        for f in dataclasses.fields(cls):
+            kind = str(f.type).split(" | ")[0]
+            fields[f.name] = values[kind]
+        record = ev.Record(12.5, "h", 7, cls(**fields))
+        on_disk = json.loads(json.dumps(ev.to_json_dict(record)))
+        assert on_disk["event"] == name
+        assert ev.from_json_dict(on_disk) == record, name
+
+
+def test_reading_is_lenient() -> None:
+    base = {"t": 1.0, "host": "h", "pid": 1}
+    # extra fields are ignored, optional ones take their default
+    record = ev.from_json_dict({**base, "event": "progress", "step": 5, "size": 2, "from_the_future": 1})
+    assert record == ev.Record(1.0, "h", 1, ev.Progress(step=5, size=2, samples=None))
+    assert ev.from_json_dict({**base, "event": "no_such_kind", "step": 5}) is None
+    assert ev.from_json_dict({**base, "event": "reset", "step": 5}) is None   # rolled_back, last_step missing
+    assert ev.from_json_dict({"event": "progress", "step": 5, "size": 2}) is None  # no time
+
+
+def test_the_committed_run_log_parses_completely() -> None:
+    """Every line of the real run's log is a declared kind with its fields."""
+    raw = read_events(LocalStore(REAL_LOG))
+    records = read_records(LocalStore(REAL_LOG))
+    assert len(records) == len(raw) > 100
+    assert [ev.to_json_dict(r) for r in records] == raw

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from ckpt_service.stores import LocalStore, ObjectStore, open_store
+from hvd_transient import event_schema as ev
 from hvd_transient.events import EventLog
 from hvd_transient.pricing import load_price_table
 from hvd_transient.report import main
@@ -118,6 +119,12 @@ def test_worker_preempted_with_notice() -> None:
     assert a.stall_s_by_worker["C (103)"] == pytest.approx(0.205)
     assert a.bytes_written == 3 * 1000 + 2 * 2000
     assert a.weights_consistent is True and a.last_committed_step == 100
+    assert p.marks == pytest.approx({"notice": T0 + 5.0, "agreed": T0 + 5.1, "committed": T0 + 5.4,
+                                     "left": T0 + 5.5, "reset": T0 + 8.0, "ring": T0 + 8.1,
+                                     "first_step": T0 + 8.5})
+    assert list(p.marks) == ["notice", "agreed", "committed", "left", "reset", "ring", "first_step"]
+    assert p.agreed_to_left_ms == pytest.approx(400.0, abs=1)  # the emergency checkpoint held every rank
+    assert (p.survivor_resets, p.last_step_before_reset, p.step_after_reset) == (1, 30, 30)
 
 
 def test_master_preempted_with_election() -> None:
@@ -164,6 +171,25 @@ def test_kill_without_notice_rolls_back() -> None:
     assert {w.host: w.outcome for w in a.workers}["C"] == KILLED
     assert any(e.kind == "vanished" and e.host == "C" for e in a.timeline)
     assert a.completed
+    assert p.agreed_to_left_ms is None and list(p.marks) == ["left", "reset", "ring", "first_step"]
+
+    # whoever killed it knows when: the departure, and the resume, count from then
+    (known,) = analyze(log.events, kills={"C": T0 + 10.0}).preemptions
+    assert known.departed_at == T0 + 10.0 and known.resume_ms == pytest.approx(5600.0, abs=5)
+    assert known.steps_rolled_back == 7
+
+
+def test_rings_of_ranks_that_only_know_their_own_host() -> None:
+    """The plain-Horovod baseline names the master host on rank 0 only: one ring, not two."""
+    log = Log()
+    log.start(0.0, ["A", "B"])
+    log.ring(0.1, 0, ["A", "B"], "A")
+    for e in log.events:
+        if e["event"] == "ring" and e["rank"] != 0:
+            e["master_host"] = None
+    log.each(2.0, "first_step", ["A", "B"], step=1, size=2)
+    a = analyze(log.events)
+    assert [(r.size, r.master_host, r.hosts) for r in a.rings] == [(2, "A", ("A", "B"))]
 
 
 def test_kill_before_the_first_step_waits_for_the_next_ring() -> None:
@@ -197,6 +223,41 @@ def test_join_is_not_a_relaunch() -> None:
     assert a.preemptions == ()
     assert all(w.outcome == FINISHED for w in a.workers)
     assert [c.lr for c in a.lr_changes] == pytest.approx([0.02, 0.03])
+
+
+def test_join_stall_of_the_survivors() -> None:
+    """From the survivors' last step before their reset to their first step on the bigger ring."""
+    log = Log()
+    log.start(0.0, ["A", "B"])
+    log.ring(0.1, 0, ["A", "B"], "A")
+    log.each(2.0, "first_step", ["A", "B"], step=1, size=2)
+    log.each(6.0, "progress", ["A", "B"], step=40, size=2)
+    log.each(7.0, "progress", ["A", "B"], step=50, size=2)       # the last step before the ring changes
+    log.add(9.0, "start", "D", step=52, rank=2, size=3, restored_step=None)
+    log.each(9.5, "reset", ["A", "B"], step=52, rolled_back=0, last_step=52)
+    log.ring(10.0, 52, ["A", "B", "D"], "A")
+    log.each(12.5, "first_step", ["D", "A", "B"], step=53, size=3)  # the joiner traced its step first
+    log.each(14.0, "progress", ["A", "B", "D"], step=60, size=3)
+    log.finish(20.0, 90, ["A", "B", "D"], "A")
+    a = analyze(log.events)
+    (j,) = a.joins
+    assert j.stalled_from == pytest.approx(T0 + 7.001) and j.resumed_at == pytest.approx(T0 + 12.501)
+    assert j.stall_s == pytest.approx(5.5) and j.steps_rolled_back == 0
+    ring_line = next(e.text for e in a.timeline if e.text.startswith("join D"))
+    assert ring_line.endswith("survivors stalled 5.50 s")
+    assert "joins: 1 (survivors stalled 5.50 s)" in render_text(a, None)
+    assert to_json(a, None)["joins"][0]["stall_s"] == pytest.approx(5.5)
+
+
+def test_join_before_any_step_on_the_old_ring_stalls_from_its_start() -> None:
+    log = Log()
+    log.start(0.0, ["A", "B"])
+    log.ring(0.1, 0, ["A", "B"], "A")
+    log.each(3.0, "reset", ["A", "B"], step=0, rolled_back=0, last_step=0)
+    log.ring(4.0, 0, ["A", "B", "D"], "A", pids={"D": 104})
+    log.each(6.0, "first_step", ["A", "B", "D"], step=1, size=3)
+    (j,) = analyze(log.events).joins
+    assert j.stall_s == pytest.approx(6.0 - 0.101)          # from B's ring event on the first ring
 
 
 def whole_cluster_notice_log() -> Log:
@@ -324,19 +385,23 @@ def test_json_document_is_serialisable_with_and_without_costs() -> None:
 
 def test_real_run_log_fixture() -> None:
     """Worker notice, join, master notice with election, kill -9, operator stop (a real run)."""
-    from hvd_transient.events import read_events
+    from hvd_transient.events import read_events, read_records
 
-    a = analyze(read_events(LocalStore(REAL_LOG)))
+    a = analyze(read_records(LocalStore(REAL_LOG)))
+    assert a == analyze(read_events(LocalStore(REAL_LOG)))   # typed records or the logged dicts
     assert [r.size for r in a.rings] == [3, 2, 3, 2, 1]
     worker, master, killed = a.preemptions
     assert (worker.host, worker.notice, worker.was_master, worker.checkpoint_committed) == \
         ("localhost", True, False, True)
-    assert worker.steps_rolled_back == 0 and worker.resume_ms > 0 and worker.deadline_met
+    assert worker.steps_rolled_back == 0 and (worker.resume_ms or 0) > 0 and worker.deadline_met
     assert (master.host, master.was_master, master.new_master) == ("127.0.0.1", True, "127.0.1")
     assert master.checkpoint_committed and master.steps_rolled_back == 0
     assert (killed.host, killed.notice, killed.checkpoint_committed) == ("127.1", False, False)
     assert killed.steps_rolled_back > 0
     assert [j.host for j in a.joins] == ["127.1"]
+    (join,) = a.joins
+    # the survivors' progress at step 60 (12.9 s) -> their first step on the ring of 3 (18.58 s)
+    assert join.stall_s == pytest.approx(5.69, abs=0.01) and join.steps_rolled_back == 0
     assert a.completed and a.ended_by == "stop request" and a.weights_consistent
     assert {w.host: w.outcome for w in a.workers} == {
         "localhost": PREEMPTED, "127.0.0.1": PREEMPTED, "127.1": KILLED, "127.0.1": FINISHED}
@@ -350,32 +415,32 @@ def write_log_through_eventlog(store: ObjectStore) -> None:
     logs = {h: EventLog(store, h, min_flush_interval_s=0.0) for h in ("localhost", "127.0.0.1", "127.0.1")}
     hosts = list(logs)
     for rank, h in enumerate(hosts):
-        logs[h].emit("start", step=0, rank=rank, size=3, restored_step=None)
+        logs[h].emit(ev.Start(step=0, rank=rank, size=3, restored_step=None))
     for rank, h in enumerate(hosts):
-        logs[h].emit("ring", step=0, rank=rank, size=3, master=0, master_host="localhost")
+        logs[h].emit(ev.Ring(step=0, rank=rank, size=3, master=0, master_host="localhost"))
     for h in hosts:
-        logs[h].emit("first_step", step=1, size=3)
+        logs[h].emit(ev.FirstStep(step=1, size=3))
     for h in hosts:
-        logs[h].emit("async_save", step=5, stall_ms=3.0, size=3)
-    logs["localhost"].emit("commit", step=5, kind="periodic", size=3)
-    notice = logs["127.0.1"].emit("notice", source="gce", reason="preempted", detected_at=None, deadline=None)
+        logs[h].emit(ev.AsyncSave(step=5, stall_ms=3.0, size=3))
+    logs["localhost"].emit(ev.Commit(step=5, kind="periodic", size=3))
+    notice = logs["127.0.1"].emit(ev.Notice(source="gce", reason="preempted", detected_at=None, deadline=None))
     for h in hosts:
-        logs[h].emit("notice_agreed", step=8, leaving=["127.0.1"], deadline=notice["t"] + 25, size=3)
+        logs[h].emit(ev.NoticeAgreed(step=8, leaving=("127.0.1",), deadline=notice.t + 25, size=3))
     for h in hosts:
-        logs[h].emit("save_end", step=8, kind="emergency", seconds=0.01, bytes=100)
-    logs["localhost"].emit("commit", step=8, kind="emergency", size=3)
-    logs["127.0.1"].emit("leave_published", step=8, deadline=None)
+        logs[h].emit(ev.SaveEnd(step=8, kind="emergency", seconds=0.01, bytes=100))
+    logs["localhost"].emit(ev.Commit(step=8, kind="emergency", size=3))
+    logs["127.0.1"].emit(ev.LeavePublished(step=8, deadline=None))
     for h in hosts[:2]:
-        logs[h].emit("reset", step=12, rolled_back=0, last_step=12)
+        logs[h].emit(ev.Reset(step=12, rolled_back=0, last_step=12))
     for rank, h in enumerate(hosts[:2]):
-        logs[h].emit("ring", step=12, rank=rank, size=2, master=0, master_host="localhost")
+        logs[h].emit(ev.Ring(step=12, rank=rank, size=2, master=0, master_host="localhost"))
     for h in hosts[:2]:
-        logs[h].emit("first_step", step=13, size=2)
+        logs[h].emit(ev.FirstStep(step=13, size=2))
     for h in hosts[:2]:
-        logs[h].emit("train_end", step=30)
-    logs["localhost"].emit("commit", step=30, kind="final", size=2)
+        logs[h].emit(ev.TrainEnd(step=30))
+    logs["localhost"].emit(ev.Commit(step=30, kind="final", size=2))
     for rank, h in enumerate(hosts[:2]):
-        logs[h].emit("weights", step=30, crc=7, size=2, rank=rank)
+        logs[h].emit(ev.Weights(step=30, crc=7, size=2, rank=rank))
     for log in logs.values():
         log.flush()
 
@@ -407,7 +472,8 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
 
-def test_cli_reads_a_gcs_store(tmp_path: Path, gcs_emulator_session, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_reads_a_gcs_store(tmp_path: Path, gcs_emulator_session: Any,
+                               capsys: pytest.CaptureFixture[str]) -> None:
     """The real google-cloud-storage client against fake-gcs-server."""
     url = f"gs://{gcs_emulator_session.new_bucket('report')}/run1"
     write_log_through_eventlog(open_store(url))

@@ -275,6 +275,31 @@ def test_adaptive_cadence_is_agreed_and_still_catches_a_notice() -> None:
     assert all(o.committed for o in outcomes)
 
 
+def test_an_early_warning_checkpoints_once_and_nobody_leaves(ranks) -> None:
+    """AWS rebalance recommendation on one VM: every rank saves at the next round (kind early),
+    training goes on on the whole ring, and the warning is answered once."""
+    group, impls, url = ranks
+    step_all(group, impls, 1)
+    impls[1].watcher.warning = Notice("aws", "vm", time.time(), time.time() + 120, "rebalance-recommendation",
+                                      early=True)
+    outcomes = step_all(group, impls, 2)
+    assert not any(o.leaving or o.departure_pending or o.emergency_step for o in outcomes)
+    for impl in impls:
+        impl.manager.wait(timeout=30)
+    assert CheckpointManager(url).all_steps() == [2]
+    for step in range(3, 6):  # answered: no further saves (periodic saves are off here)
+        outcomes = step_all(group, impls, step)
+        assert not any(o.leaving for o in outcomes)
+    for impl in impls:
+        impl.manager.wait(timeout=30)
+    assert CheckpointManager(url).all_steps() == [2]
+    warned = [e for e in impls[1].events.events if e["event"] == "early_warning"]
+    assert [(e["source"], e["reason"]) for e in warned] == [("aws", "rebalance-recommendation")]
+    assert not any(e["event"] == "early_warning" for e in impls[0].events.events)
+    commits = [e for e in impls[0].events.events if e["event"] == "commit"]
+    assert [(e["step"], e["kind"]) for e in commits] == [(2, "early")]
+
+
 def test_bad_cadence_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="check_every_steps"):
         TransientConfig(store="memory://x", check_every_steps=0)

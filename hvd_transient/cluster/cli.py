@@ -1,4 +1,4 @@
-"""``hvd-transient cluster up|down|status``: the paper's topology on GCE Spot VMs.
+"""``hvd-transient cluster up|down|status|keep``: the paper's topology on GCE Spot VMs.
 
 ``up`` creates one on-demand CPU driver VM and N Spot GPU workers. It is
 idempotent: existing VMs are left alone, stopped ones (a Spot worker preempted
@@ -6,13 +6,17 @@ with termination action STOP) are started again, missing ones (DELETE) are
 created again - so rerunning ``up`` after preemptions refills the cluster.
 ``down`` deletes every VM labelled with the cluster's name; ``status`` lists
 them. ``--dry-run`` prints the exact REST requests and the equivalent
-``gcloud`` commands without credentials or network.
+``gcloud`` commands without credentials or network. ``keep`` runs on the driver VM and
+does what rerunning ``up`` would, continuously: it keeps the workers RUNNING, fails over
+between zones on stock-outs, optionally falls back to on-demand workers and stops creating
+at a budget cap (:mod:`hvd_transient.cluster.keeper`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -22,6 +26,7 @@ from hvd_transient.cli import (
     command,
     http_url,
     non_negative_int,
+    non_negative_seconds,
     positive_int,
     positive_seconds,
     store_url,
@@ -39,6 +44,7 @@ from hvd_transient.cluster.spec import (
 
 if TYPE_CHECKING:
     from hvd_transient.cluster.compute_api import ComputeAPI
+    from hvd_transient.cluster.keeper import Keeper
 
 log = logging.getLogger(__name__)
 
@@ -56,38 +62,87 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format")
 
 
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    """The options that describe the cluster's VMs (``up`` and ``keep``)."""
+    parser.add_argument("--workers", type=non_negative_int, required=True, help="number of Spot GPU worker VMs")
+    parser.add_argument("--machine-type", default="n1-standard-8")
+    parser.add_argument("--gpu-type", default="nvidia-tesla-t4", help="accelerator type, or 'none'")
+    parser.add_argument("--gpus-per-worker", type=non_negative_int, default=1)
+    parser.add_argument("--image-family", default="debian-12")
+    parser.add_argument("--image-project", default="debian-cloud")
+    parser.add_argument("--boot-disk-gb", type=positive_int, default=100)
+    parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra labels (repeatable)")
+    parser.add_argument("--termination-action", choices=("STOP", "DELETE"), default="STOP",
+                        help="what GCE does to a preempted worker (default STOP: rerun 'up' to restart it)")
+    parser.add_argument("--preemption-notice-duration", type=notice_seconds, metavar="SECONDS",
+                        help="preemption notice the Spot workers get, e.g. 120 or 120s (GCE beta field "
+                             "scheduling.preemptionNoticeDuration; default: Compute Engine's 30 s); "
+                             "the workers' watchers read it from the VM's metadata")
+    parser.add_argument("--driver-machine-type", default="n1-standard-4")
+    parser.add_argument("--driver-zone", help="zone of the driver VM (default: the first zone)")
+    parser.add_argument("--network", default="global/networks/default")
+    parser.add_argument("--subnetwork")
+    parser.add_argument("--no-external-ip", action="store_true", help="no external IPs (needs Cloud NAT for PyPI)")
+    parser.add_argument("--service-account", default="default")
+    parser.add_argument("--package", default="hvd-transient", help="pip requirement the VMs install")
+    parser.add_argument("--store", type=store_url,
+                        help="run store URL (gs://bucket/run) given to every VM as HVDT_STORE")
+    parser.add_argument("--ssh-user", default="hvdt")
+    parser.add_argument("--ssh-public-key", metavar="FILE",
+                        help="public key horovodrun's ssh uses (e.g. ~/.ssh/id_ed25519.pub)")
+    parser.add_argument("--startup-script", metavar="FILE", help=f"default: {DEFAULT_STARTUP_SCRIPT}")
+
+
+def _add_keep(commands: Any) -> None:
+    keep = commands.add_parser(
+        "keep", help="keep N Spot workers running: restart, recreate, fail over zones, fall back, cap the cost",
+        description="Run on the driver VM: every --interval seconds, start stopped workers and recreate deleted "
+                    "ones, spread over --zones; a zone that reports a stock-out or quota error is skipped with "
+                    "exponential backoff. With --store, its actions go to the run's event log "
+                    "(hvd-transient report) and its state to keeper/<name>.json there.")
+    _add_common(keep)
+    _add_cluster_options(keep)
+    keep.add_argument("--interval", type=positive_seconds, default=30.0, metavar="SECONDS",
+                      help="seconds between passes (default 30)")
+    keep.add_argument("--on-demand-after", type=non_negative_seconds, metavar="SECONDS",
+                      help="after this long without Spot capacity, fill the missing workers with on-demand ones "
+                           "(deleted again once Spot workers run in their place); default: never")
+    keep.add_argument("--max-cost-per-hour", type=usd, metavar="USD",
+                      help="never start or create a worker that would raise the workers' hourly rate above this")
+    keep.add_argument("--max-total-cost", type=usd, metavar="USD",
+                      help="stop starting or creating workers once the workers' spend would exceed this")
+    keep.add_argument("--prices", metavar="FILE", help="price file overriding the packaged table (or $HVDT_PRICES)")
+    keep.add_argument("--backoff", type=positive_seconds, default=60.0, metavar="SECONDS",
+                      help="first backoff of a zone after a stock-out or quota error; it doubles up to "
+                           "--backoff-max (default 60)")
+    keep.add_argument("--backoff-max", type=positive_seconds, default=1800.0, metavar="SECONDS",
+                      help="longest backoff of a zone (default 1800)")
+    keep.add_argument("--once", action="store_true", help="one pass, then exit (cron, tests)")
+    keep.add_argument("--dry-run", action="store_true",
+                      help="look at the workers and print the actions one pass would take; change nothing")
+    keep.add_argument("--timeout", type=positive_seconds, default=900.0,
+                      help="seconds to wait for each pass's operations (default 900)")
+
+
+def usd(text: str) -> float:
+    """argparse type: an amount of money > 0 (USD, as the price table)."""
+    try:
+        value = float(text.removeprefix("$"))
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected an amount in USD > 0 such as 2.5, not {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{up,down,status}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{up,down,status,keep}")
 
     up = commands.add_parser("up", help="create (or refill) the cluster")
     _add_common(up)
-    up.add_argument("--workers", type=non_negative_int, required=True, help="number of Spot GPU worker VMs")
-    up.add_argument("--machine-type", default="n1-standard-8")
-    up.add_argument("--gpu-type", default="nvidia-tesla-t4", help="accelerator type, or 'none'")
-    up.add_argument("--gpus-per-worker", type=non_negative_int, default=1)
-    up.add_argument("--image-family", default="debian-12")
-    up.add_argument("--image-project", default="debian-cloud")
-    up.add_argument("--boot-disk-gb", type=positive_int, default=100)
-    up.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="extra labels (repeatable)")
-    up.add_argument("--termination-action", choices=("STOP", "DELETE"), default="STOP",
-                    help="what GCE does to a preempted worker (default STOP: rerun 'up' to restart it)")
-    up.add_argument("--preemption-notice-duration", type=notice_seconds, metavar="SECONDS",
-                    help="preemption notice the Spot workers get, e.g. 120 or 120s (GCE beta field "
-                         "scheduling.preemptionNoticeDuration; default: Compute Engine's 30 s); "
-                         "the workers' watchers read it from the VM's metadata")
-    up.add_argument("--driver-machine-type", default="n1-standard-4")
-    up.add_argument("--driver-zone", help="zone of the driver VM (default: the first zone)")
-    up.add_argument("--network", default="global/networks/default")
-    up.add_argument("--subnetwork")
-    up.add_argument("--no-external-ip", action="store_true", help="no external IPs (needs Cloud NAT for PyPI)")
-    up.add_argument("--service-account", default="default")
-    up.add_argument("--package", default="hvd-transient", help="pip requirement the VMs install")
-    up.add_argument("--store", type=store_url, help="run store URL (gs://bucket/run) given to every VM as HVDT_STORE")
-    up.add_argument("--ssh-user", default="hvdt")
-    up.add_argument("--ssh-public-key", metavar="FILE",
-                    help="public key horovodrun's ssh uses (e.g. ~/.ssh/id_ed25519.pub)")
-    up.add_argument("--startup-script", metavar="FILE", help=f"default: {DEFAULT_STARTUP_SCRIPT}")
+    _add_cluster_options(up)
     up.add_argument("--dry-run", action="store_true", help="print the requests and gcloud commands; send nothing")
     up.add_argument("--timeout", type=positive_seconds, default=900.0, help="seconds to wait for the VMs (default 900)")
 
@@ -102,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="list the cluster's VMs")
     _add_common(status)
+    _add_keep(commands)
     return parser
 
 
@@ -160,7 +216,7 @@ def _connect(args: argparse.Namespace, *, write: bool) -> "ComputeAPI":
 # ---- dry runs -------------------------------------------------------------------------------
 
 
-def _print_dry_run(title: str, requests: list, commands: list[list[str]], fmt: str) -> None:
+def _print_dry_run(title: str, requests: list[Any], commands: list[list[str]], fmt: str) -> None:
     from hvd_transient.cluster.gcloud import render
 
     if fmt == "json":
@@ -206,7 +262,7 @@ def _down_dry_run(args: argparse.Namespace) -> int:
 # ---- real runs ------------------------------------------------------------------------------
 
 
-def _cluster_instances(api: "ComputeAPI", project: str, name: str, zones: tuple[str, ...]) -> list[dict]:
+def _cluster_instances(api: "ComputeAPI", project: str, name: str, zones: tuple[str, ...]) -> list[dict[str, Any]]:
     from hvd_transient.cluster.rest_plan import cluster_filter
 
     query = cluster_filter(name)
@@ -222,7 +278,7 @@ def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
     from hvd_transient.cluster.rest_plan import instance_body
 
     api = _connect(args, write=True)
-    pending: list[tuple[str, dict]] = []
+    pending: list[tuple[str, dict[str, Any]]] = []
     for plan in plan_instances(spec):
         kind = "Spot" if plan.spot else "on-demand"
         current = api.get_instance(spec.project, plan.zone, plan.name)
@@ -266,7 +322,7 @@ def _down(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _wait_all(api: "ComputeAPI", pending: list[tuple[str, dict]], timeout: float) -> int:
+def _wait_all(api: "ComputeAPI", pending: list[tuple[str, dict[str, Any]]], timeout: float) -> int:
     """Wait for every operation, reporting each; one failure (e.g. no Spot capacity) does not hide the rest."""
     from hvd_transient.cluster.compute_api import ComputeAPIError
 
@@ -280,6 +336,95 @@ def _wait_all(api: "ComputeAPI", pending: list[tuple[str, dict]], timeout: float
             continue
         print(message)
     return failed
+
+
+def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
+    """Run the keeper: one pass (``--once``), a preview (``--dry-run``) or until SIGTERM/Ctrl-C."""
+    from hvd_transient.cluster.keeper import ComputeFleet, Keeper, StateFile, policy_for
+    from hvd_transient.cluster.keeper_plan import price_key, worker_rates
+    from hvd_transient.pricing import PriceTableError, load_price_table
+
+    if args.backoff_max < args.backoff:
+        raise ClusterSpecError(f"--backoff-max ({args.backoff_max:g}) must be at least --backoff ({args.backoff:g})")
+    if args.once and not args.dry_run and not args.store:
+        # one pass per process: the spend and the "no Spot since" clock live in the store between passes
+        needs = [o for o, v in (("--max-total-cost", args.max_total_cost), ("--on-demand-after", args.on_demand_after))
+                 if v is not None]
+        if needs:
+            raise ClusterSpecError(f"{' and '.join(needs)} with --once need --store, where the keeper keeps its "
+                                   "state between runs")
+    table = load_price_table(args.prices)  # a bad price file is an error whatever the caps
+    try:
+        spot_rate, on_demand_rate = worker_rates(spec, table)
+    except PriceTableError:
+        if args.max_cost_per_hour is not None or args.max_total_cost is not None:
+            raise  # a cap cannot be kept without a price
+        log.warning("no price for %s: the keeper counts its cost as 0 (add it with --prices)", price_key(spec))
+        spot_rate = on_demand_rate = 0.0
+    policy = policy_for(
+        spec, spot_per_hour=spot_rate, on_demand_per_hour=on_demand_rate, on_demand_after_s=args.on_demand_after,
+        max_cost_per_hour=args.max_cost_per_hour, max_total_cost=args.max_total_cost,
+        budget_horizon_s=max(60.0, args.interval), backoff_initial_s=args.backoff, backoff_max_s=args.backoff_max,
+        max_accrual_gap_s=max(3600.0, 4 * args.interval))
+    store = None
+    if args.store:
+        from ckpt_service.stores import open_store
+
+        store = open_store(args.store)
+    state_file = StateFile(store, spec.name) if store is not None else None
+    fleet = ComputeFleet(_connect(args, write=not args.dry_run), spec, operation_timeout=args.timeout)
+    if args.dry_run:
+        return _keep_dry_run(Keeper(fleet, policy, cluster=spec.name, state_file=state_file), spec, args.format)
+
+    events = None
+    if store is not None:
+        import socket
+
+        from hvd_transient.events import EventLog
+
+        events = EventLog(store, socket.gethostname())
+    keeper = Keeper(fleet, policy, cluster=spec.name, instance_type=price_key(spec), events=events,
+                    state_file=state_file, interval_s=args.interval)
+    try:
+        if args.once:
+            return 1 if keeper.reconcile().errors else 0
+        _stop_on_sigterm(keeper)
+        print(f"keeping {spec.workers} worker(s) of {spec.name} in {', '.join(spec.zones)} "
+              f"(every {args.interval:g} s; Ctrl-C or SIGTERM stops)", flush=True)
+        keeper.run()
+        return 0
+    finally:
+        keeper.close()
+
+
+def _stop_on_sigterm(keeper: "Keeper") -> None:
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # systemd stops a unit with SIGTERM
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: keeper.stop())
+
+
+def _keep_dry_run(keeper: "Keeper", spec: ClusterSpec, fmt: str) -> int:
+    from dataclasses import asdict
+
+    from hvd_transient.cluster.keeper_plan import action_dict, describe
+
+    result = keeper.preview()
+    if fmt == "json":
+        print(json.dumps({"workers": [asdict(w) for w in result.observation.workers],
+                          "actions": [action_dict(a) for a in result.actions],
+                          "spent": round(result.state.spend.total, 6)}, indent=2))
+        return 0
+    live = sum(1 for w in result.observation.workers if w.live)
+    print(f"# {PROG} keep {spec.name}: {live} of {spec.workers} workers live (dry run: nothing was changed)")
+    for worker in result.observation.workers:
+        print(f"#   {worker.name}  {worker.zone}  {worker.status}  {worker.provisioning}")
+    for action in result.actions:
+        print(describe(action))
+    if not result.actions:
+        print("nothing to do")
+    return 0
 
 
 def describe(instance: dict[str, Any]) -> dict[str, Any]:
@@ -327,6 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _up_dry_run(args, spec) if args.dry_run else _up(args, spec)
     if args.command == "down":
         return _down_dry_run(args) if args.dry_run else _down(args)
+    if args.command == "keep":
+        return _keep(args, spec_from_args(args))
     return _status(args)
 
 

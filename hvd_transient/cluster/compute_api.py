@@ -95,7 +95,7 @@ def make_session(scopes: Sequence[str], *, anonymous: bool) -> requests.Session:
             "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, or run on a GCE VM "
             f"whose service account has the scopes {', '.join(scopes)} ({exc})"
         ) from None
-    return AuthorizedSession(credentials)
+    return AuthorizedSession(credentials)  # type: ignore[no-untyped-call]
 
 
 def _error_from_response(response: requests.Response, what: str) -> ComputeAPIError:
@@ -239,12 +239,12 @@ class ComputeAPI:
 
     # ---- typed calls ----------------------------------------------------------------------
 
-    def list_instances(self, project: str, zone: str, *, filter: str | None = None) -> Iterator[dict]:
+    def list_instances(self, project: str, zone: str, *, filter: str | None = None) -> Iterator[dict[str, Any]]:
         params = {"filter": filter} if filter else {}
         for page in self.pages("GET", f"projects/{project}/zones/{zone}/instances", params=params):
             yield from page.get("items", [])
 
-    def aggregated_instances(self, project: str, *, filter: str | None = None) -> Iterator[dict]:
+    def aggregated_instances(self, project: str, *, filter: str | None = None) -> Iterator[dict[str, Any]]:
         """Instances of every zone (each keeps its ``zone`` URL)."""
         params: dict[str, Any] = {"returnPartialSuccess": "true"}
         if filter:
@@ -253,30 +253,30 @@ class ComputeAPI:
             for scope in (page.get("items") or {}).values():
                 yield from scope.get("instances", [])
 
-    def list_managed_instances(self, project: str, zone: str, group: str) -> Iterator[dict]:
+    def list_managed_instances(self, project: str, zone: str, group: str) -> Iterator[dict[str, Any]]:
         path = f"projects/{project}/zones/{zone}/instanceGroupManagers/{group}/listManagedInstances"
         for page in self.pages("POST", path):
             yield from page.get("managedInstances", [])
 
-    def get_instance(self, project: str, zone: str, name: str) -> dict | None:
+    def get_instance(self, project: str, zone: str, name: str) -> dict[str, Any] | None:
         try:
             return self.call("GET", f"projects/{project}/zones/{zone}/instances/{name}")
         except ComputeNotFoundError:
             return None
 
-    def insert_instance(self, project: str, zone: str, body: Mapping[str, Any]) -> dict:
+    def insert_instance(self, project: str, zone: str, body: Mapping[str, Any]) -> dict[str, Any]:
         from hvd_transient.cluster.rest_plan import api_base_for
 
         base = api_base_for(self.base_url, body)  # a beta field goes to the beta API
         return self.call("POST", f"{base}/projects/{project}/zones/{zone}/instances", body=body)
 
-    def delete_instance(self, project: str, zone: str, name: str) -> dict:
+    def delete_instance(self, project: str, zone: str, name: str) -> dict[str, Any]:
         return self.call("DELETE", f"projects/{project}/zones/{zone}/instances/{name}")
 
-    def start_instance(self, project: str, zone: str, name: str) -> dict:
+    def start_instance(self, project: str, zone: str, name: str) -> dict[str, Any]:
         return self.call("POST", f"projects/{project}/zones/{zone}/instances/{name}/start")
 
-    def wait_operation(self, operation: Mapping[str, Any], *, timeout: float = 600.0) -> dict:
+    def wait_operation(self, operation: Mapping[str, Any], *, timeout: float = 600.0) -> dict[str, Any]:
         """Block until a zonal operation is DONE; raise ComputeAPIError if it failed."""
         deadline = time.monotonic() + timeout
         op = dict(operation)

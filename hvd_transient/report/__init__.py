@@ -16,10 +16,11 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 from urllib.parse import urlparse
 
 from hvd_transient.cli import ArgumentParser, command, output_file
+from hvd_transient.event_schema import EventBody, Record
 from hvd_transient.report.analysis import NoEventsError, RunAnalysis, analyze
 from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE, CostEstimate, estimate_costs
 
@@ -36,17 +37,17 @@ def no_events_message(url: str) -> str:
     return f"no event log under {url}: is this the --store of a run?"
 
 
-def load_events(url: str) -> list[dict[str, Any]]:
-    """Every event of the run at ``url``; ReportError if there are none."""
+def load_events(url: str) -> list[Record[EventBody]]:
+    """Every event of the run at ``url``, typed; ReportError if there are none."""
     from ckpt_service.errors import CheckpointError
     from ckpt_service.stores import open_store
-    from hvd_transient.events import read_events
+    from hvd_transient.events import read_records
 
     parsed = urlparse(url)
     if parsed.scheme in ("", "file") and not Path(parsed.path if parsed.scheme else url).expanduser().is_dir():
         raise ReportError(no_events_message(url))  # never create a directory for a mistyped path
     try:
-        events = read_events(open_store(url))
+        events = read_records(open_store(url))
     except (CheckpointError, OSError) as exc:
         raise ReportError(f"cannot read the event log under {url}: {exc}") from None
     if not events:
@@ -54,7 +55,7 @@ def load_events(url: str) -> list[dict[str, Any]]:
     return events
 
 
-def build(events: Sequence[dict[str, Any]], *, instance_type: str = DEFAULT_INSTANCE_TYPE,
+def build(events: Sequence[Record[EventBody] | Mapping[str, Any]], *, instance_type: str = DEFAULT_INSTANCE_TYPE,
           prices: str | None = None, driver_instance_type: str | None = None) -> tuple[RunAnalysis, CostEstimate]:
     from hvd_transient.pricing import PriceTableError, load_price_table
 

@@ -2,7 +2,8 @@
 
 Bottom panel: one horizontal bar per worker lifetime, coloured by how it ended,
 with markers for notices, departures, joins and commits. Top panel: the step
-reached over time and the ring size, on the same time axis.
+reached over time and the ring size, on the same time axis, with each join's
+survivors' stall shaded and labelled.
 """
 from __future__ import annotations
 
@@ -72,7 +73,10 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
     from matplotlib.patches import Patch
 
     a = analysis
-    rel = lambda t: t - a.started_at  # noqa: E731
+
+    def rel(t: float) -> float:
+        return t - a.started_at
+
     workers = list(a.workers)
     height = 2.2 + 0.42 * max(1, len(workers))
     fig, (ax_steps, ax_bars) = plt.subplots(
@@ -95,6 +99,12 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
     for c in a.commits:
         marker, colour, size = COMMIT_STYLE.get(c.kind, ("o", "black", 30))
         ax_steps.scatter([rel(c.t)], [c.step], marker=marker, color=colour, s=size * 0.6, zorder=4)
+    for j in a.joins:
+        if j.stalled_from is not None and j.resumed_at is not None and j.stall_s is not None:
+            # the survivors trained on no ring from their last step to their first on the bigger one
+            ax_steps.axvspan(rel(j.stalled_from), rel(j.resumed_at), color="#2166ac", alpha=0.12, lw=0)
+            ax_steps.annotate(f"join {j.host}: stall {j.stall_s:.1f} s", (rel(j.resumed_at), j.step),
+                              xytext=(4, -14), textcoords="offset points", fontsize=7, color="#2166ac")
     ax_steps.legend(handles=[Line2D([], [], color="#333333", lw=1.6, label="step"),
                              Line2D([], [], color="#7b3294", lw=1.2, label="workers in ring")],
                     loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=2, fontsize=8, frameon=False)
@@ -109,22 +119,22 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
             ax_bars.scatter([rel(w.notice_at)], [i - 0.42], marker="v", color="black", s=60, zorder=5,
                             clip_on=False)
     for p in a.preemptions:
-        i = index.get((p.host, p.pid))
-        if i is not None:
-            ax_bars.scatter([rel(p.departed_at)], [i], marker="X" if not p.notice else "P",
+        row = index.get((p.host, p.pid))
+        if row is not None:
+            ax_bars.scatter([rel(p.departed_at)], [row], marker="X" if not p.notice else "P",
                             color="#b2182b" if not p.notice else "#8c510a", s=70, zorder=5)
     for j in a.joins:
-        i = index.get((j.host, j.pid))
-        if i is not None:
-            ax_bars.scatter([rel(j.t)], [i], marker=">", color="#2166ac", s=60, zorder=5)
+        row = index.get((j.host, j.pid))
+        if row is not None:
+            ax_bars.scatter([rel(j.t)], [row], marker=">", color="#2166ac", s=60, zorder=5)
     label_of = {w.host: i for i, w in enumerate(workers)}
     for c in a.commits:
         marker, colour, size = COMMIT_STYLE.get(c.kind, ("o", "black", 30))
-        i = next((index[k] for k in index if k[0] == c.host
-                  and workers[index[k]].started_at <= c.t <= workers[index[k]].ended_at),
-                 label_of.get(c.host))
-        if i is not None:
-            ax_bars.scatter([rel(c.t)], [i], marker=marker, color=colour, s=size, zorder=6)
+        row = next((index[k] for k in index if k[0] == c.host
+                    and workers[index[k]].started_at <= c.t <= workers[index[k]].ended_at),
+                   label_of.get(c.host))
+        if row is not None:
+            ax_bars.scatter([rel(c.t)], [row], marker=marker, color=colour, s=size, zorder=6)
     ax_bars.set_yticks(range(len(workers)))
     ax_bars.set_yticklabels([f"{w.label}" for w in workers], fontsize=8)
     ax_bars.invert_yaxis()
@@ -133,7 +143,7 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
     ax_bars.set_xlim(left=min(0.0, *(rel(w.started_at) for w in workers)) - 0.5,
                      right=max(rel(a.ended_at), *(rel(w.ended_at) for w in workers)) * 1.02 + 0.5)
 
-    handles = [Patch(color=colour, label=outcome) for outcome, colour in OUTCOME_COLOURS.items()
+    handles: list[Any] = [Patch(color=colour, label=outcome) for outcome, colour in OUTCOME_COLOURS.items()
                if any(w.outcome == outcome for w in workers)]
     handles += [
         Line2D([], [], ls="", marker="v", color="black", label="notice"),

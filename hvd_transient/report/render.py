@@ -63,13 +63,15 @@ def render_summary(analysis: RunAnalysis) -> str:
     for c in a.commits:
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
     notices = sum(p.notice for p in a.preemptions)
+    stalls = [j.stall_s for j in a.joins if j.stall_s is not None]
     lines = [
         f"completed:            {_yes(a.completed)} ({a.ended_by})",
         f"final step:           {_num(a.final_step)}   last committed step: {_num(a.last_committed_step)}",
         f"wall time:            {a.wall_s:.1f} s   worker-seconds: {a.worker_seconds:.1f}",
         f"workers:              {len(a.workers)} processes; ring sizes {sizes}",
         f"preemptions:          {len(a.preemptions)} ({notices} with notice, "
-        f"{len(a.preemptions) - notices} without); joins: {len(a.joins)}",
+        f"{len(a.preemptions) - notices} without); joins: {len(a.joins)}"
+        + (f" (survivors stalled {', '.join(f'{s:.2f}' for s in stalls)} s)" if stalls else ""),
         "commits:              " + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
         + (f"; {a.saves_failed} failed saves" if a.saves_failed else ""),
         f"checkpoint stall:     {a.checkpoint_stall_s:.3f} s (largest per worker: async snapshot stalls + "
@@ -120,6 +122,8 @@ def _preemption_json(a: RunAnalysis, p: Preemption) -> dict[str, Any]:
         "reset_to_first_step_ms": p.reset_to_first_step_ms, "cold_restart": p.cold_restart,
         "checkpoint_committed": p.checkpoint_committed, "notice_to_commit_ms": p.notice_to_commit_ms,
         "deadline_met": p.deadline_met, "new_master": p.new_master,
+        "agreed_to_left_ms": p.agreed_to_left_ms, "survivor_resets": p.survivor_resets,
+        "marks_s": {name: _rel(a, t) for name, t in p.marks.items()},
     }
 
 
@@ -136,10 +140,11 @@ def to_json(analysis: RunAnalysis, cost: CostEstimate | None) -> dict[str, Any]:
         "wall_s": a.wall_s,
         "worker_seconds": a.worker_seconds,
         "preemptions": [_preemption_json(a, p) for p in a.preemptions],
-        "joins": [{"host": j.host, "pid": j.pid, "t_s": _rel(a, j.t), "step": j.step, "size": j.size}
-                  for j in a.joins],
+        "joins": [{"host": j.host, "pid": j.pid, "t_s": _rel(a, j.t), "step": j.step, "size": j.size,
+                   "stall_s": j.stall_s, "steps_rolled_back": j.steps_rolled_back} for j in a.joins],
         "rings": [{"t_s": _rel(a, r.started_at), "step": r.step, "size": r.size, "master_host": r.master_host,
-                   "hosts": list(r.hosts), "joined": list(r.joined), "relaunch": r.relaunch} for r in a.rings],
+                   "hosts": list(r.hosts), "joined": list(r.joined), "relaunch": r.relaunch,
+                   "steps_per_s": r.steps_per_s} for r in a.rings],
         "lr_changes": [{"t_s": _rel(a, c.t), "lr": c.lr, "size": c.size} for c in a.lr_changes],
         "commits": [{"t_s": _rel(a, c.t), "step": c.step, "kind": c.kind, "host": c.host, "size": c.size}
                     for c in a.commits],

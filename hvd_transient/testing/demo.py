@@ -93,17 +93,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             store = f"gs://{bucket}/{run_dir.name}"
             extra_env = tuple(emu.env.items())
         store = store or str(run_dir / "store")
-        command = (sys.executable, str(EXAMPLE), "--store", store, "--model", args.model,
+        command: tuple[str, ...] = (sys.executable, str(EXAMPLE), "--store", store, "--model", args.model,
                    "--epochs", str(args.epochs), "--steps-per-epoch", str(args.steps_per_epoch),
-                   "--batch-size", str(args.batch_size), "--save-every", str(args.save_every),
-                   "--notice-window", str(args.window))
+                   "--batch-size", str(args.batch_size), "--save-every", str(args.save_every))
         if args.cifar10_npz:
             command += ("--cifar10-npz", str(Path(args.cifar10_npz).absolute()))
         if args.step_seconds:
             command += ("--step-seconds", str(args.step_seconds))
         hosts = HOST_ALIASES[:args.workers]
         spec = LocalClusterSpec(store=store, hosts=hosts, command=command, workdir=run_dir,
-                                max_np=len(HOST_ALIASES), instances=HOST_ALIASES, extra_env=extra_env)
+                                max_np=len(HOST_ALIASES), instances=HOST_ALIASES, extra_env=extra_env,
+                                notice_s=args.window)  # the workers' watchers read it from their VM's metadata
         print(f"hvd-transient demo: {args.workers} VMs ({', '.join(hosts)}), {args.model}, "
               f"{total_steps} steps, store {store}")
         print("schedule: " + "; ".join(a.describe() for a in schedule))

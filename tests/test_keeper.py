@@ -1,0 +1,587 @@
+"""`hvd-transient cluster keep`: the pure plan, the loop against the fake Compute API, the CLI, the local fleet.
+
+Time is a fake clock the tests advance; the fake API's operations finish on their first poll.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from fake_compute_api import QUOTA_EXCEEDED, STOCKOUT, FakeComputeAPI
+
+from ckpt_service.stores import LocalStore
+from hvd_transient.cluster import cli
+from hvd_transient.cluster.compute_api import ComputeAPI
+from hvd_transient.cluster.keeper import ComputeFleet, Keeper, StateFile, policy_for
+from hvd_transient.cluster.keeper_plan import (
+    ERROR,
+    GONE,
+    ON_DEMAND_FALLBACK,
+    QUOTA,
+    RECREATE,
+    REPLACE_ON_DEMAND,
+    RESTART,
+    SPOT_RUNNING,
+    Backoff,
+    Create,
+    Delete,
+    KeeperPolicy,
+    KeeperState,
+    Observation,
+    Outcome,
+    Spend,
+    Start,
+    Wait,
+    WorkerVM,
+    accrue,
+    backoff_delay,
+    classify_failure,
+    on_demand_premium,
+    plan,
+    settle,
+    state_from_json,
+    state_to_json,
+    worker_body,
+)
+from hvd_transient.cluster.rest_plan import instance_body
+from hvd_transient.cluster.spec import ClusterSpec, plan_instances
+from hvd_transient.event_schema import KeeperRefill
+from hvd_transient.events import EventLog, read_events, read_records
+
+PROJECT, ZA, ZB, ZC = "proj-1", "us-central1-a", "us-central1-b", "us-central1-c"
+T0 = 1_700_000_000.0
+
+
+def policy(**overrides) -> KeeperPolicy:
+    values = dict(workers=3, zones=(ZA, ZB), name_prefix="exp-worker-", spot_per_hour=0.5, on_demand_per_hour=1.5)
+    values.update(overrides)
+    return KeeperPolicy(**values)
+
+
+def vm(index: int, zone: str = ZA, status: str = "RUNNING", spot: bool = True) -> WorkerVM:
+    return WorkerVM(f"exp-worker-{index}", zone, status, spot)
+
+
+def look(*workers: WorkerVM, now: float = T0) -> Observation:
+    return Observation(now, tuple(workers))
+
+
+def spec(**overrides) -> ClusterSpec:
+    values = dict(name="exp", project=PROJECT, zones=(ZA, ZB), workers=3, startup_script="#!/bin/bash\necho hi\n")
+    values.update(overrides)
+    return ClusterSpec(**values)
+
+
+# ---- the pure plan ----------------------------------------------------------------------------
+
+
+def test_nothing_to_do_when_every_worker_runs():
+    assert plan(look(vm(0), vm(1, ZB), vm(2)), KeeperState(), policy()) == ()
+    # nor while one is still coming up, or on its way down (a preemption in progress)
+    assert plan(look(vm(0), vm(1, ZB, "PROVISIONING"), vm(2, ZA, "STOPPING")), KeeperState(), policy()) == ()
+
+
+def test_missing_workers_are_created_round_robin_as_up_spreads_them():
+    actions = plan(look(), KeeperState(), policy())
+    assert all(isinstance(a, Create) and a.spot and a.reason == RECREATE for a in actions)
+    assert [(a.name, a.zone) for a in actions] == [(p.name, p.zone) for p in plan_instances(spec())[1:]]
+    # with one worker in A, the next two go where there are fewer
+    actions = plan(look(vm(0)), KeeperState(), policy(zones=(ZA, ZB, ZC)))
+    assert [(a.name, a.zone) for a in actions] == [("exp-worker-1", ZB), ("exp-worker-2", ZC)]
+
+
+def test_stopped_workers_are_started_again_and_deleted_ones_recreated():
+    actions = plan(look(vm(0, ZA, "TERMINATED"), vm(2, ZA)), KeeperState(), policy())
+    assert actions == (Start("exp-worker-0", ZA, True, "TERMINATED", RESTART),
+                       Create("exp-worker-1", ZB, True, RECREATE))
+
+
+def test_stockout_backs_the_zone_off_once_per_pass_and_creation_fails_over():
+    p = policy()
+    start, create = Start("exp-worker-0", ZA, True, "TERMINATED"), Create("exp-worker-3", ZA, True, RECREATE)
+    state = settle(KeeperState(), [Outcome(start, "no capacity", STOCKOUT), Outcome(create, "no capacity", STOCKOUT)],
+                   T0, p)
+    assert state.backoffs == (Backoff(ZA, True, 1, T0 + 60, STOCKOUT),)  # two failures, one pass: counted once
+    assert state.no_spot_since == T0
+    assert state.available(ZA, False, T0)  # on-demand capacity is another pool
+
+    workers = (vm(0, ZA, "TERMINATED"), vm(1, ZB), vm(2, ZA))
+    actions = plan(look(*workers, now=T0 + 10), state, p)
+    assert actions == (Create("exp-worker-3", ZB, True, RECREATE, avoided=(ZA,)),)  # not a restart in A
+
+    state = settle(state, [Outcome(start, "again", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS")], T0 + 60, p)
+    assert state.backoff(ZA, True) == Backoff(ZA, True, 2, T0 + 60 + 120, "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS")
+    assert state.no_spot_since == T0  # the clock runs from the first refusal
+    assert plan(look(*workers, now=T0 + 179), state, p) == (Create("exp-worker-3", ZB, True, RECREATE, (ZA,)),)
+    assert plan(look(*workers, now=T0 + 180), state, p)[0] == Start("exp-worker-0", ZA, True, "TERMINATED", RESTART)
+
+    state = settle(state, [Outcome(start)], T0 + 180, p)  # capacity is back
+    assert state.backoffs == ()
+
+
+def test_backoff_is_exponential_and_capped():
+    assert [backoff_delay(n, policy()) for n in range(1, 8)] == [60, 120, 240, 480, 960, 1800, 1800]
+    assert backoff_delay(3, policy(backoff_initial_s=5, backoff_max_s=15)) == 15
+
+
+def test_quota_in_every_zone_waits_for_the_first_to_reopen():
+    state = KeeperState(backoffs=(Backoff(ZA, True, 1, T0 + 60, QUOTA_EXCEEDED),
+                                  Backoff(ZB, True, 2, T0 + 120, QUOTA_EXCEEDED)), no_spot_since=T0)
+    (wait,) = plan(look(vm(0), vm(1, ZB), now=T0 + 1), state, policy())
+    assert isinstance(wait, Wait) and wait.reason == "backoff" and wait.until == T0 + 60
+    assert "1 worker(s) missing" in wait.message and "QUOTA_EXCEEDED" in wait.message
+    assert plan(look(vm(0), vm(1, ZB), now=T0 + 60), state, policy()) == (Create("exp-worker-2", ZA, True, RECREATE,
+                                                                                 avoided=(ZB,)),)
+
+
+def test_on_demand_fallback_after_the_configured_time_then_back_to_spot():
+    p = policy(on_demand_after_s=600)
+    closed = (Backoff(ZA, True, 3, T0 + 900, STOCKOUT), Backoff(ZB, True, 3, T0 + 900, STOCKOUT))
+    state = KeeperState(backoffs=closed, no_spot_since=T0)
+    (wait,) = plan(look(vm(0), vm(1, ZB), now=T0 + 599), state, p)
+    assert isinstance(wait, Wait) and "on-demand fallback in 1 s" in wait.message
+    assert plan(look(vm(0), vm(1, ZB), now=T0 + 599), state, policy()) == (wait.__class__(
+        "backoff", wait.message.split("; on-demand")[0], wait.until),)  # no fallback configured: no promise either
+
+    fallback = plan(look(vm(0), vm(1, ZB), now=T0 + 600), state, p)
+    assert fallback == (Create("exp-worker-2", ZA, False, ON_DEMAND_FALLBACK),)
+
+    # the stand-in runs; Spot is still out: nothing to do
+    standing = (vm(0), vm(1, ZB), vm(2, ZA, spot=False))
+    assert plan(look(*standing, now=T0 + 700), state, p) == ()
+    # Spot capacity is back: a Spot worker is made to replace it, where there are fewer workers ...
+    replace_it = plan(look(*standing, now=T0 + 900), state, p)
+    assert replace_it == (Create("exp-worker-3", ZB, True, REPLACE_ON_DEMAND),)
+    # ... the on-demand one stays while its replacement is not RUNNING ...
+    assert plan(look(*standing, vm(3, ZB, "STAGING"), now=T0 + 930), state, p) == ()
+    # ... and goes once it is
+    assert plan(look(*standing, vm(3, ZB), now=T0 + 960), state, p) == (
+        Delete("exp-worker-2", ZA, False, SPOT_RUNNING),)
+
+    # a whole Spot fleet ends the "no Spot capacity" episode
+    assert accrue(state, look(vm(0), vm(1, ZB), vm(3, ZB), now=T0 + 990), p).no_spot_since is None
+
+
+def test_budget_cap_per_hour_refuses_a_worker_and_says_so():
+    p = policy(max_cost_per_hour=1.2)  # two Spot workers run at 1.0/h; a third would make 1.5/h
+    (wait,) = plan(look(vm(0), vm(1, ZB)), KeeperState(), p)
+    assert isinstance(wait, Wait) and wait.reason == "budget" and wait.cap == "per_hour"
+    assert wait.limit == 1.2 and wait.blocked == 1 and "--max-cost-per-hour $1.20" in wait.message
+    assert plan(look(vm(0), vm(1, ZB)), KeeperState(), policy(max_cost_per_hour=1.5))[0].name == "exp-worker-2"
+    # a Spot worker replacing an on-demand one is charged at the rate after the swap (1.0/h, not 2.5/h)
+    swap = plan(look(vm(0), vm(1, ZB, spot=False)), KeeperState(), policy(workers=2, max_cost_per_hour=2.1))
+    assert swap == (Create("exp-worker-2", ZA, True, REPLACE_ON_DEMAND),)
+    # the fallback is refused when it would break the cap
+    state = KeeperState(backoffs=(Backoff(ZA, True, 1, T0 + 60, STOCKOUT), Backoff(ZB, True, 1, T0 + 60, STOCKOUT)),
+                        no_spot_since=T0 - 60)
+    (wait,) = plan(look(vm(0), vm(1, ZB)), state, policy(on_demand_after_s=0, max_cost_per_hour=2.0))
+    assert wait.reason == "budget"
+
+
+def test_budget_total_cap_stops_creation():
+    p = policy(max_total_cost=10.0)  # 1.0/h running; a third for the next minute: 1.5/60 = 0.025
+    (wait,) = plan(look(vm(0), vm(1, ZB)), KeeperState(spend=Spend(spot=9.99)), p)
+    assert wait.reason == "budget" and wait.cap == "total"
+    assert "$9.9900 spent of --max-total-cost $10.00" in wait.message
+    assert isinstance(plan(look(vm(0), vm(1, ZB)), KeeperState(spend=Spend(spot=9.97)), p)[0], Create)
+
+
+def test_costs_accrue_by_observed_running_time():
+    p = policy(spot_per_hour=0.36, on_demand_per_hour=0.72)
+    first = accrue(KeeperState(), look(vm(0), vm(1, spot=False), vm(2, status="PROVISIONING")), p)
+    assert first.spend == Spend() and first.running == (("exp-worker-0", True), ("exp-worker-1", False))
+    assert first.fallback_since == T0  # on-demand workers stand in
+    later = accrue(first, look(vm(0), vm(2), now=T0 + 3600), p)
+    assert later.spend.spot == pytest.approx(0.36) and later.spend.on_demand == pytest.approx(0.72)
+    assert later.spend.total == pytest.approx(1.08) and later.spend.on_demand_seconds == 3600
+    assert on_demand_premium(later.spend, p) == pytest.approx(0.36)  # what the stand-in cost beyond Spot
+    assert later.fallback_since is None and later.running == (("exp-worker-0", True), ("exp-worker-2", True))
+    # nobody watched for a day: the gap is charged as at most max_accrual_gap_s
+    days_later = accrue(later, look(vm(0), vm(2), now=T0 + 3600 + 86400), p)
+    assert days_later.spend.spot == pytest.approx(0.36 + 2 * 0.36)
+
+
+def test_failures_are_classified():
+    assert classify_failure("ZONE_RESOURCE_POOL_EXHAUSTED") == "stockout"
+    assert classify_failure("ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS") == "stockout"
+    assert classify_failure("QUOTA_EXCEEDED") == QUOTA == classify_failure("quotaExceeded")
+    assert classify_failure("notFound") == GONE
+    assert classify_failure("badRequest") == ERROR == classify_failure("")
+    # a VM that vanished meanwhile backs nothing off
+    gone = Outcome(Start("exp-worker-0", ZA, True, "TERMINATED"), "404", "notFound")
+    assert settle(KeeperState(), [gone], T0, policy()) == KeeperState()
+
+
+def test_state_round_trips_through_json():
+    state = KeeperState(backoffs=(Backoff(ZA, True, 2, T0 + 5, STOCKOUT),), no_spot_since=T0, spend=Spend(1.0, 2.0, 30),
+                        observed_at=T0, running=(("exp-worker-0", True),), fallback_since=T0, fallback_spend_mark=0.5,
+                        budget_note="budget: x")
+    assert state_from_json(json.loads(json.dumps(state_to_json(state)))) == state
+    assert state_from_json({"backoffs": [{"zone": ZA}]}) == KeeperState()
+    assert state_from_json([1, 2]) == KeeperState()
+
+
+def test_worker_bodies_are_ups_and_on_demand_gpu_workers_do_not_migrate():
+    s = spec(termination_action="DELETE")
+    spot_plan = plan_instances(s)[2]
+    assert worker_body(s, spot_plan.name, spot_plan.zone, True) == instance_body(spot_plan, s)
+    body = worker_body(s, "exp-worker-7", ZB, False)
+    assert body["scheduling"] == {"provisioningModel": "STANDARD", "onHostMaintenance": "TERMINATE",
+                                  "automaticRestart": True}
+    assert body["labels"]["hvdt-role"] == "worker" and body["guestAccelerators"][0]["acceleratorCount"] == 1
+    cpu = spec(gpu_type=None)
+    assert worker_body(cpu, "exp-worker-7", ZB, False)["scheduling"]["onHostMaintenance"] == "MIGRATE"
+
+
+# ---- the loop against the fake Compute API ------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def fake():
+    with FakeComputeAPI(operation_polls=1) as api:
+        yield api
+
+
+class Rig:
+    """A keeper over the fake API with a fake clock, an event log and a state file in a local store."""
+
+    def __init__(self, fake: FakeComputeAPI, run_dir, cluster: ClusterSpec, **settings) -> None:
+        self.fake, self.spec, self.clock = fake, cluster, Clock()
+        self.store = LocalStore(str(run_dir))
+        self.lines: list[str] = []
+        settings.setdefault("spot_per_hour", 0.36)
+        settings.setdefault("on_demand_per_hour", 0.72)
+        self.policy = policy_for(cluster, **settings)
+        self.api = ComputeAPI.connect(api_url=fake.base_url, anonymous=True, attempts=1)
+        self.keeper = self.new_keeper()
+
+    def new_keeper(self) -> Keeper:
+        """A keeper as a fresh process (or the next ``--once``) would make it."""
+        return Keeper(ComputeFleet(self.api, self.spec), self.policy, cluster=self.spec.name,
+                      instance_type="n1-standard-8+nvidia-tesla-t4",
+                      events=EventLog(self.store, "driver", min_flush_interval_s=0.0),
+                      state_file=StateFile(self.store, self.spec.name), clock=self.clock, sleep=self.clock.advance,
+                      out=self.lines.append)
+
+    def step(self, seconds: float = 30.0):
+        self.clock.advance(seconds)
+        return self.keeper.reconcile()
+
+    def vms(self) -> dict[str, dict]:
+        return {i["name"]: i for i in self.fake.instances(PROJECT)}
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        self.keeper.events.flush()
+        return [e for e in read_events(self.store) if kind is None or e["event"] == kind]
+
+    def inserts(self, zone: str | None = None) -> list:
+        return [r for r in self.fake.requests_matching("POST", "/instances") if zone is None or f"/{zone}/" in r.path]
+
+
+def test_loop_restarts_a_worker_preempted_with_stop(fake, tmp_path):
+    rig = Rig(fake, tmp_path / "run", spec())
+    first = rig.keeper.reconcile()
+    assert [a.name for a in first.actions] == ["exp-worker-0", "exp-worker-1", "exp-worker-2"]
+    assert {n: (i["status"], i["zone"].rsplit("/", 1)[1]) for n, i in rig.vms().items()} == {
+        "exp-worker-0": ("RUNNING", ZA), "exp-worker-1": ("RUNNING", ZB), "exp-worker-2": ("RUNNING", ZA)}
+    before = rig.vms()["exp-worker-0"]
+
+    fake.preempt(PROJECT, ZA, "exp-worker-0")
+    assert rig.vms()["exp-worker-0"]["status"] == "TERMINATED"
+    result = rig.step()
+    assert result.actions == (Start("exp-worker-0", ZA, True, "TERMINATED", RESTART),)
+    after = rig.vms()["exp-worker-0"]
+    assert after["status"] == "RUNNING" and after["id"] == before["id"]  # the same VM, started again
+    assert after["lastStartTimestamp"] > before["lastStartTimestamp"]
+    assert len(rig.inserts()) == 3 and fake.requests_matching("POST", "exp-worker-0/start")
+    assert "started exp-worker-0 (Spot, us-central1-a, was TERMINATED)" in rig.lines
+    refills = rig.events("keeper_refill")
+    assert refills[-1] | {"t": 0, "pid": 0} == {
+        "t": 0, "pid": 0, "event": "keeper_refill", "host": "driver", "name": "exp-worker-0", "zone": ZA,
+        "provisioning": "spot", "operation": "start", "reason": "restart", "was": "TERMINATED", "avoided_zones": []}
+    assert rig.step().actions == ()  # whole again
+
+
+def test_loop_recreates_a_worker_preempted_with_delete(fake, tmp_path):
+    rig = Rig(fake, tmp_path / "run", spec(termination_action="DELETE"))
+    rig.keeper.reconcile()
+    old_id = rig.vms()["exp-worker-1"]["id"]
+    assert rig.vms()["exp-worker-1"]["scheduling"]["instanceTerminationAction"] == "DELETE"
+    fake.preempt(PROJECT, ZB, "exp-worker-1")
+    assert "exp-worker-1" not in rig.vms()
+    assert rig.step().actions == (Create("exp-worker-1", ZB, True, RECREATE),)
+    assert rig.vms()["exp-worker-1"]["status"] == "RUNNING" and rig.vms()["exp-worker-1"]["id"] != old_id
+    assert rig.vms()["exp-worker-1"]["labels"] == {"hvdt-cluster": "exp", "hvdt-role": "worker"}
+
+
+def test_loop_fails_over_to_another_zone_when_one_is_exhausted(fake, tmp_path):
+    rig = Rig(fake, tmp_path / "run", spec(termination_action="DELETE"))
+    rig.keeper.reconcile()
+    fake.exhaust(ZA)
+    fake.preempt(PROJECT, ZA, "exp-worker-0")
+    fake.preempt(PROJECT, ZA, "exp-worker-2")
+    # both are recreated where they were (A: none left there, B holds one): A answers with stock-outs
+    failed = rig.step()
+    assert [(o.action.name, o.action.zone, o.code) for o in failed.outcomes] == [
+        ("exp-worker-0", ZA, STOCKOUT), ("exp-worker-2", ZA, STOCKOUT)]
+    assert failed.state.backoff(ZA, True).failures == 1  # one pass, one step of backoff
+    assert set(rig.vms()) == {"exp-worker-1"}
+    # the next pass fails over to B, sending nothing to A
+    a_inserts = len(rig.inserts(ZA))
+    result = rig.step()
+    assert result.actions == (Create("exp-worker-0", ZB, True, RECREATE, avoided=(ZA,)),
+                              Create("exp-worker-2", ZB, True, RECREATE, avoided=(ZA,)))
+    assert len(rig.inserts(ZA)) == a_inserts
+    assert {n: i["zone"].rsplit("/", 1)[1] for n, i in rig.vms().items()} == {
+        "exp-worker-0": ZB, "exp-worker-1": ZB, "exp-worker-2": ZB}
+    stockout, _second = rig.events("keeper_stockout")
+    assert {k: stockout[k] for k in ("name", "zone", "provisioning", "operation", "code", "kind", "failures",
+                                     "retry_in_s")} == {
+        "name": "exp-worker-0", "zone": ZA, "provisioning": "spot", "operation": "create", "code": STOCKOUT,
+        "kind": "stockout", "failures": 1, "retry_in_s": 60.0}
+    assert rig.events("keeper_refill")[-1]["avoided_zones"] == [ZA]
+    assert any(line.startswith("stockout exp-worker-0 (Spot, us-central1-a)") for line in rig.lines)
+
+
+def test_loop_backs_off_on_quota_everywhere_then_refills_when_capacity_returns(fake, tmp_path):
+    rig = Rig(fake, tmp_path / "run", spec(workers=2))
+    fake.exhaust(ZA, QUOTA_EXCEEDED)
+    fake.exhaust(ZB, QUOTA_EXCEEDED)
+    first = rig.keeper.reconcile()
+    assert [o.failure for o in first.outcomes] == ["quota", "quota"] and rig.vms() == {}
+    assert [e["kind"] for e in rig.events("keeper_stockout")] == ["quota", "quota"]
+
+    # the next process (a --once from cron) remembers the backoff from the state file
+    rig.keeper.close()
+    rig.keeper = rig.new_keeper()
+    fake.restore()  # capacity is back, but the keeper does not know yet
+    sent = len(fake.requests)
+    waiting = rig.step(30)
+    assert [a.reason for a in waiting.actions] == ["backoff"] and not waiting.outcomes
+    assert [r.method for r in fake.requests[sent:]] == ["GET"]  # it only looked
+    assert any(line.startswith("waiting: 2 worker(s) missing; no zone to try now: ") for line in rig.lines)
+
+    refilled = rig.step(30)
+    assert [(type(a).__name__, a.zone) for a in refilled.actions] == [("Create", ZA), ("Create", ZB)]
+    assert all(i["status"] == "RUNNING" for i in rig.vms().values()) and len(rig.vms()) == 2
+    assert refilled.state.backoffs == ()
+
+
+def test_loop_stops_creating_at_the_budget_cap_and_says_so(fake, tmp_path):
+    rig = Rig(fake, tmp_path / "run", spec(workers=2, termination_action="DELETE"), max_total_cost=0.05)
+    rig.keeper.reconcile()  # two workers: 0.72/h, charged from their creation
+    assert rig.step(240).state.spend.total == pytest.approx(0.048)
+    fake.preempt(PROJECT, ZB, "exp-worker-1")
+    inserts = len(rig.inserts())
+    held = rig.step(30)  # 0.054 spent: a worker more for the next minute would pass 0.05
+    (wait,) = held.actions
+    assert wait.reason == "budget" and wait.cap == "total" and len(rig.inserts()) == inserts
+    rig.step(30)
+    (budget,) = rig.events("keeper_budget")  # said once, not on every pass
+    assert budget["cap"] == "total" and budget["limit"] == 0.05 and budget["blocked"] == 1
+    assert budget["spent"] == pytest.approx(0.72 * 270 / 3600)
+    assert "creating no more workers" in budget["message"]
+    assert any(line.startswith("waiting: budget: ") for line in rig.lines)
+    rig.keeper.close()  # the final cost
+    cost = rig.events("keeper_cost")[-1]
+    assert cost["spent"] == pytest.approx(0.72 * 270 / 3600 + 0.36 * 30 / 3600) and cost["rate_per_hour"] == 0.36
+
+
+def test_loop_falls_back_to_on_demand_and_returns_to_spot(fake, tmp_path):
+    rig = Rig(fake, tmp_path / "run", spec(workers=2), on_demand_after_s=120.0)
+    rig.keeper.reconcile()
+    fake.exhaust(ZA, spot_only=True)
+    fake.exhaust(ZB, spot_only=True)
+    fake.preempt(PROJECT, ZA, "exp-worker-0")
+    first_refusal = rig.step().state.no_spot_since
+    while not any(not i["scheduling"]["provisioningModel"] == "SPOT" for i in rig.vms().values()):
+        result = rig.step()
+        assert rig.clock.now - first_refusal < 180
+    assert rig.clock.now - first_refusal >= 120  # not before the configured time
+    (stand_in,) = [i for i in rig.vms().values() if i["scheduling"]["provisioningModel"] == "STANDARD"]
+    assert stand_in["name"] == "exp-worker-2" and stand_in["status"] == "RUNNING"
+    assert stand_in["scheduling"]["onHostMaintenance"] == "TERMINATE"  # a GPU VM cannot live-migrate
+    assert stand_in["labels"]["hvdt-role"] == "worker"  # host discovery lists it like any worker
+    assert result.actions[-1] == Create("exp-worker-2", ZA, False, ON_DEMAND_FALLBACK)
+
+    fake.restore()  # Spot capacity returns
+    for _ in range(12):
+        if "exp-worker-2" not in rig.vms():
+            break
+        rig.step()
+    assert set(rig.vms()) == {"exp-worker-0", "exp-worker-1"}
+    assert all(i["scheduling"]["provisioningModel"] == "SPOT" for i in rig.vms().values())
+    rig.step()
+    kinds = [(e["event"], e.get("phase") or e.get("reason")) for e in rig.events()
+             if e["event"] in ("keeper_fallback", "keeper_refill", "keeper_release")]
+    assert kinds[-5:] == [("keeper_refill", ON_DEMAND_FALLBACK), ("keeper_fallback", "begin"),
+                          ("keeper_refill", REPLACE_ON_DEMAND), ("keeper_release", SPOT_RUNNING),
+                          ("keeper_fallback", "end")]
+    (begin, end) = rig.events("keeper_fallback")
+    assert begin["on_demand_workers"] == 1 and begin["no_spot_s"] >= 120
+    assert end["seconds"] > 0 and end["on_demand_cost"] == pytest.approx(0.72 * end["seconds"] / 3600, rel=0.3)
+    cost = rig.events("keeper_cost")[-1]
+    assert cost["spent_on_demand"] > 0 and cost["on_demand_premium"] == pytest.approx(cost["spent_on_demand"] / 2)
+
+
+def test_event_log_reads_back_as_typed_records(fake, tmp_path):
+    rig = Rig(fake, tmp_path / "run", spec(workers=1))
+    rig.keeper.run(passes=3)
+    assert rig.clock.slept == [30.0, 30.0]  # run() sleeps between passes through the injected sleep
+    rig.keeper.close()
+    records = read_records(LocalStore(str(tmp_path / "run")))
+    assert [r.event for r in records if r.event != "keeper_cost"] == ["keeper_start", "keeper_refill"]
+    start = records[0].body
+    assert (start.cluster, start.workers, start.zones, start.spot_per_hour) == ("exp", 1, (ZA, ZB), 0.36)
+    assert isinstance(records[1].body, KeeperRefill) and records[1].body.name == "exp-worker-0"
+    assert json.loads((tmp_path / "run" / "keeper" / "exp.json").read_text())["observed_at"] == T0 + 60
+
+
+def test_loop_survives_an_unreachable_api(fake, tmp_path):
+    rig = Rig(fake, tmp_path / "run", spec(workers=1))
+    fake.fail_next(1, status=503)
+    rig.keeper.run(passes=2)
+    assert [e["event"] for e in rig.events() if e["event"] != "keeper_cost"] == [
+        "keeper_start", "keeper_error", "keeper_refill"]
+    assert rig.events("keeper_error")[0]["operation"] == "observe"
+    assert set(rig.vms()) == {"exp-worker-0"}
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------
+
+KEEP = ["keep", "--name", "exp", "--project", PROJECT, "--zones", f"{ZA},{ZB}", "--workers", "2"]
+
+
+@pytest.fixture
+def compute(monkeypatch):
+    with FakeComputeAPI(operation_polls=2) as api:
+        monkeypatch.setenv("HVDT_COMPUTE_API", api.base_url)
+        monkeypatch.setenv("HVDT_COMPUTE_ANONYMOUS", "1")
+        yield api
+
+
+def test_keep_once_refills_and_records(compute, capsys, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    assert cli.main([*KEEP, "--once", "--store", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "created exp-worker-0 (Spot, us-central1-a)" in out and "created exp-worker-1 (Spot, us-central1-b)" in out
+    assert sorted(i["name"] for i in compute.instances(PROJECT)) == ["exp-worker-0", "exp-worker-1"]
+    events = read_events(LocalStore(str(run)))
+    assert [e["event"] for e in events] == ["keeper_start", "keeper_refill", "keeper_refill", "keeper_cost"]
+    start = events[0]
+    assert start["instance_type"] == "n1-standard-8+nvidia-tesla-t4"
+    assert (start["spot_per_hour"], start["on_demand_per_hour"]) == pytest.approx((0.0963 + 0.14, 0.37999 + 0.35))
+    assert (run / "keeper" / "exp.json").is_file()
+    # the VMs carry the store like `up` makes them
+    meta = {m["key"]: m["value"] for m in compute.instances(PROJECT)[0]["metadata"]["items"]}
+    assert meta["hvdt-store"] == str(run) and meta["hvdt-role"] == "worker"
+
+    compute.preempt(PROJECT, ZB, "exp-worker-1")
+    assert cli.main([*KEEP, "--once", "--store", str(run)]) == 0
+    assert "started exp-worker-1 (Spot, us-central1-b, was TERMINATED)" in capsys.readouterr().out
+
+
+def test_keep_once_exits_1_when_an_operation_fails_otherwise(compute, capsys):
+    compute.rejected_inserts["exp-worker-1"] = ("INVALID_FIELD_VALUE", "bad image")
+    assert cli.main([*KEEP, "--once"]) == 1
+    assert "FAILED  create exp-worker-1 (Spot, us-central1-b)" in capsys.readouterr().out
+    compute.rejected_inserts.clear()
+    compute.exhaust(ZA)
+    assert cli.main([*KEEP, "--once"]) == 0  # a stock-out is the keeper's business, not a failure
+
+
+def test_keep_dry_run_prints_the_actions_and_changes_nothing(compute, capsys):
+    compute.add_instance(PROJECT, ZA, "exp-worker-0", status="TERMINATED", provisioning_model="SPOT",
+                         labels={"hvdt-cluster": "exp", "hvdt-role": "worker"})
+    compute.add_instance(PROJECT, ZA, "exp-driver", labels={"hvdt-cluster": "exp", "hvdt-role": "driver"})
+    assert cli.main([*KEEP, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "0 of 2 workers live (dry run: nothing was changed)" in out
+    assert "start   exp-worker-0 (Spot, us-central1-a, was TERMINATED; restart)" in out
+    assert "create  exp-worker-1 (Spot, us-central1-b, recreate)" in out
+    assert "exp-driver" not in out  # the driver is not the keeper's
+    assert {r.method for r in compute.requests} == {"GET"}
+
+    assert cli.main([*KEEP, "--dry-run", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(a["action"], a["name"]) for a in doc["actions"]] == [("start", "exp-worker-0"), ("create", "exp-worker-1")]
+    assert doc["workers"] == [{"name": "exp-worker-0", "zone": ZA, "status": "TERMINATED", "spot": True}]
+
+
+@pytest.mark.parametrize("bad, option", [
+    (["--interval", "0"], "--interval"),
+    (["--on-demand-after", "soon"], "--on-demand-after"),
+    (["--max-cost-per-hour", "-1"], "--max-cost-per-hour"),
+    (["--max-total-cost", "0"], "--max-total-cost"),
+    (["--backoff", "nan"], "--backoff"),
+])
+def test_keep_bad_arguments_exit_2(bad, option, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*KEEP, *bad, "--dry-run"])
+    assert exited.value.code == 2 and option in capsys.readouterr().err
+
+
+def test_keep_settings_it_cannot_keep_exit_2(capsys):
+    assert cli.main([*KEEP, "--backoff", "100", "--backoff-max", "10", "--dry-run"]) == 2
+    assert "--backoff-max" in capsys.readouterr().err
+    # one pass per process keeps neither the spend nor the "no Spot since" clock without a store
+    assert cli.main([*KEEP, "--once", "--max-total-cost", "5", "--on-demand-after", "600"]) == 2
+    assert "--max-total-cost and --on-demand-after with --once need --store" in capsys.readouterr().err
+    # a cap needs a price: an unknown machine type is refused before anything is sent
+    assert cli.main([*KEEP, "--machine-type", "n2-standard-4", "--max-cost-per-hour", "5", "--dry-run"]) == 2
+    assert "no price for instance type 'n2-standard-4+nvidia-tesla-t4'" in capsys.readouterr().err
+
+
+# ---- the local simulator -------------------------------------------------------------------------------
+
+
+def test_local_fleet_refills_preempted_hosts_through_the_state_file(tmp_path):
+    from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
+    from hvd_transient.testing.local_fleet import LocalFleet
+
+    work = tmp_path / "work"
+    work.mkdir()
+    cluster = LocalCluster(LocalClusterSpec(store=str(tmp_path / "store"), hosts=("localhost", "127.0.0.1"),
+                                            command=("true",), workdir=work))
+    for host in cluster.spec.hosts:  # the VMs are up (no horovodrun needed to drive the state file)
+        cluster.add_host(host)
+    fleet = LocalFleet(cluster)
+    clock = Clock()
+    keeper = Keeper(fleet, fleet.policy(3), clock=clock, sleep=clock.advance, out=lambda _line: None)
+
+    grown = keeper.reconcile()  # a third host: the first spare alias
+    assert grown.actions == (Create("127.0.1", "local", True, RECREATE),)
+    assert fleet.listed() == ["localhost", "127.0.0.1", "127.0.1"]
+
+    started = cluster.vm_started["127.0.0.1"]
+    cluster._vm_stopped("127.0.0.1")  # the preemption window ended: the simulator stops the VM
+    assert "127.0.0.1" not in fleet.listed()
+    assert WorkerVM("127.0.0.1", "local", "TERMINATED", True) in fleet.observe()
+    refilled = keeper.reconcile()
+    assert refilled.actions == (Start("127.0.0.1", "local", True, "TERMINATED", RESTART),)
+    doc = json.loads(cluster.state_file.read_text())
+    entry = next(h for h in doc["hosts"] if h["host"] == "127.0.0.1")
+    assert entry["started_at"] >= started  # a new incarnation: discovery admits it again
+    assert keeper.reconcile().actions == ()
+    cluster.close()
+
+
+def test_policy_for_names_workers_like_up():
+    p = policy_for(spec(workers=2), spot_per_hour=1.0)
+    assert (p.workers, p.zones, p.name_prefix, p.spot_per_hour) == (2, (ZA, ZB), "exp-worker-", 1.0)
+    assert replace(p, workers=0).workers == 0
