@@ -31,6 +31,8 @@ Two modes, both wrappers that leave the wrapped program unchanged:
     ``HVDT_CLI`` is set to ``python _hvd_trace.py discover LOG hvd-transient``.
 
 Events are appended to local files (one small write each), not to the run's store.
+:func:`read_jsonl` reads them back and :func:`departure_marks` turns them into the moments of a
+departure that only Horovod's internals show.
 """
 from __future__ import annotations
 
@@ -40,10 +42,11 @@ import json
 import os
 import runpy
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 USAGE = ("usage: _hvd_trace.py worker [--startup] TRACE_DIR SCRIPT [ARGS...]\n"
          "       _hvd_trace.py discover LOG CLI [ARGS...]")
@@ -80,7 +83,8 @@ class Tracer:
                 trace("reset_begin")
                 reset()
                 trace("reset_done")
-            return run_fn(func, traced_reset)
+            wrapped: Callable[..., Any] = run_fn(func, traced_reset)
+            return wrapped
 
         def traced_on_hosts_updated(state: Any, timestamp: Any, update_res: Any) -> None:
             trace("hosts_updated", driver_t=timestamp, result=int(update_res))
@@ -123,6 +127,63 @@ class Tracer:
         # restore_model up in its module at call time
         hvd_keras.init = traced_init
         hvdt.restore_model = traced_restore_model
+
+
+def read_jsonl(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """Every record of these files (trace or discovery), sorted by time; torn lines are skipped."""
+    out: list[dict[str, Any]] = []
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+    return sorted(out, key=lambda e: e.get("t", 0.0))
+
+
+def _latest_first(trace: Sequence[dict[str, Any]], kind: str, hosts: Iterable[str], after: float) -> float | None:
+    """When every host had recorded its first ``kind`` at or after ``after`` (None: one never did)."""
+    firsts = [next((e["t"] for e in trace if e.get("event") == kind and e.get("host") == h and e["t"] >= after),
+                   None) for h in hosts]
+    return max(t for t in firsts if t is not None) if firsts and None not in firsts else None
+
+
+def departure_marks(trace: Sequence[dict[str, Any]], discovery: Sequence[dict[str, Any]], *, host: str,
+                    survivors: Iterable[str], left: float, graceful: bool) -> dict[str, float]:
+    """Horovod-internal moments after ``host`` left at ``left`` (pure).
+
+    graceful (published as leaving): ``discovery`` (the first successful discovery call that ended
+    after the departure without the host; it may have started before), ``notified`` (the driver's
+    notification reached the coordinator), ``interrupt`` (every survivor raised HostsUpdatedInterrupt);
+    else ``failure_detected`` (the first survivor caught the failure). Both: ``rendezvous`` (every
+    survivor's ``hvd.init`` returned on the new ring).
+    """
+    survivors = tuple(survivors)
+    marks: dict[str, float | None] = {}
+    if graceful:
+        marks["discovery"] = next((d["end"] for d in discovery if d["end"] >= left and d.get("code") == 0
+                                   and host not in d["hosts"]), None)
+        marks["notified"] = next((e["t"] for e in trace if e.get("event") == "hosts_updated" and e["t"] >= left),
+                                 None)
+        marks["interrupt"] = _latest_first(trace, "interrupt", survivors, left)
+    else:
+        marks["failure_detected"] = next((e["t"] for e in trace if e.get("event") == "reset_begin"
+                                          and e.get("host") in survivors and e["t"] >= left), None)
+    marks["rendezvous"] = _latest_first(trace, "reset_done", survivors, left)
+    return {k: v for k, v in marks.items() if v is not None}
+
+
+def discovery_stats(runs: Sequence[Sequence[dict[str, Any]]], driver_sleep_s: float) -> dict[str, Any]:
+    """How often Horovod's driver really ran discovery (``interval_s``), how long a call took in-process
+    and the start-up around it (from one call's end to the next one's start, less the driver's sleep:
+    bash, Python and the imports of the discovery command); median/min/max/n of each."""
+    def summary(values: Sequence[float]) -> dict[str, float] | None:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values),
+                "n": len(values)} if values else None
+
+    pairs = [(a, b) for calls in runs for a, b in zip(calls, calls[1:])]
+    return {"driver_sleep_s": driver_sleep_s,
+            "interval_s": summary([b["t"] - a["t"] for a, b in pairs]),
+            "call_in_process_s": summary([c["end"] - c["t"] for calls in runs for c in calls]),
+            "start_up_s": summary([b["t"] - a["end"] - driver_sleep_s for a, b in pairs])}
 
 
 def run_worker(trace_dir: str, script: str, args: Sequence[str], *, startup: bool = False) -> None:

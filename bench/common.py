@@ -1,80 +1,138 @@
-"""Helpers shared by every benchmark in ``bench/``.
+"""The harness of the benchmarks in ``bench/`` (each runs as ``python -m bench.<name>`` from the repo root).
 
-A benchmark script measures some samples, then calls:
+* argument types :func:`csv_list` and :func:`positive_int`; :func:`measured` runs a benchmark
+  in a fresh work directory and turns its failures into exit codes;
+* :func:`spread`: repeats as a median and a min/max range;
+* :func:`machine_info` / :func:`machine_line`: what the numbers were measured on;
+* :func:`markdown_table` / :func:`print_table`; :func:`write_results` (``<name>.json`` with
+  ``summary``, ``machine``, ``params``, ``notes`` and ``rows``), :func:`finish_report` (the
+  ``.md`` and the plot beside it), :func:`publish` (both); :func:`plot_panels`: grouped bar charts;
+* :class:`RankPool`: spawned processes that run one function on ranks 0..n-1 at once.
 
-* :func:`spread` to reduce repeats to a median and a min/max range;
-* :func:`print_table` to show a table (``rich`` if it is installed, plain text otherwise)
-  and :func:`markdown_table` for the README;
-* :func:`write_results` to write ``bench/results/<name>.json`` with ``summary``,
-  ``machine``, ``params`` and ``rows`` objects;
-* :func:`plot_panels` to draw grouped bar charts into a PNG (matplotlib, Agg backend).
-
-Scripts are run as files (``python bench/<name>.py`` or ``hvd-transient bench <name>``),
-so they import this module as ``common``.
-
-Units: 1 MB = 10**6 bytes everywhere in the benchmarks.
+Units: 1 MB = 10**6 bytes.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import importlib.metadata
 import json
+import logging
+import multiprocessing as mp
 import os
 import platform
 import shlex
+import shutil
+import signal
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "bench" / "results"
 MB = 1_000_000
+OP_TIMEOUT_S = 1800.0
+T = TypeVar("T")
 
 
 class BenchError(RuntimeError):
     """A benchmark could not run as asked (bad arguments, a missing tool, a failed measurement)."""
 
 
-# --------------------------------------------------------------------------- command-line values
+# --------------------------------------------------------------------------- running a benchmark
 
 
 def csv_list(kind: type, allowed: Sequence[Any] | None = None) -> Callable[[str], tuple[Any, ...]]:
     """An argparse type: a comma-separated list of ``kind`` (numbers must be positive), duplicates dropped."""
     def parse(text: str) -> tuple[Any, ...]:
         try:
-            values = tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+            values = tuple(dict.fromkeys(kind(v.strip()) for v in text.split(",") if v.strip()))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
         if not values:
             raise argparse.ArgumentTypeError("give at least one value")
         if allowed is not None and (bad := [v for v in values if v not in allowed]):
             raise argparse.ArgumentTypeError(f"unknown value(s) {bad}; choose from {', '.join(map(str, allowed))}")
-        if kind in (int, float) and any(v <= 0 for v in values):
+        if kind in (int, float) and min(values) <= 0:
             raise argparse.ArgumentTypeError(f"{text!r}: values must be positive")
-        return tuple(dict.fromkeys(values))
+        return values
     return parse
 
 
 def positive_int(text: str) -> int:
     """An argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
+    if (value := int(text)) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
     return value
 
 
-def positive_seconds(text: str) -> float:
-    """An argparse type: a positive number of seconds."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds")
-    return value
+def parser(name: str, description: str, *, plot: bool = True, keep: bool = False) -> argparse.ArgumentParser:
+    """The argument parser of ``python -m bench.NAME``, with the options every benchmark has."""
+    p = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / f"{name}.json", help="results JSON (.md, .png beside it)")
+    if plot:
+        p.add_argument("--no-plot", dest="plot", action="store_false")
+    p.add_argument("--tmpdir", type=Path, help="parent of the temporary work directory (removed at the end)")
+    if keep:
+        p.add_argument("--keep", action="store_true", help="keep the work directory (logs, traces, stores)")
+    return p
 
 
-# --------------------------------------------------------------------------- statistics
+def size_label(size_mb: float) -> str:
+    return f"{size_mb:g}MB"
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def install_interrupt_handlers() -> None:
+    """Turn SIGINT and SIGTERM into KeyboardInterrupt, so a benchmark cleans up its workers,
+    emulator and temporary data also when started in the background (where SIGINT is ignored)."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def measured(name: str, fn: Callable[[Path], T], tmpdir: Path | None = None,
+             keep: bool = False) -> tuple[T, float, dict[str, Any]]:
+    """``fn(fresh work directory)``'s result, its seconds and the machine it ran on.
+
+    The directory (under ``tmpdir`` if given) is removed at the end unless ``keep``. A
+    BenchError exits with 1, Ctrl-C or SIGTERM with 130, once ``fn`` has cleaned up.
+    """
+    install_interrupt_handlers()
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
+    machine = machine_info()
+    print(f"machine: {machine_line(machine)}, load {machine['load_average_at_start']}", file=sys.stderr, flush=True)
+    if tmpdir is not None:
+        tmpdir.mkdir(parents=True, exist_ok=True)
+    work, started = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmpdir)), time.perf_counter()
+    try:
+        return fn(work), time.perf_counter() - started, machine
+    except BenchError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; temporary data removed, no results written", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        if keep:
+            print(f"kept: {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- statistics and machine
 
 
 @dataclass(frozen=True)
@@ -87,18 +145,14 @@ class Spread:
     n: int
     samples: tuple[float, ...] = field(default=(), repr=False)
 
-    def scaled(self, factor: float) -> "Spread":
-        return Spread(self.median * factor, self.min * factor, self.max * factor, self.n,
-                      tuple(s * factor for s in self.samples))
+    def rate(self, amount: float) -> Spread:
+        """``amount / x`` for every sample (e.g. MB per second from seconds)."""
+        return spread([amount / max(s, 1e-9) for s in self.samples])
 
-    def rate(self, amount: float) -> "Spread":
-        """``amount / x`` for every sample (e.g. MB per second from seconds); min and max swap."""
-        rates = tuple(amount / s if s > 0 else float("inf") for s in self.samples)
-        return spread(rates)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"median": self.median, "min": self.min, "max": self.max, "n": self.n,
-                "samples": list(self.samples)}
+    def text(self, fmt: str = "{:,.1f}") -> str:
+        """``"12.3 (10.1-14.0)"``; one sample shows no range."""
+        value = fmt.format(self.median)
+        return value if self.n < 2 else f"{value} ({fmt.format(self.min)}-{fmt.format(self.max)})"
 
 
 def spread(samples: Sequence[float]) -> Spread:
@@ -119,199 +173,103 @@ def spread_summary(s: Spread | None) -> dict[str, Any] | None:
     return None if s is None else {"median": s.median, "min": s.min, "max": s.max, "n": s.n}
 
 
-def mb_per_s(nbytes: int, seconds: float) -> float:
-    return nbytes / MB / seconds if seconds > 0 else float("inf")
-
-
-def fmt_seconds(value: float) -> str:
-    if value < 0.01:
-        return f"{value * 1000:.2f} ms"
-    if value < 1:
-        return f"{value * 1000:.0f} ms"
-    return f"{value:.2f} s"
-
-
-def fmt_spread_s(s: Spread) -> str:
-    """``"1.23 s (1.10-1.40)"``; a single sample shows no range."""
-    if s.n < 2:
-        return f"{fmt_seconds(s.median)} (n=1)"
-    return f"{fmt_seconds(s.median)} ({fmt_seconds(s.min)}-{fmt_seconds(s.max)})"
-
-
-# --------------------------------------------------------------------------- machine
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _memory_gib() -> float | None:
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _version(*dists: str) -> str | None:
-    """Installed version of the first distribution found, without importing it (TF is slow)."""
+    """Installed version of the first distribution found, without importing it (TensorFlow is slow)."""
     for dist in dists:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return None
 
 
 def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.lower().startswith("model name")), cpu)
     return {
-        "cpu_model": _cpu_model(),
-        "cores": os.cpu_count(),
-        "memory_gib": _memory_gib(),
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": _version("numpy"),
-        "tensorflow": _version("tensorflow-cpu", "tensorflow"),
-        "zarr": _version("zarr"),
+        "cpu_model": cpu, "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "os": platform.platform(), "python": platform.python_version(), "numpy": _version("numpy"),
+        "tensorflow": _version("tensorflow-cpu", "tensorflow"), "zarr": _version("zarr"),
         "google_cloud_storage": _version("google-cloud-storage"),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "load_average_at_start": _load_average(),
+        # on a shared machine the load says how noisy a run was
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
-
-
-def _load_average() -> list[float] | None:
-    """1/5/15-minute load averages: on a shared machine they say how noisy a run was."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def machine_line(info: Mapping[str, Any] | None = None) -> str:
     info = info or machine_info()
-    return (f"{info['cpu_model']}, {info['cores']} cores, {info['memory_gib']} GiB RAM, "
-            f"Python {info['python']}, numpy {info['numpy']}, TensorFlow {info['tensorflow']}, "
-            f"{info['date'][:10]}")
+    return (f"{info['cpu_model']}, {info['cores']} cores, {info['memory_gib']} GiB RAM, Python {info['python']}, "
+            f"numpy {info['numpy']}, TensorFlow {info['tensorflow']}, {info['date'][:10]}")
 
 
-# --------------------------------------------------------------------------- tables
-
-
-def _plain_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None) -> str:
-    cells = [[str(c) for c in columns]] + [[str(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    line = "  ".join("-" * w for w in widths)
-    out = [title, ""] if title else []
-    out.append("  ".join(c.ljust(w) for c, w in zip(cells[0], widths)))
-    out.append(line)
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells[1:]]
-    return "\n".join(out)
-
-
-def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(_plain_table(columns, rows, title), flush=True)
-        return
-    table = Table(title=title)
-    for column in columns:
-        table.add_column(str(column))
-    for row in rows:
-        table.add_row(*(str(v) for v in row))
-    Console().print(table)
+# --------------------------------------------------------------------------- reports
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    def cell(value: Any) -> str:
-        return str(value).replace("|", "\\|")
+    def line(cells: Sequence[Any]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
-    out = ["| " + " | ".join(cell(c) for c in columns) + " |",
-           "|" + "|".join(" --- " for _ in columns) + "|"]
-    out += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(out)
+    return "\n".join([line(columns), "|" + "|".join(" --- " for _ in columns) + "|", *map(line, rows)])
 
 
-# --------------------------------------------------------------------------- results
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
+    print(f"{title}\n\n" * bool(title) + markdown_table(columns, rows) + "\n", flush=True)
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Spread):
-        return value.as_dict()
-    if hasattr(value, "__dataclass_fields__"):
-        return _jsonable(asdict(value))
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return None  # JSON has no NaN/inf
+def _json_default(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
     if isinstance(value, Path):
         return str(value)
     if hasattr(value, "item"):  # numpy scalars
         return value.item()
-    return value
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
-    """The command that produced a result, relative to the repo root when possible."""
+    """The command that produced a result: ``python -m bench.NAME ARGS`` for a benchmark module."""
     args = list(sys.argv if argv is None else argv)
-    if args:
-        try:
-            args[0] = os.path.relpath(Path(args[0]).resolve(), BENCH_DIR.parent)
-        except ValueError:
-            pass
-    return "python " + shlex.join(args)
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["-m", spec.name] if argv is None and spec is not None and spec.name else [os.path.relpath(args[0], REPO)]
+    return "python " + shlex.join([*head, *args[1:]])
 
 
-def write_results(
-    path: str | os.PathLike[str],
-    *,
-    name: str,
-    summary: Mapping[str, Any],
-    rows: Sequence[Mapping[str, Any]],
-    params: Mapping[str, Any],
-    notes: Sequence[str] = (),
-    machine: Mapping[str, Any] | None = None,
-) -> Path:
+def write_results(path: str | os.PathLike[str], *, name: str, summary: Mapping[str, Any],
+                  rows: Sequence[Any], params: Mapping[str, Any], notes: Sequence[str] = (),
+                  machine: Mapping[str, Any] | None = None) -> Path:
     """Write the results JSON atomically (temporary file + rename) and return its path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {
-        "name": name,
-        "command": command_line(),
-        "machine": dict(machine or machine_info()),
-        "params": params,
-        "summary": summary,
-        "notes": list(notes),
-        "rows": list(rows),
-    }
+    doc = {"name": name, "command": command_line(), "machine": dict(machine or machine_info()), "params": params,
+           "summary": summary, "notes": list(notes), "rows": list(rows)}
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(_jsonable(doc), indent=2, sort_keys=False) + "\n")
+    tmp.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
     os.replace(tmp, out)
     return out
 
 
 def finish_report(out: Path, markdown: str, plot: Callable[[Path], Path | None] | None, elapsed: float) -> int:
-    """Write the markdown tables beside the results JSON, draw the plot (None: skipped), say where they went."""
-    md = out.with_suffix(".md")
-    md.write_text(markdown)
-    print(f"\nresults: {out}\ntables:  {md}")
-    if plot is not None:
-        png = plot(out.with_suffix(".png"))
-        if png is not None:
-            print(f"plot:    {png}")
+    """Write the markdown beside the results JSON, draw the plot (None: skipped), say where they went."""
+    out.with_suffix(".md").write_text(markdown)
+    print(f"\nresults: {out}\ntables:  {out.with_suffix('.md')}")
+    if plot is not None and (png := plot(out.with_suffix(".png"))) is not None:
+        print(f"plot:    {png}")
     print(f"elapsed: {elapsed:.0f} s", file=sys.stderr)
     return 0
 
 
-# --------------------------------------------------------------------------- plots
+def publish(out: Path, *, name: str, summary: Mapping[str, Any], rows: Sequence[Any], params: Mapping[str, Any],
+            notes: Sequence[str], machine: Mapping[str, Any], elapsed: float, markdown: str,
+            plot: Callable[[Path], Path | None] | None) -> int:
+    """:func:`write_results` and :func:`finish_report`, the markdown under a header of what ran where."""
+    out = write_results(out, name=name, summary={**summary, "elapsed_s": elapsed}, rows=rows, params=params,
+                        notes=notes, machine=machine)
+    header = (f"# {name} results\n\nMachine: {machine_line(machine)}, load average at start "
+              f"{machine['load_average_at_start']}  \nCommand: `{command_line()}`  \n"
+              f"Run time: {elapsed:.0f} s. Units: 1 MB = 10**6 bytes.\n\n")
+    return finish_report(out, header + markdown, plot, elapsed)
 
 
 @dataclass(frozen=True)
@@ -330,6 +288,13 @@ class Panel:
     log_y: bool = False
 
 
+def bars(title: str, ylabel: str, categories: Sequence[str], found: Mapping[str, Sequence[Spread | None]],
+         log_y: bool = False) -> Panel:
+    """A panel of medians with min-max error bars: per series, one spread (None: a gap) per category."""
+    return Panel(title, ylabel, tuple(categories), {k: [x.median if x else None for x in v] for k, v in found.items()},
+                 {k: [(x.min, x.max) if x else None for x in v] for k, v in found.items()}, log_y)
+
+
 def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], *, title: str | None = None,
                 columns: int = 2) -> Path | None:
     """Draw the panels side by side into a PNG. Returns None (and says so) without matplotlib."""
@@ -345,52 +310,100 @@ def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], *, title:
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 4.2 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
-        _draw_panel(ax, panel)
+        width = 0.8 / max(1, len(panel.series))
+        for i, (label, values) in enumerate(panel.series.items()):
+            heights = [v if v is not None else 0.0 for v in values]
+            ranges = panel.errors.get(label)
+            yerr = [[max(0.0, h - r[0]) if r else 0.0 for h, r in zip(heights, ranges)],
+                    [max(0.0, r[1] - h) if r else 0.0 for h, r in zip(heights, ranges)]] if ranges else None
+            ax.bar([c + (i - (len(panel.series) - 1) / 2) * width for c in range(len(heights))], heights, width,
+                   label=label, yerr=yerr, capsize=2)
+        ax.set_xticks(range(len(panel.categories)), panel.categories)
+        ax.set(title=panel.title, ylabel=panel.ylabel, yscale="log" if panel.log_y else "linear")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return out
+    return Path(path)
 
 
-def _draw_panel(ax: Any, panel: Panel) -> None:
-    labels = list(panel.series)
-    n = max(1, len(labels))
-    width = 0.8 / n
-    for i, label in enumerate(labels):
-        values = panel.series[label]
-        xs = [c + (i - (n - 1) / 2) * width for c in range(len(panel.categories))]
-        heights = [v if v is not None else 0.0 for v in values]
-        yerr = None
-        ranges = panel.errors.get(label)
-        if ranges:
-            low = [max(0.0, h - r[0]) if r else 0.0 for h, r in zip(heights, ranges)]
-            high = [max(0.0, r[1] - h) if r else 0.0 for h, r in zip(heights, ranges)]
-            yerr = [low, high]
-        ax.bar(xs, heights, width, label=label, yerr=yerr, capsize=2)
-    ax.set_xticks(range(len(panel.categories)))
-    ax.set_xticklabels(panel.categories)
-    ax.set_title(panel.title)
-    ax.set_ylabel(panel.ylabel)
-    if panel.log_y:
-        ax.set_yscale("log")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
+# --------------------------------------------------------------------------- worker processes
+
+_SHARED: dict[str, Any] = {}  # in a RankPool worker: the pool's barriers and queue
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def sync(parties: int, timeout_s: float = 300.0) -> float:
+    """In a :class:`RankPool` worker: wait until ``parties`` ranks arrive; the time they did."""
+    _SHARED["barriers"][parties].wait(timeout=timeout_s)
+    return time.perf_counter()
 
 
-def install_interrupt_handlers() -> None:
-    """Turn SIGINT and SIGTERM into KeyboardInterrupt, so a benchmark cleans up its workers,
-    emulator and temporary data also when started in the background (where SIGINT is ignored)."""
-    import signal
+def pool_queue() -> Any:
+    """In a :class:`RankPool` worker: the queue every rank of the pool shares."""
+    return _SHARED["queue"]
 
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+
+def _serve(conn: Any, barriers: dict[int, Any], shared_queue: Any) -> None:
+    logging.basicConfig(level=logging.WARNING, format="[worker] %(name)s %(levelname)s: %(message)s")
+    _SHARED.update(barriers=barriers, queue=shared_queue)
+    while (message := conn.recv()) is not None:
+        fn, kwargs = message
+        try:
+            conn.send((True, fn(**kwargs)))
+        except BaseException:  # every failure goes back to the parent, which decides
+            for barrier in barriers.values():
+                barrier.abort()  # the ranks waiting for this one fail at once rather than time out
+            conn.send((False, traceback.format_exc()))
+
+
+class RankPool:
+    """``size`` spawned processes; :meth:`run` calls a module-level function on ranks 0..n-1 at once.
+
+    A rank's process is the same for every call, so it can keep clients open between calls.
+    The ranks share barriers for 1..size parties (:func:`sync`) and one queue (:func:`pool_queue`).
+    A failure on any rank raises BenchError; the pool is then only good for :meth:`close`.
+    """
+
+    def __init__(self, size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.size, self.queue = size, ctx.Queue()
+        self.barriers = {n: ctx.Barrier(n) for n in range(1, size + 1)}
+        pipes = [ctx.Pipe() for _ in range(size)]
+        self._conns = [parent for parent, _ in pipes]
+        self._procs = [ctx.Process(target=_serve, args=(child, self.barriers, self.queue), daemon=True)
+                       for _, child in pipes]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], n: int | None = None, **kwargs: Any) -> list[Any]:
+        """``fn(rank=r, **kwargs)`` on ranks 0..n-1 (default: all); their answers in rank order."""
+        n = self.size if n is None else n
+        for rank in range(n):
+            self._conns[rank].send((fn, {"rank": rank, **kwargs}))
+        answers, deadline = [], time.monotonic() + OP_TIMEOUT_S
+        for rank, (conn, proc) in enumerate(zip(self._conns[:n], self._procs)):
+            while not conn.poll(1.0):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    raise BenchError(f"rank {rank} did not answer (exit code {proc.exitcode})")
+            answers.append(conn.recv())
+        if failed := [f"rank {rank}:\n{value}" for rank, (ok, value) in enumerate(answers) if not ok]:
+            raise BenchError(f"{len(failed)} of {n} ranks failed:\n" + "\n".join(failed))
+        return [value for _, value in answers]
+
+    def close(self) -> None:
+        for barrier in self.barriers.values():
+            barrier.abort()  # nobody stays blocked in a barrier
+        for conn in self._conns:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)

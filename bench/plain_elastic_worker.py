@@ -6,9 +6,9 @@ commit / batch / epoch callbacks, the learning rate rescaled on reset). Nothing 
 preemption notices: when a VM's notice window ends its worker is killed, Horovod counts that
 as a failure, blacklists the host and rolls the survivors back to their last in-memory commit.
 
-The only addition is measurement: a few lines record events in the same log format as
-hvd-transient (``hvd_transient.events.EventLog``; no checkpointing, no callbacks of the
-plugin), so the benchmark reads both runs the same way:
+The only addition is measurement: a few lines record events of hvd-transient's schema
+(``hvd_transient.event_schema`` through ``hvd_transient.events.EventLog``; no checkpointing,
+no callbacks of the plugin), so ``hvd_transient.report.analysis`` reads both runs the same way:
 
     start       first time training begins in this process: step, rank, size
     ring        training (re)starts on a ring: step, rank, size, master (0), master_host (rank 0's host
@@ -24,18 +24,20 @@ import argparse
 import os
 import socket
 import time
+from typing import Any
 
 import horovod.tensorflow.keras as hvd
 import tensorflow as tf
 
 from ckpt_service.stores import open_store
+from hvd_transient import event_schema as ev
 from hvd_transient.events import EventLog
 from hvd_transient.testing.workloads import MODELS, batches, load_cifar10, synthetic_cifar10
 
 PROGRESS_EVERY_STEPS = 10
 
 
-class StepEvents(tf.keras.callbacks.Callback):
+class StepEvents(tf.keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped
     """Writes the measurement events; takes no part in training."""
 
     def __init__(self, log: EventLog) -> None:
@@ -48,32 +50,32 @@ class StepEvents(tf.keras.callbacks.Callback):
     def _step(self) -> int:
         return int(self.model.optimizer.iterations.numpy())
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         step, rank, size = self._step(), hvd.rank(), hvd.size()
         if not self.started:
             self.started = True
-            self.log.emit("start", step=step, rank=rank, size=size)
-        self.log.emit("ring", step=step, rank=rank, size=size, master=0,
-                      master_host=self.log.host if rank == 0 else None)
+            self.log.emit(ev.Start(step=step, rank=rank, size=size))
+        self.log.emit(ev.Ring(step=step, rank=rank, size=size, master=0,
+                              master_host=self.log.host if rank == 0 else None))
         self.ring_step = step
         self.last_step = step
 
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         step = self._step()
         self.last_step = step
         if self.ring_step is not None and step == self.ring_step + 1:
-            self.log.emit("first_step", step=step, size=hvd.size())
+            self.log.emit(ev.FirstStep(step=step, size=hvd.size()))
         elif step % PROGRESS_EVERY_STEPS == 0:
-            self.log.emit("progress", step=step, size=hvd.size())
+            self.log.emit(ev.Progress(step=step, size=hvd.size()))
 
     def on_reset(self) -> None:
         """Horovod calls this after a reset, once the state was rolled back (if it was)."""
         step = self._step()
-        self.log.emit("reset", step=step, rolled_back=max(0, self.last_step - step), last_step=self.last_step)
+        self.log.emit(ev.Reset(step=step, rolled_back=max(0, self.last_step - step), last_step=self.last_step))
         self.last_step = step
 
-    def on_train_end(self, logs: dict | None = None) -> None:
-        self.log.emit("train_end", step=self._step())
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        self.log.emit(ev.TrainEnd(step=self._step()))
 
 
 def main() -> None:
@@ -120,8 +122,8 @@ def main() -> None:
         callbacks.append(tf.keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs: time.sleep(args.step_seconds)))
 
-    @hvd.elastic.run
-    def train(state):
+    @hvd.elastic.run  # type: ignore[untyped-decorator]
+    def train(state: Any) -> None:
         seed = 1000 * hvd.rank() + int(model.optimizer.iterations.numpy())
         model.fit(batches(images, labels, args.batch_size, seed), steps_per_epoch=args.steps_per_epoch,
                   epochs=args.epochs - state.epoch, callbacks=callbacks,

@@ -1,16 +1,17 @@
-"""``hvd-transient bench NAME [ARGS...]``: run a benchmark script from ``bench/`` in the source checkout.
+"""``hvd-transient bench NAME [ARGS...]``: run a benchmark of ``bench/`` in the source checkout.
 
-``NAME`` is the script's file name with dashes for underscores (``ckpt-io`` runs
-``bench/ckpt_io.py``); ``ARGS`` are passed to it unchanged. ``bench all`` runs every
-benchmark in :data:`BENCHES` with its defaults, ``bench list`` lists them.
+``NAME`` is the module's name with dashes for underscores (``ckpt-io`` runs ``python -m
+bench.ckpt_io``); ``ARGS`` are passed to it unchanged. ``bench all`` runs every benchmark in
+:data:`BENCHES` with its defaults, ``bench list`` lists them.
 
-The scripts are not part of the installed package: they are found relative to this
-module, which works for an editable install (``pip install -e .``, ``make setup``).
-Each runs in its own interpreter (the same one as this command), so it can spawn
-worker processes of its own.
+The benchmarks are not part of the installed package: they are found relative to this
+module, which works for an editable install (``pip install -e .``, ``make setup``). Each runs
+in its own interpreter (the same one as this command), from the checkout's root so that
+``bench`` is importable, and can spawn worker processes of its own.
 """
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -18,67 +19,65 @@ from typing import Sequence
 
 from hvd_transient.cli import UsageError, command
 
+log = logging.getLogger(__name__)
+
 PROG = "hvd-transient bench"
 
 #: what ``bench all`` runs, in this order (names as typed on the command line)
 BENCHES: tuple[str, ...] = ("ckpt-io", "ckpt-overhead", "emergency-save", "preemption-cost", "restore")
-
-#: modules in bench/ that are not benchmarks
-_NOT_BENCHES = frozenset({"common", "conftest"})
 
 
 class BenchNotFoundError(LookupError):
     """The benchmark (or the bench/ directory itself) does not exist."""
 
 
-def bench_dir() -> Path:
-    """``bench/`` of the checkout this package was installed from (editable install)."""
-    return Path(__file__).resolve().parent.parent / "bench"
+def checkout() -> Path:
+    """The root of the checkout this package was installed from (editable install)."""
+    return Path(__file__).resolve().parent.parent
 
 
-def script_name(name: str) -> str:
-    """``ckpt-io`` -> ``ckpt_io.py``. Rejects anything that is not a plain name."""
+def is_benchmark(stem: str) -> bool:
+    """Modules of ``bench/`` that are benchmarks: not the harness, nor what the benchmarks launch."""
+    return stem != "common" and not stem.startswith("_") and not stem.endswith("_worker")
+
+
+def available(root: Path | None = None) -> list[str]:
+    """Every benchmark present in ``bench/``, as command-line names."""
+    return sorted(p.stem.replace("_", "-") for p in ((root or checkout()) / "bench").glob("*.py")
+                  if is_benchmark(p.stem))
+
+
+def find_module(name: str, root: Path | None = None) -> str:
+    """``ckpt-io`` -> ``bench.ckpt_io``, once its file is found in ``root/bench``."""
+    bench = (root or checkout()) / "bench"
     if not name or not name.replace("-", "").replace("_", "").isalnum():
         raise BenchNotFoundError(f"{name!r} is not a benchmark name (letters, digits, '-' or '_')")
-    return name.replace("-", "_") + ".py"
-
-
-def available(directory: Path | None = None) -> list[str]:
-    """Every benchmark script present in ``bench/``, as command-line names."""
-    directory = directory or bench_dir()
-    return sorted(p.stem.replace("_", "-") for p in directory.glob("*.py")
-                  if p.stem not in _NOT_BENCHES and not p.stem.startswith("_")
-                  and not p.stem.endswith("_worker"))  # scripts the benchmarks launch
-
-
-def find_script(name: str, directory: Path | None = None) -> Path:
-    directory = directory or bench_dir()
-    if not directory.is_dir():
+    if not (bench / "__init__.py").is_file():
         raise BenchNotFoundError(
-            f"no bench/ directory at {directory}: the benchmarks live in the source checkout, not in the "
+            f"no bench/ package at {bench}: the benchmarks live in the source checkout, not in the "
             "installed package. Clone the repository and install it editable (`make setup`, or "
             "`pip install -e '.[gcs,dev]'`), then run `hvd-transient bench` from there.")
-    script = directory / script_name(name)
-    if script.stem in _NOT_BENCHES or script.stem.endswith("_worker") or not script.is_file():
-        names = ", ".join(available(directory)) or "none"
-        raise BenchNotFoundError(f"no benchmark named {name!r} in {directory} (available: {names})")
-    return script
+    stem = name.replace("-", "_")
+    if not is_benchmark(stem) or not (bench / f"{stem}.py").is_file():
+        names = ", ".join(available(bench.parent)) or "none"
+        raise BenchNotFoundError(f"no benchmark named {name!r} in {bench} (available: {names})")
+    return f"bench.{stem}"
 
 
-def run_script(script: Path, args: Sequence[str]) -> int:
-    """Run one script with this interpreter from the repository root; return its exit code."""
-    cmd = [sys.executable, str(script), *args]
+def run_module(module: str, args: Sequence[str], root: Path | None = None) -> int:
+    """``python -m MODULE ARGS`` with this interpreter from the checkout's root; its exit code."""
+    cmd = [sys.executable, "-m", module, *args]
     print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
-    return subprocess.run(cmd, cwd=script.parent.parent, check=False).returncode
+    return subprocess.run(cmd, cwd=root or checkout(), check=False).returncode
 
 
 USAGE = f"""usage: hvd-transient bench NAME [ARGS...]
        hvd-transient bench all     run every benchmark ({", ".join(BENCHES)}) with its defaults
        hvd-transient bench list    list the benchmarks
 
-Runs bench/<NAME>.py (dashes for underscores) from the source checkout; ARGS go to the
-script, e.g. `hvd-transient bench ckpt-io --sizes-mb 10 --repeats 1`. Results are written
-to bench/results/. See `hvd-transient bench NAME --help` for a benchmark's options."""
+Runs `python -m bench.<NAME>` (dashes for underscores) from the source checkout; ARGS go to
+the benchmark, e.g. `hvd-transient bench ckpt-io --sizes-mb 10 --repeats 1`. Results are
+written to bench/results/. See `hvd-transient bench NAME --help` for a benchmark's options."""
 
 
 def _no_arguments(what: str, args: Sequence[str], hint: str = "") -> None:
@@ -88,10 +87,8 @@ def _no_arguments(what: str, args: Sequence[str], hint: str = "") -> None:
 
 def _list(args: Sequence[str] = ()) -> int:
     _no_arguments("list", args)
-    directory = bench_dir()
-    if not directory.is_dir():
-        find_script(BENCHES[0], directory)  # raises the "no bench/ directory" error
-    present = set(available(directory))
+    find_module(BENCHES[0])  # raises the "no bench/ package" error
+    present = set(available())
     for name in BENCHES:
         print(name if name in present else f"{name}  (missing)")
     for name in sorted(present - set(BENCHES)):
@@ -101,8 +98,8 @@ def _list(args: Sequence[str] = ()) -> int:
 
 def _all(args: Sequence[str]) -> int:
     _no_arguments("all", args, "; it runs every benchmark with its defaults: run one by name to pass options")
-    scripts = [(name, find_script(name)) for name in BENCHES]  # all found before any runs
-    failed = [name for name, script in scripts if run_script(script, []) != 0]
+    modules = [(name, find_module(name)) for name in BENCHES]  # all found before any runs
+    failed = [name for name, module in modules if run_module(module, []) != 0]
     if failed:
         print(f"{PROG} all: failed: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -123,4 +120,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _list(rest)
     if name == "all":
         return _all(rest)
-    return run_script(find_script(name), rest)
+    return run_module(find_module(name), rest)

@@ -22,11 +22,14 @@ It is a :data:`ckpt_service.manager.ShareSnapshot`::
     fused = FusedSnapshot(state_variables(model))
     manager.save_async(step, fused.specs, meta, rank=r, world_size=w, snapshot=fused)
 
-In host memory the call is made straight through TensorFlow's eager runtime, its kernels run
-on the calling thread (the single-threaded executor): for ResNet-32 under load that halves the
-call against ``ConcreteFunction.__call__``, which re-binds arguments and re-collects ~150
-captured variable handles each time, and TensorFlow's default executor, which hands each read
-to its inter-op thread pool (a core training also wants). See :func:`direct_call`.
+In host memory the call runs its kernels on the calling thread (the single-threaded executor,
+chosen with ``tf.experimental.function_executor_type``) instead of handing each read to
+TensorFlow's inter-op thread pool, a core training also wants. The call goes through the
+public ``ConcreteFunction.__call__`` by default. ``HVDT_TF_FAST_SNAPSHOT=1`` (or
+``FusedSnapshot(..., fast_call=True)``) calls TensorFlow's eager runtime directly instead
+(:func:`direct_call`): about 2 ms less per save for ResNet-32, since the ~150 captured variable
+handles are collected once rather than on every call, but through TensorFlow internals that a
+TensorFlow upgrade may change (it falls back to the public call when they are missing).
 
 Tracing and first running the function costs a few hundred milliseconds for ResNet-32,
 paid by the first save of each (plan, rank), i.e. once per ring size; the function is
@@ -36,6 +39,7 @@ read that changes the dtype) falls back, with a warning, to reading the variable
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -57,6 +61,13 @@ HOST_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
 #: Host path: variables of at most this many elements are concatenated into one output per dtype
 #: (each output of a call costs more than copying a small tensor); larger ones are returned as read.
 SMALL_TENSOR_ELEMENTS = 1 << 14
+#: Opt-in switch for :func:`direct_call` (a private TensorFlow API) in place of :func:`public_call`.
+FAST_CALL_ENV = "HVDT_TF_FAST_SNAPSHOT"
+
+
+def fast_call_requested() -> bool:
+    """Whether ``HVDT_TF_FAST_SNAPSHOT`` asks for the direct runtime call (1, true, yes or on)."""
+    return os.environ.get(FAST_CALL_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -187,10 +198,13 @@ class FusedSnapshot:
     so that planning neither looks at the variables nor checks their specs again.
     ``deferred`` chooses the host-memory path (aliases, assembled later) over the device path
     (pieces concatenated in the call); by default, the host path when every variable is in
-    host memory. Both give the same pieces wherever the variables are.
+    host memory. Both give the same pieces wherever the variables are. ``fast_call`` calls the
+    traced function through :func:`direct_call` rather than :func:`public_call`; by default, as
+    ``HVDT_TF_FAST_SNAPSHOT`` says (off when unset).
     """
 
-    def __init__(self, variables: Mapping[str, tf.Variable], *, deferred: bool | None = None) -> None:
+    def __init__(self, variables: Mapping[str, tf.Variable], *, deferred: bool | None = None,
+                 fast_call: bool | None = None) -> None:
         for name, var in variables.items():
             if not var.shape.is_fully_defined():
                 raise ValueError(f"variable {name!r} has shape {var.shape}; a checkpointed variable needs a "
@@ -201,6 +215,7 @@ class FusedSnapshot:
         self._spec_set = frozenset(self.specs.values())
         self._in_host_memory = all(_device_type(var.device) == "CPU" for var in variables.values())
         self.deferred = self._in_host_memory if deferred is None else deferred
+        self.fast_call = fast_call_requested() if fast_call is None else fast_call
         self._entries: OrderedDict[tuple[WriteItem, ...], _Entry] = OrderedDict()
         self._last: _Entry | None = None
 
@@ -306,27 +321,39 @@ class FusedSnapshot:
         except (TypeError, ValueError, AttributeError, tf.errors.OpError) as exc:
             log.warning("cannot trace a fused checkpoint snapshot (%s); reading the variables one by one", exc)
             return None
-        call = direct_call(function, HOST_EXECUTOR if self._in_host_memory else "")
+        make_call = direct_call if self.fast_call else public_call
+        call = make_call(function, HOST_EXECUTOR if self._in_host_memory else "")
         if self._in_host_memory:
             try:
                 call()  # the first call instantiates the function: now, so a refusal falls back here
             except tf.errors.OpError as exc:
                 log.warning("the single-threaded executor cannot run the fused checkpoint snapshot (%s); "
                             "using TensorFlow's default executor", exc)
-                call = direct_call(function)
+                call = make_call(function)
         log.info("traced the fused checkpoint snapshot of rank %d of %d (%d piece(s), %s) in %.2f s", rank,
                  world_size, len(items), "host memory" if host is not None else "device",
                  time.perf_counter() - t0)
         return call
 
 
+def public_call(function: Any, executor_type: str = "") -> Callable[[], Sequence[tf.Tensor]]:
+    """A call of ``function`` (a ConcreteFunction of no arguments) through TensorFlow's public API.
+
+    ``executor_type`` names TensorFlow's executor ("" is its default).
+    """
+    def call() -> Sequence[tf.Tensor]:
+        with tf.experimental.function_executor_type(executor_type or None):
+            return function()
+
+    return call
+
+
 def direct_call(function: Any, executor_type: str = "") -> Callable[[], Sequence[tf.Tensor]]:
-    """A call of ``function`` (a ConcreteFunction of no arguments) that goes straight to the runtime.
+    """Like :func:`public_call`, but straight to TensorFlow's eager runtime (a private API).
 
     The inputs (the captured variable handles; a variable's handle never changes) and the call's
-    attributes are collected once. ``executor_type`` names TensorFlow's executor ("" is its
-    default). Where TensorFlow's internals differ from the pinned version's, this falls back to
-    the public call under ``tf.experimental.function_executor_type``.
+    attributes are collected once. Where TensorFlow's internals differ from the pinned version's,
+    this returns :func:`public_call`'s call.
     """
     try:
         from tensorflow.python.eager import context, execute  # no public equivalent
@@ -340,12 +367,7 @@ def direct_call(function: Any, executor_type: str = "") -> Callable[[], Sequence
         run = execute.execute
     except (ImportError, AttributeError, KeyError, TypeError) as exc:
         log.info("no direct call of the fused snapshot (%s); using the public one", exc)
-
-        def public() -> Sequence[tf.Tensor]:
-            with tf.experimental.function_executor_type(executor_type or None):
-                return function()
-
-        return public
+        return public_call(function, executor_type)
 
     def call() -> Sequence[tf.Tensor]:
         return run(name, num_outputs=count, inputs=inputs, attrs=attrs, ctx=ctx)

@@ -20,7 +20,9 @@ from hvd_transient.keras import (  # noqa: E402
     learning_rate_of,
     state_variables,
 )
+from hvd_transient.testing.workloads import MODELS  # noqa: E402
 from hvd_transient.tf_snapshot import (  # noqa: E402
+    FAST_CALL_ENV,
     AliasedShare,
     FusedSnapshot,
     SnapshotPlanError,
@@ -28,8 +30,8 @@ from hvd_transient.tf_snapshot import (  # noqa: E402
     assemble_pieces,
     direct_call,
     host_outputs,
+    public_call,
 )
-from hvd_transient.testing.workloads import MODELS  # noqa: E402
 
 
 def small_model() -> tf.keras.Model:
@@ -70,6 +72,10 @@ def arrays(taken) -> list[np.ndarray]:
     return list(taken.assemble() if isinstance(taken, DeferredShare) else taken)
 
 
+#: both ways of calling the traced function: the public API (the default) and the direct runtime call
+CALLS = pytest.mark.parametrize("fast_call", [False, True], ids=["public_call", "direct_call"])
+
+
 def assert_same_bytes(got, want: list[np.ndarray]) -> None:
     got = arrays(got)
     assert len(got) == len(want)
@@ -78,13 +84,14 @@ def assert_same_bytes(got, want: list[np.ndarray]) -> None:
         assert g.tobytes() == w.tobytes()
 
 
+@CALLS
 @pytest.mark.parametrize("deferred", [True, False], ids=["host_path", "device_path"])
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("make_variables", [lambda: state_variables(small_model()), mixed_variables],
                          ids=["small_cnn", "mixed_dtypes"])
-def test_fused_share_equals_the_per_variable_share(world, make_variables, deferred, caplog) -> None:
+def test_fused_share_equals_the_per_variable_share(world, make_variables, deferred, fast_call, caplog) -> None:
     variables = make_variables()
-    fused = FusedSnapshot(variables, deferred=deferred)
+    fused = FusedSnapshot(variables, deferred=deferred, fast_call=fast_call)
     with caplog.at_level(logging.WARNING, logger="hvd_transient.tf_snapshot"):
         for plan in plans(list(fused.specs.values()), world):
             for rank in range(world):
@@ -94,15 +101,16 @@ def test_fused_share_equals_the_per_variable_share(world, make_variables, deferr
     assert "one by one" not in caplog.text, "every dtype of the plan should take the fused path"
 
 
+@CALLS
 @pytest.mark.parametrize("deferred", [True, False], ids=["host_path", "device_path"])
-def test_snapshot_is_the_state_at_call_time(deferred) -> None:
+def test_snapshot_is_the_state_at_call_time(deferred, fast_call) -> None:
     model = small_model()
     variables = dict(state_variables(model))
     variables["whole"] = tf.Variable(np.arange(100_000, dtype=np.float32))  # a large one: returned as read
     # the last case's only piece is one whole variable: the graph's output is the variable's read
     cases = [(variables, 1, None), (variables, 2, 1024), ({"whole": variables["whole"]}, 1, None)]
     for chosen, world, piece_bytes in cases:
-        fused = FusedSnapshot(chosen, deferred=deferred)
+        fused = FusedSnapshot(chosen, deferred=deferred, fast_call=fast_call)
         plan = make_save_plan(list(fused.specs.values()), world, piece_bytes=piece_bytes, chunk_bytes=256)
         for rank in range(world):
             before = [flat for _, flat in prepare_share(plan, rank, chosen)]
@@ -191,12 +199,13 @@ def test_falls_back_to_reading_one_by_one(monkeypatch, caplog) -> None:
     assert "one by one" in caplog.text
 
 
+@pytest.mark.parametrize("make_call", [public_call, direct_call], ids=["public_call", "direct_call"])
 @pytest.mark.parametrize("executor", ["", tf_snapshot.HOST_EXECUTOR], ids=["default", "single_threaded"])
-def test_direct_call_gives_what_the_function_gives_and_keeps_it_alive(executor) -> None:
+def test_a_call_gives_what_the_function_gives_and_keeps_it_alive(executor, make_call) -> None:
     a = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
     b = tf.Variable(np.int64(4))
     function = tf.function(lambda: [tf.reshape(a.read_value(), [-1]), b + 1], autograph=False)
-    call = direct_call(function.get_concrete_function(), executor)
+    call = make_call(function.get_concrete_function(), executor)
     del function
     gc.collect()  # the runtime would drop the traced function with its last Python reference
     got = call()
@@ -213,10 +222,31 @@ def test_direct_call_without_the_runtime_internals_falls_back_to_the_public_call
     assert int(direct_call(NotConcrete(), tf_snapshot.HOST_EXECUTOR)()[0]) == 3
 
 
-def test_an_executor_that_refuses_the_function_falls_back_to_the_default_one(monkeypatch, caplog) -> None:
+def test_the_public_call_is_the_default_and_the_switch_turns_on_the_direct_one(monkeypatch) -> None:
+    variables = state_variables(small_model())
+    used: list[str] = []
+    for name, make_call in (("public", public_call), ("direct", direct_call)):
+        monkeypatch.setattr(tf_snapshot, f"{name}_call",
+                            lambda f, e="", name=name, make_call=make_call: used.append(name) or make_call(f, e))
+    plan = make_save_plan(list(FusedSnapshot(variables).specs.values()), 1)
+    monkeypatch.delenv(FAST_CALL_ENV, raising=False)
+    for value, switch, expected in ((None, None, "public"), ("1", None, "direct"), ("0", None, "public"),
+                                    ("1", False, "public"), (None, True, "direct")):
+        if value is not None:
+            monkeypatch.setenv(FAST_CALL_ENV, value)
+        used.clear()
+        fused = FusedSnapshot(variables, fast_call=switch)
+        assert fused.fast_call == (expected == "direct")
+        assert_same_bytes(fused(plan, 0), [flat for _, flat in prepare_share(plan, 0, variables)])
+        assert used == [expected], (value, switch)
+
+
+@CALLS
+def test_an_executor_that_refuses_the_function_falls_back_to_the_default_one(monkeypatch, caplog,
+                                                                             fast_call) -> None:
     variables = mixed_variables()
     monkeypatch.setattr(tf_snapshot, "HOST_EXECUTOR", "NO_SUCH_EXECUTOR")
-    fused = FusedSnapshot(variables)
+    fused = FusedSnapshot(variables, fast_call=fast_call)
     plan = make_save_plan(list(fused.specs.values()), 2, piece_bytes=1024)
     with caplog.at_level(logging.WARNING, logger="hvd_transient.tf_snapshot"):
         for rank in range(2):
