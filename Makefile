@@ -47,6 +47,7 @@ $(STAMP): $(CONSTRAINTS) setup.py Makefile
 
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy ckpt_service hvd_transient
 	$(BIN)/python -m pytest
 
 demo: setup

@@ -144,7 +144,8 @@ def host_outputs(layout: Layout, specs: Mapping[str, TensorSpec],
     return HostOutputs(tuple(outputs), tuple(concatenated), where)
 
 
-def assemble_pieces(flats: Sequence[np.ndarray], outputs: HostOutputs, layout: Layout) -> list[np.ndarray]:
+def assemble_pieces(flats: Sequence[np.ndarray[Any, Any]], outputs: HostOutputs,
+                    layout: Layout) -> list[np.ndarray[Any, Any]]:
     """Each piece of ``layout`` copied out of the flattened outputs into an array of its own (pure)."""
     pieces = []
     for slices in layout:
@@ -163,14 +164,14 @@ class AliasedShare(DeferredShare):
         self._tensors: Sequence[tf.Tensor] | None = tensors
         self._outputs, self._layout = outputs, layout
 
-    def assemble(self) -> list[np.ndarray]:
+    def assemble(self) -> list[np.ndarray[Any, Any]]:
         tensors, self._tensors = self._tensors, None  # released on return: a later update need not copy
         if tensors is None:
             raise RuntimeError("this share was already assembled")
         return assemble_pieces([_to_host(t).reshape(-1) for t in tensors], self._outputs, self._layout)
 
 
-def _to_host(tensor: tf.Tensor) -> np.ndarray:
+def _to_host(tensor: tf.Tensor) -> np.ndarray[Any, Any]:
     """A host array of a function output, copying only if it lives on an accelerator."""
     if _device_type(tensor.backing_device) == "CPU":
         # No copy. The array keeps the tensor alive; where that is a variable's own buffer (a
@@ -179,7 +180,8 @@ def _to_host(tensor: tf.Tensor) -> np.ndarray:
         return np.asarray(memoryview(tensor))
     # One device-to-host copy that does not hold on to the device buffer (a memoryview would,
     # for as long as the background write keeps the array).
-    return tensor.numpy()
+    host: np.ndarray[Any, Any] = tensor.numpy()
+    return host
 
 
 @dataclass
@@ -224,7 +226,7 @@ class FusedSnapshot:
         return (variables.keys() == self._variables.keys()
                 and all(variables[name] is var for name, var in self._variables.items()))
 
-    def __call__(self, plan: SavePlan, rank: int) -> list[np.ndarray] | AliasedShare:
+    def __call__(self, plan: SavePlan, rank: int) -> list[np.ndarray[Any, Any]] | AliasedShare:
         """This rank's ``plan.for_rank(rank)`` pieces as of this call.
 
         One host array per piece, in order, or (variables in host memory) an
@@ -343,7 +345,8 @@ def public_call(function: Any, executor_type: str = "") -> Callable[[], Sequence
     """
     def call() -> Sequence[tf.Tensor]:
         with tf.experimental.function_executor_type(executor_type or None):
-            return function()
+            outputs: Sequence[tf.Tensor] = function()
+            return outputs
 
     return call
 
@@ -370,7 +373,8 @@ def direct_call(function: Any, executor_type: str = "") -> Callable[[], Sequence
         return public_call(function, executor_type)
 
     def call() -> Sequence[tf.Tensor]:
-        return run(name, num_outputs=count, inputs=inputs, attrs=attrs, ctx=ctx)
+        outputs: Sequence[tf.Tensor] = run(name, num_outputs=count, inputs=inputs, attrs=attrs, ctx=ctx)
+        return outputs
 
     # The runtime drops a traced function once its Python object is gone: the call keeps it.
     call.function = function  # type: ignore[attr-defined]
