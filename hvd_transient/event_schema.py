@@ -458,6 +458,29 @@ class KeeperCost(EventBody):
     wanted: int
 
 
+@_declare("keeper_job")
+@dataclass(frozen=True)
+class KeeperJob(EventBody):
+    """The training job the keeper supervises (``cluster keep --job``). ``phase``: start (the
+    first launch) | relaunch (``waited_s`` since the previous attempt ended) | exit (``exit_code``;
+    ``seconds`` it ran; ``reason`` no_workers or keeper_stopped when the keeper ended it) |
+    give_up (it failed and ``--max-relaunches`` are used up). ``attempt`` counts launches from 1;
+    ``workers``: the workers RUNNING at a launch."""
+
+    phase: str
+    attempt: int
+    workers: tuple[str, ...] = ()
+    exit_code: int | None = field(default=None, metadata=OMIT_NONE)
+    reason: str | None = field(default=None, metadata=OMIT_NONE)
+    waited_s: float | None = field(default=None, metadata=OMIT_NONE)
+    seconds: float | None = field(default=None, metadata=OMIT_NONE)
+
+
+#: every kind the keeper writes (none is a worker's: the run's analysis keeps them apart)
+KEEPER_KINDS: tuple[type[EventBody], ...] = (KeeperStart, KeeperRefill, KeeperStockout, KeeperError,
+                                             KeeperRelease, KeeperFallback, KeeperBudget, KeeperCost, KeeperJob)
+
+
 # --------------------------------------------------------------------------- JSON
 
 
@@ -494,8 +517,8 @@ def from_json_dict(raw: Mapping[str, Any]) -> Record[EventBody] | None:
 
 
 __all__ = ["ENVELOPE", "KINDS", "AsyncSave", "Commit", "EarlyWarning", "Election", "EventBody", "FirstStep",
-           "KeeperBudget", "KeeperCost", "KeeperError", "KeeperFallback", "KeeperRefill", "KeeperRelease",
-           "KeeperStart", "KeeperStockout", "LeaseError", "LeavePublished", "LeavingPruned", "Lr", "Notice",
-           "NoticeAgreed", "Progress", "Record", "Reset", "Restore", "ResumeAt", "Ring", "SaveEnd",
-           "SaveFailed", "SaveSkipped", "SaveStart", "Start", "StopRequested", "TrainEnd", "WaitInflight",
-           "Weights", "from_json_dict", "to_json_dict"]
+           "KEEPER_KINDS", "KeeperBudget", "KeeperCost", "KeeperError", "KeeperFallback", "KeeperJob",
+           "KeeperRefill", "KeeperRelease", "KeeperStart", "KeeperStockout", "LeaseError", "LeavePublished",
+           "LeavingPruned", "Lr", "Notice", "NoticeAgreed", "Progress", "Record", "Reset", "Restore",
+           "ResumeAt", "Ring", "SaveEnd", "SaveFailed", "SaveSkipped", "SaveStart", "Start", "StopRequested",
+           "TrainEnd", "WaitInflight", "Weights", "from_json_dict", "to_json_dict"]

@@ -13,10 +13,17 @@ from fake_compute_api import QUOTA_EXCEEDED, STOCKOUT, FakeComputeAPI
 from ckpt_service.stores import LocalStore
 from hvd_transient.cluster import cli
 from hvd_transient.cluster.compute_api import ComputeAPI
-from hvd_transient.cluster.keeper import ComputeFleet, Keeper, StateFile, policy_for
+from hvd_transient.cluster.keeper import CommandJob, ComputeFleet, Keeper, StateFile, exit_status, policy_for
 from hvd_transient.cluster.keeper_plan import (
     ERROR,
     GONE,
+    JOB_DONE,
+    JOB_EXITED,
+    JOB_FAILED,
+    JOB_RUNNING,
+    JOB_WAITING,
+    KEEPER_STOPPED,
+    NO_WORKERS,
     ON_DEMAND_FALLBACK,
     QUOTA,
     RECREATE,
@@ -26,19 +33,28 @@ from hvd_transient.cluster.keeper_plan import (
     Backoff,
     Create,
     Delete,
+    JobPolicy,
+    JobState,
     KeeperPolicy,
     KeeperState,
+    LaunchJob,
     Observation,
     Outcome,
     Spend,
     Start,
+    StopJob,
     Wait,
     WorkerVM,
     accrue,
     backoff_delay,
     classify_failure,
+    job_ended,
+    job_launch,
+    job_lost,
+    job_started,
     on_demand_premium,
     plan,
+    running_after,
     settle,
     state_from_json,
     state_to_json,
@@ -585,3 +601,325 @@ def test_policy_for_names_workers_like_up():
     p = policy_for(spec(workers=2), spot_per_hour=1.0)
     assert (p.workers, p.zones, p.name_prefix, p.spot_per_hour) == (2, (ZA, ZB), "exp-worker-", 1.0)
     assert replace(p, workers=0).workers == 0
+
+
+# ---- supervising the training job ---------------------------------------------------------------------
+
+
+def test_the_job_launches_once_enough_workers_run():
+    policy_ = JobPolicy(min_workers=2)
+    assert job_launch(JobState(), ("exp-worker-0",), T0, policy_) is None
+    launch = job_launch(JobState(), ("exp-worker-0", "exp-worker-1"), T0, policy_)
+    assert launch == LaunchJob(1, ("exp-worker-0", "exp-worker-1")) and not launch.relaunch
+    running = job_started(JobState(), launch, T0)
+    assert (running.phase, running.attempts, running.started_at) == (JOB_RUNNING, 1, T0)
+    assert job_launch(running, ("exp-worker-0", "exp-worker-1"), T0 + 1, policy_) is None  # never twice
+
+
+def test_a_failed_job_is_relaunched_only_once_capacity_is_back_and_exit_0_ends_it():
+    policy_ = JobPolicy(min_workers=2, max_relaunches=3)
+    running = job_started(JobState(), LaunchJob(1, ("a", "b")), T0)
+    failed = job_ended(running, 1, T0 + 100, policy_)
+    assert (failed.phase, failed.exit_code, failed.ended_at) == (JOB_EXITED, 1, T0 + 100)
+    assert job_launch(failed, (), T0 + 110, policy_) is None  # the wave took every worker
+    assert job_launch(failed, ("a",), T0 + 120, policy_) is None
+    again = job_launch(failed, ("a", "c"), T0 + 130, policy_)
+    assert again == LaunchJob(2, ("a", "c"), waited_s=30.0) and again.relaunch
+    second = job_started(failed, again, T0 + 130)
+    assert second.attempts == 2 and second.relaunches == 1 and second.exit_code is None
+    done = job_ended(second, 0, T0 + 500, policy_)
+    assert done.phase == JOB_DONE and done.finished
+    assert job_launch(done, ("a", "c"), T0 + 501, policy_) is None
+
+
+def test_relaunches_stop_at_the_maximum():
+    policy_ = JobPolicy(max_relaunches=1)
+    state = job_started(JobState(), LaunchJob(1, ("a",)), T0)
+    state = job_ended(state, 137, T0 + 1, policy_)
+    assert state.phase == JOB_EXITED
+    state = job_started(state, job_launch(state, ("a",), T0 + 2, policy_), T0 + 2)
+    state = job_ended(state, 137, T0 + 3, policy_)
+    assert state.phase == JOB_FAILED and state.finished and job_launch(state, ("a",), T0 + 4, policy_) is None
+    assert job_ended(job_started(JobState(), LaunchJob(1, ("a",)), T0), 2, T0, JobPolicy(max_relaunches=0)).phase \
+        == JOB_FAILED
+    assert job_ended(job_started(JobState(), LaunchJob(1, ("a",)), T0), 2, T0, JobPolicy(max_relaunches=None)).phase \
+        == JOB_EXITED
+    with pytest.raises(ValueError):
+        JobPolicy(min_workers=0)
+
+
+def test_a_job_without_any_live_worker_is_ended():
+    running = job_started(JobState(), LaunchJob(1, ("exp-worker-0",)), T0)
+    gone = look(vm(0, status="TERMINATED"), vm(1, status="STOPPING"))
+    assert job_lost(running, gone, JobPolicy()) == StopJob(NO_WORKERS)
+    assert job_lost(running, look(vm(0, status="TERMINATED"), vm(1, status="PROVISIONING")), JobPolicy()) is None
+    assert job_lost(running, gone, JobPolicy(stop_when_lost=False)) is None
+    assert job_lost(JobState(), gone, JobPolicy()) is None  # nothing runs
+
+
+def test_running_after_counts_what_this_pass_started():
+    obs = look(vm(0), vm(1, status="TERMINATED"), vm(2, spot=False))
+    outcomes = [Outcome(Start("exp-worker-1", ZA, True, "TERMINATED")),
+                Outcome(Create("exp-worker-3", ZB, True, RECREATE), "no", STOCKOUT),
+                Outcome(Delete("exp-worker-2", ZA, False, SPOT_RUNNING))]
+    assert running_after(obs, outcomes) == ("exp-worker-0", "exp-worker-1")
+
+
+class FakeFleet:
+    """Workers in memory: starts and creates succeed (RUNNING at once) but in exhausted zones."""
+
+    def __init__(self) -> None:
+        self.vms: dict[str, WorkerVM] = {}
+        self.exhausted: set[str] = set()
+
+    def observe(self) -> tuple[WorkerVM, ...]:
+        return tuple(sorted(self.vms.values(), key=lambda w: w.name))
+
+    def apply(self, actions):
+        outcomes = []
+        for action in actions:
+            if action.zone in self.exhausted:
+                outcomes.append(Outcome(action, "no capacity", STOCKOUT))
+            else:
+                self.vms[action.name] = WorkerVM(action.name, action.zone, "RUNNING", action.spot)
+                outcomes.append(Outcome(action))
+        return outcomes
+
+    def preempt_all(self) -> None:
+        self.vms = {n: replace(w, status="TERMINATED") for n, w in self.vms.items()}
+
+
+class FakeJob:
+    """A job whose exit the test decides; stop() ends it as SIGTERM would."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, ...]] = []
+        self.code: int | None = None
+        self.stops = 0
+
+    def start(self, workers):
+        assert self.code is not None or not self.launches, "launched while running"
+        self.launches.append(tuple(workers))
+        self.code = None
+
+    def exit(self, code: int) -> None:
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+    def wait(self, timeout):
+        return self.code
+
+    def stop(self, timeout):
+        self.stops += 1
+        self.code = 143
+        return 143
+
+
+class JobRig:
+    def __init__(self, tmp_path, **job_policy) -> None:
+        self.fleet, self.job, self.clock, self.lines = FakeFleet(), FakeJob(), Clock(), []
+        self.store = LocalStore(str(tmp_path / "run"))
+        self.keeper = Keeper(self.fleet, policy(workers=2),
+                             events=EventLog(self.store, "driver", min_flush_interval_s=0), clock=self.clock,
+                             sleep=self.clock.advance, out=self.lines.append, job=self.job,
+                             job_policy=JobPolicy(**job_policy))
+
+    def step(self, seconds: float = 30.0):
+        self.clock.advance(seconds)
+        return self.keeper.reconcile()
+
+    def jobs(self) -> list[dict]:
+        self.keeper.events.flush()
+        return [{k: v for k, v in e.items() if k not in ("t", "host", "pid", "event")}
+                for e in read_events(self.store) if e["event"] == "keeper_job"]
+
+
+def test_keeper_launches_relaunches_when_capacity_returns_and_ends_with_the_job(tmp_path):
+    rig = JobRig(tmp_path, min_workers=2)
+    rig.fleet.exhausted.add(ZB)
+    first = rig.keeper.reconcile()  # one worker in A, B is out of capacity: not enough to launch
+    assert first.job == JobState() and first.job.phase == JOB_WAITING and rig.job.launches == []
+    assert "waiting: job launch when 2 worker(s) are RUNNING (1 now)" in rig.lines
+    second = rig.step()  # B backed off: the second worker goes to A, and the job is launched in the same pass
+    assert rig.job.launches == [("exp-worker-0", "exp-worker-1")] and second.job.phase == JOB_RUNNING
+    assert rig.step().job.attempts == 1  # running: nothing to do
+
+    rig.job.exit(1)  # the job fails on its own while its workers run: relaunched at once
+    rig.step()
+    assert rig.job.launches[-1] == ("exp-worker-0", "exp-worker-1") and rig.keeper.job_state.attempts == 2
+    rig.job.exit(0)  # training is complete
+    done = rig.step()
+    assert done.job.phase == JOB_DONE and rig.keeper.finished and len(rig.job.launches) == 2
+    assert "job: training is complete" in rig.lines
+    assert rig.jobs() == [
+        {"phase": "start", "attempt": 1, "workers": ["exp-worker-0", "exp-worker-1"]},
+        {"phase": "exit", "attempt": 1, "workers": [], "exit_code": 1, "seconds": 60.0},
+        {"phase": "relaunch", "attempt": 2, "workers": ["exp-worker-0", "exp-worker-1"], "waited_s": 0.0},
+        {"phase": "exit", "attempt": 2, "workers": [], "exit_code": 0, "seconds": 30.0},
+    ]
+
+
+def test_keeper_ends_a_job_the_wave_left_without_workers_and_relaunches_when_capacity_is_back(tmp_path):
+    rig = JobRig(tmp_path, min_workers=2)
+    rig.keeper.reconcile()
+    assert len(rig.job.launches) == 1
+    rig.fleet.preempt_all()
+    rig.fleet.exhausted.add(ZA)
+    rig.fleet.exhausted.add(ZB)
+    lost = rig.step()  # every VM stopped and no capacity anywhere: the job is ended, nothing relaunched
+    assert rig.job.stops == 1 and lost.job.phase == JOB_EXITED and lost.job.exit_code == 143
+    assert [o.failure for o in lost.outcomes] == ["stockout"] * 2
+    assert rig.step(30).job.phase == JOB_EXITED  # both zones backed off: nothing tried
+    rig.fleet.exhausted.clear()  # capacity is back
+    back = rig.step(60)
+    assert back.job.phase == JOB_RUNNING and back.job.attempts == 2 and len(rig.job.launches) == 2
+    assert [e["phase"] for e in rig.jobs()] == ["start", "exit", "relaunch"]
+    exit_, relaunch = rig.jobs()[1:]
+    assert exit_["reason"] == NO_WORKERS and exit_["exit_code"] == 143
+    assert relaunch["waited_s"] == 90.0
+    assert any(line.startswith("job: no worker is left; stopping attempt 1") for line in rig.lines)
+
+
+def test_keeper_gives_up_after_the_maximum_relaunches_and_its_loop_ends(tmp_path):
+    rig = JobRig(tmp_path, max_relaunches=1)
+    rig.keeper.reconcile()
+    rig.job.exit(2)
+    rig.step()
+    rig.job.exit(2)
+    rig.keeper.run()  # one pass: the job fails for good, and the loop ends without sleeping
+    assert rig.keeper.job_state.phase == JOB_FAILED and rig.keeper.finished and len(rig.job.launches) == 2
+    assert [e["phase"] for e in rig.jobs()] == ["start", "exit", "relaunch", "exit", "give_up"]
+    assert any(line.startswith("job: giving up") for line in rig.lines)
+
+
+def test_keep_fleet_goes_on_after_the_job_and_close_stops_a_running_job(tmp_path):
+    rig = JobRig(tmp_path, keep_fleet=True)
+    rig.keeper.reconcile()
+    rig.job.exit(0)
+    rig.keeper.run(passes=3)
+    assert rig.keeper.job_state.phase == JOB_DONE and not rig.keeper.finished and rig.clock.slept[-2:] == [30, 30]
+
+    other = JobRig(tmp_path / "other")
+    other.keeper.reconcile()
+    other.keeper.close()  # the keeper stops: its job goes with it
+    assert other.job.stops == 1 and other.keeper.job_state.exit_code == 143
+    assert other.jobs()[-1]["reason"] == KEEPER_STOPPED
+
+
+def test_the_pause_between_passes_ends_when_the_job_exits_or_on_wake(tmp_path):
+    import time
+
+    job = FakeJob()
+    keeper = Keeper(FakeFleet(), policy(workers=0), job=job, out=lambda _line: None)
+    keeper.job_state = job_started(JobState(), LaunchJob(1, ()), T0)
+    job.exit(1)
+    began = time.monotonic()
+    keeper._pause(60)  # the job has ended: the next pass looks at once
+    keeper.job_state = JobState()
+    keeper.wake()
+    keeper._pause(60)
+    keeper.stop()
+    keeper._pause(60)
+    assert time.monotonic() - began < 10
+
+
+def test_command_job_runs_a_shell_line_and_stops_its_whole_session():
+    job = CommandJob("exit 3")
+    assert job.poll() is None and job.wait(0.1) is None  # not started
+    job.start(["w0"])
+    assert job.wait(30) == 3 and job.poll() == 3
+    stubborn = CommandJob("trap '' TERM; sleep 60 & wait")  # ignores SIGTERM, with a child
+    stubborn.start([])
+    assert stubborn.wait(0.2) is None
+    assert stubborn.stop(0.5) == 137  # SIGKILL to the session after the timeout
+    polite = CommandJob(["sleep", "60"])
+    polite.start([])
+    assert polite.stop(10) == 143
+    assert exit_status(-9) == 137 and exit_status(4) == 4
+    with pytest.raises(ValueError):
+        CommandJob("")
+
+
+# ---- the CLI with --job ---------------------------------------------------------------------------------
+
+
+def test_keep_with_job_launches_it_and_ends_when_training_completes(compute, capsys, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    marker = tmp_path / "ran"
+    assert cli.main([*KEEP, "--store", str(run), "--interval", "0.1", "--min-workers", "2",
+                     "--job", f"touch {marker}; exit 0"]) == 0
+    out = capsys.readouterr().out
+    assert marker.exists()
+    assert "job: launched on 2 worker(s): exp-worker-0, exp-worker-1" in out and "job: training is complete" in out
+    phases = [(e["phase"], e.get("exit_code")) for e in read_events(LocalStore(str(run))) if e["event"] == "keeper_job"]
+    assert phases == [("start", None), ("exit", 0)]
+
+
+def test_keep_with_a_failing_job_relaunches_then_exits_1(compute, capsys):
+    assert cli.main([*KEEP, "--interval", "0.1", "--max-relaunches", "1", "--job", "exit 3"]) == 1
+    out = capsys.readouterr().out
+    assert "job: relaunched (attempt 2) on 2 worker(s)" in out and "job: giving up" in out
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--job", "true", "--once"], "--job needs the keeper to run on"),
+    (["--job", "true", "--min-workers", "3"], "--min-workers (3) cannot exceed --workers (2)"),
+    (["--job", "  "], "--job: the command is empty"),
+])
+def test_keep_job_settings_it_cannot_keep_exit_2(bad, message, capsys):
+    assert cli.main([*KEEP, *bad]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad, option", [(["--max-relaunches", "-1"], "--max-relaunches"),
+                                         (["--min-workers", "0"], "--min-workers")])
+def test_keep_job_bad_numbers_exit_2(bad, option, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*KEEP, "--job", "true", *bad])
+    assert exited.value.code == 2 and option in capsys.readouterr().err
+
+
+def test_keep_dry_run_says_what_the_job_would_do(compute, capsys):
+    assert cli.main([*KEEP, "--dry-run", "--job", "horovodrun -np 2 python train.py", "--min-workers", "2"]) == 0
+    assert "launch  job on exp-worker-0, exp-worker-1: horovodrun -np 2 python train.py" in capsys.readouterr().out
+    compute.exhaust(ZA)  # a dry run does not know; it plans as if every operation succeeded
+    assert cli.main([*KEEP, "--dry-run", "--format", "json", "--job", "true", "--min-workers", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["job"] == {
+        "command": "true", "launch": True, "workers": ["exp-worker-0", "exp-worker-1"], "min_workers": 2}
+
+
+# ---- the local simulator's zones ------------------------------------------------------------------------
+
+
+def test_local_fleet_fails_over_to_another_zone_when_one_is_exhausted(tmp_path):
+    from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
+    from hvd_transient.testing.local_fleet import LocalFleet
+
+    work = tmp_path / "work"
+    work.mkdir()
+    cluster = LocalCluster(LocalClusterSpec(store=str(tmp_path / "store"), hosts=("localhost", "127.0.0.1"),
+                                            command=("true",), workdir=work))
+    for host in cluster.spec.hosts:
+        cluster.add_host(host)
+    fleet = LocalFleet(cluster, zones=("local-a", "local-b"))
+    clock = Clock()
+    keeper = Keeper(fleet, fleet.policy(2), clock=clock, sleep=clock.advance, out=lambda _line: None)
+    assert keeper.reconcile().actions == ()
+    fleet.exhaust("local-a")
+    for host in cluster.spec.hosts:
+        cluster._vm_stopped(host)  # a wave: both VMs stopped
+    failed = keeper.reconcile()
+    assert [(o.action.name, o.failure) for o in failed.outcomes] == [("127.0.0.1", "stockout"),
+                                                                     ("localhost", "stockout")]
+    clock.advance(1)
+    moved = keeper.reconcile()
+    assert moved.actions == (Create("127.0.1", "local-b", True, RECREATE, ("local-a",)),
+                             Create("127.1", "local-b", True, RECREATE, ("local-a",)))
+    assert fleet.listed() == ["127.0.1", "127.1"] and fleet.zone_of("127.1") == "local-b"
+    fleet.restore("local-a")
+    clock.advance(1)
+    assert keeper.reconcile().actions == ()  # whole again: the stopped VMs in local-a stay stopped
+    cluster.close()

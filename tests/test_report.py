@@ -568,3 +568,107 @@ def test_bytes_written_counts_periodic_commits_and_synchronous_shares() -> None:
         {"t": 2.1, "event": "train_end", "host": "a", "pid": 1, "step": 60},
     ]
     assert analyze(events).bytes_written == 1300
+
+
+# ----------------------------------------------------------------------------- the keeper
+
+
+KEEPER = "driver"
+
+
+def kept_through_a_wave_log() -> Log:
+    """The keeper launches the job on A, B, C; a wave takes all three (emergency checkpoint at 25);
+    the keeper ends the job, A's zone is out of capacity: B is started again, D created in zb; the
+    relaunch restores step 25 and finishes at 120. The keeper's last cost comes after the end."""
+    log = whole_cluster_notice_log()
+    k = {"pid": 900}
+
+    def keeper(t: float, event: str, **fields: Any) -> None:
+        log.add(t, event, KEEPER, k["pid"], **fields)
+
+    keeper(-10.0, "keeper_start", cluster="exp", workers=3, zones=["za", "zb"], instance_type="n1-standard-8",
+           spot_per_hour=0.5, on_demand_per_hour=1.5, on_demand_after_s=None, max_cost_per_hour=None,
+           max_total_cost=None, interval_s=30.0)
+    keeper(-9.0, "keeper_job", phase="start", attempt=1, workers=["A", "B", "C"])
+    keeper(36.0, "keeper_job", phase="exit", attempt=1, workers=[], exit_code=137, reason="no_workers", seconds=45.0)
+    keeper(36.1, "keeper_stockout", name="A", zone="za", provisioning="spot", operation="start",
+           code="ZONE_RESOURCE_POOL_EXHAUSTED", kind="stockout", failures=1, retry_in_s=60.0)
+    keeper(36.2, "keeper_refill", name="B", zone="zb", provisioning="spot", operation="start", reason="restart",
+           was="TERMINATED", avoided_zones=[])
+    keeper(40.0, "keeper_refill", name="D", zone="zb", provisioning="spot", operation="create", reason="recreate",
+           avoided_zones=["za"])
+    keeper(40.5, "keeper_job", phase="relaunch", attempt=2, workers=["B", "D"], waited_s=4.5)
+    new = {"B": 202, "D": 204}
+    log.start(60.0, ["B", "D"], step=25, pids=new, restored=25)
+    log.ring(60.1, 25, ["B", "D"], "B", pids=new)
+    log.each(66.0, "first_step", ["B", "D"], new, step=26, size=2)
+    log.finish(80.0, 120, ["B", "D"], "B", pids=new)
+    keeper(82.0, "keeper_job", phase="exit", attempt=2, workers=[], exit_code=0, seconds=41.5)
+    keeper(90.0, "keeper_cost", spent=0.25, spent_spot=0.25, spent_on_demand=0.0, on_demand_premium=0.0,
+           rate_per_hour=1.0, spot_running=2, on_demand_running=0, wanted=3)
+    return log
+
+
+def test_keeper_section_from_its_events() -> None:
+    log = kept_through_a_wave_log()
+    a = analyze(log.events)
+    k = a.keeper
+    assert k is not None and (k.cluster, k.wanted, k.zones) == ("exp", 3, ("za", "zb"))
+    assert (k.refills, k.restarts, k.creates, k.failovers, k.on_demand_refills) == (2, 1, 1, 1, 0)
+    assert k.refills_by_zone == {"zb": 2} and k.stockouts_by_zone == {"za": 1} and k.quota_errors == 0
+    assert (k.spent, k.on_demand_premium, k.fallbacks) == (0.25, 0.0, 0)
+    assert k.relaunches == 1 and not k.gave_up
+    first, second = k.jobs
+    assert (first.attempt, first.exit_code, first.reason, first.resumed_step) == (1, 137, "no_workers", 1)
+    assert (second.relaunch, second.workers, second.waited_s, second.exit_code) == (True, ("B", "D"), 4.5, 0)
+    assert (second.restored_step, second.resumed_step) == (25, 26)
+    assert second.launch_to_step_s == pytest.approx(66.0 - 40.5)
+    assert second.outage_s == pytest.approx(66.0 - 5.102)  # from the last rank's agreed notice (the wave)
+
+    # the keeper is no worker and stretches no time: the run is what it was without it
+    bare = analyze([e for e in log.events if e["host"] != KEEPER])
+    assert bare.keeper is None
+    assert KEEPER not in {w.host for w in a.workers} and len(a.workers) == len(bare.workers) == 5
+    assert (a.started_at, a.ended_at, a.wall_s) == (bare.started_at, bare.ended_at, bare.wall_s)
+    assert a.ended_at == pytest.approx(T0 + 80.301)
+    assert a.preemptions == bare.preemptions and a.rings == bare.rings
+
+
+def test_keeper_section_in_the_text_and_json_reports() -> None:
+    a = analyze(kept_through_a_wave_log().events)
+    text = render_text(a, estimate_costs(a, load_price_table(None)))
+    keeper = text.split("== keeper ==\n", 1)[1]
+    assert "refills:              2 (1 started again, 1 created; 1 after a zone failover; 0 on demand)" in keeper
+    assert "stock-outs:           za 1" in keeper and "job:                  2 launch(es), 1 relaunch(es)" in keeper
+    assert "spend (workers):      $0.2500" in keeper and "keeper (no worker left)" in keeper
+    assert "keeper: job relaunched (attempt 2) on B, D, 4.5 s after the previous attempt ended" in text
+    assert "keeper: D created, spot in zb (failover: za backed off)" in text
+    assert "keeper: job attempt 1 exited with status 137; ended by the keeper: no worker was left" in text
+    doc = json.loads(json.dumps(to_json(a, None)))
+    assert doc["keeper"]["relaunches"] == 1 and doc["keeper"]["stockouts_by_zone"] == {"za": 1}
+    assert doc["keeper"]["jobs"][1] | {"launched_s": 0, "resumed_s": 0} == {
+        "attempt": 2, "launched_s": 0, "workers": ["B", "D"], "relaunch": True, "waited_s": 4.5,
+        "ended_s": pytest.approx(82.0), "exit_code": 0, "reason": None, "restored_step": 25, "resumed_s": 0,
+        "resumed_step": 26, "launch_to_step_s": pytest.approx(25.5), "outage_s": pytest.approx(60.898)}
+    assert to_json(analyze(preempted_worker_log().events), None)["keeper"] is None
+
+
+def test_a_log_of_the_keeper_alone_is_reported() -> None:
+    log = Log()
+    log.add(0.0, "keeper_refill", KEEPER, 900, name="w0", zone="za", provisioning="spot", operation="create",
+            reason="recreate", avoided_zones=[])
+    log.add(5.0, "keeper_cost", KEEPER, 900, spent=0.01, spent_spot=0.01, spent_on_demand=0.0,
+            on_demand_premium=0.0, rate_per_hour=0.5, spot_running=1, on_demand_running=0, wanted=1)
+    a = analyze(log.events)
+    assert a.workers == () and not a.completed and a.wall_s == pytest.approx(5.0)
+    assert a.keeper is not None and a.keeper.refills == 1 and a.keeper.jobs == ()
+    assert "== keeper ==" in render_text(a, None)
+
+
+def test_plot_marks_the_keeper(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from hvd_transient.report.plot import plot_run
+
+    out = tmp_path / "kept.png"
+    plot_run(analyze(kept_through_a_wave_log().events), out)
+    assert out.read_bytes().startswith(PNG_MAGIC)

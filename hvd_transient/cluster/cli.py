@@ -9,7 +9,8 @@ them. ``--dry-run`` prints the exact REST requests and the equivalent
 ``gcloud`` commands without credentials or network. ``keep`` runs on the driver VM and
 does what rerunning ``up`` would, continuously: it keeps the workers RUNNING, fails over
 between zones on stock-outs, optionally falls back to on-demand workers and stops creating
-at a budget cap (:mod:`hvd_transient.cluster.keeper`).
+at a budget cap; with ``--job`` it also runs the training job and launches it again after a
+wave of preemptions (:mod:`hvd_transient.cluster.keeper`).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from hvd_transient.cluster.spec import (
 if TYPE_CHECKING:
     from hvd_transient.cluster.compute_api import ComputeAPI
     from hvd_transient.cluster.keeper import Keeper
+    from hvd_transient.cluster.keeper_plan import JobPolicy
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,22 @@ def _add_keep(commands: Any) -> None:
                       help="look at the workers and print the actions one pass would take; change nothing")
     keep.add_argument("--timeout", type=positive_seconds, default=900.0,
                       help="seconds to wait for each pass's operations (default 900)")
+    job = keep.add_argument_group(
+        "training job", "With --job the keeper also runs the training job on this VM: it launches it once "
+                        "--min-workers workers are RUNNING; when a wave of preemptions leaves it no worker, or it "
+                        "exits non-zero, it launches it again as soon as --min-workers run again (the job resumes "
+                        "from its latest checkpoint); exit 0 ends training, and the keeper with it.")
+    job.add_argument("--job", metavar="COMMAND",
+                     help="the job's command line, run by /bin/sh -c, e.g. 'horovodrun -np 4 --min-np 2 "
+                          "--host-discovery-script ... python train.py'")
+    job.add_argument("--min-workers", type=positive_int, default=1, metavar="N",
+                     help="launch (and relaunch) the job once N workers are RUNNING (default 1)")
+    job.add_argument("--max-relaunches", type=non_negative_int, default=10, metavar="N",
+                     help="launch a failed job again at most N times (default 10); then the keeper exits 1")
+    job.add_argument("--keep-fleet", action="store_true",
+                     help="go on keeping the workers after the job has ended")
+    job.add_argument("--job-stop-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
+                     help="seconds between SIGTERM and SIGKILL when the keeper ends the job (default 30)")
 
 
 def usd(text: str) -> float:
@@ -340,12 +358,13 @@ def _wait_all(api: "ComputeAPI", pending: list[tuple[str, dict[str, Any]]], time
 
 def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
     """Run the keeper: one pass (``--once``), a preview (``--dry-run``) or until SIGTERM/Ctrl-C."""
-    from hvd_transient.cluster.keeper import ComputeFleet, Keeper, StateFile, policy_for
-    from hvd_transient.cluster.keeper_plan import price_key, worker_rates
+    from hvd_transient.cluster.keeper import CommandJob, ComputeFleet, Keeper, StateFile, policy_for
+    from hvd_transient.cluster.keeper_plan import JOB_FAILED, price_key, worker_rates
     from hvd_transient.pricing import PriceTableError, load_price_table
 
     if args.backoff_max < args.backoff:
         raise ClusterSpecError(f"--backoff-max ({args.backoff_max:g}) must be at least --backoff ({args.backoff:g})")
+    job_policy = _job_policy(args, spec)
     if args.once and not args.dry_run and not args.store:
         # one pass per process: the spend and the "no Spot since" clock live in the store between passes
         needs = [o for o, v in (("--max-total-cost", args.max_total_cost), ("--on-demand-after", args.on_demand_after))
@@ -374,7 +393,8 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
     state_file = StateFile(store, spec.name) if store is not None else None
     fleet = ComputeFleet(_connect(args, write=not args.dry_run), spec, operation_timeout=args.timeout)
     if args.dry_run:
-        return _keep_dry_run(Keeper(fleet, policy, cluster=spec.name, state_file=state_file), spec, args.format)
+        return _keep_dry_run(Keeper(fleet, policy, cluster=spec.name, state_file=state_file, job_policy=job_policy),
+                             spec, args.format, args.job)
 
     events = None
     if store is not None:
@@ -383,18 +403,35 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
         from hvd_transient.events import EventLog
 
         events = EventLog(store, socket.gethostname())
+    job = CommandJob(args.job) if args.job else None
     keeper = Keeper(fleet, policy, cluster=spec.name, instance_type=price_key(spec), events=events,
-                    state_file=state_file, interval_s=args.interval)
+                    state_file=state_file, interval_s=args.interval, job=job, job_policy=job_policy,
+                    job_stop_timeout_s=args.job_stop_timeout)
     try:
         if args.once:
             return 1 if keeper.reconcile().errors else 0
         _stop_on_sigterm(keeper)
         print(f"keeping {spec.workers} worker(s) of {spec.name} in {', '.join(spec.zones)} "
               f"(every {args.interval:g} s; Ctrl-C or SIGTERM stops)", flush=True)
+        if job is not None:
+            print(f"job: {args.job!r}, launched once {job_policy.min_workers} worker(s) are RUNNING, "
+                  f"relaunched at most {job_policy.max_relaunches} time(s)", flush=True)
         keeper.run()
-        return 0
+        return 1 if keeper.job_state.phase == JOB_FAILED else 0
     finally:
         keeper.close()
+
+
+def _job_policy(args: argparse.Namespace, spec: ClusterSpec) -> "JobPolicy":
+    from hvd_transient.cluster.keeper_plan import JobPolicy
+
+    if args.job is not None and not args.job.strip():
+        raise ClusterSpecError("--job: the command is empty")
+    if args.job and args.once:
+        raise ClusterSpecError("--job needs the keeper to run on: it cannot be combined with --once")
+    if args.min_workers > max(1, spec.workers):
+        raise ClusterSpecError(f"--min-workers ({args.min_workers}) cannot exceed --workers ({spec.workers})")
+    return JobPolicy(min_workers=args.min_workers, max_relaunches=args.max_relaunches, keep_fleet=args.keep_fleet)
 
 
 def _stop_on_sigterm(keeper: "Keeper") -> None:
@@ -405,16 +442,32 @@ def _stop_on_sigterm(keeper: "Keeper") -> None:
         signal.signal(signal.SIGTERM, lambda _signum, _frame: keeper.stop())
 
 
-def _keep_dry_run(keeper: "Keeper", spec: ClusterSpec, fmt: str) -> int:
+def _keep_dry_run(keeper: "Keeper", spec: ClusterSpec, fmt: str, job: str | None) -> int:
     from dataclasses import asdict
 
-    from hvd_transient.cluster.keeper_plan import action_dict, describe
+    from hvd_transient.cluster.keeper_plan import (
+        Outcome,
+        Wait,
+        action_dict,
+        describe,
+        describe_job,
+        job_launch,
+        running_after,
+    )
 
     result = keeper.preview()
+    # what the job would do after this pass, if its starts and creates all succeed
+    ok = tuple(Outcome(a) for a in result.actions if not isinstance(a, Wait))
+    running = running_after(result.observation, ok)
+    launch = job_launch(keeper.job_state, running, result.observation.now, keeper.job_policy) if job else None
     if fmt == "json":
-        print(json.dumps({"workers": [asdict(w) for w in result.observation.workers],
-                          "actions": [action_dict(a) for a in result.actions],
-                          "spent": round(result.state.spend.total, 6)}, indent=2))
+        doc: dict[str, Any] = {"workers": [asdict(w) for w in result.observation.workers],
+                               "actions": [action_dict(a) for a in result.actions],
+                               "spent": round(result.state.spend.total, 6)}
+        if job:
+            doc["job"] = {"command": job, "launch": launch is not None, "workers": list(running),
+                          "min_workers": keeper.job_policy.min_workers}
+        print(json.dumps(doc, indent=2))
         return 0
     live = sum(1 for w in result.observation.workers if w.live)
     print(f"# {PROG} keep {spec.name}: {live} of {spec.workers} workers live (dry run: nothing was changed)")
@@ -424,6 +477,9 @@ def _keep_dry_run(keeper: "Keeper", spec: ClusterSpec, fmt: str) -> int:
         print(describe(action))
     if not result.actions:
         print("nothing to do")
+    if job:
+        print(f"launch  job on {', '.join(running)}: {job}" if launch is not None
+              else f"wait    {describe_job(keeper.job_state, running, keeper.job_policy)}")
     return 0
 
 

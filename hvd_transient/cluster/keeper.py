@@ -5,8 +5,14 @@ Every ``interval`` seconds it looks at the cluster's workers, decides with the p
 operations, classifies failures (stock-out and quota errors back their zone off;
 anything else is reported) and records what it did in the run's event log
 (``keeper_*`` events, see below) so ``hvd-transient report`` can show the refills,
-stock-outs, fallbacks and cost. It only manages VMs: training goes on on the
-survivors meanwhile, and ``horovodrun``'s host discovery adds what comes back.
+stock-outs, fallbacks and cost. Training goes on on the survivors meanwhile, and
+``horovodrun``'s host discovery adds what comes back.
+
+With a :class:`Job` (``keep --job 'horovodrun ...'``: a :class:`CommandJob`) the keeper also
+supervises the training job: it launches it once enough workers are RUNNING, ends it when a
+wave of preemptions has left it no worker, launches it again (it restores the latest
+checkpoint) as soon as capacity is back, and ends with it once it exits 0 (``keeper_job``
+events). The pause between passes ends early when the job exits.
 
 Two fleets implement the same protocol: :class:`ComputeFleet` (the Compute REST API)
 and :class:`hvd_transient.testing.local_fleet.LocalFleet` (the local simulator).
@@ -20,19 +26,28 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from hvd_transient.cluster.keeper_plan import (
     ERROR,
     GONE,
+    JOB_DONE,
+    JOB_FAILED,
+    KEEPER_STOPPED,
     Action,
     Create,
     Delete,
+    JobPolicy,
+    JobState,
     KeeperPolicy,
     KeeperState,
+    LaunchJob,
     Observation,
     Outcome,
     Start,
@@ -40,10 +55,16 @@ from hvd_transient.cluster.keeper_plan import (
     Wait,
     WorkerVM,
     accrue,
+    describe_job,
     hourly_rate,
+    job_ended,
+    job_launch,
+    job_lost,
+    job_started,
     on_demand_premium,
     plan,
     provisioning,
+    running_after,
     settle,
     state_from_json,
     state_to_json,
@@ -57,6 +78,7 @@ from hvd_transient.event_schema import (
     KeeperCost,
     KeeperError,
     KeeperFallback,
+    KeeperJob,
     KeeperRefill,
     KeeperRelease,
     KeeperStart,
@@ -145,6 +167,89 @@ def _reraise_unless_capacity(exc: Exception) -> None:
         raise exc
 
 
+# ---- the training job ---------------------------------------------------------------------------------
+
+
+class Job(Protocol):
+    """The training job the keeper supervises, launched from the driver VM."""
+
+    def start(self, workers: Sequence[str]) -> None:
+        """Launch it (again); ``workers``: the workers RUNNING now."""
+        ...
+
+    def poll(self) -> int | None:
+        """Its exit status once it has ended, else None."""
+        ...
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` seconds for it to end: its exit status, or None."""
+        ...
+
+    def stop(self, timeout: float) -> int:
+        """End it: SIGTERM, SIGKILL after ``timeout`` seconds; its exit status."""
+        ...
+
+
+def exit_status(returncode: int) -> int:
+    """A subprocess's return code as a shell reports it: killed by signal N is 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class CommandJob:
+    """A command line run by ``/bin/sh -c`` (or an argv run as is), e.g. the ``horovodrun`` line,
+    in a session of its own: stopping it reaches every process it started. Its output goes
+    where the keeper's goes."""
+
+    def __init__(self, command: str | Sequence[str], *, cwd: str | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        if not command:
+            raise ValueError("the job's command is empty")
+        self.command = command
+        self.cwd, self.env = cwd, None if env is None else dict(env)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, workers: Sequence[str]) -> None:
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError("the job is still running")
+        shell = isinstance(self.command, str)
+        log.info("launching the job on %d worker(s): %s", len(workers), self.command)
+        self.process = subprocess.Popen(self.command, shell=shell, cwd=self.cwd, env=self.env,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def poll(self) -> int | None:
+        code = None if self.process is None else self.process.poll()
+        return None if code is None else exit_status(code)
+
+    def wait(self, timeout: float) -> int | None:
+        if self.process is None:
+            return None
+        try:
+            return exit_status(self.process.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float) -> int:
+        process = self.process
+        if process is None:
+            raise RuntimeError("the job was never started")
+        if process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("the job did not end %.0f s after SIGTERM: killing it", timeout)
+        # what is left of its session (a worker that ignored SIGTERM) goes too
+        self._signal(signal.SIGKILL)
+        return exit_status(process.wait())
+
+    def _signal(self, sig: int) -> None:
+        assert self.process is not None
+        try:
+            os.killpg(self.process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the session is gone already
+
+
 # ---- state persistence ----------------------------------------------------------------------------
 
 
@@ -184,6 +289,7 @@ class PassResult:
     actions: tuple[Action, ...]
     outcomes: tuple[Outcome, ...]
     state: KeeperState
+    job: JobState | None = None  # after the pass, when a job is supervised
 
     @property
     def errors(self) -> tuple[Outcome, ...]:
@@ -206,6 +312,9 @@ class Keeper:
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], object] | None = None,
         out: Callable[[str], None] | None = None,
+        job: Job | None = None,
+        job_policy: JobPolicy | None = None,
+        job_stop_timeout_s: float = 30.0,
     ) -> None:
         self.fleet, self.policy = fleet, policy
         self.cluster, self.instance_type = cluster, instance_type
@@ -213,12 +322,18 @@ class Keeper:
         self.interval_s, self.cost_every_s = interval_s, cost_every_s
         self.clock = clock
         self._stopping = threading.Event()
-        # the default sleep ends early when stop() is called (SIGTERM from systemd)
-        self.sleep: Callable[[float], object] = sleep or self._stopping.wait
+        self._wake = threading.Event()
+        # the default sleep ends early when stop() is called (SIGTERM from systemd), on wake(),
+        # and when the job exits
+        self.sleep: Callable[[float], object] = sleep or self._pause
         self.out = out or (lambda line: print(line, flush=True))
         self.state = state_file.load() if state_file is not None else KeeperState()
+        self.job, self.job_policy = job, job_policy or JobPolicy()
+        self.job_state = JobState()
+        self.job_stop_timeout_s = job_stop_timeout_s
         self._last_cost_at: float | None = None
         self._last_wait = ""
+        self._last_job_wait = ""
         self._started = False
 
     # ---- one pass ----------------------------------------------------------------------------
@@ -235,7 +350,11 @@ class Keeper:
     def reconcile(self) -> PassResult:
         """One pass: look, plan, act, wait, record. The state is saved after it."""
         self._announce()
+        if self.job is not None:
+            self._poll_job()  # before the look, which may fail: an exit is never missed
         obs = self.observe()
+        if self.job is not None:
+            self._stop_lost_job(obs)
         before = self.state
         state = accrue(before, obs, self.policy)
         actions = plan(obs, state, self.policy)
@@ -253,7 +372,80 @@ class Keeper:
             self._report_cost(obs)
         if self.state_file is not None:
             self.state_file.save(state)
-        return PassResult(obs, actions, outcomes, state)
+        if self.job is not None:
+            self._launch_job(obs, outcomes)
+        return PassResult(obs, actions, outcomes, state, self.job_state if self.job is not None else None)
+
+    # ---- the job -----------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """The job has ended for good, and the keeper ends with it."""
+        return self.job is not None and self.job_state.finished and not self.job_policy.keep_fleet
+
+    def _poll_job(self) -> None:
+        assert self.job is not None
+        code = self.job.poll() if self.job_state.running else None
+        if code is not None:
+            self._job_ended(code, None)
+
+    def _stop_lost_job(self, obs: Observation) -> None:
+        assert self.job is not None
+        lost = job_lost(self.job_state, obs, self.job_policy)
+        if lost is not None:
+            self.out(f"job: no worker is left; stopping attempt {self.job_state.attempts} "
+                     "(it is launched again when capacity is back)")
+            self._job_ended(self.job.stop(self.job_stop_timeout_s), lost.reason)
+
+    def _job_ended(self, code: int, reason: str | None) -> None:
+        state = self.job_state
+        now = self.clock()
+        ran = None if state.started_at is None else max(0.0, now - state.started_at)
+        self.job_state = job_ended(state, code, now, self.job_policy)
+        self.out(f"job: attempt {state.attempts} exited with status {code}"
+                 + (f" after {ran:.0f} s" if ran is not None else "") + (f" ({reason})" if reason else ""))
+        self._emit(KeeperJob(phase="exit", attempt=state.attempts, exit_code=code, reason=reason, seconds=ran))
+        if self.job_state.phase == JOB_DONE:
+            self.out("job: training is complete")
+        elif self.job_state.phase == JOB_FAILED:
+            self.out(f"job: giving up: {state.relaunches} relaunch(es) of --max-relaunches "
+                     f"{self.job_policy.max_relaunches} used")
+            self._emit(KeeperJob(phase="give_up", attempt=state.attempts, exit_code=code))
+
+    def _launch_job(self, obs: Observation, outcomes: Sequence[Outcome]) -> None:
+        assert self.job is not None
+        running = running_after(obs, outcomes)
+        now = self.clock()
+        launch = job_launch(self.job_state, running, now, self.job_policy)
+        if launch is None:
+            waiting = "" if self.job_state.running or self.job_state.finished else describe_job(
+                self.job_state, running, self.job_policy)
+            headline = waiting.split(" (", 1)[0]
+            if waiting and headline != self._last_job_wait:
+                self.out(f"waiting: {waiting}")
+            self._last_job_wait = headline
+            return
+        self._last_job_wait = ""
+        self._start_job(launch, now)
+
+    def _start_job(self, launch: LaunchJob, now: float) -> None:
+        assert self.job is not None
+        try:
+            self.job.start(launch.workers)
+        except OSError as exc:  # with an argv, a missing program; the shell reports it as 127
+            self.out(f"job: FAILED to launch attempt {launch.attempt}: {exc}")
+            self.job_state = job_started(self.job_state, launch, now)
+            self._job_ended(127, "launch_failed")
+            return
+        self.job_state = job_started(self.job_state, launch, now)
+        workers = ", ".join(launch.workers)
+        if launch.relaunch:
+            self.out(f"job: relaunched (attempt {launch.attempt}) on {len(launch.workers)} worker(s): {workers}; "
+                     f"{launch.waited_s or 0:.0f} s after attempt {launch.attempt - 1} ended")
+        else:
+            self.out(f"job: launched on {len(launch.workers)} worker(s): {workers}")
+        self._emit(KeeperJob(phase="relaunch" if launch.relaunch else "start", attempt=launch.attempt,
+                             workers=launch.workers, waited_s=launch.waited_s))
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -271,15 +463,41 @@ class Keeper:
                 log.warning("keeper pass failed: %s", exc)
                 self._emit(KeeperError(operation="observe", error=str(exc)))
             done += 1
-            if passes is not None and done >= passes:
+            if self.finished or (passes is not None and done >= passes):
                 break
             self.sleep(self.interval_s)
 
     def stop(self) -> None:
         self._stopping.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Make the next pass now (the default pause between passes ends)."""
+        self._wake.set()
+
+    def _pause(self, seconds: float) -> None:
+        """Wait for the next pass; a stop, :meth:`wake` or the end of the job ends the wait early."""
+        deadline = time.monotonic() + seconds
+        while not self._wake.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if self.job is not None and self.job_state.running:
+                if self.job.wait(min(left, 0.25)) is not None:
+                    break  # the job ended: look now, so that a relaunch need not wait an interval
+            else:
+                self._wake.wait(left)
+        if not self._stopping.is_set():
+            self._wake.clear()
 
     def close(self) -> None:
-        """Record the final cost and write the event log out."""
+        """Stop a job still running, record the final cost and write the event log out."""
+        if self.job is not None and self.job_state.running:
+            self.out(f"job: the keeper is stopping: stopping attempt {self.job_state.attempts}")
+            try:
+                self._job_ended(self.job.stop(self.job_stop_timeout_s), KEEPER_STOPPED)
+            except Exception as exc:  # the events so far must still be written
+                log.warning("could not stop the job: %s", exc)
         recent = self._last_cost_at is not None and self.clock() - self._last_cost_at < self.interval_s
         if self._started and not recent:
             try:
@@ -392,4 +610,5 @@ def policy_for(spec: ClusterSpec, **settings: Any) -> KeeperPolicy:
     return KeeperPolicy(workers=spec.workers, zones=spec.zones, name_prefix=f"{spec.name}-worker-", **settings)
 
 
-__all__ = ["ComputeFleet", "Fleet", "Keeper", "PassResult", "StateFile", "policy_for"]
+__all__ = ["CommandJob", "ComputeFleet", "Fleet", "Job", "Keeper", "PassResult", "StateFile", "exit_status",
+           "policy_for"]

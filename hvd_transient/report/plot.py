@@ -3,13 +3,14 @@
 Bottom panel: one horizontal bar per worker lifetime, coloured by how it ended,
 with markers for notices, departures, joins and commits. Top panel: the step
 reached over time and the ring size, on the same time axis, with each join's
-survivors' stall shaded and labelled.
+survivors' stall shaded and labelled, and what ``cluster keep`` did: its refills
+(ticks at the bottom) and the job's exits and relaunches (vertical lines).
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from hvd_transient.report.analysis import FINISHED, KILLED, LOST, PREEMPTED, RunAnalysis
 
@@ -66,6 +67,33 @@ def _ring_size_series(a: RunAnalysis) -> tuple[list[float], list[int]]:
     return xs, ys
 
 
+def _draw_keeper(ax: Any, a: RunAnalysis, rel: Callable[[float], float]) -> list[Any]:
+    """The keeper's refills and the job's exits and relaunches; their legend entries."""
+    from matplotlib.lines import Line2D
+
+    k = a.keeper
+    assert k is not None
+    refills = [rel(e.t) for e in a.timeline if e.kind == "keeper_refill"]
+    handles: list[Any] = []
+    if refills:
+        # at the bottom of the panel, whatever the step scale
+        ax.scatter(refills, [0.02] * len(refills), marker="^", color="#1b7837", s=40, zorder=5,
+                   transform=ax.get_xaxis_transform())
+        handles.append(Line2D([], [], ls="", marker="^", color="#1b7837", label="keeper refill"))
+    for job in k.jobs:
+        if job.relaunch:
+            ax.axvline(rel(job.launched_at), color="#1b7837", ls="--", lw=1.0)
+            ax.annotate(f"relaunch {job.attempt}", (rel(job.launched_at), 0.95), xycoords=("data", "axes fraction"),
+                        xytext=(3, 0), textcoords="offset points", fontsize=7, color="#1b7837")
+        if job.ended_at is not None and job.exit_code:
+            ax.axvline(rel(job.ended_at), color="#b2182b", ls=":", lw=1.0)
+    if any(j.relaunch for j in k.jobs):
+        handles.append(Line2D([], [], color="#1b7837", ls="--", lw=1.0, label="job relaunched"))
+    if any(j.ended_at is not None and j.exit_code for j in k.jobs):
+        handles.append(Line2D([], [], color="#b2182b", ls=":", lw=1.0, label="job exited non-zero"))
+    return handles
+
+
 def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str | None = None) -> None:
     """Write the figure to ``path`` (PNG, or whatever its suffix names)."""
     plt = _pyplot()
@@ -108,6 +136,9 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
     ax_steps.legend(handles=[Line2D([], [], color="#333333", lw=1.6, label="step"),
                              Line2D([], [], color="#7b3294", lw=1.2, label="workers in ring")],
                     loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=2, fontsize=8, frameon=False)
+    keeper_handles = _draw_keeper(ax_steps, a, rel) if a.keeper is not None else []
+    if keeper_handles:  # a legend of its own, inside the panel (the twin axis holds it: one legend per axis)
+        ax_size.legend(handles=keeper_handles, loc="upper left", fontsize=7, framealpha=0.8)
 
     # ---- bottom: one bar per worker lifetime
     index = {(w.host, w.pid): i for i, w in enumerate(workers)}
@@ -140,8 +171,10 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
     ax_bars.invert_yaxis()
     ax_bars.set_xlabel("seconds since the first worker started")
     ax_bars.grid(axis="x", alpha=0.3)
-    ax_bars.set_xlim(left=min(0.0, *(rel(w.started_at) for w in workers)) - 0.5,
-                     right=max(rel(a.ended_at), *(rel(w.ended_at) for w in workers)) * 1.02 + 0.5)
+    # the keeper may act before the first worker starts (it brings the VMs up) and after the last ends
+    keeper_times = [rel(e.t) for e in a.timeline if e.kind.startswith("keeper_")]
+    ax_bars.set_xlim(left=min(0.0, *(rel(w.started_at) for w in workers), *keeper_times) - 0.5,
+                     right=max(rel(a.ended_at), *(rel(w.ended_at) for w in workers), *keeper_times) * 1.02 + 0.5)
 
     handles: list[Any] = [Patch(color=colour, label=outcome) for outcome, colour in OUTCOME_COLOURS.items()
                if any(w.outcome == outcome for w in workers)]

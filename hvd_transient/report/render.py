@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hvd_transient.report.analysis import Preemption, RunAnalysis
+from hvd_transient.report.analysis import JobAttempt, KeeperSummary, Preemption, RunAnalysis
 from hvd_transient.report.costs import CostEstimate
 
 JSON_SCHEMA_VERSION = 1
@@ -83,6 +83,47 @@ def render_summary(analysis: RunAnalysis) -> str:
     return "\n".join(lines)
 
 
+def _usd(value: float | None) -> str:
+    return "-" if value is None else f"${value:.4f}"
+
+
+def render_keeper(analysis: RunAnalysis) -> str:
+    """What ``cluster keep`` did: refills, stock-outs, fallback, spend, and the job's launches."""
+    k = analysis.keeper
+    if k is None:
+        return "no keeper events"
+    by_zone = ", ".join(f"{zone} {n}" for zone, n in k.refills_by_zone.items())
+    lines = [
+        f"kept:                 {_num(k.wanted)} worker(s) of {k.cluster or '-'} in {', '.join(k.zones) or '-'}",
+        f"refills:              {k.refills} ({k.restarts} started again, {k.creates} created; {k.failovers} after "
+        f"a zone failover; {k.on_demand_refills} on demand)" + (f"; by zone: {by_zone}" if by_zone else ""),
+        "stock-outs:           " + (", ".join(f"{zone} {n}" for zone, n in k.stockouts_by_zone.items()) or "none")
+        + (f" ({k.quota_errors} quota errors)" if k.quota_errors else ""),
+        f"on-demand fallback:   {k.fallbacks} ({k.fallback_s:.0f} s ended, {_usd(k.fallback_cost)}); "
+        f"{k.releases} stand-in(s) released",
+        f"spend (workers):      {_usd(k.spent)} (Spot {_usd(k.spent_spot)}, on demand {_usd(k.spent_on_demand)}); "
+        f"on-demand premium {_usd(k.on_demand_premium)}",
+        f"job:                  {len(k.jobs)} launch(es), {k.relaunches} relaunch(es)"
+        + ("; GAVE UP" if k.gave_up else "") + (f"; {k.budget_holds} budget hold(s)" if k.budget_holds else "")
+        + (f"; {k.errors} keeper error(s)" if k.errors else ""),
+    ]
+    if k.jobs:
+        headers = ["attempt", "launched (s)", "workers", "exit", "ended by", "restored step", "first step",
+                   "launch->step s", "outage s"]
+        rows = [[str(j.attempt), _num(_rel(analysis, j.launched_at), "{:.2f}"), str(len(j.workers)),
+                 _num(j.exit_code, "{}"), _ended_by(j), _num(j.restored_step, "{}"), _num(j.resumed_step, "{}"),
+                 _num(j.launch_to_step_s, "{:.1f}"), _num(j.outage_s, "{:.1f}")] for j in k.jobs]
+        lines += ["", table(headers, rows)]
+    return "\n".join(lines)
+
+
+def _ended_by(j: JobAttempt) -> str:
+    if j.ended_at is None:
+        return "-"
+    return {"no_workers": "keeper (no worker left)", "keeper_stopped": "keeper stopping",
+            "launch_failed": "launch failed"}.get(j.reason or "", "itself")
+
+
 def render_costs(cost: CostEstimate) -> str:
     c = cost.comparison
     cur = cost.currency
@@ -109,6 +150,8 @@ def render_text(analysis: RunAnalysis, cost: CostEstimate | None) -> str:
              "== workers ==", render_workers(analysis), "",
              "== preemptions ==", render_preemptions(analysis), "",
              "== summary ==", render_summary(analysis)]
+    if analysis.keeper is not None:
+        parts += ["", "== keeper ==", render_keeper(analysis)]
     if cost is not None:
         parts += ["", "== cost ==", render_costs(cost)]
     return "\n".join(parts) + "\n"
@@ -124,6 +167,24 @@ def _preemption_json(a: RunAnalysis, p: Preemption) -> dict[str, Any]:
         "deadline_met": p.deadline_met, "new_master": p.new_master,
         "agreed_to_left_ms": p.agreed_to_left_ms, "survivor_resets": p.survivor_resets,
         "marks_s": {name: _rel(a, t) for name, t in p.marks.items()},
+    }
+
+
+def _keeper_json(a: RunAnalysis, k: KeeperSummary) -> dict[str, Any]:
+    return {
+        "t_s": _rel(a, k.started_at), "cluster": k.cluster, "wanted": k.wanted, "zones": list(k.zones),
+        "refills": k.refills, "restarts": k.restarts, "creates": k.creates, "failovers": k.failovers,
+        "on_demand_refills": k.on_demand_refills, "refills_by_zone": dict(k.refills_by_zone),
+        "stockouts_by_zone": dict(k.stockouts_by_zone), "quota_errors": k.quota_errors, "releases": k.releases,
+        "errors": k.errors, "budget_holds": k.budget_holds, "fallbacks": k.fallbacks, "fallback_s": k.fallback_s,
+        "fallback_cost_usd": k.fallback_cost, "spent_usd": k.spent, "spent_spot_usd": k.spent_spot,
+        "spent_on_demand_usd": k.spent_on_demand, "on_demand_premium_usd": k.on_demand_premium,
+        "relaunches": k.relaunches, "gave_up": k.gave_up,
+        "jobs": [{"attempt": j.attempt, "launched_s": _rel(a, j.launched_at), "workers": list(j.workers),
+                  "relaunch": j.relaunch, "waited_s": j.waited_s, "ended_s": _rel(a, j.ended_at),
+                  "exit_code": j.exit_code, "reason": j.reason, "restored_step": j.restored_step,
+                  "resumed_s": _rel(a, j.resumed_at), "resumed_step": j.resumed_step,
+                  "launch_to_step_s": j.launch_to_step_s, "outage_s": j.outage_s} for j in k.jobs],
     }
 
 
@@ -157,6 +218,7 @@ def to_json(analysis: RunAnalysis, cost: CostEstimate | None) -> dict[str, Any]:
         "saves_failed": a.saves_failed,
         "weights_consistent": a.weights_consistent,
         "event_count": a.event_count,
+        "keeper": _keeper_json(a, a.keeper) if a.keeper is not None else None,
         "instance_type": cost.instance_type if cost else None,
         "cost_transient_usd": cost.transient_usd if cost else None,
         "cost_on_demand_usd": cost.on_demand_usd if cost else None,
@@ -177,5 +239,5 @@ def to_json(analysis: RunAnalysis, cost: CostEstimate | None) -> dict[str, Any]:
     return doc
 
 
-__all__ = ["JSON_SCHEMA_VERSION", "render_costs", "render_preemptions", "render_summary", "render_text",
-           "render_timeline", "render_workers", "to_json"]
+__all__ = ["JSON_SCHEMA_VERSION", "render_costs", "render_keeper", "render_preemptions", "render_summary",
+           "render_text", "render_timeline", "render_workers", "to_json"]

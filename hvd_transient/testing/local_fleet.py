@@ -1,4 +1,5 @@
-"""The keeper's :class:`~hvd_transient.cluster.keeper.Fleet` over a :class:`LocalCluster`.
+"""The keeper's :class:`~hvd_transient.cluster.keeper.Fleet` and :class:`~hvd_transient.cluster.keeper.Job`
+over a :class:`LocalCluster`.
 
 A host alias is a VM. One listed in the simulator's ``hosts.json`` state file is RUNNING;
 one that ran and is no longer listed (its preemption window ended: the simulator drops it,
@@ -7,32 +8,72 @@ that never ran is free for a new worker. Starting a stopped host and creating a 
 are both :meth:`LocalCluster.add_host`, which lists it again with a new start time, so
 host discovery - and with it ``horovodrun`` - picks it up.
 
-Everything is a Spot VM in the single zone ``local``, and there is always capacity:
-``Keeper(LocalFleet(cluster), LocalFleet.policy(...))`` refills preempted hosts.
+Everything is a Spot VM. Zones are labels: each host is in one (the cluster's own hosts in
+the first zone unless placed otherwise; a created one where the keeper created it), and
+:meth:`LocalFleet.exhaust` makes a zone answer every start and create with a stock-out
+(``ZONE_RESOURCE_POOL_EXHAUSTED``) until :meth:`LocalFleet.restore`, so the keeper's zone
+failover runs as on Compute Engine. By default there is one zone, ``local``, always with
+capacity: ``Keeper(LocalFleet(cluster), LocalFleet.policy(...))`` refills preempted hosts.
+
+:class:`LocalClusterJob` is the training job: ``horovodrun`` of the same cluster, launched
+again on the hosts listed now, as the driver VM would launch it.
 """
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Sequence
+import subprocess
+import threading
+from typing import Any, Mapping, Sequence
 
-from hvd_transient.cluster.keeper_plan import Create, Delete, KeeperPolicy, Outcome, Start, VMAction, WorkerVM
+from hvd_transient.cluster.keeper import exit_status
+from hvd_transient.cluster.keeper_plan import (
+    STOCKOUT_CODES,
+    Create,
+    Delete,
+    KeeperPolicy,
+    Outcome,
+    VMAction,
+    WorkerVM,
+)
 from hvd_transient.testing.local_cluster import HOST_ALIASES, LocalCluster
 
 log = logging.getLogger(__name__)
 
 ZONE = "local"
+STOCKOUT = sorted(STOCKOUT_CODES)[0]
 
 
 class LocalFleet:
-    def __init__(self, cluster: LocalCluster, *, spares: Sequence[str] = HOST_ALIASES) -> None:
-        """``spares``: further host aliases new workers may take once the cluster's own are in use."""
+    def __init__(self, cluster: LocalCluster, *, spares: Sequence[str] = HOST_ALIASES,
+                 zones: Sequence[str] = (ZONE,), placement: Mapping[str, str] | None = None) -> None:
+        """``spares``: further host aliases new workers may take once the cluster's own are in use;
+        ``zones``: the zones the keeper may use; ``placement``: host -> zone of hosts that are not
+        in the first zone."""
+        if not zones:
+            raise ValueError("at least one zone is needed")
         self.cluster = cluster
         self.names = tuple(dict.fromkeys([*cluster.spec.hosts, *spares]))
+        self.zones = tuple(zones)
+        self._zone_of = dict(placement or {})
+        self._exhausted: set[str] = set()
+        self._lock = threading.Lock()  # the keeper's thread applies, a test exhausts or restores
 
     def policy(self, workers: int, **settings: Any) -> KeeperPolicy:
         """A keeper policy for ``workers`` hosts, naming new ones from this fleet's aliases."""
-        return KeeperPolicy(workers=workers, zones=(ZONE,), name_pool=self.names, **settings)
+        return KeeperPolicy(workers=workers, zones=self.zones, name_pool=self.names, **settings)
+
+    def zone_of(self, host: str) -> str:
+        return self._zone_of.get(host, self.zones[0])
+
+    def exhaust(self, zone: str) -> None:
+        """No capacity in ``zone`` from now on: starts and creates there fail with a stock-out."""
+        with self._lock:
+            self._exhausted.add(zone)
+
+    def restore(self, zone: str) -> None:
+        with self._lock:
+            self._exhausted.discard(zone)
 
     def listed(self) -> list[str]:
         """The hosts the state file lists now (what discovery sees)."""
@@ -45,18 +86,73 @@ class LocalFleet:
     def observe(self) -> tuple[WorkerVM, ...]:
         listed = set(self.listed())
         ever = set(self.cluster.vm_started) | listed
-        return tuple(WorkerVM(host, ZONE, "RUNNING" if host in listed else "TERMINATED", True)
+        return tuple(WorkerVM(host, self.zone_of(host), "RUNNING" if host in listed else "TERMINATED", True)
                      for host in sorted(ever))
 
     def apply(self, actions: Sequence[VMAction]) -> list[Outcome]:
         outcomes = []
         for action in actions:
-            if isinstance(action, (Start, Create)):
-                self.cluster.add_host(action.name)
-                outcomes.append(Outcome(action))
-            elif isinstance(action, Delete):  # only on-demand workers are deleted, and there are none here
+            if isinstance(action, Delete):  # only on-demand workers are deleted, and there are none here
                 outcomes.append(Outcome(action, "the local simulator cannot delete a host", "unsupported"))
+                continue
+            with self._lock:
+                exhausted = action.zone in self._exhausted
+            if exhausted:
+                outcomes.append(Outcome(action, f"no Spot capacity in {action.zone}", STOCKOUT))
+                continue
+            if isinstance(action, Create):
+                self._zone_of[action.name] = action.zone
+            self.cluster.add_host(action.name)
+            outcomes.append(Outcome(action))
         return outcomes
 
 
-__all__ = ["LocalFleet", "ZONE"]
+class LocalClusterJob:
+    """``horovodrun`` of ``cluster``, (re)launched on the hosts its state file lists now.
+
+    Each launch passes the VMs' start times (``vm_started``), so a leaving record a VM
+    published is honoured until it expires unless that VM has been started again since
+    (the keeper's refill gives it a new start time), as on Compute Engine."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.launched_at: list[float] = []  # one per launch
+        self.exit_codes: list[int] = []  # one per attempt that ended
+
+    def start(self, workers: Sequence[str]) -> None:
+        if self.cluster.process is not None and self.cluster.process.poll() is None:
+            raise RuntimeError("horovodrun is still running")
+        log.info("launching horovodrun on %s", ", ".join(workers))
+        self.cluster.start(vm_started=self.cluster.vm_started)
+        self.launched_at.append(self.cluster.started_at)
+
+    def poll(self) -> int | None:
+        process = self.cluster.process
+        code = None if process is None else process.poll()
+        return None if code is None else self._ended(code)
+
+    def wait(self, timeout: float) -> int | None:
+        process = self.cluster.process
+        if process is None:
+            return None
+        try:
+            return self._ended(process.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float) -> int:
+        """The whole cluster's processes go at once (the workers are gone with their VMs)."""
+        process = self.cluster.process
+        if process is None:
+            raise RuntimeError("horovodrun was never started")
+        self.cluster.stop()
+        return self._ended(process.wait(timeout=timeout))
+
+    def _ended(self, code: int) -> int:
+        status = exit_status(code)
+        if len(self.exit_codes) < len(self.launched_at):
+            self.exit_codes.append(status)
+        return status
+
+
+__all__ = ["LocalClusterJob", "LocalFleet", "STOCKOUT", "ZONE"]

@@ -1,0 +1,147 @@
+"""End to end: a wave of preemptions takes the whole cluster at once, and the keeper brings the run back.
+
+Real ``horovodrun`` over local host aliases (LocalCluster), with ``hvd-transient cluster keep``'s
+loop (Keeper) driving the simulator's VMs (LocalFleet, two zones) and supervising the training
+job (LocalClusterJob), on the real clock; the keeper's pause between passes ends when the job
+exits. Every worker gets a notice at once: one emergency checkpoint at the agreed step, then
+the VMs stop. The keeper ends the job that has no worker left and refills the VMs: it starts
+the stopped VMs again under their names (``restart``), or, when their zone has no Spot
+capacity left, creates new ones in the other zone (``failover``). It relaunches the job there,
+and the job restores the emergency checkpoint and completes at exactly epochs x steps_per_epoch.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_elastic_e2e import elastic_cmd, expected_samples
+
+from ckpt_service.stores import open_store
+from hvd_transient.cluster.keeper import Keeper
+from hvd_transient.cluster.keeper_plan import JOB_DONE, NO_WORKERS, JobPolicy
+from hvd_transient.events import EventLog, read_records
+from hvd_transient.report.analysis import analyze
+from hvd_transient.report.render import render_text, to_json
+from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec, of
+from hvd_transient.testing.local_fleet import LocalClusterJob, LocalFleet
+
+pytestmark = pytest.mark.horovod
+
+ZONE_A, ZONE_B = "local-a", "local-b"
+HOSTS = ("localhost", "127.0.0.1")
+#: the refills each path makes: (name, zone, operation)
+REFILLS = {"restart": {("localhost", ZONE_A, "start"), ("127.0.0.1", ZONE_A, "start")},
+           "failover": {("127.0.1", ZONE_B, "create"), ("127.1", ZONE_B, "create")}}
+
+
+@pytest.mark.parametrize("refill", ["restart", "failover"])
+def test_wave_takes_every_worker_and_the_keeper_relaunches_the_run_at_the_exact_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], refill: str) -> None:
+    store = str(tmp_path / "store")
+    epochs, per_epoch, batch, window = 4, 30, 32, 15.0
+    nominal = epochs * per_epoch
+    cluster = LocalCluster(LocalClusterSpec(
+        store=store, hosts=HOSTS, workdir=tmp_path / "run",
+        command=elastic_cmd(store, epochs=epochs, steps=per_epoch, notice_window=window),
+        extra_env=(("HVDT_LEAVING_GRACE_S", "1"),)))
+    fleet = LocalFleet(cluster, zones=(ZONE_A, ZONE_B))
+    cluster.spec.workdir.mkdir()
+    for host in HOSTS:  # the Spot VMs are up, in the first zone
+        cluster.add_host(host)
+    job = LocalClusterJob(cluster)
+    lines: list[str] = []
+    keeper = Keeper(fleet, fleet.policy(len(HOSTS), spot_per_hour=0.35, on_demand_per_hour=1.20),
+                    cluster="local", instance_type="n1-standard-8+nvidia-tesla-t4",
+                    events=EventLog(open_store(store), "driver", min_flush_interval_s=0.0),
+                    interval_s=1.0, out=lines.append, job=job,
+                    job_policy=JobPolicy(min_workers=len(HOSTS), max_relaunches=1), job_stop_timeout_s=10.0)
+    runner = threading.Thread(target=keeper.run, name="keeper", daemon=True)
+    try:
+        runner.start()  # its first pass launches the job: both workers run
+        cluster.wait_for_step(12, 240, size=2)
+        if refill == "failover":
+            fleet.exhaust(ZONE_A)  # the wave's zone has no Spot capacity left
+        wave_at = time.time()
+        for host in HOSTS:  # a wave: every VM gets its notice at once; each stops when its window ends
+            cluster.preempt(host, window_s=window)
+        runner.join(timeout=540)  # the keeper ends with the job (exit 0)
+        assert not runner.is_alive(), "\n".join(lines) + "\n" + cluster.log_tail()
+    finally:
+        keeper.stop()
+        runner.join(timeout=30)
+        keeper.close()
+        cluster.close()
+    events = [dict(e) for e in cluster.events()]
+
+    # the keeper: launched once, ended the job the wave had left without workers, refilled, relaunched
+    assert keeper.job_state.phase == JOB_DONE and keeper.job_state.attempts == 2, lines
+    assert len(job.launched_at) == 2 and job.exit_codes[1] == 0, job.exit_codes
+    first_run, relaunched_at = job.launched_at
+    refills = of(events, "keeper_refill")
+    assert {(e["name"], e["zone"], e["operation"]) for e in refills} == REFILLS[refill], lines
+    new_hosts = sorted(name for name, _zone, _operation in REFILLS[refill])
+    stockouts = {(e["name"], e["zone"], e["kind"]) for e in of(events, "keeper_stockout")}
+    if refill == "failover":
+        assert all(e["avoided_zones"] == [ZONE_A] for e in refills)
+        # a start in the exhausted zone was tried (both at once, unless a pass saw one VM stop before the other)
+        assert stockouts and stockouts <= {("localhost", ZONE_A, "stockout"), ("127.0.0.1", ZONE_A, "stockout")}
+    else:
+        assert not stockouts and all(e["was"] == "TERMINATED" for e in refills)
+    exit_, = of(events, "keeper_job", phase="exit", attempt=1)
+    # the keeper ends the job when the VMs stop (horovodrun itself would wait --elastic-timeout for slots)
+    assert exit_["exit_code"] != 0 and exit_["reason"] in (NO_WORKERS, None), exit_
+    relaunch, = of(events, "keeper_job", phase="relaunch")
+    assert relaunch["attempt"] == 2 and sorted(relaunch["workers"]) == new_hosts
+
+    # the first run: one emergency checkpoint, at the step every rank agreed on
+    first = [e for e in events if first_run <= e["t"] < relaunched_at and not e["event"].startswith("keeper_")]
+    agreed = {e["step"] for e in of(first, "notice_agreed")}
+    assert len(agreed) == 1 and {e["host"] for e in of(first, "notice_agreed")} == set(HOSTS)
+    (cut,) = agreed
+    (emergency,) = of(first, "commit", kind="emergency")
+    assert emergency["step"] == cut and 0 < cut < nominal
+
+    # the relaunch: every worker starts from that checkpoint, on the refilled VMs; nothing is lost
+    second = [e for e in events if e["t"] >= relaunched_at and not e["event"].startswith("keeper_")]
+    starts = of(second, "start")
+    assert sorted(e["host"] for e in starts) == new_hosts
+    assert [e["restored_step"] for e in starts if e.get("restored_step") is not None] == [cut]
+    assert {e["step"] for e in starts} == {cut}  # 0 steps lost
+    final = of(second, "weights")
+    assert {e["step"] for e in final} == {nominal} and len(final) == 2 and len({e["crc"] for e in final}) == 1
+    # every step took the next size x batch samples, across the wave
+    rings = ([e for e in of(first, "ring", host="localhost") if e["step"] < cut]
+             + of(second, "ring", host=new_hosts[0]))
+    for e in of(first, "progress") + of(first, "first_step"):
+        if e["step"] <= cut:
+            assert e["samples"] == expected_samples(rings, e["step"], batch), e
+    for e in of(second, "progress") + of(second, "first_step"):
+        assert e["samples"] == expected_samples(rings, e["step"], batch), e
+    assert f"done at step {nominal} on 2 workers, {expected_samples(rings, nominal, batch)} samples" \
+        in cluster.log_tail(200)
+    training_again = min(e["t"] for e in of(second, "first_step"))
+
+    # the report: the keeper's section shows the refills and the relaunch
+    analysis = analyze(read_records(open_store(store)))
+    k = analysis.keeper
+    assert k is not None and analysis.completed and analysis.final_step == nominal
+    creates = 2 if refill == "failover" else 0
+    assert (k.refills, k.creates, k.restarts, k.failovers) == (2, creates, 2 - creates, creates)
+    assert k.stockouts_by_zone == ({ZONE_A: len(stockouts)} if stockouts else {})
+    assert k.relaunches == 1 and not k.gave_up
+    one, two = k.jobs
+    assert one.exit_code == exit_["exit_code"] and two.exit_code == 0
+    assert two.restored_step == cut and two.resumed_step == cut + 1
+    assert two.outage_s is not None and 0 < two.outage_s < training_again - wave_at + 1
+    assert "driver" not in {w.host for w in analysis.workers}  # the keeper is no worker
+    text = render_text(analysis, None)
+    assert "== keeper ==" in text and "1 relaunch(es)" in text
+    assert to_json(analysis, None)["keeper"]["jobs"][1]["restored_step"] == cut
+    assert one.ended_at is not None
+    with capsys.disabled():
+        print(f"\n{refill}: agreed step {cut}, restored {two.restored_step}, final {analysis.final_step}; "
+              f"{training_again - wave_at:.1f} s from the notices to the first step of the relaunch (job ended "
+              f"{one.ended_at - wave_at:.1f} s after the notices, {'by the keeper' if one.reason else 'by itself'}; "
+              f"relaunched {relaunched_at - wave_at:.1f} s after them)")
