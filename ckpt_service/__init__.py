@@ -30,12 +30,14 @@ from ckpt_service.errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     SaveAbandonedError,
+    StoreDeadlineError,
     StoreUnavailableError,
     StructureMismatchError,
     WriterFailedError,
 )
 
 if TYPE_CHECKING:
+    from ckpt_service.deadline import Deadline
     from ckpt_service.gather import StoreGather
     from ckpt_service.lease import Lease, LeaseHeldError
     from ckpt_service.manager import Checkpoint, CheckpointManager, DeferredShare
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from ckpt_service.stores import open_store
 
 _LAZY = {
+    "Deadline": "ckpt_service.deadline",
     "CheckpointManager": "ckpt_service.manager",
     "Checkpoint": "ckpt_service.manager",
     "DeferredShare": "ckpt_service.manager",
@@ -68,6 +71,6 @@ __all__ = [
     "BadMetadataError", "BadSnapshotError", "BadStoreKeyError", "BadStoreURLError", "BadTensorNameError",
     "CheckpointError", "CommitConflictError", "CorruptCheckpointError", "FormatVersionError",
     "IncompleteShardRecordsError", "LeaseLostError", "MissingCredentialsError", "NothingToRestoreError",
-    "ObjectNotFoundError", "PreconditionFailedError", "SaveAbandonedError", "StoreUnavailableError",
-    "StructureMismatchError", "WriterFailedError", *_LAZY,
+    "ObjectNotFoundError", "PreconditionFailedError", "SaveAbandonedError", "StoreDeadlineError",
+    "StoreUnavailableError", "StructureMismatchError", "WriterFailedError", *_LAZY,
 ]

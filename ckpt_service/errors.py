@@ -18,6 +18,18 @@ class StoreUnavailableError(CheckpointError, ConnectionError):
     """The store (bucket, directory) does not exist or cannot be reached."""
 
 
+class StoreDeadlineError(StoreUnavailableError, TimeoutError):
+    """A store call bounded by a deadline ran out of time.
+
+    ``attempted`` says whether any request was sent: a write that was may have been applied
+    (its outcome is resolved by reading it back); one that was not is known not to be.
+    """
+
+    def __init__(self, message: str, *, attempted: bool) -> None:
+        super().__init__(message)
+        self.attempted = attempted
+
+
 class MissingCredentialsError(CheckpointError, PermissionError):
     """No credentials were found for a cloud store."""
 

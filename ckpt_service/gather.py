@@ -15,7 +15,10 @@ import logging
 import time
 from typing import Callable, Optional
 
-from ckpt_service.errors import SaveAbandonedError
+import tenacity
+
+from ckpt_service.deadline import Deadline
+from ckpt_service.errors import SaveAbandonedError, StoreDeadlineError
 from ckpt_service.layout import record_key
 from ckpt_service.shard_records import RecordJSON
 from ckpt_service.stores.base import ObjectStore
@@ -33,37 +36,56 @@ class StoreGather:
     """Each rank writes ``records/rank-N.json``; the coordinator polls until all W are there.
 
     Polling is the only way to wait on an object store; the interval grows to
-    ``max_interval_s`` so a slow writer does not cost a request storm.
+    ``max_interval_s`` so a slow writer does not cost a request storm. With a ``deadline``
+    (epoch seconds, or a :class:`~ckpt_service.deadline.Deadline`), every store request ends
+    by it and the coordinator stops waiting at it; without one, it waits ``timeout_s``.
+    Either way, running out of time raises SaveAbandonedError.
     """
 
     def __init__(self, store: ObjectStore, step: int, rank: int, world_size: int, *,
-                 coordinator: int = 0, deadline: float | None = None, timeout_s: float = 600.0,
+                 coordinator: int = 0, deadline: float | Deadline | None = None, timeout_s: float = 600.0,
                  max_interval_s: float = 0.5) -> None:
-        self.store, self.step, self.rank, self.world_size = store, step, rank, world_size
+        self.step, self.rank, self.world_size = step, rank, world_size
         self.coordinator = coordinator
-        self.deadline = deadline if deadline is not None else time.time() + timeout_s
+        bound = Deadline(deadline) if isinstance(deadline, (int, float)) else deadline
+        self.store = store if bound is None else store.within(bound)
+        self.gives_up_at = bound.end if bound is not None else time.time() + timeout_s
         self.max_interval_s = max_interval_s
 
     def __call__(self, record: RecordJSON) -> list[RecordJSON] | None:
+        try:
+            return self._gather(record)
+        except StoreDeadlineError as exc:
+            raise SaveAbandonedError(
+                f"step {self.step}: rank {self.rank} could not exchange shard records before the deadline ({exc}); "
+                "the save was abandoned and the previous checkpoint stays the latest") from exc
+
+    def _gather(self, record: RecordJSON) -> list[RecordJSON] | None:
         self.store.put(record_key(self.step, self.rank), json.dumps(record).encode())
         if self.rank != self.coordinator:
             return None
-        missing = set(range(self.world_size))
         records: dict[int, RecordJSON] = {}
-        interval = 0.005
-        while True:
-            for rank in sorted(missing):
-                try:
-                    records[rank] = json.loads(self.store.get(record_key(self.step, rank)))
-                except KeyError:
-                    continue
-            missing -= set(records)
-            if not missing:
-                return [records[r] for r in range(self.world_size)]
-            if time.time() >= self.deadline:
-                raise SaveAbandonedError(
-                    f"step {self.step}: ranks {sorted(missing)} did not report their shards before the "
-                    "deadline; the save was abandoned and the previous checkpoint stays the latest"
-                )
-            time.sleep(min(interval, max(0.0, self.deadline - time.time())))
-            interval = min(self.max_interval_s, interval * 2)
+
+        def missing() -> list[int]:
+            for rank in range(self.world_size):
+                if rank not in records:
+                    try:
+                        records[rank] = json.loads(self.store.get(record_key(self.step, rank)))
+                    except KeyError:
+                        continue
+            return [r for r in range(self.world_size) if r not in records]
+
+        backoff = tenacity.wait_exponential(multiplier=0.005, max=self.max_interval_s)
+        polls = tenacity.Retrying(
+            retry=tenacity.retry_if_result(bool),  # some ranks still missing; store errors end the wait
+            wait=lambda state: min(backoff(state), max(0.0, self.gives_up_at - time.time())),
+            stop=lambda state: time.time() >= self.gives_up_at,
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
+        )
+        still_missing = polls(missing)
+        if still_missing:
+            raise SaveAbandonedError(
+                f"step {self.step}: ranks {still_missing} did not report their shards before the "
+                "deadline; the save was abandoned and the previous checkpoint stays the latest"
+            )
+        return [records[r] for r in range(self.world_size)]

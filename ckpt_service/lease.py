@@ -16,6 +16,9 @@ not applied as not applied. If even the read-back fails, the write's outcome is
 unknown (:class:`WriteOutcomeUnknownError`) and the generation held is kept; if
 the next compare-and-swap is refused, finding that write's record stored means
 it landed, and the renewal is made on top of it.
+
+``fence(deadline=...)`` (the fence inside a save that has a deadline) makes every
+request of the renewal, read-backs included, end by that deadline.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from ckpt_service.deadline import Deadline
 from ckpt_service.errors import CheckpointError, LeaseLostError, PreconditionFailedError
 from ckpt_service.layout import LEASE_KEY
 from ckpt_service.stores.base import ObjectStore, WriteOutcomeUnknownError
@@ -91,7 +95,7 @@ class Lease:
                     "expire or elect a new master"
                 )
             try:
-                taken = self.generation = self._write(generation, released=False)
+                taken = self.generation = self._write(self.store, generation, released=False)
                 break
             except PreconditionFailedError:
                 if attempt == attempts - 1:
@@ -103,12 +107,17 @@ class Lease:
         assert taken is not None  # the loop either took it or raised
         return taken
 
-    def fence(self) -> int:
-        """Renew the lease if still held; raise LeaseLostError otherwise. Call right before a commit."""
+    def fence(self, *, deadline: Deadline | None = None) -> int:
+        """Renew the lease if still held; raise LeaseLostError otherwise. Call right before a commit.
+
+        With a ``deadline``, a renewal that cannot be made or resolved before it raises
+        StoreDeadlineError or WriteOutcomeUnknownError; the generation held is kept either way.
+        """
         if self.generation is None:
             raise LeaseLostError(f"{self.holder} does not hold the checkpoint-master lease; acquire it first")
+        store = self.store if deadline is None else self.store.within(deadline)
         try:
-            self.generation = self._renew(released=False)
+            self.generation = self._renew(store, released=False)
         except PreconditionFailedError:
             lost, self.generation = self.generation, None
             raise LeaseLostError(
@@ -121,34 +130,34 @@ class Lease:
         if self.generation is None:
             return
         try:
-            self._renew(released=True)
+            self._renew(self.store, released=True)
         except PreconditionFailedError:
             log.info("lease already taken over; nothing to release")
         self.generation = None
 
-    def _renew(self, *, released: bool) -> int:
+    def _renew(self, store: ObjectStore, *, released: bool) -> int:
         """Compare-and-swap on the generation held, or on this holder's own earlier write whose
         outcome was unknown if that is what is stored now."""
         assert self.generation is not None
         try:
-            return self._write(self.generation, released=released)
+            return self._write(store, self.generation, released=released)
         except PreconditionFailedError:
             landed = self._unresolved
             if landed is None:
                 raise
-            stored = self.store.get_versioned(self.key)
+            stored = store.get_versioned(self.key)
             self._unresolved = None  # known now, either way
             if stored is None or stored[0] != landed:
                 raise
             log.info("the lease write whose outcome was unknown had been applied (generation %d)", stored[1])
-            return self._write(stored[1], released=released)
+            return self._write(store, stored[1], released=released)
 
-    def _write(self, expected_generation: int, *, released: bool) -> int:
+    def _write(self, store: ObjectStore, expected_generation: int, *, released: bool) -> int:
         record = LeaseRecord(self.holder, self.clock() + self.ttl_s, released, uuid.uuid4().hex)
         data = json.dumps(asdict(record)).encode()
         # a write whose reply was lost is resolved by reading back (write_id makes data unique)
         try:
-            generation = self.store.put_resolved(self.key, data, if_generation_match=expected_generation)
+            generation = store.put_resolved(self.key, data, if_generation_match=expected_generation)
         except WriteOutcomeUnknownError:
             self._unresolved = data
             raise

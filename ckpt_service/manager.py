@@ -12,6 +12,7 @@ Roles in a multi-writer save (every rank calls ``save`` with the same state spec
 
 A save that misses its deadline, loses the lease or finds the step already
 committed raises and commits nothing: the previous committed step stays the latest.
+A save's ``deadline`` bounds every store call it makes (see :mod:`ckpt_service.deadline`).
 
 The manager is one front for three parts: :class:`~ckpt_service.writer.CheckpointWriter`
 (saves), :class:`~ckpt_service.reader.CheckpointReader` (restores, verification) and
@@ -137,10 +138,19 @@ class CheckpointManager:
         give each tensor's shape and dtype (arrays, variables, or :class:`TensorSpec` values).
         Returns the committed manifest on the coordinator, None on the other ranks.
 
-        Nothing is committed when it raises: SaveAbandonedError (the deadline passed),
-        WriterFailedError (a writer reported an error), IncompleteShardRecordsError,
-        LeaseLostError, CommitConflictError (the step is already committed), or the error
-        of this rank's own share or writes.
+        ``deadline`` (epoch seconds, e.g. a preemption notice's end less a margin) bounds every
+        store call of the save: piece uploads, the store gather, the manifest, the lease fence
+        and the commit marker, with their retries and read-backs, each get a request timeout and
+        a retry deadline derived from the time left, so a slow or faulty store makes the save
+        give up before the deadline instead of after it. Such a save leaves retention to the next
+        save without a deadline. Without one, the store's own retry policy applies unchanged.
+
+        Nothing is committed when it raises: SaveAbandonedError (the deadline passed, or the
+        store could not do its part before it), WriterFailedError (a writer reported an error),
+        IncompleteShardRecordsError, LeaseLostError, CommitConflictError (the step is already
+        committed), or the error of this rank's own share or writes. The one exception is
+        WriteOutcomeUnknownError: the commit marker was sent but neither its answer nor reading
+        it back came in time, so the step may or may not be committed (list the steps to know).
         """
         return self._writer.save(step, tensors, metadata, rank=rank, world_size=world_size, gather=gather,
                                  coordinator=coordinator, lease=lease, deadline=deadline, snapshot=snapshot)

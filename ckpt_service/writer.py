@@ -2,6 +2,14 @@
 
 Synchronous saves run on the caller's thread; an asynchronous save takes the share on
 the caller's thread and does the rest on one background thread, one save at a time.
+
+A save with a deadline hands a :class:`~ckpt_service.deadline.Deadline` to every part that
+touches the store (piece uploads, the store gather, the commit and its lease fence), each
+of which bounds its calls by it; the share writes and the gather end early enough to leave
+the commit its reserve, and waiting for the uploads stops at the deadline. Running out of
+time raises SaveAbandonedError and commits nothing. Retention is left to the next save
+without a deadline (or ``gc()``): under a slow store it could take the rest of the window,
+which belongs to the caller once the step is committed.
 """
 from __future__ import annotations
 
@@ -9,13 +17,15 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Executor, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from ckpt_service import layout
 from ckpt_service.commit import commit_step
-from ckpt_service.errors import CheckpointError, SaveAbandonedError
+from ckpt_service.deadline import Deadline
+from ckpt_service.errors import CheckpointError, SaveAbandonedError, StoreDeadlineError
 from ckpt_service.gather import Gather, StoreGather, single_rank_gather
 from ckpt_service.lease import Lease
 from ckpt_service.manifest import Manifest, PieceRecord, checked_metadata, crc32c
@@ -44,8 +54,8 @@ class SaveStats:
 class CheckpointWriter:
     """Saves numbered steps to one store; piece uploads run in parallel on ``io``.
 
-    ``after_commit`` runs on the coordinator after each commit (retention); a CheckpointError
-    from it is logged, never raised: the commit stands.
+    ``after_commit`` runs on the coordinator after each commit of a save without a deadline
+    (retention); a CheckpointError from it is logged, never raised: the commit stands.
     """
 
     def __init__(self, store: ObjectStore, io: Executor, plans: PlanCache, *, compression: str = "none",
@@ -95,13 +105,14 @@ class CheckpointWriter:
     ) -> Manifest | None:
         """See :meth:`ckpt_service.manager.CheckpointManager.save`."""
         t0 = time.perf_counter()
+        bound = Deadline(deadline) if deadline is not None else None
         try:
             plan, share = self._plan_and_share(tensors, rank, world_size, snapshot)
         except Exception as exc:
-            self._report_failed_share(step, rank, world_size, gather, coordinator, deadline, exc)
+            self._report_failed_share(step, rank, world_size, gather, coordinator, bound, exc)
             raise
         return self._save_planned(step, plan, share, checked_metadata(metadata), rank, gather,
-                                  coordinator, lease, deadline, stall_start=t0)
+                                  coordinator, lease, bound, stall_start=t0)
 
     def save_async(
         self,
@@ -193,7 +204,7 @@ class CheckpointWriter:
             self._bg.shutdown(wait=True)
 
     def _report_failed_share(self, step: int, rank: int, world_size: int, gather: Gather | None,
-                             coordinator: int, deadline: float | None, exc: BaseException) -> None:
+                             coordinator: int, deadline: Deadline | None, exc: BaseException) -> None:
         """A rank that could not build its share still reaches the gather with an error record.
 
         Otherwise the other ranks would wait on it (a collective gather: forever; the store
@@ -221,7 +232,7 @@ class CheckpointWriter:
         gather: Gather | None,
         coordinator: int,
         lease: Lease | None,
-        deadline: float | None,
+        deadline: Deadline | None,
         *,
         stall_start: float | None = None,
         stall_s: float | None = None,
@@ -230,17 +241,22 @@ class CheckpointWriter:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         t_write = time.perf_counter()
+        # the share writes and the gather leave the commit its reserve
+        writes = deadline.before_commit(time.time()) if deadline is not None else None
         if gather is None:
             gather = single_rank_gather if world_size == 1 else StoreGather(
-                self.store, step, rank, world_size, coordinator=coordinator, deadline=deadline,
+                self.store, step, rank, world_size, coordinator=coordinator, deadline=writes,
                 timeout_s=self.gather_timeout_s)
         try:
             pieces = share() if callable(share) else share  # a deferred share is assembled here
-            record = self._write_share(step, rank, pieces, deadline)
+            record = self._write_share(step, rank, pieces, writes, deadline)
         except Exception as exc:
             # Every rank must still reach the gather, or the others would wait on it forever;
             # the coordinator sees the error record and abandons the step.
-            gather(ShardRecord.failed(rank, exc).to_json())
+            try:
+                gather(ShardRecord.failed(rank, exc).to_json())
+            except Exception as gather_exc:  # the caller needs the original error, not this one
+                log.warning("could not report the failed write of step %d to the other ranks: %s", step, gather_exc)
             raise
         write_s = time.perf_counter() - t_write
         gathered = gather(record.to_json())
@@ -250,7 +266,10 @@ class CheckpointWriter:
                 raise CheckpointError("the gather returned no records on the coordinator")
             records = [ShardRecord.from_json(r) for r in gathered]
             manifest = commit_step(self.store, step, plan, records, metadata, lease, deadline)
-            self._apply_retention(step)
+            if deadline is None:
+                self._apply_retention(step)
+            else:
+                log.debug("step %d had a deadline: retention is left to the next save without one", step)
         stall = stall_s if stall_s is not None else time.perf_counter() - (stall_start or t_write)
         self.last_stats = SaveStats(step, rank, record.nbytes, stall, write_s, manifest is not None)
         return manifest
@@ -263,21 +282,51 @@ class CheckpointWriter:
         except CheckpointError as exc:  # retention is housekeeping: never fail a commit for it
             log.warning("retention after step %d failed: %s", step, exc)
 
-    def _write_share(self, step: int, rank: int, share: list[Piece], deadline: float | None) -> ShardRecord:
-        """Upload this rank's pieces under keys unique to this attempt; returns its shard record."""
+    def _write_share(self, step: int, rank: int, share: list[Piece], writes: Deadline | None,
+                     deadline: Deadline | None) -> ShardRecord:
+        """Upload this rank's pieces under keys unique to this attempt; returns its shard record.
+
+        Each upload ends by ``writes``; waiting for them ends at ``deadline`` at the latest (a
+        request stalled inside one socket operation may overrun its own window a little).
+        """
+        store = self.store if writes is None else self.store.within(writes)
         nonce = uuid.uuid4().hex[:12]
         pieces: list[PieceRecord] = []
         uploads: list[Future[int]] = []
         for item, flat in share:
-            if deadline is not None and time.time() > deadline:
-                raise SaveAbandonedError(
-                    f"step {step}: rank {rank} ran out of time before writing all its pieces; nothing "
-                    "was committed and the previous checkpoint stays the latest")
+            if writes is not None and writes.expired(time.time()):
+                _cancel(uploads)
+                raise _abandoned(step, f"rank {rank} ran out of time before writing all its pieces")
             prefix = layout.piece_prefix(step, item.group, item.index, nonce)
             for key, data in encode_piece(flat, item.chunk_elements, self.compression).items():
-                uploads.append(self._io.submit(self.store.put, prefix + key, data))
+                uploads.append(self._io.submit(store.put, prefix + key, data))
             pieces.append(PieceRecord(item.group, item.index, item.start, item.stop, item.chunk_elements,
                                       prefix, crc32c(flat), item.nbytes, rank))
-        for future in uploads:
-            future.result()
+        self._await_uploads(step, rank, uploads, deadline)
         return ShardRecord(rank, tuple(pieces), nonce)
+
+    @staticmethod
+    def _await_uploads(step: int, rank: int, uploads: list[Future[int]], deadline: Deadline | None) -> None:
+        """Wait for every upload, or until one fails or the deadline passes; what has not started
+        then is cancelled (what has goes on to its own end and leaves objects for gc)."""
+        timeout = None if deadline is None else max(0.0, deadline.left(time.time()))
+        _done, pending = wait_futures(uploads, timeout=timeout, return_when=FIRST_EXCEPTION)
+        failed = next((f.exception() for f in uploads if f.done() and not f.cancelled() and f.exception()), None)
+        if failed is None and not pending:
+            return
+        _cancel(uploads)
+        if isinstance(failed, StoreDeadlineError):
+            raise _abandoned(step, f"rank {rank} could not write its pieces before the deadline ({failed})") from failed
+        if failed is not None:
+            raise failed
+        raise _abandoned(step, f"{len(pending)} of rank {rank}'s uploads were not done by the deadline")
+
+
+def _cancel(futures: Iterable[Future[int]]) -> None:
+    for future in futures:
+        future.cancel()  # a no-op on one that is running or done
+
+
+def _abandoned(step: int, what: str) -> SaveAbandonedError:
+    return SaveAbandonedError(f"step {step}: {what}; nothing was committed and the previous checkpoint stays "
+                              "the latest")

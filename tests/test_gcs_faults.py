@@ -5,18 +5,22 @@ appends a re-sent resumable chunk instead of replacing it, which real GCS does n
 """
 from __future__ import annotations
 
+import statistics
+import time
 import uuid
 from typing import Iterator
 
 import numpy as np
 import pytest
-from fault_proxy import FaultProxy, is_download, is_upload
+from fault_proxy import Chaos, FaultProxy, is_download, is_upload
 from gcs_emulator import EmulatorError, GCSEmulator  # the gcs_emulator_session fixture comes from conftest.py
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from ckpt_service.errors import LeaseLostError, PreconditionFailedError, StoreUnavailableError
+from ckpt_service import layout
+from ckpt_service.errors import LeaseLostError, PreconditionFailedError, SaveAbandonedError, StoreUnavailableError
 from ckpt_service.lease import Lease, LeaseHeldError
 from ckpt_service.manager import CheckpointManager, CommitConflictError
+from ckpt_service.manifest import Manifest
 from ckpt_service.stores.base import WriteOutcomeUnknownError
 from ckpt_service.stores.gcs import MULTIPART_LIMIT, GCSStore
 
@@ -328,3 +332,243 @@ def test_lost_replies_never_hide_a_lost_lease(gcs_emulator_session: GCSEmulator,
     assert "dropped-response" in proxy.outcomes(is_upload)
     proxy.reset()
     assert not zombie.held and successor.fence() > 0
+
+
+# ---- emergency saves: every store call bounded by the save's deadline ----------------------------
+#
+# The store keeps the library's own retry policy (DEFAULT_RETRY: backoff up to 60 s, 120 s in all,
+# 60 s per request), which is what lets one save overrun a notice window by a minute. Each save
+# below is given a deadline DEADLINE_IN seconds away and must return or raise by deadline + SLACK_S.
+# The save aims to be over by deadline - margin (its calls' windows end there); SLACK_S only
+# absorbs what no window can bound on a shared 2-core test machine: scheduling delays of the
+# client, proxy and emulator threads, interpreter pauses and the unwinding of a timed-out socket
+# (measured: every save here ends 0.3 s or more before its deadline). It is an order of magnitude
+# below the overruns it guards against (a 60 s request timeout, a 120 s retry deadline).
+
+DEADLINE_IN = 4.0
+SLACK_S = 2.0
+#: a reply held longer than this never arrives within a save's window
+LATE = DEADLINE_IN + 10.0
+
+
+@pytest.fixture
+def lib_store(gcs_emulator_session: GCSEmulator, proxy: FaultProxy, bucket: str) -> Iterator[GCSStore]:
+    """A store behind the proxy with the library's default retry policy and request timeout."""
+    proxy.reset()
+    client = gcs_emulator_session.client(endpoint=proxy.url)
+    yield GCSStore(bucket, f"t-{uuid.uuid4().hex[:12]}", client=client, retry=DEFAULT_RETRY)
+    proxy.reset()
+    client.close()
+
+
+@pytest.fixture
+def healthy(gcs_emulator_session: GCSEmulator, lib_store: GCSStore) -> Iterator[GCSStore]:
+    """The same bucket and prefix, bypassing the proxy: what really is in the store."""
+    client = gcs_emulator_session.client()
+    yield GCSStore(lib_store.bucket_name, lib_store.prefix, client=client)
+    client.close()
+
+
+def state(step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    # at 64 KiB chunks, about 25 requests per save (pieces, manifest, lease fence, marker)
+    return {"w": rng.standard_normal(120_000).astype(np.float32), "b": rng.standard_normal(17),
+            "step": np.array(step, np.int64)}
+
+
+def timed_save(mgr: CheckpointManager, step: int, **kw: object) -> tuple[object, float]:
+    """Save ``step`` with a deadline DEADLINE_IN s away: (manifest or the error raised, seconds past the deadline)."""
+    deadline = time.time() + DEADLINE_IN
+    try:
+        outcome: object = mgr.save(step, state(step), deadline=deadline, **kw)
+    except (SaveAbandonedError, WriteOutcomeUnknownError) as exc:
+        outcome = exc
+    return outcome, time.time() - deadline
+
+
+def assert_restores(mgr: CheckpointManager, step: int) -> None:
+    got = mgr.restore(step).tensors
+    for name, want in state(step).items():
+        np.testing.assert_array_equal(got[name], want, err_msg=f"step {step}: {name}")
+
+
+def manager(store: GCSStore, **kw: object) -> CheckpointManager:
+    return CheckpointManager(store, max_to_keep=None, chunk_bytes=64 * 1024, **kw)
+
+
+def is_cas(req) -> bool:
+    """A compare-and-swap on an existing object (the lease renewal)."""
+    return is_upload(req) and "ifGenerationMatch=" in req.path and "ifGenerationMatch=0" not in req.path
+
+
+def is_lease_read_back(req) -> bool:
+    return is_download(req) and "lease" in req.path
+
+
+def test_deadline_save_whose_replies_all_come_late_abandons_in_time(lib_store: GCSStore, healthy: GCSStore,
+                                                                   proxy: FaultProxy) -> None:
+    """(a) Every request reaches the server, every reply is held past the deadline."""
+    with manager(lib_store, abandoned_after_s=0.0) as mgr:
+        mgr.save(1, state(1))
+        proxy.reset()  # forget what step 1 sent
+        proxy.delay_replies(LATE)
+        outcome, late = timed_save(mgr, 2)
+        assert isinstance(outcome, SaveAbandonedError), outcome
+        assert late <= SLACK_S, f"raised {late:.2f} s after the deadline"
+        assert "delayed-reply" in proxy.outcomes(is_upload)
+        proxy.reset()  # the held replies go out now
+        # nothing committed, no marker, the pieces it wrote left for gc
+        assert healthy.stat(layout.commit_key(2)) is None and manager(healthy).all_steps() == [1]
+        assert list(healthy.list(layout.step_prefix(2)))
+        assert_restores(mgr, 1)
+        mgr.save(3, state(3))  # no faults: commits, and its retention collects step 2's leftovers
+        assert mgr.all_steps() == [1, 3] and not list(healthy.list(layout.step_prefix(2)))
+        assert_restores(mgr, 3)
+
+
+def test_deadline_save_whose_marker_write_is_blackholed_abandons_in_time(lib_store: GCSStore, healthy: GCSStore,
+                                                                       proxy: FaultProxy) -> None:
+    """(c) The marker write never reaches the server nor gets an answer; reading it back shows it absent."""
+    with manager(lib_store) as mgr:
+        mgr.save(1, state(1))
+        proxy.reset()  # forget what step 1 sent
+        proxy.blackhole(match=is_create_only)
+        outcome, late = timed_save(mgr, 2)
+        assert isinstance(outcome, SaveAbandonedError), outcome
+        assert "commit marker" in str(outcome) and "nothing was committed" in str(outcome)
+        assert late <= SLACK_S, f"raised {late:.2f} s after the deadline"
+        assert set(proxy.outcomes(is_create_only)) == {"blackholed"}
+        assert proxy.outcomes(is_commit_read_back) == ["forwarded"]  # resolved by reading it back, in time
+        proxy.reset()
+        assert healthy.stat(layout.commit_key(2)) is None and mgr.all_steps() == [1]
+        assert_restores(mgr, 1)
+        assert mgr.save(2, state(2)) is not None and mgr.all_steps() == [1, 2]  # the same step, no conflict
+        assert_restores(mgr, 2)
+
+
+def test_deadline_save_whose_marker_and_read_back_are_blackholed_says_unknown_in_time(
+        lib_store: GCSStore, healthy: GCSStore, proxy: FaultProxy) -> None:
+    """Neither the write nor its read-back is answered before the deadline: the outcome is unknown
+    and reported so, never as a failure (here it was in fact not applied)."""
+    with manager(lib_store) as mgr:
+        mgr.save(1, state(1))
+        proxy.reset()  # forget what step 1 sent
+        proxy.blackhole(match=is_create_only)
+        proxy.blackhole(match=is_commit_read_back)
+        outcome, late = timed_save(mgr, 2)
+        assert isinstance(outcome, WriteOutcomeUnknownError), outcome
+        assert "step 2: the commit marker write got no answer before the deadline" in str(outcome)
+        assert late <= SLACK_S, f"raised {late:.2f} s after the deadline"
+        proxy.reset()
+        assert healthy.stat(layout.commit_key(2)) is None and mgr.all_steps() == [1]
+        assert mgr.save(2, state(2)) is not None
+        assert_restores(mgr, 2)
+
+
+def test_deadline_save_whose_applied_marker_is_never_confirmed_says_unknown_in_time(
+        lib_store: GCSStore, proxy: FaultProxy) -> None:
+    """The marker is applied but its replies, and those of reading it back, come after the deadline:
+    reporting a failure would be wrong, the step is committed."""
+    with manager(lib_store) as mgr:
+        mgr.save(1, state(1))
+        proxy.reset()  # forget what step 1 sent
+        proxy.delay_replies(LATE, match=is_create_only)
+        proxy.blackhole(match=is_commit_read_back)
+        outcome, late = timed_save(mgr, 2)
+        assert isinstance(outcome, WriteOutcomeUnknownError), outcome
+        assert late <= SLACK_S, f"raised {late:.2f} s after the deadline"
+        proxy.reset()
+        assert mgr.all_steps() == [1, 2]
+        assert_restores(mgr, 2)
+        with pytest.raises(CommitConflictError):
+            mgr.save(2, state(2))
+
+
+def test_deadline_save_whose_lease_fence_is_blackholed_abandons_and_keeps_the_lease(
+        lib_store: GCSStore, healthy: GCSStore, proxy: FaultProxy) -> None:
+    """The lease renewal inside the save is never answered; reading the lease back shows it unchanged:
+    the save abandons before writing the marker, and the holder still holds the lease."""
+    lease = Lease(lib_store, "master-a")
+    held = lease.acquire()
+    with manager(lib_store) as mgr:
+        mgr.save(1, state(1), lease=lease)
+        held = lease.generation
+        proxy.reset()
+        proxy.blackhole(match=is_cas)
+        outcome, late = timed_save(mgr, 2, lease=lease)
+        assert isinstance(outcome, SaveAbandonedError), outcome
+        assert "lease fence" in str(outcome)
+        assert late <= SLACK_S, f"raised {late:.2f} s after the deadline"
+        assert "blackholed" in proxy.outcomes(is_cas) and "forwarded" in proxy.outcomes(is_lease_read_back)
+        assert proxy.outcomes(is_create_only) == []  # the marker was never sent
+        proxy.reset()
+        assert lease.generation == held and healthy.stat(lease.key).generation == held
+        assert mgr.all_steps() == [1]
+        assert mgr.save(2, state(2), lease=lease) is not None and mgr.all_steps() == [1, 2]
+        assert_restores(mgr, 2)
+
+
+def run_saves(mgr: CheckpointManager, steps: range, lease: Lease) -> dict[int, tuple[object, float]]:
+    """Each step saved with a deadline DEADLINE_IN s away, under whatever the proxy injects."""
+    return {step: timed_save(mgr, step, lease=lease) for step in steps}
+
+
+def check_outcomes(mgr: CheckpointManager, healthy: GCSStore, runs: dict[int, tuple[object, float]]) -> None:
+    """Every save ended in time; each committed one restores bit-exactly, no abandoned one is committed.
+    Called once the proxy is quiet, so the listing is what the store really holds."""
+    late = {step: round(over, 2) for step, (_, over) in runs.items() if over > SLACK_S}
+    assert not late, f"saves that ended more than {SLACK_S} s after their deadline: {late}"
+    listed = set(manager(healthy).all_steps())
+    for step, (outcome, _) in runs.items():
+        if isinstance(outcome, SaveAbandonedError):
+            assert step not in listed, f"step {step} raised {outcome!r} yet is committed"
+            assert healthy.stat(layout.commit_key(step)) is None
+        elif not isinstance(outcome, WriteOutcomeUnknownError):  # unknown: either may be true
+            assert outcome is not None and step in listed, f"step {step} returned but is not committed"
+    for step in sorted(listed):
+        assert_restores(mgr, step)
+
+
+def test_deadline_saves_under_mixed_faults_end_in_time(lib_store: GCSStore, healthy: GCSStore,
+                                                       proxy: FaultProxy) -> None:
+    """(b) 503s, resets before and after the server, truncated replies, and replies held from half a
+    second to past the deadline, on every kind of request, the lease renewal included."""
+    lease = Lease(lib_store, "master-a")
+    lease.acquire()
+    with manager(lib_store) as mgr:
+        mgr.save(1, state(1), lease=lease)
+        proxy.mix(Chaos(p_503=0.08, p_reset_before=0.04, p_reset_after=0.04, p_truncate=0.04, p_delay=0.1,
+                        delay_s=(0.5, LATE), seed=1))
+        runs = run_saves(mgr, range(2, 8), lease)
+        proxy.reset()
+        check_outcomes(mgr, healthy, runs)
+        assert_restores(mgr, 1)
+        assert mgr.save(8, state(8), lease=lease) is not None  # a later save without faults commits
+        assert_restores(mgr, 8)
+
+
+#: saves of the long mixed-fault run (it is part of `make test`: about half a second each)
+MIXED_SAVES = 50
+
+
+def test_many_deadline_saves_under_mixed_faults(lib_store: GCSStore, healthy: GCSStore, proxy: FaultProxy) -> None:
+    """Faults at rates a bad hour of a real bucket might show: every save ends in time, every save that
+    committed restores bit-exactly, none that raised SaveAbandonedError is committed. The retry policy
+    backs off in milliseconds (FAST_RETRY's delays; the deadline still sets its timeout) so that the
+    run's length goes to faults and saves rather than to sleeping."""
+    fast = GCSStore(lib_store.bucket_name, lib_store.prefix, client=lib_store.client, retry=FAST_RETRY)
+    lease = Lease(fast, "master-a")
+    lease.acquire()
+    with manager(fast) as mgr:
+        proxy.mix(Chaos(p_503=0.03, p_reset_before=0.02, p_reset_after=0.02, p_truncate=0.02, p_delay=0.03,
+                        delay_s=(0.1, 1.0), seed=2))
+        runs = run_saves(mgr, range(1, MIXED_SAVES + 1), lease)
+        faults = sum(outcome != "forwarded" for outcome in proxy.outcomes())
+        proxy.reset()
+        check_outcomes(mgr, healthy, runs)
+        committed = [s for s, (outcome, _) in runs.items() if isinstance(outcome, Manifest)]
+        ends = [DEADLINE_IN + over for _, over in runs.values()]
+        print(f"{len(committed)}/{MIXED_SAVES} committed, {faults} faults injected; save length median "
+              f"{statistics.median(ends):.2f} s, max {max(ends):.2f} s, deadline {DEADLINE_IN} s")
+        assert faults > MIXED_SAVES  # the run did meet faults
+        assert len(committed) >= MIXED_SAVES // 2  # and most saves still commit

@@ -12,11 +12,22 @@ import pytest
 from ckpt_helpers import BACKENDS, assert_same_state, flip_one_byte_of_a_chunk, make_backend_store, sample_state
 
 from ckpt_service import layout
+from ckpt_service.deadline import (
+    ATTEMPT_SHARE,
+    COMMIT_RESERVE_S,
+    DEFAULT_MARGIN_S,
+    MIN_ATTEMPT_S,
+    READBACK_RESERVE_S,
+    CallWindow,
+    Deadline,
+    call_window,
+)
 from ckpt_service.errors import (
     CorruptCheckpointError,
     FormatVersionError,
     NothingToRestoreError,
     SaveAbandonedError,
+    StoreDeadlineError,
     StoreUnavailableError,
     StructureMismatchError,
     WriterFailedError,
@@ -620,3 +631,148 @@ def test_run_store_keys_of_the_training_side() -> None:
     # none of them lies under the prefixes retention lists and deletes
     for key in (layout.events_key("h", 1, 0), layout.leaving_key("h"), layout.STOP_KEY, layout.LEASE_KEY):
         assert not key.startswith((layout.STEPS_PREFIX, layout.COMMITS_PREFIX))
+
+
+# ---- saves with a deadline: the time budget of each store call ------------------------------------
+
+#: how far past its deadline a save may end: its store calls end before it, so this only covers
+#: thread scheduling on a loaded test machine (the saves below end before their deadline)
+SLACK_S = 1.0
+
+
+def test_a_deadline_ends_store_calls_a_margin_before_it() -> None:
+    d = Deadline(100.0)
+    assert d.end == 100.0 - DEFAULT_MARGIN_S and d.left(90.0) == pytest.approx(10.0 - DEFAULT_MARGIN_S)
+    assert not d.expired(d.end - 0.01) and d.expired(d.end) and d.left(101.0) < 0
+    with pytest.raises(ValueError):
+        Deadline(100.0, margin_s=-1.0)
+
+
+def test_the_share_writes_leave_the_commit_its_reserve_but_never_the_whole_window() -> None:
+    long = Deadline(1000.0, margin_s=0.0)
+    assert long.before_commit(970.0).end == pytest.approx(1000.0 - COMMIT_RESERVE_S)  # 30 s left: the full reserve
+    short = Deadline(1000.0, margin_s=0.0)
+    assert short.before_commit(996.0).end == pytest.approx(999.0)  # 4 s left: a quarter of it
+    assert short.before_commit(1001.0).end == 1000.0  # nothing left: nothing to keep
+    assert long.before_commit(970.0).margin_s == long.margin_s
+
+
+def test_a_call_window_runs_to_the_deadline_and_a_conditional_write_keeps_time_to_read_back() -> None:
+    d = Deadline(1000.0, margin_s=0.0)
+    assert call_window(d, 990.0) == CallWindow(990.0, 1000.0)
+    assert call_window(d, 990.0, conditional_write=True) == CallWindow(990.0, 1000.0 - READBACK_RESERVE_S)
+    # with 1.5 s left, a third of it is kept for the read-back
+    assert call_window(d, 998.5, conditional_write=True) == CallWindow(998.5, pytest.approx(999.5))
+    assert call_window(d, 1000.0 - MIN_ATTEMPT_S / 2) is None  # not even one request fits
+    assert call_window(d, 1001.0) is None
+
+
+def test_each_attempt_times_out_inside_the_window_leaving_room_for_a_retry() -> None:
+    w = CallWindow(0.0, 10.0)
+    assert w.attempt_timeout(0.0, default_s=60.0) == ATTEMPT_SHARE * 10.0  # a stall costs half the window
+    assert w.attempt_timeout(8.0, default_s=60.0) == pytest.approx(2.0)  # never past its end
+    assert w.attempt_timeout(0.0, default_s=1.0) == 1.0  # never longer than the client's own timeout
+    assert w.attempt_timeout(10.0 - MIN_ATTEMPT_S / 2, default_s=60.0) is None
+    assert CallWindow(0.0, 0.15).attempt_timeout(0.0, default_s=60.0) == MIN_ATTEMPT_S
+
+
+def test_gcs_calls_keep_the_library_policy_without_a_deadline_and_fit_the_window_with_one() -> None:
+    """The policy each client call is made with (no request is sent: the call is a stand-in)."""
+    from google.api_core import exceptions as gexc
+
+    from ckpt_service.stores.gcs import GCSStore
+
+    plain = GCSStore("bucket", "p")
+    assert plain._run("get", lambda retry, timeout: (retry, timeout)) == (plain.retry, plain.timeout)
+    assert plain._run("put", lambda r, t: (r, t), conditional=True) == (plain.conditional_retry, plain.timeout)
+
+    start = time.time()
+    bounded = GCSStore("bucket", "p", retry=plain.retry.with_delay(initial=0.01, maximum=0.05),
+                       deadline=Deadline(start + 1.0, margin_s=0.0))
+    retry, timeout = bounded._run("get", lambda r, t: (r, t))
+    assert retry is None and 0 < timeout <= ATTEMPT_SHARE * 1.0  # the attempts are driven by the window
+
+    attempts: list[tuple[float, float]] = []  # (sent at, its timeout)
+
+    def unavailable(_retry: object, timeout: float) -> None:
+        attempts.append((time.time(), timeout))
+        raise gexc.ServiceUnavailable("try again")
+
+    with pytest.raises(StoreDeadlineError) as info:
+        bounded._run("put", unavailable)
+    assert info.value.attempted and len(attempts) > 1  # retried, then gave up by the window's end
+    assert all(sent + timeout <= start + 1.0 + 0.01 for sent, timeout in attempts)  # 0.01: clock reads apart
+    assert time.time() <= start + 1.0 + SLACK_S
+
+    spent = GCSStore("bucket", "p", deadline=Deadline(time.time() - 1.0))
+    sent_before = len(attempts)
+    with pytest.raises(StoreDeadlineError) as info:
+        spent._run("put", unavailable, conditional=True)
+    assert not info.value.attempted and len(attempts) == sent_before
+
+
+def test_a_write_never_sent_for_lack_of_time_is_not_read_back() -> None:
+    """Only a write that was sent can have been applied: one refused before sending is not ambiguous."""
+    class OutOfTime(MemoryStore):
+        reads = 0
+
+        def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+            raise StoreDeadlineError("no time left; not sent", attempted=False)
+
+        def get_versioned(self, key: str) -> tuple[bytes, int] | None:
+            OutOfTime.reads += 1
+            return super().get_versioned(key)
+
+    with pytest.raises(StoreDeadlineError):
+        OutOfTime().create_exclusive("commits/x", b"token")
+    assert OutOfTime.reads == 0
+
+
+def test_a_local_store_whose_lock_is_held_abandons_the_save_in_time(tmp_path) -> None:
+    import fcntl
+
+    from ckpt_service.stores import LocalStore
+
+    store = LocalStore(tmp_path / "store", fsync=False)
+    with CheckpointManager(store, max_to_keep=None) as mgr:
+        mgr.save(1, sample_state(1))
+        with open(store.root / ".hvdt.lock", "a+b") as stuck:  # another writer stuck inside the lock
+            fcntl.flock(stuck, fcntl.LOCK_EX)
+            deadline = time.time() + 2.0
+            with pytest.raises(SaveAbandonedError, match="step 2: .*nothing was committed"):
+                mgr.save(2, sample_state(2), deadline=deadline)
+            assert time.time() <= deadline + SLACK_S
+            fcntl.flock(stuck, fcntl.LOCK_UN)
+        assert mgr.all_steps() == [1]
+        assert_same_state(mgr.restore().tensors, sample_state(1))
+        assert mgr.save(2, sample_state(2), deadline=time.time() + 30) is not None and mgr.all_steps() == [1, 2]
+
+
+def test_waiting_for_uploads_ends_at_the_deadline_even_if_the_store_ignores_it() -> None:
+    """A store whose writes hang and know nothing of deadlines: the save still returns in time."""
+    release = threading.Event()
+
+    class Hanging(MemoryStore):
+        def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+            if key.startswith(layout.STEPS_PREFIX) and not release.is_set():
+                release.wait()
+            return super().put(key, data, if_generation_match=if_generation_match)
+
+    with CheckpointManager(Hanging(), max_to_keep=None, io_threads=2) as mgr:
+        try:
+            deadline = time.time() + 1.5
+            with pytest.raises(SaveAbandonedError, match="uploads were not done by the deadline"):
+                mgr.save(1, sample_state(1), deadline=deadline)
+            assert time.time() <= deadline + SLACK_S
+        finally:
+            release.set()
+        assert mgr.all_steps() == []
+        assert mgr.save(2, sample_state(2)) is not None
+
+
+def test_a_coordinator_whose_peer_never_reports_abandons_at_the_deadline() -> None:
+    with CheckpointManager(MemoryStore(), max_to_keep=None) as mgr:
+        deadline = time.time() + 1.5
+        with pytest.raises(SaveAbandonedError, match=r"ranks \[1\] did not report"):
+            mgr.save(1, sample_state(1), rank=0, world_size=2, deadline=deadline)
+        assert time.time() <= deadline + SLACK_S and mgr.all_steps() == []

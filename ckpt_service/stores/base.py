@@ -23,7 +23,8 @@ import posixpath
 from dataclasses import dataclass
 from typing import Iterator
 
-from ckpt_service.errors import BadStoreKeyError, PreconditionFailedError, StoreUnavailableError
+from ckpt_service.deadline import Deadline
+from ckpt_service.errors import BadStoreKeyError, PreconditionFailedError, StoreDeadlineError, StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,15 @@ class ObjectStore(abc.ABC):
     def list(self, prefix: str = "") -> Iterator[str]:
         """Yield every key starting with ``prefix`` (a plain string prefix), in sorted order."""
 
+    def within(self, deadline: Deadline) -> ObjectStore:
+        """This store with every call bounded by ``deadline``: a call that cannot finish before
+        its end raises :class:`StoreDeadlineError` instead of waiting or retrying past it.
+
+        The view shares this store's client or files. This default returns the store itself,
+        which suits a backend whose calls never wait on a network or a lock (memory).
+        """
+        return self
+
     # ---- helpers shared by every backend -------------------------------------------------
 
     def exists(self, key: str) -> bool:
@@ -134,11 +144,14 @@ class ObjectStore(abc.ABC):
         reading the object back tells "my write is stored" (its generation is returned)
         from "another write won" (:class:`PreconditionFailedError`) and from "nothing
         changed" (the original error). When the read-back fails too, the outcome stays
-        unknown: :class:`WriteOutcomeUnknownError`.
+        unknown: :class:`WriteOutcomeUnknownError`. On a store bounded by a deadline
+        (:meth:`within`), the write stops early enough to leave the read-back its own time.
         """
         try:
             return self.put(key, data, if_generation_match=if_generation_match)
         except (PreconditionFailedError, StoreUnavailableError) as exc:
+            if isinstance(exc, StoreDeadlineError) and not exc.attempted:
+                raise  # never sent: nothing to resolve
             try:
                 stored = self.get_versioned(key)
             except StoreUnavailableError as read_exc:

@@ -14,6 +14,11 @@ whose every reply is lost gives up although it was applied;
 :meth:`ObjectStore.put_resolved` tells these apart by reading back (one download
 gives the bytes and their generation).
 
+A store bounded by a deadline (:meth:`GCSStore.within`) runs each call under the
+same policy, driven by the same ``Retry`` object with its timeout cut to the call's
+window (:mod:`ckpt_service.deadline`), and gives each request a timeout that ends
+inside that window; a call that runs out of it raises ``StoreDeadlineError``.
+
 ``STORAGE_EMULATOR_HOST`` (e.g. fake-gcs-server) is honoured: the client then
 uses anonymous credentials and never looks for Application Default Credentials.
 
@@ -27,7 +32,8 @@ import contextlib
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Iterator
+import time
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar, Union
 
 import requests
 from google.api_core import exceptions as gexc
@@ -39,12 +45,14 @@ from google.cloud.storage.exceptions import DataCorruption
 from google.cloud.storage.retry import DEFAULT_RETRY, ConditionalRetryPolicy, is_generation_specified
 from requests.adapters import HTTPAdapter
 
+from ckpt_service.deadline import Deadline, call_window
 from ckpt_service.errors import (
     BadStoreURLError,
     CorruptCheckpointError,
     MissingCredentialsError,
     ObjectNotFoundError,
     PreconditionFailedError,
+    StoreDeadlineError,
     StoreUnavailableError,
 )
 from ckpt_service.stores.base import ObjectInfo, ObjectStore, check_key
@@ -53,6 +61,12 @@ if TYPE_CHECKING:
     from google.cloud.storage import Blob, Bucket
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+#: what the client takes as ``retry=``: a policy, a policy applied only to idempotent calls, or none
+RetryPolicy = Union[Retry, ConditionalRetryPolicy, None]
+#: one client call, given the retry policy and the per-request timeout to run it with
+ClientCall = Callable[[RetryPolicy, float], _T]
 
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 #: project id used against an emulator (it accepts any), so no credential lookup happens
@@ -74,7 +88,8 @@ class GCSStore(ObjectStore):
     ``DEFAULT_RETRY``, 120 s deadline); tests pass one with short delays.
     ``timeout`` is the per-request HTTP timeout in seconds.
     ``max_connections`` sizes the HTTP connection pool so a thread pool of
-    writers does not churn connections.
+    writers does not churn connections. ``deadline`` bounds every call (see
+    :meth:`within`, which is how a bounded view is normally made).
     """
 
     def __init__(
@@ -86,6 +101,7 @@ class GCSStore(ObjectStore):
         retry: Retry = DEFAULT_RETRY,
         timeout: float = 60.0,
         max_connections: int = 32,
+        deadline: Deadline | None = None,
     ) -> None:
         if not bucket or "/" in bucket:
             raise BadStoreURLError(f"invalid GCS bucket name {bucket!r}: use gs://my-bucket/optional/prefix")
@@ -98,6 +114,7 @@ class GCSStore(ObjectStore):
         self.conditional_retry = ConditionalRetryPolicy(retry, is_generation_specified, ["query_params"])
         self.timeout = timeout
         self.max_connections = max_connections
+        self.deadline = deadline
         self._client = client
         self._owns_client = client is None
         self._bucket: Bucket | None = None
@@ -105,6 +122,49 @@ class GCSStore(ObjectStore):
         # Set once any call proved the bucket exists; until then a 404 on an
         # object is double-checked, because GCS answers 404 for a missing bucket too.
         self._bucket_seen = False
+
+    def within(self, deadline: Deadline) -> GCSStore:
+        """A view of this store (same client, bucket and retry policy) whose every call ends by
+        ``deadline``; closing it leaves the client open."""
+        bounded = GCSStore(self.bucket_name, self.prefix, client=self.client, retry=self.retry,
+                           timeout=self.timeout, max_connections=self.max_connections, deadline=deadline)
+        bounded._bucket_seen = self._bucket_seen
+        return bounded
+
+    def _run(self, what: str, call: ClientCall[_T], *, conditional: bool = False) -> _T:
+        """Run one client call under the store's policy, or, with a deadline, inside its call window.
+
+        Without a deadline: ``self.retry`` (``conditional_retry`` for a conditional write) and
+        ``self.timeout``, as the client is normally used. With one, the same ``Retry`` drives the
+        attempts with its timeout cut to the window, and each request's timeout ends inside it.
+        """
+        if self.deadline is None:
+            return call(self.conditional_retry if conditional else self.retry, self.timeout)
+        now = time.time()
+        window = call_window(self.deadline, now, conditional_write=conditional)
+        if window is None:
+            raise StoreDeadlineError(f"{what}: no time left before the deadline; not sent", attempted=False)
+        sent = 0
+        last_error: Exception | None = None
+
+        def attempt() -> _T:
+            nonlocal sent, last_error
+            timeout = window.attempt_timeout(time.time(), self.timeout)
+            if timeout is None:
+                raise _WindowSpent()
+            sent += 1
+            try:
+                return call(None, timeout)
+            except Exception as exc:
+                last_error = exc
+                raise
+
+        try:
+            return self.retry.with_timeout(window.left(now))(attempt)()
+        except (gexc.RetryError, _WindowSpent) as exc:
+            raise StoreDeadlineError(
+                f"{what}: not done within its {window.seconds:.2f} s before the deadline "
+                f"({sent} request(s) sent, the last error {last_error!r})", attempted=sent > 0) from exc
 
     # ---- client -------------------------------------------------------------------------
 
@@ -174,10 +234,12 @@ class GCSStore(ObjectStore):
             try:
                 # objects.list needs only the permission a checkpoint writer has anyway
                 # (buckets.get is often not granted).
-                blobs = self.client.list_blobs(
-                    self.bucket_name, max_results=1, prefix=self.prefix, retry=self.retry, timeout=self.timeout
-                )
-                next(iter(blobs), None)
+                def probe(retry: RetryPolicy, timeout: float) -> None:
+                    blobs = self.client.list_blobs(
+                        self.bucket_name, max_results=1, prefix=self.prefix, retry=retry, timeout=timeout)
+                    next(iter(blobs), None)
+
+                self._run(what, probe)
             except gexc.NotFound as exc:
                 raise self._missing_bucket_error(what) from exc
         self._bucket_seen = True
@@ -189,7 +251,8 @@ class GCSStore(ObjectStore):
         blob = self._blob(key)
         with self._translated(what):
             try:
-                data: bytes = blob.download_as_bytes(retry=self.retry, timeout=self.timeout)
+                data: bytes = self._run(
+                    what, lambda retry, timeout: blob.download_as_bytes(retry=retry, timeout=timeout))
             except gexc.NotFound:
                 self._check_bucket_after_miss(what)
                 return None
@@ -217,7 +280,8 @@ class GCSStore(ObjectStore):
         name = self._object_name(key)
         what = f"stat {self.url}/{key}"
         with self._translated(what):
-            blob = self._ensure_bucket().get_blob(name, retry=self.retry, timeout=self.timeout)
+            blob = self._run(
+                what, lambda retry, timeout: self._ensure_bucket().get_blob(name, retry=retry, timeout=timeout))
         if blob is None:
             self._check_bucket_after_miss(what)
             return None
@@ -229,15 +293,15 @@ class GCSStore(ObjectStore):
         what = f"put {self.url}/{key}"
         if if_generation_match is not None and len(data) > MULTIPART_LIMIT:
             log.debug("%s: conditional write of %d bytes goes through a resumable upload", what, len(data))
+        payload = bytes(data)
+
+        def upload(retry: RetryPolicy, timeout: float) -> None:
+            blob.upload_from_string(payload, content_type="application/octet-stream",
+                                    if_generation_match=if_generation_match, retry=retry, timeout=timeout)
+
         with self._translated(what):
             try:
-                blob.upload_from_string(
-                    bytes(data),
-                    content_type="application/octet-stream",
-                    if_generation_match=if_generation_match,
-                    retry=self.retry if if_generation_match is None else self.conditional_retry,
-                    timeout=self.timeout,
-                )
+                self._run(what, upload, conditional=if_generation_match is not None)
             except gexc.NotFound as exc:
                 raise self._missing_bucket_error(what) from exc
         self._bucket_seen = True
@@ -248,28 +312,30 @@ class GCSStore(ObjectStore):
 
     def delete(self, key: str) -> None:
         blob = self._blob(key)
-        with self._translated(f"delete {self.url}/{key}"):
+        what = f"delete {self.url}/{key}"
+        with self._translated(what):
             try:
-                blob.delete(retry=self.retry, timeout=self.timeout)
+                self._run(what, lambda retry, timeout: blob.delete(retry=retry, timeout=timeout))
             except gexc.NotFound:
                 pass  # absent already (or a retried delete whose first attempt was applied)
 
     def list(self, prefix: str = "") -> Iterator[str]:
         root = f"{self.prefix}/" if self.prefix else ""
         what = f"list {self.url}/{prefix}"
+
+        def names(retry: RetryPolicy, timeout: float) -> list[str]:
+            # with a deadline, one attempt reads every page: a retried listing starts again
+            return [b.name for b in self.client.list_blobs(
+                self.bucket_name, prefix=root + prefix, retry=retry, timeout=timeout)]
+
         with self._translated(what):
             try:
-                names = [
-                    b.name
-                    for b in self.client.list_blobs(
-                        self.bucket_name, prefix=root + prefix, retry=self.retry, timeout=self.timeout
-                    )
-                ]
+                listed = self._run(what, names)
             except gexc.NotFound as exc:
                 raise self._missing_bucket_error(what) from exc
         self._bucket_seen = True
         # Names ending in '/' are "folder" placeholders some tools create; they are not keys.
-        yield from sorted(n[len(root):] for n in names if not n.endswith("/"))
+        yield from sorted(n[len(root):] for n in listed if not n.endswith("/"))
 
     def close(self) -> None:
         """Close the client this store created (a client passed in belongs to the caller)."""
@@ -279,6 +345,10 @@ class GCSStore(ObjectStore):
             client, self._client, self._bucket = self._client, None, None
         if client is not None:
             client.close()
+
+
+class _WindowSpent(Exception):
+    """Too little of a call's window is left for another request (never retried)."""
 
 
 def _info(key: str, blob: Blob) -> ObjectInfo:

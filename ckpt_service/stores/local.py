@@ -4,7 +4,9 @@ Writes go to a temporary file in the same directory and are published with
 ``os.replace``, so a reader never sees a partial object and a crash leaves at
 most a stray temporary file. Conditional writes take an ``flock`` on one lock
 file per store, held only for the rename. The generation is the file's
-``st_mtime_ns``, forced to increase under that lock.
+``st_mtime_ns``, forced to increase under that lock. A store bounded by a
+deadline (:meth:`LocalStore.within`) waits for that lock no longer than the
+deadline allows; the disk itself is not bounded.
 """
 from __future__ import annotations
 
@@ -15,24 +17,35 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
-from ckpt_service.errors import ObjectNotFoundError, PreconditionFailedError, StoreUnavailableError
+import tenacity
+
+from ckpt_service.deadline import Deadline
+from ckpt_service.errors import ObjectNotFoundError, PreconditionFailedError, StoreDeadlineError, StoreUnavailableError
 from ckpt_service.stores.base import ObjectInfo, ObjectStore, check_key
 
 log = logging.getLogger(__name__)
 
 _TMP_PREFIX = ".tmp-"
 _LOCK_NAME = ".hvdt.lock"
+#: how often a bounded store tries the lock again while another writer holds it (it is held
+#: only for a rename, so it frees within milliseconds unless that writer is stuck)
+_LOCK_POLL_MAX_S = 0.05
 
 
 class LocalStore(ObjectStore):
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True, deadline: Deadline | None = None) -> None:
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
         self.fsync = fsync
+        self.deadline = deadline
         if self.root.exists() and not self.root.is_dir():
             raise StoreUnavailableError(f"{self.root} exists and is not a directory; pick another path")
+
+    def within(self, deadline: Deadline) -> LocalStore:
+        """The same directory, waiting for the store lock no longer than ``deadline`` allows."""
+        return LocalStore(self.root, fsync=self.fsync, deadline=deadline)
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -63,7 +76,10 @@ class LocalStore(ObjectStore):
     def _store_lock(self) -> Iterator[None]:
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / _LOCK_NAME, "a+b") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
+            if self.deadline is None:
+                fcntl.flock(fh, fcntl.LOCK_EX)
+            else:
+                _lock_by(fh, self.deadline, self.root)
             try:
                 yield
             finally:
@@ -167,6 +183,23 @@ class LocalStore(ObjectStore):
         if removed:
             log.info("removed %d stale temp files from %s", removed, self.root)
         return removed
+
+
+def _lock_by(fh: IO[bytes], deadline: Deadline, root: Path) -> None:
+    """Take the store lock, giving up with StoreDeadlineError at the deadline's end."""
+    end = deadline.end
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(BlockingIOError),
+        wait=lambda state: min(tenacity.wait_exponential(multiplier=0.001, max=_LOCK_POLL_MAX_S)(state),
+                               max(0.0, end - time.time())),
+        stop=lambda state: time.time() >= end,
+        reraise=True,
+    )
+    try:
+        retrying(fcntl.flock, fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        raise StoreDeadlineError(f"{root}: the store lock stayed taken until the deadline; nothing was written",
+                                 attempted=False) from exc
 
 
 def _mtime(path: Path) -> float:

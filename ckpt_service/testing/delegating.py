@@ -10,7 +10,9 @@ class DelegatingStore(ObjectStore):
     """An ObjectStore forwarding every call to ``inner``; fault-injecting wrappers override a few.
 
     An ObjectStore itself, so the helpers the base class builds on ``put`` and ``get_versioned``
-    (create_exclusive, put_resolved) run through the wrapper's overrides.
+    (create_exclusive, put_resolved) run through the wrapper's overrides. ``within(deadline)``
+    returns the wrapper itself (its calls reach ``inner`` unbounded), so that a wrapper's state
+    stays one object; a wrapper that must honour deadlines overrides it.
     """
 
     def __init__(self, inner: ObjectStore) -> None:

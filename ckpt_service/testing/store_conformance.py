@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 
 import pytest
 
+from ckpt_service.deadline import Deadline
 from ckpt_service.errors import (
     BadStoreKeyError,
     ObjectNotFoundError,
@@ -305,6 +306,19 @@ class StoreConformance:
         with ThreadPoolExecutor(max_workers=8) as pool:
             got = dict(zip(payloads, pool.map(store.get, payloads)))
         assert got == payloads
+
+    def test_a_view_within_a_deadline_works_on_the_same_objects(self, store: ObjectStore) -> None:
+        """What a save with a deadline writes through the bounded view is what everyone else reads."""
+        view = store.within(Deadline(time.time() + 60.0))
+        gen = view.put("k", b"through the view")
+        assert store.get("k") == b"through the view" and stat_of(store, "k").generation == gen
+        assert view.get_versioned("k") == (b"through the view", gen)
+        assert view.create_exclusive("commit", b"token-a") is True
+        assert view.create_exclusive("commit", b"token-b") is False and store.get("commit") == b"token-a"
+        assert view.put_resolved("k", b"swapped", if_generation_match=gen) > gen
+        assert list(view.list("")) == list(store.list("")) == ["commit", "k"]
+        view.delete("k")
+        assert not store.exists("k")
 
     def test_large_object_round_trip(self, store: ObjectStore) -> None:
         if not self.large_objects:
