@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import tenacity
@@ -36,7 +37,10 @@ class StoreGather:
     """Each rank writes ``records/rank-N.json``; the coordinator polls until all W are there.
 
     Polling is the only way to wait on an object store; the interval grows to
-    ``max_interval_s`` so a slow writer does not cost a request storm. With a ``deadline``
+    ``max_interval_s`` so a slow writer does not cost a request storm. Each poll is one
+    listing of the step's ``records/`` (one request per 1000 ranks) rather than a read per
+    missing rank, and the records it finds are read ``read_threads`` at a time: the wait
+    after the last writer costs O(N / read_threads) round trips, not O(N). With a ``deadline``
     (epoch seconds, or a :class:`~ckpt_service.deadline.Deadline`), every store request ends
     by it and the coordinator stops waiting at it; without one, it waits ``timeout_s``.
     Either way, running out of time raises SaveAbandonedError.
@@ -44,13 +48,14 @@ class StoreGather:
 
     def __init__(self, store: ObjectStore, step: int, rank: int, world_size: int, *,
                  coordinator: int = 0, deadline: float | Deadline | None = None, timeout_s: float = 600.0,
-                 max_interval_s: float = 0.5) -> None:
+                 max_interval_s: float = 0.5, read_threads: int = 16) -> None:
         self.step, self.rank, self.world_size = step, rank, world_size
         self.coordinator = coordinator
         bound = Deadline(deadline) if isinstance(deadline, (int, float)) else deadline
         self.store = store if bound is None else store.within(bound)
         self.gives_up_at = bound.end if bound is not None else time.time() + timeout_s
         self.max_interval_s = max_interval_s
+        self.read_threads = max(1, read_threads)
 
     def __call__(self, record: RecordJSON) -> list[RecordJSON] | None:
         try:
@@ -64,15 +69,23 @@ class StoreGather:
         self.store.put(record_key(self.step, self.rank), json.dumps(record).encode())
         if self.rank != self.coordinator:
             return None
-        records: dict[int, RecordJSON] = {}
+        records: dict[int, RecordJSON] = {self.rank: record}  # its own needs no read-back
+        listed = record_key(self.step, 0).rsplit("/", 1)[0] + "/rank-"
+
+        def read(rank: int) -> RecordJSON | None:
+            try:
+                body: RecordJSON = json.loads(self.store.get(record_key(self.step, rank)))
+                return body
+            except KeyError:
+                return None
 
         def missing() -> list[int]:
-            for rank in range(self.world_size):
-                if rank not in records:
-                    try:
-                        records[rank] = json.loads(self.store.get(record_key(self.step, rank)))
-                    except KeyError:
-                        continue
+            found = {int(stem) for key in self.store.list(listed)
+                     if (stem := key[len(listed):].removesuffix(".json")).isdigit()}
+            new = sorted(r for r in found if r < self.world_size and r not in records)
+            for rank, body in zip(new, pool.map(read, new)):
+                if body is not None:
+                    records[rank] = body
             return [r for r in range(self.world_size) if r not in records]
 
         backoff = tenacity.wait_exponential(multiplier=0.005, max=self.max_interval_s)
@@ -82,7 +95,8 @@ class StoreGather:
             stop=lambda state: time.time() >= self.gives_up_at,
             retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
         )
-        still_missing = polls(missing)
+        with ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="ckpt-gather") as pool:
+            still_missing = polls(missing)
         if still_missing:
             raise SaveAbandonedError(
                 f"step {self.step}: ranks {still_missing} did not report their shards before the "

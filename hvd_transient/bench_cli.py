@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 PROG = "hvd-transient bench"
 
 #: what ``bench all`` runs, in this order (names as typed on the command line)
-BENCHES: tuple[str, ...] = ("ckpt-io", "ckpt-overhead", "emergency-save", "preemption-cost", "restore")
+BENCHES: tuple[str, ...] = ("ckpt-io", "ckpt-overhead", "commit-scaling", "emergency-save", "preemption-cost",
+                            "restore")
 
 
 class BenchNotFoundError(LookupError):

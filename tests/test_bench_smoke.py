@@ -100,3 +100,23 @@ def test_arguments_and_exit_code_pass_through(capsys: pytest.CaptureFixture[str]
     assert bench_cli.main(["ckpt-io", "--repeats", "0"]) == 2  # the benchmark's own refusal
     assert bench_cli.main(["all", "--repeats", "1"]) == 2
     assert "takes no arguments" in capsys.readouterr().err
+
+
+def test_commit_scaling_counts_requests_and_fits_latency(tmp_path: Path) -> None:
+    out = tmp_path / "results" / "commit_scaling.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.commit_scaling", "--writers", "2,3,4", "--repeats", "1", "--rtt-ms", "0",
+         "--read-threads", "4", "--no-plot", "--out", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    doc = json.loads(out.read_text())
+    summary = doc["summary"]["rtt 0 ms, 4 read threads"]
+    assert set(summary["requests"]) == {"2", "3", "4"}
+    for n in (2, 3, 4):
+        row = next(r for r in doc["rows"] if r["writers"] == n)
+        assert row["record_objects"] == n and row["lease_writes"] == 1 and row["commit_latency_s"] > 0
+        assert row["coordinator_record_reads"] == n - 1  # its own record is not read back
+        assert row["requests_by_kind"]["marker"] >= 1 and row["requests_by_kind"]["manifest"] >= 1
+    assert summary["fit_commit_latency"]["better"] in ("linear", "log2")
+    assert "**Commit protocol cost" in out.with_suffix(".md").read_text()
+    assert "commit-scaling" in bench_cli.available()
