@@ -1,10 +1,9 @@
-"""Checkpoint save and restore throughput: ckpt_service against np.savez and tf.train.Checkpoint.
-
-For float32 states shaped like a CNN's variables, in one shared-memory block every worker process
-maps, on a local directory and on fake-gcs-server: N writer processes save (barrier to commit),
-M reader processes restore with ``partition=(rank, M)`` (checked bit-exact), and, locally, how
-long ``save_async`` blocks its caller against ``np.copy`` of the state. ``emergency_save`` and
-``restore`` reuse the state, the worker functions and :func:`measure`.
+"""Checkpoint save and restore throughput: ckpt_service against np.savez, tf.train.Checkpoint and
+the disk (one fsynced file, read cold). For float32 states shaped like a CNN's variables, in one
+shared-memory block every worker maps, on a local directory and on fake-gcs-server: N writer
+processes save (barrier to commit), M readers restore with ``partition=(rank, M)`` (checked
+bit-exact; local reads are cold), and, locally, how long ``save_async`` blocks its caller against
+``np.copy``. ``emergency_save`` and ``restore`` reuse the state, the workers and :func:`measure`.
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import sys
 import time
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -39,6 +39,8 @@ DTYPE = np.dtype("float32")
 STORE_NAMES = {"local": "local dir", "gcs": "GCS emulator", "mem": "in memory", "url": "--store"}
 SAVEZ = {"local": ("np.savez", "np.load"), "gcs": ("np.savez + 1 upload", "1 download + np.load")}
 TF = ("tf.train.Checkpoint.write", "tf.train.Checkpoint.read")
+FLOOR = ("1 file, fsynced (disk floor)", "1 file, cold read (disk floor)")
+FILES = ("4 MiB files, 8 threads, fsynced", "4 MiB files, 8 threads, cold read")
 OURS = ("ckpt_service save", "ckpt_service restore")
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -87,6 +89,20 @@ def shared_state(total_bytes: int, seed: int) -> Iterator[StateRef]:
 
 # --------------------------------------------------------------------------- in the worker processes
 
+
+def drop_caches(*roots: str | Path) -> str:
+    """Evict cached file data so that the next read comes from the disk: every file, if this
+    container may write /proc/sys/vm/drop_caches, else the files under ``roots`` (fadvise)."""
+    os.sync()
+    with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as fh:
+        fh.write("3")
+        return "drop_caches"
+    for name in (f for root in roots for d, _, fs in os.walk(root) for f in (os.path.join(d, f) for f in fs)):
+        with contextlib.suppress(OSError), open(name, "rb") as fh:
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return "posix_fadvise(DONTNEED)"
+
+
 _HELD: dict[str, Any] = {}  # this process's mapping of the state, and TensorFlow's copy of it
 _MANAGERS: dict[tuple[str, int], Any] = {}
 
@@ -120,9 +136,7 @@ def manager(url: str, io_threads: int = 8) -> Any:
 def warm_up(rank: int, url: str, io_threads: int) -> None:
     """Open the store's client and connections before anything is timed."""
     store, key = manager(url, io_threads).store, f"warmup/{uuid.uuid4().hex}"
-    store.put(key, b"warm")
-    store.get(key)
-    store.delete(key)
+    store.put(key, b"warm"), store.get(key), store.delete(key)
 
 
 @dataclass(frozen=True)
@@ -175,20 +189,15 @@ def restore(rank: int, url: str, step: int, world: int, state: StateRef, io_thre
 
 
 def copy_state(rank: int, state: StateRef) -> float:
-    arrays = list(state_arrays(state).values())
-    start = time.perf_counter()
-    copies = [np.copy(a) for a in arrays]
-    seconds = time.perf_counter() - start
-    del copies
-    return seconds
+    arrays, start = list(state_arrays(state).values()), time.perf_counter()
+    _copies = [np.copy(a) for a in arrays]
+    return time.perf_counter() - start
 
 
 def savez_baseline(rank: int, url: str, state: StateRef, load: bool = True) -> tuple[float, float, int]:
-    """(save s, load s, bytes) of ``np.savez`` of the state as one object, visible only when complete.
-
-    A local store gets a file (temporary name, fsync, rename), read back with ``np.load``; GCS
-    gets ``np.savez`` into memory and one upload with the plain client, read back by one download.
-    """
+    """(save s, load s, bytes) of ``np.savez`` of the state as one object, visible only when complete:
+    locally a file (temporary name, fsync, rename) read back cold with ``np.load``; on GCS ``np.savez``
+    into memory and one upload with the plain client, read back by one download."""
     store, key, arrays = manager(url).store, f"baseline/{uuid.uuid4().hex}.npz", state_arrays(state)
     local = Path(store.root) / key if hasattr(store, "root") else None
     start = time.perf_counter()
@@ -196,8 +205,7 @@ def savez_baseline(rank: int, url: str, state: StateRef, load: bool = True) -> t
         local.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp := local.with_name(".bench-" + local.name), "wb") as fh:
             np.savez(fh, **arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
+            fh.flush(), os.fsync(fh.fileno())
             size = fh.tell()
         os.replace(tmp, local)
     else:
@@ -206,6 +214,8 @@ def savez_baseline(rank: int, url: str, state: StateRef, load: bool = True) -> t
         buf.seek(0)
         blob = store.client.bucket(store.bucket_name).blob(f"{store.prefix}/{key}".lstrip("/"))
         blob.upload_from_file(buf, size=size)
+    if local is not None:
+        drop_caches(local.parent)
     save_s, start = time.perf_counter() - start, time.perf_counter()
     if load:
         with np.load(local or io.BytesIO(store.get(key))) as npz:
@@ -234,6 +244,7 @@ def tf_baseline(rank: int, prefix: str, state: StateRef) -> tuple[float, float, 
     save_s = time.perf_counter() - start
     for v in variables:  # so that the read really restores something
         v.assign(tf.zeros_like(v))
+    drop_caches(os.path.dirname(prefix))
     start = time.perf_counter()
     checkpoint.read(path).assert_existing_objects_matched()
     load_s = time.perf_counter() - start
@@ -243,6 +254,28 @@ def tf_baseline(rank: int, prefix: str, state: StateRef) -> tuple[float, float, 
     for name in files:
         os.remove(name)
     return save_s, load_s, size
+
+
+def disk_floor(rank: int, url: str, state: StateRef, file_mib: int = 0) -> tuple[float, float, str]:
+    """(write s, cold read s, how caches were dropped) of the state's bytes put through the local store
+    (temporary file, fsync, rename) as one file (``file_mib`` 0: what the disk allows) or as files of
+    ``file_mib`` MiB by 8 threads (the service's file pattern), read back after :func:`drop_caches`."""
+    from ckpt_service.stores.local import LocalStore
+
+    step, store = file_mib * 2**20 or state.nbytes, LocalStore(Path(url) / f"floor-{uuid.uuid4().hex}")
+    state_arrays(state)  # maps the state's block in this process
+    blob, buf = _HELD["state"][1].buf[:state.nbytes], memoryview(bytearray(state.nbytes))
+    spans = [(str(i), slice(i, i + step)) for i in range(0, state.nbytes, step)]
+    with ThreadPoolExecutor(8) as pool:
+        start = time.perf_counter()
+        list(pool.map(lambda ks: store.put_parts(ks[0], (blob[ks[1]],)), spans))
+        save_s, how, start = time.perf_counter() - start, drop_caches(store.root), time.perf_counter()
+        got = list(pool.map(lambda ks: store.get_into(ks[0], buf[ks[1]]), spans))
+        load_s = time.perf_counter() - start
+    shutil.rmtree(store.root)
+    if sum(g[0] for g in got if g) == state.nbytes:
+        return save_s, load_s, how
+    raise bc.BenchError(f"{store.root}: short read")
 
 
 # --------------------------------------------------------------------------- the measurement
@@ -323,10 +356,12 @@ def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) 
                     {"url": url, "load": bool(cfg.readers)})] * ("savez" in cfg.baselines)
         if "tf" in cfg.baselines and not url.startswith("gs://"):
             methods.append((tf_baseline, TF, {"prefix": str(tmp / f"tf-{row['size']}" / "ckpt")}))
+        if "floor" in cfg.baselines and not url.startswith("gs://"):
+            methods += [(disk_floor, FLOOR, {"url": url}), (disk_floor, FILES, {"url": url, "file_mib": 4})]
         for fn, (save_name, load_name), kwargs in methods:
             got = [pool.run(fn, 1, state=state, **kwargs)[0] for _ in range(repeats)]
             add(**row, op="save", method=save_name, seconds=bc.spread([g[0] for g in got]),
-                extra={"file_bytes": got[0][2]})
+                extra={"caches_dropped_by" if fn is disk_floor else "file_bytes": got[0][2]})
             if cfg.readers:
                 add(**row, op="restore", method=load_name, seconds=bc.spread([g[1] for g in got]))
 
@@ -344,6 +379,8 @@ def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) 
             for r in cfg.readers:
                 samples = []
                 for _ in range(repeats):
+                    if row["store"] == "local":
+                        drop_caches(where["url"])  # read from the disk, as after a restart
                     answers = pool.run(restore, r, step=step, world=r, **where)
                     if sorted(n for a in answers for n in a[2]) != sorted(n for n, _ in state.layout):
                         raise bc.BenchError(f"restore by {r} readers did not return each tensor once")
@@ -429,8 +466,9 @@ def summarize(rows: Sequence[Row], cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {"units": "MB = 10**6 bytes; medians over repeats",
                            "state_bytes": {r.size: r.state_bytes for r in rows}}
     for key in ("save_mb_per_s", "restore_mb_per_s", "baseline_save_mb_per_s", "baseline_restore_mb_per_s",
-                "speedup_vs_savez", "speedup_vs_tf_checkpoint", "restore_speedup_vs_np_load", "async_stall_ms",
-                "memcpy_ms", "stall_vs_memcpy"):
+                "speedup_vs_savez", "speedup_vs_tf_checkpoint", "restore_speedup_vs_np_load", "save_vs_best_baseline",
+                "save_vs_disk_floor", "restore_vs_tf_read", "restore_vs_disk_floor", "async_stall_ms", "memcpy_ms",
+                "stall_vs_memcpy"):
         out[key] = {}
     for store, size in itertools.product(cfg.stores, map(bc.size_label, cfg.sizes_mb)):
         def put(key: str, value: Any) -> None:
@@ -449,6 +487,13 @@ def summarize(rows: Sequence[Row], cfg: Config) -> dict[str, Any]:
                     put(key, base.seconds.median / best.seconds.median)
         if restores := [r for r in mine if r.method == OURS[1]]:
             put("restore_mb_per_s", {f"{r.writers}->{r.readers}": r.mb_per_s.median for r in restores})
+        if store == "local" and saves and restores:  # ratios of medians, > 1: ckpt_service is faster
+            base = {r.method: r.seconds.median for r in mine}
+            for key, methods, ours in (("save_vs_best_baseline", (SAVEZ["local"][0], TF[0]), best),
+                                       ("save_vs_disk_floor", FLOOR[:1], best), ("restore_vs_tf_read", TF[1:], None),
+                                       ("restore_vs_disk_floor", FLOOR[1:], None)):
+                if times := [base[m] for m in methods if m in base]:
+                    put(key, min(times) / (ours or min(restores, key=lambda r: r.seconds.median)).seconds.median)
             if base := find(mine, method=SAVEZ.get(store, ("", ""))[1]):
                 put("restore_speedup_vs_np_load", base.seconds.median / min(r.seconds.median for r in restores))
     for size in map(bc.size_label, cfg.sizes_mb):
@@ -478,11 +523,13 @@ def readme_tables(rows: Sequence[Row], cfg: Config) -> str:
         base, best = find(mine, method=SAVEZ[store][0]), min(filter(None, ours), key=lambda r: r.seconds.median)
         save_body.append([size, STORE_NAMES[store], *map(rate, ours), rate(base),
                           rate(find(mine, method=TF[0])) if store == "local" else "n/a (1)",
+                          *(rate(find(mine, method=m[0])) for m in (FLOOR, FILES)),
                           f"x{base.seconds.median / best.seconds.median:.2f}" if base else "-"])
         restore_body.append([size, STORE_NAMES[store],
                              *(rate(find(mine, method=OURS[1], writers=w, readers=r)) for w, r in combos),
                              rate(find(mine, method=SAVEZ[store][1])),
-                             rate(find(mine, method=TF[1])) if store == "local" else "n/a"])
+                             rate(find(mine, method=TF[1])) if store == "local" else "n/a",
+                             *(rate(find(mine, method=m[1])) for m in (FLOOR, FILES))])
     for size in sizes:
         memcpy, stalls = find(rows, size=size, op="memcpy"), [find(rows, size=size, op="stall", writers=w)
                                                               for w in cfg.writers]
@@ -491,12 +538,15 @@ def readme_tables(rows: Sequence[Row], cfg: Config) -> str:
                            *(f"{r.extra['snapshot_share_max']:.0%}" if r else "-" for r in stalls[1:])])
     out = ["**Save** (MB/s, median (min-max) over repeats; time from a barrier to the commit being visible)", "",
            bc.markdown_table(["state", "store", *(f"ckpt_service, {plural[w]}" for w in cfg.writers), "np.savez",
-                              "tf.train.Checkpoint", "best vs np.savez"], save_body), "",
+                              "tf.train.Checkpoint", "1 file (disk)", "4 MiB files", "best vs np.savez"],
+                             save_body), "",
            "For GCS, np.savez means np.savez into memory plus one upload with the plain client. "
-           "(1) tf.train.Checkpoint cannot write gs:// on the emulator.", "",
+           "(1) tf.train.Checkpoint cannot write gs:// on the emulator. Disk floors: the same bytes as one fsynced "
+           "file, and as fsynced 4 MiB files by 8 threads (the service's file pattern), through the local store.", "",
            "**Restore** (MB/s; N writers -> M reader processes, each reading its share with "
            "`partition=(rank, M)`; checked bit-exact)", "",
-           bc.markdown_table(["state", "store", *(f"{w}->{r}" for w, r in combos), "np.load", "tf read"],
+           bc.markdown_table(["state", "store", *(f"{w}->{r}" for w, r in combos), "np.load", "tf read",
+                              "1 file (disk, cold)", "4 MiB files (cold)"],
                              restore_body), ""]
     if cfg.async_stall:
         out += ["**Async stall** (ms the caller is blocked by `save_async`, the snapshot; slowest rank) against "
@@ -535,15 +585,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = state_parser("ckpt_io", "Checkpoint save/restore throughput: ckpt_service (N writer / M reader processes) "
                      "against np.savez and tf.train.Checkpoint, on a local directory and fake-gcs-server.",
                      sizes=(10.0, 100.0, 1000.0), plot=False)
-    p.add_argument("--baselines", type=bc.csv_list(str, ("savez", "tf")), default=("savez", "tf"),
-                   help="baselines to run (tf = tf.train.Checkpoint, local store only)")
+    p.add_argument("--baselines", type=bc.csv_list(str, ("savez", "tf", "floor")), default=("savez", "tf", "floor"),
+                   help="baselines to run (tf = tf.train.Checkpoint; floor = one fsynced file, read cold; local only)")
     p.add_argument("--no-async", dest="async_stall", action="store_false", help="skip the save_async stall runs")
     args = p.parse_args(argv)
     cfg = config(args, baselines=args.baselines, async_stall=args.async_stall)
     rows, elapsed, machine = bc.measured("ckpt_io", lambda tmp: run(cfg, tmp), args.tmpdir)
     print(f"\n{(tables := readme_tables(rows, cfg))}")
     notes = ["save time runs from a barrier to the commit marker being written (the commit is visible)",
-             "restores are checked bit-exact; local reads come from the page cache (the data was just written)",
+             "restores are checked bit-exact; local reads are cold: caches are dropped before each read",
              "the local store fsyncs every object; so do the baselines",
              "tf.train.Checkpoint cannot write gs:// on the emulator (TensorFlow's GCS filesystem ignores it)",
              "the async stall is measured on the local store only: it is the snapshot, independent of the store"]

@@ -76,6 +76,17 @@ def place(out: Mapping[str, NDArray[Any]], entries: Mapping[str, TensorEntry], r
             buffer[lo - entry.offset:hi - entry.offset] = flat[lo - read.start:hi - read.start]
 
 
+def destination(out: Mapping[str, NDArray[Any]], entries: Mapping[str, TensorEntry],
+                read: PieceRead) -> NDArray[Any] | None:
+    """The slice of one wanted tensor that holds every element of ``read``, if one does (most of
+    a large state): it is read into directly, saving a copy; None leaves it to :func:`place`."""
+    for name, buffer in out.items():
+        entry = entries[name]
+        if entry.group == read.piece.group and entry.offset <= read.start and read.stop <= entry.offset + entry.size:
+            return buffer[read.start - entry.offset:read.stop - entry.offset]
+    return None
+
+
 def check_expected(entries: Mapping[str, TensorEntry], expected: Mapping[str, Any], step: int) -> None:
     """Raise StructureMismatchError unless the stored tensors are exactly ``expected`` (names to arrays
     or ``(shape, dtype)``)."""

@@ -15,10 +15,11 @@ from numpy.typing import NDArray
 from ckpt_service import layout
 from ckpt_service.errors import CorruptCheckpointError, NothingToRestoreError
 from ckpt_service.manifest import CommitMarker, Manifest, PieceRecord, crc32c
-from ckpt_service.piece_io import chunk_keys, decode_piece
+from ckpt_service.piece_io import METADATA_KEY, chunk_keys, decode_piece, read_plain
 from ckpt_service.read_plan import (
     PieceRead,
     check_expected,
+    destination,
     empty_tensors,
     overlaps,
     piece_reads,
@@ -26,6 +27,7 @@ from ckpt_service.read_plan import (
     select_tensors,
 )
 from ckpt_service.stores.base import ObjectStore
+from ckpt_service.stores.local import LocalStore
 
 log = logging.getLogger(__name__)
 
@@ -135,33 +137,46 @@ class CheckpointReader:
         wanted = select_tensors(entries, names, partition, step)
         reads = piece_reads(manifest.pieces, entries, wanted)
         out = empty_tensors(entries, wanted)
-        for read, flat in zip(reads, self._io.map(self._read, reads)):
-            place(out, entries, read, flat)
+        targets = [destination(out, entries, read) for read in reads]
+        for read, target, flat in zip(reads, targets, self._io.map(self._read, reads, targets)):
+            if target is None:
+                place(out, entries, read, flat)
         tensors = {n: flat.reshape(entries[n].shape) for n, flat in out.items()}
         return Checkpoint(step, tensors, dict(manifest.metadata), manifest)
 
-    def _read(self, read: PieceRead) -> NDArray[Any]:
-        return self.read_piece(read.piece, read.start, read.stop)
+    def _read(self, read: PieceRead, target: NDArray[Any] | None) -> NDArray[Any]:
+        return self.read_piece(read.piece, read.start, read.stop, out=target)
 
-    def read_piece(self, piece: PieceRecord, start: int | None = None, stop: int | None = None) -> NDArray[Any]:
-        """Group elements [start, stop) (default: the whole piece) from one piece, verified."""
+    def read_piece(self, piece: PieceRecord, start: int | None = None, stop: int | None = None, *,
+                   out: NDArray[Any] | None = None) -> NDArray[Any]:
+        """Group elements [start, stop) (default: the whole piece) from one piece, verified; into
+        ``out`` if given (a buffer of exactly those elements)."""
         start = piece.start if start is None else start
         stop = piece.stop if stop is None else stop
         where = f"{self.url}/{piece.key}"
         lo, hi = start - piece.start, stop - piece.start  # positions inside the piece
-        objects: dict[str, bytes | None] = {}
-        for key in chunk_keys(piece.stop - piece.start, piece.chunk_elements, lo, hi):
-            try:
-                objects[key] = self.store.get(piece.key + key)
-            except KeyError:
-                objects[key] = None
-        flat = decode_piece(objects, where=where, start=lo, stop=hi)  # verifies each chunk's crc32c
+        flat = None
+        if type(self.store) is LocalStore:  # files are read straight into the tensors
+            store = self.store
+            flat = read_plain(self._get(piece.key + METADATA_KEY), lambda k: self._get(piece.key + k),
+                              lambda k, buf: store.get_into(piece.key + k, buf), where=where, start=lo, stop=hi,
+                              out=out)
+        if flat is None:
+            objects = {key: self._get(piece.key + key)
+                       for key in chunk_keys(piece.stop - piece.start, piece.chunk_elements, lo, hi)}
+            flat = decode_piece(objects, where=where, start=lo, stop=hi, out=out)  # verifies each chunk's crc32c
         whole = (start, stop) == (piece.start, piece.stop)
         if flat.size != hi - lo or (whole and crc32c(flat) != piece.crc32c):
             raise CorruptCheckpointError(
                 f"{where} (group {piece.group}, elements {piece.start}-{piece.stop}) does not match its "
                 "recorded crc32c")
         return flat
+
+    def _get(self, key: str) -> bytes | None:
+        try:
+            return self.store.get(key)
+        except KeyError:
+            return None
 
     def verify(self, step: int) -> VerifyReport:
         """Read every piece of ``step`` and check every checksum; never raises for corruption."""

@@ -29,12 +29,13 @@ from ckpt_service.errors import CheckpointError, SaveAbandonedError, StoreDeadli
 from ckpt_service.gather import Gather, StoreGather, single_rank_gather
 from ckpt_service.lease import Lease
 from ckpt_service.manifest import Manifest, PieceRecord, checked_metadata, crc32c
-from ckpt_service.piece_io import encode_piece
+from ckpt_service.piece_io import Parts, piece_objects
 from ckpt_service.plan import SavePlan, TensorSpec, TensorSpecs
 from ckpt_service.plan_cache import PlanCache
 from ckpt_service.shard_records import ShardRecord
 from ckpt_service.share import DeferredShare, Piece, Share, ShareSnapshot, checked_share, prepare_share, specs_to_save
 from ckpt_service.stores.base import ObjectStore
+from ckpt_service.stores.local import LocalStore
 
 log = logging.getLogger(__name__)
 
@@ -298,8 +299,9 @@ class CheckpointWriter:
                 _cancel(uploads)
                 raise _abandoned(step, f"rank {rank} ran out of time before writing all its pieces")
             prefix = layout.piece_prefix(step, item.group, item.index, nonce)
-            for key, data in encode_piece(flat, item.chunk_elements, self.compression).items():
-                uploads.append(self._io.submit(store.put, prefix + key, data))
+            # each upload frames and checksums its own chunk: that work runs on the io threads
+            for key, make in piece_objects(flat, item.chunk_elements, self.compression).items():
+                uploads.append(self._io.submit(_put, store, prefix + key, make))
             pieces.append(PieceRecord(item.group, item.index, item.start, item.stop, item.chunk_elements,
                                       prefix, crc32c(flat), item.nbytes, rank))
         self._await_uploads(step, rank, uploads, deadline)
@@ -320,6 +322,13 @@ class CheckpointWriter:
         if failed is not None:
             raise failed
         raise _abandoned(step, f"{len(pending)} of rank {rank}'s uploads were not done by the deadline")
+
+
+def _put(store: ObjectStore, key: str, make: Callable[[], Parts]) -> int:
+    parts = make()
+    if type(store) is LocalStore:  # not a wrapper or subclass that overrides put
+        return store.put_parts(key, parts)  # straight from the caller's arrays to the file
+    return store.put(key, parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts))
 
 
 def _cancel(futures: Iterable[Future[int]]) -> None:

@@ -17,7 +17,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterator, Sequence
 
 import tenacity
 
@@ -56,6 +56,18 @@ class LocalStore(ObjectStore):
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFoundError(f"{self.root}/{key} does not exist") from None
 
+    def get_into(self, key: str, buffer: memoryview) -> tuple[int, bytes] | None:
+        """Read the object's first ``len(buffer)`` bytes into ``buffer`` (no intermediate copy):
+        (bytes read, the rest of the object), or None if it does not exist."""
+        try:
+            with open(self._path(key), "rb", buffering=0) as fh:
+                n = 0
+                while n < len(buffer) and (got := fh.readinto(buffer[n:])):
+                    n += got
+                return n, fh.readall()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def get_versioned(self, key: str) -> tuple[bytes, int] | None:
         # An open file keeps the inode it opened, even if os.replace publishes another one:
         # its bytes and its fstat mtime (the generation) belong together.
@@ -85,7 +97,7 @@ class LocalStore(ObjectStore):
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
-    def _write_tmp(self, path: Path, data: bytes) -> Path:
+    def _write_tmp(self, path: Path, data: Sequence[bytes | memoryview]) -> Path:
         tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
         for attempt in range(3):
             try:
@@ -100,15 +112,21 @@ class LocalStore(ObjectStore):
             except PermissionError as exc:
                 raise StoreUnavailableError(f"cannot write in {path.parent}: {exc}; check the store path") from exc
         with fh:
-            fh.write(data)
+            for part in data:
+                fh.write(part)
             if self.fsync:
                 fh.flush()
                 os.fsync(fh.fileno())
         return tmp
 
     def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        return self.put_parts(key, (data,), if_generation_match=if_generation_match)
+
+    def put_parts(self, key: str, parts: Sequence[bytes | memoryview], *,
+                  if_generation_match: int | None = None) -> int:
+        """:meth:`put` of the concatenation of ``parts``, written without joining them."""
         path = self._path(key)
-        tmp = self._write_tmp(path, data)
+        tmp = self._write_tmp(path, parts)
         try:
             # Every write, conditional or not, publishes under the lock with a strictly
             # larger generation, so a stale compare-and-swap can never succeed.
