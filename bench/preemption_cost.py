@@ -6,7 +6,9 @@ local host aliases, a GCE metadata emulator per host) per variant: ``baseline``
 the worker is killed when the window ends and Horovod rolls back) and ``ours``
 (``examples/keras_elastic.py``: emergency checkpoint, election, the host leaves the ring cleanly).
 Scenarios: on 3 hosts a plain worker (``worker``) or the checkpoint master / rank 0 (``master``) is
-preempted; ``join``: a third host joins a running 2-host ring.
+preempted; ``join``: a third host joins a running 2-host ring (``ours``: the new VM boots a standby
+worker, :mod:`hvd_transient.worker`, and discovery lists it once the standby is ready; ``baseline``:
+Horovod starts the newcomer's process after the survivors reset, as it does).
 
 Every figure of the run comes from :func:`hvd_transient.report.analysis.analyze`, with the
 product's rules (the numbers ``hvd-transient report`` shows): steps rolled back are the largest
@@ -115,6 +117,7 @@ class RunRecord:
     killed_at: float | None = None
     exit_code: int | None = None
     ended_at: float | None = None
+    ready_at: float | None = None   # join, ours: the new VM's standby published itself ready
 
 
 def choose_total_steps(cfg: Config, rate: float) -> int:
@@ -139,8 +142,11 @@ def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
     plan.workdir.mkdir(parents=True, exist_ok=True)
     hosts = HOSTS[:2] if plan.scenario == "join" else HOSTS
     tap = f"{sys.executable} {TRACE} discover {plan.workdir / 'discovery.jsonl'} hvd-transient"
+    standby = plan.scenario == "join" and plan.variant == "ours"  # new VMs start a pre-warmed worker
     spec = LocalClusterSpec(store=plan.store, hosts=hosts, command=worker_command(plan, cfg), workdir=plan.workdir,
-                            gloo_timeout_s=cfg.gloo_timeout_seconds, extra_env=(("HVDT_CLI", tap),))
+                            gloo_timeout_s=cfg.gloo_timeout_seconds, extra_env=(("HVDT_CLI", tap),),
+                            standby=standby)
+    ready_at = None
     with LocalCluster(spec) as cluster:
         cluster.wait_for_step(cfg.warmup_steps, START_TIMEOUT_S, size=len(hosts))
         ring = analyze(cluster.events()).rings[-1]
@@ -151,6 +157,8 @@ def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
             cluster.add_host(target)
             bigger = cluster.wait_for(first_steps(hosts, 3, notice_at), RESUME_TIMEOUT_S, "the ring of 3")
             cluster.wait_for_step(max(e["step"] for e in bigger) + 10, START_TIMEOUT_S, size=3)
+            if standby:
+                ready_at = standby_ready_at(cluster.store, target)
         else:
             if total is None:
                 if (rate := ring.steps_per_s) is None:
@@ -172,7 +180,13 @@ def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
         events = cluster.events()
     trace = read_jsonl((plan.workdir / "trace").glob("*.jsonl"))
     return RunRecord(plan, cluster.started_at, notice_at, target, master, total or 0, events, trace,
-                     read_jsonl(plan.workdir.glob("discovery.jsonl")), killed_at, exit_code, time.time())
+                     read_jsonl(plan.workdir.glob("discovery.jsonl")), killed_at, exit_code, time.time(), ready_at)
+
+
+def standby_ready_at(store: Any, host: str) -> float | None:
+    from hvd_transient.discovery.ready import read_ready
+
+    return next((r.ready_at for r in read_ready(store) if r.host == host), None)
 
 
 # --------------------------------------------------------------------------- measurement (pure)
@@ -196,6 +210,8 @@ class Measurement:
     lost_s: float | None = None               # stall + resume + rolled-back steps at the survivors' step rate
     train_to_t_s: float | None = None         # first step of the run -> global step T
     join_stall_s: float | None = None         # survivors' last step -> their first on the bigger ring
+    join_s: float | None = None               # the new VM appears -> the ring with it starts
+    standby_ready_s: float | None = None      # the new VM appears -> its standby is ready (ours)
     total_steps: int = 0
     exit_code: int | None = None
     job_s: float | None = None                # horovodrun start -> exit
@@ -224,8 +240,10 @@ def measure(rec: RunRecord) -> Measurement:
                        job_s=rec.ended_at - rec.launched_at if rec.ended_at and rec.exit_code is not None else None)
     if rec.plan.scenario == "join":
         j = next((j for j in run.joins if j.host == rec.target and j.t >= rec.notice_at), None)
-        return (replace(base, join_stall_s=j.stall_s, steps_rolled_back=j.steps_rolled_back) if j is not None
-                else replace(base, error=f"{rec.target} never joined a running ring"))
+        if j is None:
+            return replace(base, error=f"{rec.target} never joined a running ring")
+        return replace(base, join_stall_s=j.stall_s, steps_rolled_back=j.steps_rolled_back, join_s=j.t - rec.notice_at,
+                       standby_ready_s=rec.ready_at - rec.notice_at if rec.ready_at is not None else None)
     p = run.preemption_of(rec.target, after=rec.notice_at)
     if p is None:
         return replace(base, error=f"no departure of {rec.target} after the notice")
@@ -259,7 +277,7 @@ def measure(rec: RunRecord) -> Measurement:
 # --------------------------------------------------------------------------- summary & report
 
 PER_RUN = ("steps_rolled_back", "resume_ms", "notice_to_resume_ms", "publish_to_resume_ms", "stall_ms", "lost_s",
-           "train_to_t_s", "job_s", "join_stall_s")
+           "train_to_t_s", "job_s", "join_stall_s", "join_s", "standby_ready_s")
 
 
 def summarize(ms: Sequence[Measurement], records: Sequence[RunRecord], cfg: Config) -> dict[str, Any]:
@@ -305,7 +323,7 @@ def _fmt(s: Mapping[str, Any] | None, spec: str = ",.0f") -> str:
 
 MAIN_COLUMNS = ("scenario", "variant", "runs", "steps rolled back", "resume ms (leaves ring -> next step)",
                 "published -> next step ms", "time lost s", "notice -> next step ms", "s to step T",
-                "join stall s (survivors' last -> next step)")
+                "join stall s (survivors' last -> next step)", "join s (VM appears -> ring with it)")
 WHO = {"master": "checkpoint master (rank 0) preempted", "worker": "worker (not rank 0) preempted",
        "join": "a host joins a ring of 2"}
 
@@ -313,7 +331,7 @@ WHO = {"master": "checkpoint master (rank 0) preempted", "worker": "worker (not 
 def main_table(summary: Mapping[str, Any], cfg: Config) -> list[list[str]]:
     return [[WHO[s], LABELS[v], str(e["runs"]), _fmt(e["steps_rolled_back"], "g"), _fmt(e["resume_ms"]),
              _fmt(e["publish_to_resume_ms"]), _fmt(e["lost_s"], ".2f"), _fmt(e["notice_to_resume_ms"]),
-             _fmt(e["train_to_t_s"], ".1f"), _fmt(e["join_stall_s"], ".2f")]
+             _fmt(e["train_to_t_s"], ".1f"), _fmt(e["join_stall_s"], ".2f"), _fmt(e["join_s"], ".1f")]
             for s in cfg.scenarios for v in cfg.variants if (e := summary["scenarios"][s].get(v))]
 
 
@@ -415,7 +433,10 @@ NOTES = [
     "bench/_hvd_trace.py (Horovod internals) and the recorded discovery calls",
     "resume: from the worker leaving the ring (ours: the survivors' HostsUpdatedInterrupt, until which it trained "
     "with them; baseline: the SIGTERM ending the window) to the first survivor's first step on the new ring",
-    "time lost: emergency-checkpoint stall (ours) + resume + rolled-back steps / the new ring's step rate"]
+    "time lost: emergency-checkpoint stall (ours) + resume + rolled-back steps / the new ring's step rate",
+    "join: ours boots a standby worker on the new VM (python -m hvd_transient.worker --standby) and discovery "
+    "lists the VM once it is ready; the stall runs from the survivors' last training event before the reset "
+    "(progress is logged every 10 steps, so it may lag the last step) to their first step on the ring of 3"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ Checkpoints (written by :mod:`ckpt_service`)::
 The training side (:mod:`hvd_transient`) keeps its own objects in the same store::
 
     hosts/leaving/<host>.json                           a host under preemption notice
+    hosts/ready/<host>.json                             a new VM's standby worker is ready to join
     control/stop                                        an operator's stop request
     events/<host>.<pid>.<seq>.jsonl                     one segment of a process's event log
 
@@ -66,6 +67,7 @@ def parse_step_dir(name: str) -> int | None:
 # prefixes below are never touched by them: their owners create and remove their own objects.
 
 LEAVING_PREFIX = "hosts/leaving/"
+READY_PREFIX = "hosts/ready/"
 CONTROL_PREFIX = "control/"
 STOP_KEY = CONTROL_PREFIX + "stop"
 EVENTS_PREFIX = "events/"
@@ -82,6 +84,18 @@ def host_of_leaving_key(key: str) -> str | None:
     if not key.startswith(LEAVING_PREFIX) or not key.endswith(".json"):
         return None
     return key[len(LEAVING_PREFIX):-len(".json")] or None
+
+
+def ready_key(host: str) -> str:
+    """``w-3`` -> ``hosts/ready/w-3.json``."""
+    return f"{READY_PREFIX}{host}.json"
+
+
+def host_of_ready_key(key: str) -> str | None:
+    """``hosts/ready/w-3.json`` -> ``w-3`` (None for anything else)."""
+    if not key.startswith(READY_PREFIX) or not key.endswith(".json"):
+        return None
+    return key[len(READY_PREFIX):-len(".json")] or None
 
 
 def events_key(host: str, pid: int, seq: int) -> str:

@@ -41,6 +41,7 @@ from ckpt_service.manager import CheckpointManager, DeferredShare
 from ckpt_service.plan import SavePlan
 from ckpt_service.stores import open_store
 from hvd_transient import event_schema as ev
+from hvd_transient import standby
 from hvd_transient.checksums import state_crc
 from hvd_transient.control import clear_stop
 from hvd_transient.data_position import SampleCursor, epoch_and_batch
@@ -127,16 +128,41 @@ def elastic_state(model: tf.keras.Model, *, store: str, **state_kwargs: Any) -> 
     build_optimizer_slots(model)
     restored = None
     state_kwargs.setdefault("samples", 0)
+    if standby.pending():  # a standby learns its rank when it is handed a job
+        state = _state_class(hvd.elastic.KerasState)(model, **state_kwargs)
+        state.hvdt_restored = None
+        standby.after_handoff(partial(_cold_start_on_rank0, state, store))
+        return state
     if hvd.rank() == 0:
-        clear_stop(open_store(store))  # a stop request was for the previous launch
-        restored = restore_model(model, store)
-        if restored is not None:
-            for key in ("epoch", "batch", "samples"):
-                if key in restored and key in state_kwargs:
-                    state_kwargs[key] = int(restored[key])
+        restored = _cold_start(model, store, state_kwargs)
     state = _state_class(hvd.elastic.KerasState)(model, **state_kwargs)
     state.hvdt_restored = restored
     return state
+
+
+def _cold_start(model: tf.keras.Model, store: str, state_kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Rank 0's part of making the state: the latest checkpoint, and the counters it was saved at."""
+    clear_stop(open_store(store))  # a stop request was for the previous launch
+    restored = restore_model(model, store)
+    if restored is not None:
+        for key in ("epoch", "batch", "samples"):
+            if key in restored and key in state_kwargs:
+                state_kwargs[key] = int(restored[key])
+    return restored
+
+
+def _cold_start_on_rank0(state: Any, store: str) -> None:
+    """A standby's deferred :func:`_cold_start`, once handed a job: the state is made, so it is saved again."""
+    import horovod.tensorflow.keras as hvd
+
+    if hvd.rank() != 0:  # a joining worker gets the ring's state from rank 0's sync
+        return
+    counters = dict(state._saved_state)  # noqa: SLF001
+    state.hvdt_restored = _cold_start(state.model, store, counters)
+    if state.hvdt_restored is not None:
+        for key, value in counters.items():
+            setattr(state, key, value)
+        state.save()
 
 
 def _state_class(base: type) -> type:

@@ -432,3 +432,114 @@ def test_gcs_store_exclusion_against_fake_gcs_server(gcs_emulator_session, capsy
                             text=True, timeout=60, cwd=REPO, env={**os.environ, **emu.env})
     assert (result.returncode, result.stdout) == (0, "w1:1\n"), result.stderr
     assert result.stderr.endswith("light")
+
+
+# ---- the join gate: a new VM is listed once its standby worker is ready -------------------------
+
+
+def _vm(name: str, started_at: float | None, instance_id: str | None = None, aliases: tuple[str, ...] = ()) -> Host:
+    incarnation = Incarnation(instance_id=instance_id, started_at=started_at) if started_at or instance_id else None
+    return Host(name, 1, frozenset(aliases), incarnation)
+
+
+def test_join_gate_holds_back_only_new_vms_without_a_ready_standby():
+    from hvd_transient.discovery.ready import JoinGate, ReadyRecord
+
+    gate = JoinGate(standby_since=1000.0, join_timeout_s=120.0)
+    at_launch, unknown, new = _vm("a", 900.0), _vm("b", None), _vm("c", 1010.0)
+    now = 1050.0
+    assert not gate.awaits(at_launch, now) and not gate.awaits(unknown, now) and gate.awaits(new, now)
+    assert gate.admit([at_launch, unknown, new], [], now) == [at_launch, unknown]
+    assert gate.admit([new], [ReadyRecord("c", ready_at=1040.0)], now) == [new]
+    # a record of an earlier incarnation (ready before this VM started) does not count
+    assert gate.admit([new], [ReadyRecord("c", ready_at=1005.0)], now) == []
+    # the join timeout: listed anyway, standby or not
+    assert gate.admit([new], [], 1010.0 + 120.0) == [new]
+    assert gate.awaits(new, 1129.9) and not gate.awaits(new, 1130.0)
+
+
+def test_join_gate_matches_instance_ids_and_aliases():
+    from hvd_transient.discovery.ready import JoinGate, ReadyRecord
+
+    gate = JoinGate(standby_since=1000.0)
+    vm = _vm("10.0.0.7", 1010.0, instance_id="42", aliases=("w-3",))
+    assert gate.admit([vm], [ReadyRecord("w-3", 1020.0, instance_id="42")], 1030.0) == [vm]
+    assert gate.admit([vm], [ReadyRecord("w-3", 1020.0, instance_id="41")], 1030.0) == []  # a recreated VM
+    assert gate.admit([vm], [ReadyRecord("w-3", 1020.0)], 1030.0) == [vm]  # id unknown: the time decides
+    assert gate.admit([vm], [ReadyRecord("w-4", 1020.0)], 1030.0) == []
+
+
+def test_ready_records_round_trip_and_unreadable_ones_admit_nobody(tmp_path):
+    from ckpt_service.layout import ready_key
+    from hvd_transient.discovery.ready import ReadyRecord, publish_ready, read_ready
+
+    store = LocalStore(tmp_path / "store")
+    record = publish_ready(store, "w-3", pid=4242, instance_id="42", now=1234.5)
+    assert read_ready(store) == [record] == [ReadyRecord("w-3", 1234.5, 4242, "42")]
+    store.put(ready_key("w-4"), b"{not json")
+    store.put(ready_key("w-5"), json.dumps({"ready_at": True}).encode())
+    assert [r.host for r in read_ready(store)] == ["w-3"]
+
+
+def test_discover_gates_a_new_vm_until_its_standby_is_ready(tmp_path, capsys, monkeypatch):
+    import time as _time
+
+    from hvd_transient.discovery.ready import publish_ready
+
+    now = _time.time()
+    store_dir, state = tmp_path / "store", tmp_path / "hosts.json"
+    state.write_text(json.dumps({"hosts": [{"host": "localhost", "started_at": now - 100},
+                                           {"host": "127.0.1", "started_at": now - 5}]}))
+    argv = ["--backend", "local", "--state-file", str(state), "--store", str(store_dir)]
+    assert run(argv, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")  # no gate unless asked for
+    gated = argv + ["--standby-since", str(now - 50)]
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n")
+    assert run(gated + ["--join-timeout", "4"], capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")  # waited enough
+    publish_ready(LocalStore(store_dir), "127.0.1")
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")
+    # the environment, as the simulator and a launch script set it
+    LocalStore(store_dir).delete("hosts/ready/127.0.1.json")
+    monkeypatch.setenv("HVDT_STANDBY_SINCE", str(now - 50))
+    assert run(argv, capsys)[:2] == (0, "localhost:1\n")
+    monkeypatch.setenv("HVDT_JOIN_TIMEOUT_S", "4")
+    assert run(argv, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")
+    code, out, err = run(["--backend", "local", "--hosts", "a", "--standby-since", "1"], capsys)
+    assert (code, out) == (2, "") and "needs --store" in err
+
+
+def test_discover_script_gates_through_the_environment(tmp_path):
+    import time as _time
+
+    from hvd_transient.discovery.ready import publish_ready
+
+    now = _time.time()
+    state = tmp_path / "hosts.json"
+    state.write_text(json.dumps({"hosts": [{"host": "localhost", "started_at": now - 100},
+                                           {"host": "127.0.1", "started_at": now - 1}]}))
+    env = {**os.environ, "HVDT_DISCOVERY_BACKEND": "local", "HVDT_STATE_FILE": str(state),
+           "HVDT_STORE": str(tmp_path / "store"), "HVDT_STANDBY_SINCE": str(now - 50),
+           "HVDT_CLI": f"{sys.executable} -m hvd_transient.cli"}
+    result = subprocess.run([str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (0, "localhost:1\n"), result.stderr
+    publish_ready(LocalStore(tmp_path / "store"), "127.0.1")
+    result = subprocess.run([str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (0, "localhost:1\n127.0.1:1\n"), result.stderr
+
+
+def test_gcs_store_ready_records_against_fake_gcs_server(gcs_emulator_session, capsys, tmp_path):
+    import time as _time
+
+    from ckpt_service.stores import open_store
+    from hvd_transient.discovery.ready import publish_ready
+
+    bucket = gcs_emulator_session.new_bucket("ready")
+    now = _time.time()
+    state = tmp_path / "hosts.json"
+    state.write_text(json.dumps({"hosts": [{"host": "w1", "started_at": now - 100},
+                                           {"host": "w2", "started_at": now - 5}]}))
+    argv = ["--backend", "local", "--state-file", str(state), "--store", f"gs://{bucket}/runs/r1",
+            "--standby-since", str(now - 50)]
+    publish_ready(open_store(f"gs://{bucket}/runs/r2"), "w2")  # another run's standby must not count
+    assert run(argv, capsys)[:2] == (0, "w1:1\n")
+    publish_ready(open_store(f"gs://{bucket}/runs/r1"), "w2")
+    assert run(argv, capsys)[:2] == (0, "w1:1\nw2:1\n")

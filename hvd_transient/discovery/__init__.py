@@ -12,7 +12,13 @@ treats a failing first call as fatal (a misconfiguration) and later failures as
 transient (it keeps the hosts it had), so an unreachable API must never be
 reported as an empty host list.
 
+With ``--standby-since`` (``HVDT_STANDBY_SINCE``), a VM that boots while the job
+runs is listed only once its pre-warmed standby worker is ready, or after
+``--join-timeout`` (:mod:`.ready`), so a join no longer stalls the ring for the
+newcomer's start-up (:mod:`hvd_transient.worker`).
+
 Modules: :mod:`.hosts` (parse, filter, format - pure), :mod:`.gce` (Compute
 Engine instances to hosts), :mod:`.sources` (file and local backends),
+:mod:`.leaving` (store records read cheaply), :mod:`.ready` (the join gate),
 :mod:`.cli` (the command).
 """

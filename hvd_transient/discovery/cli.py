@@ -4,6 +4,11 @@ Kept cheap to start (Horovod runs it every second): no TensorFlow, zarr or
 cloud-storage import unless the store URL itself needs one; the Compute client
 is imported only by the gce backend.
 
+With ``--standby-since T`` (or ``$HVDT_STANDBY_SINCE``) and a store, a VM that started
+after T is listed only once its standby worker is ready, or ``--join-timeout`` seconds
+after it started (:mod:`hvd_transient.discovery.ready`); the ready records are read only
+while such a VM waits.
+
 Exit status: 0 with the hosts (possibly none) on stdout; 2 for a
 misconfiguration; 1 when the hosts could not be determined (API or store
 unreachable), so Horovod keeps its current hosts instead of dropping them all.
@@ -40,6 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a leaving record stops excluding its host this long after its notice deadline "
         "(default 60, or $HVDT_LEAVING_GRACE_S); on gce a restarted or recreated VM is admitted at once",
+    )
+    parser.add_argument(
+        "--standby-since", type=non_negative_seconds, default=os.environ.get("HVDT_STANDBY_SINCE") or None,
+        metavar="UNIX_SECONDS",
+        help="VMs started after this time (normally the job's launch) start a standby worker: list each "
+        "once its standby is ready (default $HVDT_STANDBY_SINCE; unset: no VM is held back). Needs --store",
+    )
+    parser.add_argument(
+        "--join-timeout", type=non_negative_seconds, default=os.environ.get("HVDT_JOIN_TIMEOUT_S", "120"),
+        metavar="SECONDS",
+        help="list such a VM anyway this long after it started, standby or not "
+        "(default 120, or $HVDT_JOIN_TIMEOUT_S)",
     )
     parser.add_argument(
         "--slots", default="1",
@@ -106,6 +123,9 @@ def _gce_hosts(args: argparse.Namespace, slots: int | None) -> list[Host]:
 
 def find_hosts(args: argparse.Namespace) -> list[Host]:
     slots = _slots(args)
+    if args.standby_since is not None and not args.store:
+        raise DiscoveryConfigError("--standby-since (HVDT_STANDBY_SINCE) needs --store (HVDT_STORE): "
+                                   "standbys publish their readiness there")
     if args.backend == "gce":
         hosts = _gce_hosts(args, slots)
     elif args.backend == "file":
@@ -122,7 +142,19 @@ def find_hosts(args: argparse.Namespace) -> list[Host]:
 
         records = leaving_from_url(args.store, timeout=args.timeout)
         hosts = exclude_leaving(hosts, records, time.time(), grace_s=float(args.leaving_grace))
+        if args.standby_since is not None:
+            hosts = _admit_ready(hosts, args)
     return hosts
+
+
+def _admit_ready(hosts: list[Host], args: argparse.Namespace) -> list[Host]:
+    from hvd_transient.discovery.ready import JoinGate, ready_from_url
+
+    gate = JoinGate(standby_since=float(args.standby_since), join_timeout_s=float(args.join_timeout))
+    now = time.time()
+    if not any(gate.awaits(host, now) for host in hosts):
+        return hosts  # the usual case: nothing to read
+    return gate.admit(hosts, ready_from_url(args.store, timeout=args.timeout), now)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

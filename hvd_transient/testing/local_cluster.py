@@ -7,6 +7,12 @@ notice on its metadata server, then (optionally) SIGTERM to its worker when the
 window ends. Host discovery is the real ``launch/discover_hosts.sh`` over a
 state file this class rewrites, and drops hosts published as leaving.
 
+With ``LocalClusterSpec(standby=True)`` a VM that appears while the job runs (:meth:`LocalCluster.add_host`,
+a preempted VM started again) boots a standby worker for its host
+(``python -m hvd_transient.worker --standby``, :mod:`hvd_transient.worker`), the job's command
+becomes ``python -m hvd_transient.worker SCRIPT ...`` (``command`` must be ``(python, SCRIPT, ...)``)
+and discovery holds a new VM back until its standby is ready, as on GCE.
+
 Used by the end-to-end tests, ``hvd-transient demo`` and the benchmarks.
 """
 from __future__ import annotations
@@ -15,9 +21,11 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -68,6 +76,10 @@ class LocalClusterSpec:
     notice_s: float = 30.0
     #: extra horovodrun options, e.g. ("--verbose",)
     horovodrun_args: tuple[str, ...] = ()
+    #: new VMs boot a standby worker and join once it is ready (``command``: ``(python, SCRIPT, ARGS...)``)
+    standby: bool = False
+    #: discovery lists a new VM this long after it started even if its standby is not ready
+    join_timeout_s: float = 120.0
 
 
 class LocalCluster:
@@ -79,6 +91,8 @@ class LocalCluster:
                              "(Horovod's elastic mode always uses Gloo); use elastic=False for MPI or slots > 1")
         if spec.slots < 1:
             raise ValueError(f"slots must be at least 1, not {spec.slots}")
+        if spec.standby and (not spec.elastic or len(spec.command) < 2):
+            raise ValueError("standby workers need an elastic cluster and a command (python, SCRIPT, ARGS...)")
         self.spec = spec
         self.store = open_store(spec.store)
         self.state_file = spec.workdir / "hosts.json"
@@ -90,6 +104,10 @@ class LocalCluster:
         self._lock = threading.Lock()  # the state file is rewritten from timer threads too
         self._timers: list[threading.Timer] = []
         self.started_at = 0.0
+        self.job_started_at = 0.0  # VMs started later than this are new: they boot a standby (standby mode)
+        self._standbys: dict[str, subprocess.Popen[bytes]] = {}
+        # unix socket paths are short: not under a test's deep working directory
+        self.standby_dir = Path(tempfile.mkdtemp(prefix="hvdt-sb-")) if spec.standby else None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -103,6 +121,7 @@ class LocalCluster:
         for instance in self.emulator.state():
             self._configure_vm(instance)
         now = time.time()
+        self.job_started_at = now
         for host in self._hosts:
             self._vm_started[host] = (vm_started or {}).get(host, now)
         clear_stop(self.store)
@@ -130,7 +149,16 @@ class LocalCluster:
             cmd += ["--mpi", "--network-interfaces", "lo"]
         else:
             cmd += ["--gloo", "--network-interfaces", "lo", "--gloo-timeout-seconds", str(spec.gloo_timeout_s)]
-        return [*cmd, *spec.horovodrun_args, *spec.command]
+        return [*cmd, *spec.horovodrun_args, *self.job_command()]
+
+    def job_command(self) -> tuple[str, ...]:
+        """What horovodrun runs on each host: the spec's command, through the launcher in standby mode."""
+        python, *script = self.spec.command
+        return (python, "-m", "hvd_transient.worker", *script) if self.spec.standby else self.spec.command
+
+    def standby_command(self, host: str) -> tuple[str, ...]:
+        python, *script = self.spec.command
+        return (python, "-m", "hvd_transient.worker", "--standby", "--host", host, *script)
 
     def environment(self) -> dict[str, str]:
         venv_bin = str(Path(sys.executable).parent)
@@ -152,6 +180,9 @@ class LocalCluster:
             "TF_NUM_INTEROP_THREADS": "1",
             "OMP_NUM_THREADS": "1",
         })
+        if self.standby_dir is not None:
+            env.update({"HVDT_STANDBY_DIR": str(self.standby_dir), "HVDT_STANDBY_SINCE": repr(self.job_started_at),
+                        "HVDT_JOIN_TIMEOUT_S": f"{self.spec.join_timeout_s:g}"})
         env.update(dict(self.spec.extra_env))
         return env
 
@@ -171,6 +202,8 @@ class LocalCluster:
         for pid in self.worker_pids().values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        for host in list(self._standbys):
+            self._stop_standby(host, signal.SIGKILL)
 
     def close(self) -> None:
         for timer in self._timers:
@@ -179,6 +212,8 @@ class LocalCluster:
         self.emulator.stop()
         if getattr(self, "_log", None):
             self._log.close()
+        if self.standby_dir is not None:
+            shutil.rmtree(self.standby_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
@@ -211,9 +246,37 @@ class LocalCluster:
             self.emulator.reset(host)  # a VM started again has no pending notice
         with self._lock:
             self._vm_started[host] = time.time()
+            if self.spec.standby:
+                self._start_standby(host)  # as the VM's startup script would
             if host not in self._hosts:
                 self._hosts.append(host)
             self._write_hosts()
+
+    def _start_standby(self, host: str) -> None:
+        self._stop_standby(host, signal.SIGKILL)  # an earlier VM's, gone with it
+        env = self.environment()
+        env["HOROVOD_HOSTNAME"] = host
+        with open(self.standby_log_path(host), "ab") as out:
+            self._standbys[host] = subprocess.Popen(
+                self.standby_command(host), env=env, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.spec.workdir)
+        log.info("started the standby of %s (pid %d)", host, self._standbys[host].pid)
+
+    def _stop_standby(self, host: str, sig: int = signal.SIGTERM) -> None:
+        proc = self._standbys.pop(host, None)
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)  # the supervisor and its worker
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def standby_log_path(self, host: str) -> Path:
+        return self.spec.workdir / f"standby-{host}.log"
 
     def _configure_vm(self, host: str) -> None:
         from hvd_transient.watchers.gce import NOTICE_ATTRIBUTE
@@ -226,6 +289,7 @@ class LocalCluster:
             if host in self._hosts:
                 self._hosts.remove(host)
                 self._write_hosts()
+        self._stop_standby(host)  # with every other process of the VM
 
     def preempt(self, host: str, *, window_s: float | None = None, kill_at_deadline: bool = True) -> float:
         """Give ``host`` a preemption notice now (``window_s``, default the VMs' configured notice);

@@ -1,0 +1,150 @@
+"""The join gate: a new VM is offered to Horovod once its standby worker is ready.
+
+Horovod starts a joining host's worker only after every current worker has reset, so with
+a cold start the survivors wait for the newcomer's whole start-up (interpreter, TensorFlow,
+model build, first trace). A VM that boots while the job runs starts a *standby* instead
+(``python -m hvd_transient.worker --standby``, :mod:`hvd_transient.standby`), which does all of
+that before the VM is listed, then publishes ``hosts/ready/<host>.json`` in the run's store.
+Discovery holds such a VM back until that record exists for its current incarnation, for at
+most ``join_timeout_s`` after the VM started; after that it is listed anyway and joins cold.
+
+Which hosts are held back (:class:`JoinGate`, pure):
+
+* only VMs that started after ``standby_since`` (``--standby-since``, normally when the job
+  was launched): hosts present at launch are never held back;
+* only VMs whose start time is known (the gce backend's ``lastStartTimestamp``, the local
+  simulator's ``started_at``); a host without one is listed as before;
+* a record applies to the VM listed now if it was published after that VM started and, where
+  both are known, names the same instance id (a STOP-preempted VM started again, or a VM
+  recreated under the same name, waits for its new standby).
+
+The record format (JSON, times Unix seconds)::
+
+    {"host": "w-3", "ready_at": 1764000100.0, "pid": 4242, "instance_id": "4521..." | null}
+
+Records are overwritten by the host's next standby and never block anything once stale, so
+nobody deletes them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+
+from hvd_transient.discovery.hosts import Host
+
+if TYPE_CHECKING:
+    from ckpt_service.stores.base import ObjectStore
+    from hvd_transient.membership import Incarnation
+
+log = logging.getLogger(__name__)
+
+#: seconds after a new VM started during which discovery waits for its standby
+DEFAULT_JOIN_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ReadyRecord:
+    host: str
+    ready_at: float
+    pid: int | None = None
+    instance_id: str | None = None  # the cloud's id of the VM the standby runs on, where known
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, host: str, data: bytes) -> "ReadyRecord | None":
+        """A stored record, or None if it cannot be read (such a record admits nobody)."""
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        ready_at = doc.get("ready_at") if isinstance(doc, dict) else None
+        if isinstance(ready_at, bool) or not isinstance(ready_at, (int, float)):
+            return None
+        pid, instance_id = doc.get("pid"), doc.get("instance_id")
+        return cls(host=host, ready_at=float(ready_at),
+                   pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+                   instance_id=str(instance_id) if instance_id not in (None, "") else None)
+
+    def applies_to(self, incarnation: "Incarnation") -> bool:
+        """Whether this record was published by a standby of the VM ``incarnation`` describes (pure)."""
+        if self.instance_id and incarnation.instance_id and self.instance_id != incarnation.instance_id:
+            return False
+        return incarnation.started_at is None or self.ready_at >= incarnation.started_at
+
+
+@dataclass(frozen=True)
+class JoinGate:
+    """Holds back VMs that started after ``standby_since`` until their standby is ready."""
+
+    standby_since: float
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+
+    def awaits(self, host: Host, now: float) -> bool:
+        """Whether ``host``'s listing depends on its standby's readiness at ``now`` (pure)."""
+        started = host.incarnation.started_at if host.incarnation is not None else None
+        return started is not None and started > self.standby_since and now < started + self.join_timeout_s
+
+    def admit(self, hosts: Iterable[Host], records: Iterable[ReadyRecord], now: float) -> list[Host]:
+        """``hosts`` without those still waiting for their standby (pure)."""
+        by_name: dict[str, list[ReadyRecord]] = {}
+        for record in records:
+            by_name.setdefault(record.host, []).append(record)
+        admitted = []
+        for host in hosts:
+            if self.awaits(host, now) and not _ready(host, by_name):
+                log.info("holding %s back until its standby is ready (at most %.0fs after its start)",
+                         host.name, self.join_timeout_s)
+                continue
+            admitted.append(host)
+        return admitted
+
+
+def _ready(host: Host, by_name: Mapping[str, Sequence[ReadyRecord]]) -> bool:
+    assert host.incarnation is not None  # only awaited hosts are asked about
+    return any(r.applies_to(host.incarnation) for name in host.names for r in by_name.get(name, ()))
+
+
+# ---- the store (I/O) ----------------------------------------------------------------------------
+
+
+def publish_ready(store: "ObjectStore", host: str, *, pid: int | None = None, instance_id: str | None = None,
+                  now: float | None = None) -> ReadyRecord:
+    from ckpt_service.layout import ready_key
+    from ckpt_service.stores.base import check_key
+
+    record = ReadyRecord(host=host, ready_at=time.time() if now is None else now, pid=pid,
+                         instance_id=instance_id)
+    store.put(check_key(ready_key(host)), record.to_json())
+    log.info("published the standby of %s as ready", host)
+    return record
+
+
+def read_ready(store: "ObjectStore") -> list[ReadyRecord]:
+    """Every readable record in the store (one deleted while listing is skipped)."""
+    from ckpt_service import layout
+    from ckpt_service.errors import ObjectNotFoundError
+
+    records = []
+    for key in store.list(layout.READY_PREFIX):
+        host = layout.host_of_ready_key(key)
+        if host is None:
+            continue
+        try:
+            record = ReadyRecord.from_json(host, store.get(key))
+        except ObjectNotFoundError:
+            continue
+        if record is not None:
+            records.append(record)
+    return records
+
+
+def ready_from_url(url: str, *, timeout: float = 10.0) -> list[ReadyRecord]:
+    from ckpt_service.layout import READY_PREFIX
+    from hvd_transient.discovery.leaving import read_from_url
+
+    return read_from_url(url, READY_PREFIX, read_ready, timeout=timeout, what="ready standbys")
