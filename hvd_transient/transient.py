@@ -179,8 +179,14 @@ class TransientImpl:
     def begin(self, step: int) -> None:
         """Every rank, each time training (re)starts on a new ring: learn the ring, elect, take the lease."""
         rank, size = self.comm.rank(), self.comm.size()
-        self.run.hosts = [str(h) for h in self.comm.allgather_json(self.host)]
-        leaving = [r for r, h in enumerate(self.run.hosts) if h in self.run.handled_leavers]
+        # Each member says itself whether it is leaving: a VM that left and came back under the same
+        # name runs a new process that is not, whatever the survivors remember, and every rank must
+        # take the same view (it decides the master and which steps run a collective).
+        members = self.comm.allgather_json([self.host, self.run.leaving])
+        self.run.hosts = [str(h) for h, _ in members]
+        leaving = [r for r, (_, is_leaving) in enumerate(members) if is_leaving]
+        self.run.handled_leavers = ({h for h in self.run.handled_leavers if h not in self.run.hosts}
+                                    | {self.run.hosts[r] for r in leaving})
         previous_master = self.run.master if self.run.begun_at_step is not None else None
         self.run.master = elect_master(size, leaving)
         self.run.departure_pending = bool(leaving)

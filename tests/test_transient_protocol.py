@@ -300,6 +300,26 @@ def test_an_early_warning_checkpoints_once_and_nobody_leaves(ranks) -> None:
     assert [(e["step"], e["kind"]) for e in commits] == [(2, "early")]
 
 
+def test_a_host_that_left_and_came_back_is_a_member_again(ranks) -> None:
+    """The survivors remember the host left; its VM restarted under the same name runs a new
+    process that is not leaving. Every rank must take that same view, or they would disagree on
+    the master and on which steps run a collective (a hang)."""
+    group, impls, _ = ranks
+    impls[2].watcher.notice = notice()
+    outcomes = step_all(group, impls, 1)
+    assert outcomes[2].leaving and impls[0].run.handled_leavers == {HOSTS[2]}
+    ring_group = ThreadGroup(3)
+    back = TransientImpl(impls[0].config, FakeCollectives(ring_group, 2), host=HOSTS[2], watcher=FakeWatcher())
+    ring = [impls[0], impls[1], back]
+    for r, impl in enumerate(ring[:2]):
+        impl.comm = FakeCollectives(ring_group, r)
+    ring_group.run(lambda r: ring[r].begin(10))
+    assert [i.run.departure_pending for i in ring] == [False, False, False]
+    assert [i.run.master for i in ring] == [0, 0, 0] and impls[0].run.handled_leavers == set()
+    outcomes = step_all(ring_group, ring, 11)  # a notice round on every rank, together
+    assert not any(o.leaving or o.departure_pending for o in outcomes)
+
+
 def test_bad_cadence_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="check_every_steps"):
         TransientConfig(store="memory://x", check_every_steps=0)
