@@ -21,6 +21,8 @@ def test_default_schedule_tells_the_story() -> None:
     actions = default_schedule(300)
     assert [(a.action, a.target) for a in actions] == [("notice", "worker"), ("notice", "master"), ("join", "new")]
     assert [a.at_step for a in actions] == [60, 120, 180]
+    # with the keeper refilling preempted VMs, the story needs no scripted join
+    assert [a.action for a in default_schedule(300, join=False)] == ["notice", "notice"]
 
 
 def test_due() -> None:

@@ -3,8 +3,12 @@
 Real ``horovodrun`` over local host aliases (one per "VM"), a metadata-server
 emulator per host that delivers GCE preemption notices, the real discovery
 script, ResNet-32 on CIFAR-10-shaped data. By default a worker gets a notice,
-later the checkpoint master gets one, later a new VM joins; ``--schedule`` and
-``--lifetimes`` change that. Ends with the run report (time, cost, timeline).
+later the checkpoint master gets one; the keeper (``cluster keep`` over the
+simulator) starts each preempted VM again once its window has ended, and the
+VM rejoins through a standby worker that warmed up before it was offered to
+Horovod, so the survivors barely pause. ``--schedule`` and ``--lifetimes``
+change the preemptions, ``--no-keeper`` and ``--no-standby`` switch those off.
+Ends with the run report (time, cost, keeper, timeline).
 """
 from __future__ import annotations
 
@@ -13,12 +17,14 @@ import json
 import logging
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hvd_transient.cli import ArgumentParser, command, positive_int, positive_seconds, store_url
+from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE
 from hvd_transient.testing.local_cluster import HOST_ALIASES, LocalCluster, LocalClusterSpec, of
 from hvd_transient.testing.schedule import Action, default_schedule, lifetime_schedule, load_schedule
 
@@ -58,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instance-type", help="price-table entry for the cost comparison")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--timeout", type=positive_seconds, default=1800.0, help="give up after this many seconds")
+    p.add_argument("--no-keeper", dest="keeper", action="store_false",
+                   help="no keeper: preempted VMs stay down, a new VM joins instead (schedule action join)")
+    p.add_argument("--no-standby", dest="standby", action="store_false",
+                   help="VMs that join start their worker cold when Horovod asks (stock Horovod's join)")
     return p
 
 
@@ -77,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     schedule = (load_schedule(args.schedule) if args.schedule else
                 lifetime_schedule(HOST_ALIASES[:args.workers], seed=args.lifetimes,
                                   run_s=args.timeout, day_s=args.day_seconds)
-                if args.lifetimes is not None else default_schedule(total_steps))
+                if args.lifetimes is not None else default_schedule(total_steps, join=not args.keeper))
 
     workdir = Path(args.workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -103,12 +113,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         hosts = HOST_ALIASES[:args.workers]
         spec = LocalClusterSpec(store=store, hosts=hosts, command=command, workdir=run_dir,
                                 max_np=len(HOST_ALIASES), instances=HOST_ALIASES, extra_env=extra_env,
-                                notice_s=args.window)  # the workers' watchers read it from their VM's metadata
+                                notice_s=args.window,  # the workers' watchers read it from their VM's metadata
+                                standby=args.standby)
         print(f"hvd-transient demo: {args.workers} VMs ({', '.join(hosts)}), {args.model}, "
               f"{total_steps} steps, store {store}")
         print("schedule: " + "; ".join(a.describe() for a in schedule))
         print(f"horovodrun log: {run_dir / 'horovodrun.log'}\n")
         cluster = stack.enter_context(LocalCluster(spec))
+        if args.keeper:
+            stack.callback(_start_keeper(cluster, store, args.workers, args.instance_type or DEFAULT_INSTANCE_TYPE))
         rc = _play(cluster, schedule, args.window, args.timeout)
         print(f"\nhorovodrun exited with {rc}\n")
         return _report(store, args, rc, run_dir)  # while the store (maybe an emulator) is up
@@ -145,6 +158,32 @@ def _play(cluster: LocalCluster, schedule: Sequence[Action], window: float, time
         time.sleep(0.5)
     _print_new(cluster.events(), shown, cluster.started_at)
     return cluster.process.returncode if cluster.process.returncode is not None else -1
+
+
+def _start_keeper(cluster: LocalCluster, store: str, workers: int, instance_type: str) -> Callable[[], None]:
+    """The keeper on the "driver VM": it keeps ``workers`` VMs running; returns how to stop it."""
+    from ckpt_service.stores import open_store
+    from hvd_transient.cluster.keeper import Keeper
+    from hvd_transient.events import EventLog
+    from hvd_transient.pricing import load_price_table
+    from hvd_transient.testing.local_fleet import LocalFleet
+
+    fleet = LocalFleet(cluster)
+    price = load_price_table().price(instance_type)
+    keeper = Keeper(fleet, fleet.policy(workers, spot_per_hour=price.spot_per_hour,
+                                        on_demand_per_hour=price.on_demand_per_hour),
+                    cluster="demo", instance_type=instance_type,
+                    events=EventLog(open_store(store), "driver"), interval_s=2.0,
+                    out=lambda line: print(f"  >>> keeper: {line}", flush=True))
+    runner = threading.Thread(target=keeper.run, name="keeper", daemon=True)
+    runner.start()
+
+    def stop() -> None:
+        keeper.stop()
+        runner.join(timeout=30)
+        keeper.close()
+
+    return stop
 
 
 def _print_new(events: list[dict[str, Any]], shown: set[tuple[Any, ...]], t0: float) -> None:

@@ -50,13 +50,14 @@ class Action:
         return f"{self.action} {self.target} at {when}"
 
 
-def default_schedule(total_steps: int) -> tuple[Action, ...]:
-    """The story the demo tells: a worker is preempted, then the master, then a new VM joins."""
-    return (
+def default_schedule(total_steps: int, *, join: bool = True) -> tuple[Action, ...]:
+    """The story the demo tells: a worker is preempted, then the master, then (``join``) a new VM
+    joins; with the keeper refilling the preempted VMs the demo needs no scripted join."""
+    actions = (
         Action("notice", "worker", at_step=max(1, total_steps // 5)),
         Action("notice", "master", at_step=max(2, 2 * total_steps // 5)),
-        Action("join", "new", at_step=max(3, 3 * total_steps // 5)),
     )
+    return (*actions, Action("join", "new", at_step=max(3, 3 * total_steps // 5))) if join else actions
 
 
 def load_schedule(path: str | Path) -> tuple[Action, ...]:
