@@ -309,8 +309,7 @@ class TransientImpl:
 
     def _warning_pending(self) -> bool:
         """This rank's watcher has an early warning no checkpoint has answered yet."""
-        return (not self._warning_handled and self.watcher is not None
-                and getattr(self.watcher, "warning", None) is not None)
+        return not self._warning_handled and self.watcher is not None and self.watcher.warning is not None
 
     def _stop_requested(self) -> bool:
         """The master looks at the store now and then; the collective shares its answer."""

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from datetime import datetime, timezone
-from typing import Sequence
+from typing import Any, Sequence
 
 import requests
 
@@ -81,17 +81,26 @@ class _InstanceActionPoller(Poller):
             reply = self._get("instance-id")
             expect_status(reply, 200)
             self.w.instance = self.w.instance_id = printable_text(reply, "instance id")
-        reply = self._get("spot/instance-action")
+        found = self._document("spot/instance-action", "action")
+        if found is None:
+            return None
+        action, detected_at = found
+        deadline = parse_iso8601_z(action["time"]) if isinstance(action.get("time"), str) else None
+        return self.w.make_notice(f"spot-interruption {action['action']}", detected_at=detected_at,
+                                  deadline=deadline)
+
+    def _document(self, key: str, field: str) -> tuple[dict[str, Any], float] | None:
+        """The JSON object at ``key`` and when it was read, or None while the key is absent (404);
+        an object without a string ``field`` is garbage."""
+        reply = self._get(key)
         detected_at = time.time()
         if reply.status_code == 404:
             return None
         expect_status(reply, 200)
-        action = json_object(reply)
-        if not isinstance(action.get("action"), str):
-            raise MetadataGarbageError(f"spot/instance-action has no 'action': {action!r:.120}")
-        deadline = parse_iso8601_z(action["time"]) if isinstance(action.get("time"), str) else None
-        return self.w.make_notice(f"spot-interruption {action['action']}", detected_at=detected_at,
-                                  deadline=deadline)
+        document = json_object(reply)
+        if not isinstance(document.get(field), str):
+            raise MetadataGarbageError(f"{key} has no {field!r}: {document!r:.120}")
+        return document, detected_at
 
     def pause(self) -> float:
         return self.w.interval
@@ -118,13 +127,9 @@ class _RebalancePoller(_InstanceActionPoller):
     name = "rebalance"
 
     def _poll(self) -> Notice | None:
-        reply = self._get("events/recommendations/rebalance")
-        detected_at = time.time()
-        if reply.status_code == 404:
+        found = self._document("events/recommendations/rebalance", "noticeTime")
+        if found is None:
             return None
-        expect_status(reply, 200)
-        recommendation = json_object(reply)
-        if not isinstance(recommendation.get("noticeTime"), str):
-            raise MetadataGarbageError(f"rebalance recommendation has no 'noticeTime': {recommendation!r:.120}")
+        recommendation, detected_at = found
         parse_iso8601_z(recommendation["noticeTime"])  # garbage is an error, as for instance-action
         return self.w.make_notice("rebalance-recommendation", detected_at=detected_at, early=True)
