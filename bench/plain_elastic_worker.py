@@ -46,6 +46,7 @@ class StepEvents(tf.keras.callbacks.Callback):  # type: ignore[misc]  # Keras is
         self.started = False
         self.ring_step: int | None = None
         self.last_step = -1
+        self.last_step_at: float | None = None
 
     def _step(self) -> int:
         return int(self.model.optimizer.iterations.numpy())
@@ -62,7 +63,7 @@ class StepEvents(tf.keras.callbacks.Callback):  # type: ignore[misc]  # Keras is
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         step = self._step()
-        self.last_step = step
+        self.last_step, self.last_step_at = step, time.time()
         if self.ring_step is not None and step == self.ring_step + 1:
             self.log.emit(ev.FirstStep(step=step, size=hvd.size()))
         elif step % PROGRESS_EVERY_STEPS == 0:
@@ -71,7 +72,8 @@ class StepEvents(tf.keras.callbacks.Callback):  # type: ignore[misc]  # Keras is
     def on_reset(self) -> None:
         """Horovod calls this after a reset, once the state was rolled back (if it was)."""
         step = self._step()
-        self.log.emit(ev.Reset(step=step, rolled_back=max(0, self.last_step - step), last_step=self.last_step))
+        self.log.emit(ev.Reset(step=step, rolled_back=max(0, self.last_step - step), last_step=self.last_step,
+                              last_step_at=self.last_step_at))
         self.last_step = step
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:

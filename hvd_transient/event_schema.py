@@ -152,11 +152,13 @@ class Progress(EventBody):
 @_declare("reset", urgent=True)
 @dataclass(frozen=True)
 class Reset(EventBody):
-    """Horovod reset the ring: ``step`` after it, ``last_step`` before it, ``rolled_back`` the difference."""
+    """Horovod reset the ring: ``step`` after it, ``last_step`` before it, ``rolled_back`` the difference;
+    ``last_step_at``: when ``last_step`` completed on this rank (where the ring's stall begins)."""
 
     step: int
     rolled_back: int
     last_step: int
+    last_step_at: float | None = None
 
 
 @_declare("stop_requested", urgent=True)

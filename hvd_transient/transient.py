@@ -130,6 +130,7 @@ class _RunState:
     departure_pending: bool = False
     leaving: bool = False
     last_step: int = -1
+    last_step_at: float | None = None   # wall time the last step completed on this rank
     begun_at_step: int | None = None
     next_check_step: int = 0            # adaptive cadence: the next step with a notice round
     last_round_step: int = 0
@@ -215,7 +216,8 @@ class TransientImpl:
     def note_reset(self, step_after: int) -> int:
         """Record a reset (called on every rank); returns how many steps were rolled back."""
         rolled_back = max(0, self.run.last_step - step_after) if self.run.last_step >= 0 else 0
-        self.events.emit(ev.Reset(step=step_after, rolled_back=rolled_back, last_step=self.run.last_step))
+        self.events.emit(ev.Reset(step=step_after, rolled_back=rolled_back, last_step=self.run.last_step,
+                                  last_step_at=self.run.last_step_at))
         self.run.last_step = step_after
         return rolled_back
 
@@ -245,7 +247,7 @@ class TransientImpl:
         ``snapshot()`` only needs to give shapes and dtypes (e.g. TensorSpecs). ``samples``: the
         global sample offset after this step, if the input pipeline tracks one (logged with progress).
         """
-        self.run.last_step = step
+        self.run.last_step, self.run.last_step_at = step, self.clocks.wall()
         first_after_begin = self.run.begun_at_step is not None and step == self.run.begun_at_step + 1
         if first_after_begin:
             self.events.emit(ev.FirstStep(step=step, size=self.comm.size(), samples=samples))
@@ -433,16 +435,21 @@ class TransientImpl:
 
 
 def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
-    """The configured watcher; ``{host}`` in GCE_METADATA_HOST selects a per-host emulator instance."""
+    """The configured watcher; ``{host}`` in GCE_METADATA_HOST or AWS_EC2_METADATA_SERVICE_ENDPOINT
+    selects a per-host metadata-emulator instance (one emulated VM per local host alias)."""
     from hvd_transient.watchers import make_watcher
+    from hvd_transient.watchers.aws import ENDPOINT_ENV as AWS_ENDPOINT_ENV
 
     opts: dict[str, Any] = {"instance": host}
     if config.notice_window_s is not None:  # else each watcher's own: the VM's configuration or the cloud's
         opts["window"] = config.notice_window_s
+    kind = os.environ.get("HVDT_WATCHER", config.watcher)
     metadata_host = os.environ.get("GCE_METADATA_HOST", "")
+    aws_endpoint = os.environ.get(AWS_ENDPOINT_ENV, "")
     if "{host}" in metadata_host:
         opts["base_url"] = f"http://{metadata_host.format(host=host).rstrip('/')}/computeMetadata/v1/"
-    kind = os.environ.get("HVDT_WATCHER", config.watcher)
+    if "{host}" in aws_endpoint:
+        opts["endpoint"] = aws_endpoint.format(host=host)
     try:
         return make_watcher(kind, **opts)
     except Exception as exc:  # no watcher is bad, but must not stop training

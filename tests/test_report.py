@@ -249,6 +249,22 @@ def test_join_stall_of_the_survivors() -> None:
     assert to_json(a, None)["joins"][0]["stall_s"] == pytest.approx(5.5)
 
 
+def test_join_stall_starts_at_the_survivors_last_completed_step() -> None:
+    """Resets that say when their last step completed give the stall exactly, not the last progress event."""
+    log = Log()
+    log.start(0.0, ["A", "B"])
+    log.ring(0.1, 0, ["A", "B"], "A")
+    log.each(2.0, "first_step", ["A", "B"], step=1, size=2)
+    log.each(7.0, "progress", ["A", "B"], step=50, size=2)
+    log.add(9.0, "start", "D", step=56, rank=2, size=3, restored_step=None)
+    log.add(9.5, "reset", "A", step=56, rolled_back=0, last_step=56, last_step_at=T0 + 9.2)
+    log.add(9.5, "reset", "B", step=56, rolled_back=0, last_step=56, last_step_at=T0 + 9.3)
+    log.ring(10.0, 56, ["A", "B", "D"], "A")
+    log.each(10.4, "first_step", ["A", "B", "D"], step=57, size=3)
+    (j,) = analyze(log.events).joins
+    assert j.stalled_from == pytest.approx(T0 + 9.3) and j.stall_s == pytest.approx(10.401 - 9.3, abs=0.01)
+
+
 def test_join_before_any_step_on_the_old_ring_stalls_from_its_start() -> None:
     log = Log()
     log.start(0.0, ["A", "B"])

@@ -146,9 +146,10 @@ class Preemption:
 class Join:
     """A host entering a ring that already had members (a relaunch is not a join).
 
-    ``stall_s``: from the survivors' last training event before the ring changed (the last
-    ``first_step``/``progress`` before their reset; overstates by at most the progress
-    interval) to their first ``first_step`` on the new ring.
+    ``stall_s``: from the survivors' last completed step before the ring changed (their
+    resets' ``last_step_at``; in logs without it, their last ``first_step``/``progress``,
+    which overstates by up to the progress interval) to their first ``first_step`` on the
+    new ring.
     """
 
     host: str
@@ -623,8 +624,12 @@ def _joins(events: Sequence[AnyRecord], rings: Sequence[Ring],
         # Horovod resets the survivors (rendezvous included) before the new ring's ring events
         theirs = [e for e in resets if _key(e) in survivors and since < e.t <= ring.started_at]
         changed_at = min((e.t for e in theirs), default=ring.started_at)
-        stalled_from = max((e.t for e in training if _key(e) in survivors and since <= e.t < changed_at),
-                           default=None)
+        # the survivors' last completed step, as their resets give it; else (older logs) their last
+        # training event, which can be up to one progress interval earlier
+        last_steps = [e.body.last_step_at for e in theirs
+                      if e.body.last_step_at is not None and since <= e.body.last_step_at <= changed_at]
+        stalled_from = max(last_steps, default=None) or max(
+            (e.t for e in training if _key(e) in survivors and since <= e.t < changed_at), default=None)
         resumed_at = min((e.t for e in first_steps if _key(e) in survivors and ring.started_at <= e.t < until),
                          default=None)
         for host in ring.joined:
