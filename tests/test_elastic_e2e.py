@@ -181,6 +181,37 @@ def test_whole_cluster_notice_during_async_save_then_cold_restart(tmp_path: Path
     assert {e["step"] for e in starts} == {emergency_step}
 
 
+def test_aws_rebalance_checkpoints_in_place_then_the_interruption_notice_removes_the_host(tmp_path: Path) -> None:
+    """AWS IMDSv2 on the emulator: a rebalance recommendation makes every rank checkpoint at once and
+    nobody leave; the spot interruption notice that follows removes the host with nothing rolled back."""
+    store = str(tmp_path / "store")
+    hosts = ("localhost", "127.0.0.1")
+    c = cluster(tmp_path, "run", store, hosts, elastic_cmd(store, epochs=1000, save_every=100000), cloud="aws")
+    with c:
+        c.wait_for_step(10, 180, size=2)
+        master = current_master(c.events())
+        worker = next(h for h in hosts if h != master)
+        c.recommend_rebalance(worker)
+        (early,) = c.wait_for(lambda ev: of(ev, "commit", kind="early"), 60, "the early-warning checkpoint")
+        c.wait_for_step(early["step"] + 20, 60, size=2)   # and both keep training
+        warned = c.events()
+        c.preempt(worker, window_s=30)
+        ring = c.wait_for(lambda ev: of(ev, "ring", size=1, host=master), 120, "the ring to shrink to 1")
+        c.wait_for_step(ring[0]["step"] + 10, 60, size=1)
+        c.request_stop()
+        assert c.wait(120) == 0, c.log_tail()
+        events = c.events()
+    assert [e["host"] for e in of(warned, "early_warning")] == [worker]
+    assert {e["host"] for e in of(warned, "async_save", kind="early", step=early["step"])} == set(hosts)
+    assert not of(warned, "reset") and not of(warned, "leave_published")
+    assert [r["size"] for r in of(warned, "ring", host=master)] == [2]
+    (notice,) = of(events, "notice", host=worker)
+    assert notice["source"] == "aws"
+    assert [e["host"] for e in of(events, "leave_published")] == [worker]
+    assert all(e["rolled_back"] == 0 for e in of(events, "reset"))
+    assert early["step"] in assert_all_committed_steps_verify(store)
+
+
 def test_kill_without_notice_rolls_back_and_completes(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
     c = cluster(tmp_path, "run", store, ("localhost", "127.0.0.1", "127.0.1"), elastic_cmd(store, epochs=1000),

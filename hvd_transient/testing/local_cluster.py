@@ -36,6 +36,7 @@ from ckpt_service.stores import open_store
 from hvd_transient.control import clear_stop, request_stop
 from hvd_transient.events import read_events
 from hvd_transient.testing.metadata_emulator import MetadataEmulator
+from hvd_transient.watchers.aws import ENDPOINT_ENV as AWS_ENDPOINT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class LocalClusterSpec:
     #: the VMs' configured preemption notice (seconds), as ``cluster up --preemption-notice-duration``
     #: writes it into each VM's metadata; the watchers read it from there
     notice_s: float = 30.0
+    #: whose metadata server the workers' watchers poll: "gce" or "aws" (IMDSv2, rebalance recommendations)
+    cloud: str = "gce"
     #: extra horovodrun options, e.g. ("--verbose",)
     horovodrun_args: tuple[str, ...] = ()
     #: new VMs boot a standby worker and join once it is ready (``command``: ``(python, SCRIPT, ARGS...)``)
@@ -89,6 +92,8 @@ class LocalCluster:
         if spec.elastic and (spec.controller != "gloo" or spec.slots != 1):
             raise ValueError("an elastic local cluster runs one Gloo slot per host alias "
                              "(Horovod's elastic mode always uses Gloo); use elastic=False for MPI or slots > 1")
+        if spec.cloud not in ("gce", "aws"):
+            raise ValueError(f"cloud must be 'gce' or 'aws', not {spec.cloud!r}")
         if spec.slots < 1:
             raise ValueError(f"slots must be at least 1, not {spec.slots}")
         if spec.standby and (not spec.elastic or len(spec.command) < 2):
@@ -169,9 +174,10 @@ class LocalCluster:
             "HVDT_STATE_FILE": str(self.state_file),
             "HVDT_STORE": self.spec.store,
             "HVDT_CLI": str(Path(venv_bin) / "hvd-transient"),
-            "HVDT_WATCHER": "gce",
+            "HVDT_WATCHER": self.spec.cloud,
             # each worker substitutes its own host name: one emulated VM per host alias
             "GCE_METADATA_HOST": f"127.0.0.1:{self.emulator.port}/i/{{host}}",
+            AWS_ENDPOINT_ENV: f"{self.emulator.url}/i/{{host}}",
             "NO_GCE_CHECK": "true",
             "PYTHONUNBUFFERED": "1",
             "TF_CPP_MIN_LOG_LEVEL": "2",
@@ -305,6 +311,10 @@ class LocalCluster:
             stop.start()
             self._timers.append(stop)
         return time.time()
+
+    def recommend_rebalance(self, host: str) -> None:
+        """AWS: ``host`` is at elevated risk of interruption (an early warning, no notice yet)."""
+        self.emulator.recommend_rebalance(host)
 
     def kill(self, host: str, sig: int = signal.SIGKILL) -> None:
         """The VM vanishes with no notice."""
