@@ -5,6 +5,7 @@ checks the event log every worker wrote, the store, and the job's exit code.
 """
 from __future__ import annotations
 
+import json
 import socket
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from fault_proxy import FaultProxy
 
 from ckpt_service.manager import CheckpointManager
 from hvd_transient.checksums import state_crc
+from hvd_transient.report import main as report_main
 from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec, of
 
 pytestmark = pytest.mark.horovod
@@ -210,6 +212,15 @@ def test_aws_rebalance_checkpoints_in_place_then_the_interruption_notice_removes
     assert [e["host"] for e in of(events, "leave_published")] == [worker]
     assert all(e["rolled_back"] == 0 for e in of(events, "reset"))
     assert early["step"] in assert_all_committed_steps_verify(store)
+    # what `hvd-transient report` makes of the run's own log
+    report = tmp_path / "report.json"
+    assert report_main([store, "--json", str(report)]) == 0
+    doc = json.loads(report.read_text())
+    (p,) = doc["preemptions"]
+    assert p["host"] == worker and p["notice"] is True and p["was_master"] is False
+    assert p["steps_rolled_back"] == 0 and p["checkpoint_committed"] is True
+    assert p["resume_ms"] is not None and p["resume_ms"] > 0
+    assert doc["completed"] is True and [r["size"] for r in doc["rings"]] == [2, 1]
 
 
 def test_kill_without_notice_rolls_back_and_completes(tmp_path: Path) -> None:

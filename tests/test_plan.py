@@ -45,7 +45,7 @@ def _assert_exact_cover(plan) -> None:
         assert cursor == sizes.get(group, 0)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(specs=spec_lists, world=st.integers(1, 6), piece=st.sampled_from([None, 8, 64, 1000]))
 def test_every_element_is_assigned_exactly_once(specs, world, piece) -> None:
     plan = make_save_plan(specs, world, piece_bytes=piece, chunk_bytes=32)
@@ -86,7 +86,7 @@ def _touched(plan, rank: int) -> int:
                if p.spec.dtype == item.group and p.spec.size and p.offset < item.stop and item.start < p.stop)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(specs=spec_lists, world=st.integers(1, 6), piece=st.sampled_from([None, 8, 64, 1000]))
 def test_each_rank_writes_the_bytes_lpt_gives_it(specs, world, piece) -> None:
     """Spreading the tensors only swaps pieces of equal size: every rank's bytes are LPT's."""

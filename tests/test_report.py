@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -539,37 +538,6 @@ def test_cli_prices_file_overrides(tmp_path: Path) -> None:
 
 
 @pytest.mark.horovod
-def test_report_of_a_real_preemption(tmp_path: Path) -> None:
-    """Real horovodrun on two local hosts: the worker that is not the master gets a notice."""
-    from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec, of
-
-    store = str(tmp_path / "store")
-    example = str(Path(__file__).resolve().parent.parent / "examples" / "keras_elastic.py")
-    command = (sys.executable, example, "--store", store, "--model", "small_cnn", "--epochs", "1000",
-               "--steps-per-epoch", "40", "--save-every", "25", "--base-lr", "0.01",
-               "--batches-per-commit", "5", "--step-seconds", "0.05")
-    hosts = ("localhost", "127.0.0.1")
-    spec = LocalClusterSpec(store=store, hosts=hosts, command=command, workdir=tmp_path / "run")
-    with LocalCluster(spec) as cluster:
-        cluster.wait_for_step(3, 180, size=2)
-        master = of(cluster.events(), "ring")[-1]["master_host"]
-        worker = next(h for h in hosts if h != master)
-        cluster.preempt(worker, window_s=60)
-        cluster.wait_for(lambda ev: of(ev, "first_step", size=1, host=master), 120,
-                         "the first step on the shrunk ring")
-        cluster.request_stop()
-        assert cluster.wait(180) == 0, cluster.log_tail()
-
-    out = tmp_path / "report.json"
-    assert main([store, "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    (p,) = doc["preemptions"]
-    assert p["host"] == worker and p["notice"] is True and p["was_master"] is False
-    assert p["steps_rolled_back"] == 0 and p["checkpoint_committed"] is True
-    assert p["resume_ms"] is not None and p["resume_ms"] > 0
-    assert doc["completed"] is True and [r["size"] for r in doc["rings"]] == [2, 1]
-
-
 def test_bytes_written_counts_periodic_commits_and_synchronous_shares() -> None:
     from hvd_transient.report.analysis import analyze
 
