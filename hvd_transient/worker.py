@@ -46,12 +46,11 @@ Messages are JSON over a ``SOCK_SEQPACKET`` unix socket (one datagram each)::
     standby -> launcher   {"type": "exit", "code": 0} | {"type": "exit", "signal": 9}
     worker -> supervisor  {"type": "ready", "seconds": ...}   (the handoff is then forwarded to it)
 
-On GCE, start the standby from the VM's startup script once the VM is ready, as the user
-``horovodrun`` connects as, in the job's working directory, with the job's command (for example
-from a metadata key), e.g. ``systemd-run --uid hvdt --working-directory /srv/job --unit
-hvdt-standby /opt/hvdt/venv/bin/python -m hvd_transient.worker --standby --store gs://b/run
-train.py ARGS``; make ``horovodrun`` run ``python -m hvd_transient.worker train.py ARGS`` and
-export ``HVDT_STANDBY_SINCE=$(date +%s)`` for the discovery script when launching the job.
+On GCE, ``hvd-transient cluster up --standby 'train.py ARGS' --store gs://...`` makes every
+worker's startup script start the standby at boot (a systemd unit, as the user ``horovodrun``
+connects as, in ``--job-dir``), and ``cluster keep --job`` with the same options sets
+``HVDT_STANDBY_SINCE`` for discovery at each launch; run the job as
+``horovodrun ... python -m hvd_transient.worker train.py ARGS``.
 """
 from __future__ import annotations
 

@@ -16,7 +16,11 @@
 #      metadata, installed by the guest agent), puts the venv first on its PATH,
 #      also for the non-interactive sessions horovodrun opens, and that sshd runs;
 #   5. writes /etc/hvdt/env (HVDT_CLUSTER, HVDT_ROLE, HVDT_STORE) and touches
-#      /var/lib/hvdt/ready when the VM is ready for horovodrun.
+#      /var/lib/hvdt/ready when the VM is ready for horovodrun;
+#   6. on workers given hvdt-standby, starts a standby of the job (systemd unit
+#      hvdt-standby): it imports, builds the model and rehearses a step now, and
+#      publishes the VM as ready in the store; horovodrun's worker on this VM
+#      (`python -m hvd_transient.worker SCRIPT ARGS`) then only hands it the job.
 #
 # What it assumes:
 #   - a Debian or Ubuntu image with apt, curl and systemd. The default image
@@ -46,9 +50,16 @@
 #   hvdt-horovod      pip requirement for Horovod (default horovod==0.28.1)
 #   hvdt-horovod-env  extra Horovod build variables, space-separated, e.g.
 #                     "HOROVOD_GPU_OPERATIONS=NCCL" (needs NCCL's dev package)
+#   hvdt-standby      workers: the training script and its arguments, as the job
+#                     runs them (`cluster up --standby`); parsed as a shell would
+#   hvdt-job-dir      the job's working directory (default: the ssh user's home)
+#
+# HVDT_ROOT (default /) and HVDT_METADATA_URL relocate what the script writes and
+# where it reads metadata, so it can be exercised off a VM.
 set -euo pipefail
 
-METADATA=http://metadata.google.internal/computeMetadata/v1/instance/attributes
+METADATA=${HVDT_METADATA_URL:-http://metadata.google.internal}/computeMetadata/v1/instance/attributes
+ROOT=${HVDT_ROOT:-}
 meta() {  # meta KEY [DEFAULT]: a metadata attribute, or DEFAULT when it is not set
   curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$METADATA/$1" 2>/dev/null || printf '%s' "${2:-}"
 }
@@ -63,10 +74,13 @@ if [[ "$ROLE" == driver ]]; then default_tf=tensorflow-cpu==2.15.1; else default
 TENSORFLOW=$(meta hvdt-tensorflow "$default_tf")
 HOROVOD=$(meta hvdt-horovod horovod==0.28.1)
 HOROVOD_ENV=$(meta hvdt-horovod-env "")
+STANDBY=$(meta hvdt-standby "")
+JOB_DIR=$(meta hvdt-job-dir "")
 
-VENV=/opt/hvdt/venv
-STATE=/var/lib/hvdt
-mkdir -p "$STATE" /etc/hvdt
+VENV=$ROOT/opt/hvdt/venv
+STATE=$ROOT/var/lib/hvdt
+ETC=$ROOT/etc/hvdt
+mkdir -p "$STATE" "$ETC"
 rm -f "$STATE/ready"
 log "role=$ROLE cluster=$CLUSTER package=$PACKAGE"
 
@@ -83,8 +97,8 @@ fi
 wanted="$TENSORFLOW|$HOROVOD|$HOROVOD_ENV|$PACKAGE"
 if [[ ! -x "$VENV/bin/python" || "$(cat "$STATE/installed" 2>/dev/null)" != "$wanted" ]]; then
   python3 -m venv "$VENV"
-  printf 'numpy<2\nprotobuf<5\n' > /opt/hvdt/constraints.txt
-  pip=("$VENV/bin/pip" install --disable-pip-version-check -q -c /opt/hvdt/constraints.txt)
+  printf 'numpy<2\nprotobuf<5\n' > "$ROOT/opt/hvdt/constraints.txt"
+  pip=("$VENV/bin/pip" install --disable-pip-version-check -q -c "$ROOT/opt/hvdt/constraints.txt")
   "${pip[@]}" --upgrade pip setuptools wheel
   "${pip[@]}" "$TENSORFLOW"
   # shellcheck disable=SC2086  # HOROVOD_ENV is a list of VAR=value words
@@ -106,7 +120,7 @@ fi
 home=$(getent passwd "$SSH_USER" | cut -d: -f6)
 path_line="export PATH=$VENV/bin:\$PATH  # hvd-transient"
 if ! grep -qF "$path_line" "$home/.bashrc" 2>/dev/null; then
-  { echo "$path_line"; echo "[ -f /etc/hvdt/env ] && set -a && . /etc/hvdt/env && set +a"; \
+  { echo "$path_line"; echo "[ -f $ETC/env ] && set -a && . $ETC/env && set +a"; \
     cat "$home/.bashrc" 2>/dev/null || true; } > "$home/.bashrc.hvdt"
   mv "$home/.bashrc.hvdt" "$home/.bashrc"
   chown "$SSH_USER:" "$home/.bashrc"
@@ -114,10 +128,25 @@ fi
 systemctl enable --now ssh 2>/dev/null || systemctl enable --now sshd
 
 # 4. Settings for training processes, and the readiness marker.
-cat > /etc/hvdt/env <<ENV
+cat > "$ETC/env" <<ENV
 HVDT_CLUSTER=$CLUSTER
 HVDT_ROLE=$ROLE
 HVDT_STORE=$STORE
 ENV
 touch "$STATE/ready"
 log "ready for horovodrun"
+
+# 5. The job's standby on workers (every boot: a restarted Spot VM rejoins warm). It runs as
+#    the ssh user in the job's directory, as horovodrun's worker will, so the worker finds it.
+if [[ "$ROLE" == worker && -n "$STANDBY" ]]; then
+  if [[ -z "$STORE" ]]; then
+    log "hvdt-standby is set but hvdt-store is not: no standby (it publishes its readiness there)"
+  else
+    systemctl stop hvdt-standby 2>/dev/null || true
+    systemd-run --unit hvdt-standby --collect --uid "$SSH_USER" --working-directory "${JOB_DIR:-$home}" \
+      --property=EnvironmentFile="$ETC/env" --setenv=PATH="$VENV/bin:/usr/local/bin:/usr/bin:/bin" \
+      /bin/bash -c "exec \"\$0\" -m hvd_transient.worker --standby --store \"\$1\" $STANDBY" \
+      "$VENV/bin/python" "$STORE"
+    log "standby of '$STANDBY' started in ${JOB_DIR:-$home}"
+  fi
+fi

@@ -96,10 +96,84 @@ def test_ssh_key_and_optional_network_settings():
     ({"workers": -1}, "--workers"), ({"termination_action": "HIBERNATE"}, "--termination-action"),
     ({"labels": (("hvdt-role", "x"),)}, "set by the cluster command"), ({"labels": (("Team", "x"),)}, "label"),
     ({"project": ""}, "--project"), ({"boot_disk_gb": 5}, "--boot-disk-gb"),
+    ({"standby": "train.py", "store": None}, "--standby needs --store"), ({"standby": " "}, "--standby"),
+    ({"standby": "train.py", "job_dir": "srv/job"}, "--job-dir"),
 ])
 def test_invalid_specs_name_the_option(overrides, message):
     with pytest.raises(ClusterSpecError, match=message):
         spec(**overrides)
+
+
+def test_standby_reaches_the_workers_metadata_only():
+    s = spec(standby="train.py --epochs 90", job_dir="/srv/job")
+    driver, worker = (metadata(instance_body(p, s)) for p in plan_instances(s)[:2])
+    assert worker["hvdt-standby"] == "train.py --epochs 90" and worker["hvdt-job-dir"] == "/srv/job"
+    assert "hvdt-standby" not in driver and "hvdt-job-dir" not in driver
+    assert "hvdt-standby" not in metadata(instance_body(plan_instances(spec())[1], spec()))
+
+
+STUBS = {  # what the startup script calls that would change the machine: each logs its argv
+    "apt-get": "", "useradd": "", "chown": "", "logger": "", "systemctl": "",
+    "systemd-run": 'printf "%s\\0" "$@" > "$HVDT_ROOT/systemd-run.args"',
+    "getent": 'echo "hvdt:x:1000:1000::$HVDT_ROOT/home/hvdt:/bin/bash"',
+}
+
+
+def run_startup_script(tmp_path: Path, attributes: dict[str, str]) -> Path:
+    """launch/startup_script.sh on this machine: metadata from the emulator, files under a scratch root,
+    and stubs for the commands that install packages, add users or start services. Horovod's install is
+    skipped as on a VM's later boots (the venv is there with what the metadata asks for)."""
+    from hvd_transient.testing.metadata_emulator import MetadataEmulator
+
+    root, bin_dir = tmp_path / "root", tmp_path / "bin"
+    venv_python = root / "opt/hvdt/venv/bin/python"
+    for path in (bin_dir, venv_python.parent, root / "var/lib/hvdt", root / "home/hvdt"):
+        path.mkdir(parents=True, exist_ok=True)
+    for name, body in STUBS.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    venv_python.write_text("#!/bin/bash\n")
+    venv_python.chmod(0o755)
+    role = attributes.get("hvdt-role", "worker")
+    tf = "tensorflow-cpu==2.15.1" if role == "driver" else "tensorflow==2.15.1"
+    (root / "var/lib/hvdt/installed").write_text(f"{tf}|horovod==0.28.1||hvd-transient")
+    with MetadataEmulator(instances=["vm"]) as emu:
+        for key, value in attributes.items():
+            emu.set_attribute("vm", key, value)
+        env = {**os.environ, "HVDT_ROOT": str(root), "HVDT_METADATA_URL": emu.root_url("vm"),
+               "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+        out = subprocess.run(["bash", str(REPO / "launch" / "startup_script.sh")], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (root / "var/lib/hvdt/ready").exists()
+    return root
+
+
+def test_startup_script_starts_the_jobs_standby_on_workers(tmp_path):
+    root = run_startup_script(tmp_path, {"hvdt-role": "worker", "hvdt-store": "gs://b/run", "hvdt-cluster": "exp",
+                                         "hvdt-standby": "train.py --epochs 90 --name 'my run'",
+                                         "hvdt-job-dir": "/srv/job"})
+    assert "HVDT_STORE=gs://b/run" in (root / "etc/hvdt/env").read_text()
+    args = (root / "systemd-run.args").read_text().split("\0")[:-1]
+    options, command = args[:args.index("/bin/bash")], args[args.index("/bin/bash"):]
+    assert {"--unit", "hvdt-standby", "--uid", "hvdt", "--working-directory", "/srv/job",
+            f"--property=EnvironmentFile={root}/etc/hvdt/env"} <= set(options)
+    assert command[1] == "-c" and command[3:] == [f"{root}/opt/hvdt/venv/bin/python", "gs://b/run"]
+    # the unit's command line, with a program that prints its arguments in the venv's python's place
+    show = tmp_path / "show-args"
+    show.write_text('#!/bin/bash\nprintf "%s\\0" "$@"\n')
+    show.chmod(0o755)
+    shown = subprocess.run(["/bin/bash", "-c", command[2], str(show), "gs://b/run"], capture_output=True,
+                           text=True, timeout=30)
+    assert shown.stdout.split("\0")[:-1] == ["-m", "hvd_transient.worker", "--standby", "--store", "gs://b/run",
+                                             "train.py", "--epochs", "90", "--name", "my run"], shown.stderr
+
+
+def test_startup_script_starts_no_standby_on_the_driver_or_without_one(tmp_path):
+    for i, attributes in enumerate(({"hvdt-role": "driver", "hvdt-store": "gs://b/run", "hvdt-standby": "train.py"},
+                                    {"hvdt-role": "worker", "hvdt-store": "gs://b/run"})):
+        root = run_startup_script(tmp_path / str(i), attributes)
+        assert not (root / "systemd-run.args").exists()
 
 
 def test_label_items():

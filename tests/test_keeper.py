@@ -5,6 +5,8 @@ Time is a fake clock the tests advance; the fake API's operations finish on thei
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import replace
 
 import pytest
@@ -840,6 +842,19 @@ def test_command_job_runs_a_shell_line_and_stops_its_whole_session():
     assert exit_status(-9) == 137 and exit_status(4) == 4
     with pytest.raises(ValueError):
         CommandJob("")
+
+
+def test_command_job_with_standby_joins_tells_discovery_when_each_launch_began(tmp_path):
+    """Workers with standbys (cluster up --standby): VMs that boot after a launch wait for their standby."""
+    out = tmp_path / "since"
+    env = {k: v for k, v in os.environ.items() if k != "HVDT_STANDBY_SINCE"}
+    job = CommandJob(f'printf %s "${{HVDT_STANDBY_SINCE-unset}}" > {out}', env=env, standby_joins=True)
+    before = time.time()
+    job.start(["w0"])
+    assert job.wait(30) == 0 and before <= float(out.read_text()) <= time.time()
+    plain = CommandJob(f'printf %s "${{HVDT_STANDBY_SINCE-unset}}" > {out}', env=env)
+    plain.start(["w0"])
+    assert plain.wait(30) == 0 and out.read_text() == "unset"
 
 
 # ---- the CLI with --job ---------------------------------------------------------------------------------

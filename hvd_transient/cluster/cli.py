@@ -94,6 +94,14 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssh-public-key", metavar="FILE",
                         help="public key horovodrun's ssh uses (e.g. ~/.ssh/id_ed25519.pub)")
     parser.add_argument("--startup-script", metavar="FILE", help=f"default: {DEFAULT_STARTUP_SCRIPT}")
+    parser.add_argument("--standby", metavar="'SCRIPT ARGS'",
+                        help="the training script and its arguments, as the job runs them (relative to --job-dir): "
+                             "each worker starts a pre-warmed standby of it at boot, so a VM that joins a running "
+                             "job stalls the others about a second instead of its whole start-up; run the job as "
+                             "'horovodrun ... python -m hvd_transient.worker SCRIPT ARGS'. Needs --store")
+    parser.add_argument("--job-dir", metavar="DIR",
+                        help="the job's working directory on every VM, where the standby runs (default: the ssh "
+                             "user's home)")
 
 
 def _add_keep(commands: Any) -> None:
@@ -216,6 +224,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         package=args.package, store=args.store, ssh_user=args.ssh_user,
         ssh_public_key=_read(args.ssh_public_key, "ssh public key").strip() if args.ssh_public_key else None,
         startup_script=_read(script_path, "startup script"), startup_script_path=str(script_path),
+        standby=args.standby, job_dir=args.job_dir,
     )
 
 
@@ -403,7 +412,7 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
         from hvd_transient.events import EventLog
 
         events = EventLog(store, socket.gethostname())
-    job = CommandJob(args.job) if args.job else None
+    job = CommandJob(args.job, standby_joins=bool(spec.standby)) if args.job else None
     keeper = Keeper(fleet, policy, cluster=spec.name, instance_type=price_key(spec), events=events,
                     state_file=state_file, interval_s=args.interval, job=job, job_policy=job_policy,
                     job_stop_timeout_s=args.job_stop_timeout)

@@ -72,6 +72,7 @@ from hvd_transient.cluster.keeper_plan import (
     worker_from_resource,
 )
 from hvd_transient.cluster.spec import CLUSTER_LABEL, ROLE_LABEL, WORKER, ClusterSpec
+from hvd_transient.discovery.ready import STANDBY_SINCE_ENV
 from hvd_transient.event_schema import (
     EventBody,
     KeeperBudget,
@@ -201,19 +202,25 @@ class CommandJob:
     where the keeper's goes."""
 
     def __init__(self, command: str | Sequence[str], *, cwd: str | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, standby_joins: bool = False) -> None:
         if not command:
             raise ValueError("the job's command is empty")
         self.command = command
         self.cwd, self.env = cwd, None if env is None else dict(env)
+        self.standby_joins = standby_joins
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, workers: Sequence[str]) -> None:
         if self.process is not None and self.process.poll() is None:
             raise RuntimeError("the job is still running")
         shell = isinstance(self.command, str)
+        env = dict(os.environ if self.env is None else self.env)
+        if self.standby_joins:
+            # the workers start standbys at boot: discovery holds a VM that boots from now on back
+            # until its standby is ready (the VMs of this launch run the job at once)
+            env[STANDBY_SINCE_ENV] = repr(time.time())
         log.info("launching the job on %d worker(s): %s", len(workers), self.command)
-        self.process = subprocess.Popen(self.command, shell=shell, cwd=self.cwd, env=self.env,
+        self.process = subprocess.Popen(self.command, shell=shell, cwd=self.cwd, env=env,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
 
     def poll(self) -> int | None:

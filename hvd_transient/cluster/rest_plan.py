@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hvd_transient.cluster.spec import CLUSTER_LABEL, ClusterSpec, InstancePlan, plan_instances
+from hvd_transient.cluster.spec import CLUSTER_LABEL, WORKER, ClusterSpec, InstancePlan, plan_instances
 from hvd_transient.watchers.gce import NOTICE_ATTRIBUTE
 
 
@@ -60,6 +60,10 @@ def metadata_items(plan: InstancePlan, spec: ClusterSpec) -> list[dict[str, str]
     if plan.spot and spec.preemption_notice_s is not None:
         # the metadata server has no key for the notice duration: the watchers read it here
         items[NOTICE_ATTRIBUTE] = str(spec.preemption_notice_s)
+    if plan.role == WORKER and spec.standby:
+        items["hvdt-standby"] = spec.standby  # the startup script starts a standby of the job at boot
+        if spec.job_dir:
+            items["hvdt-job-dir"] = spec.job_dir
     if plan.gpu_count:
         items["install-nvidia-driver"] = "True"  # honoured by Deep Learning VM images
     if spec.ssh_public_key:

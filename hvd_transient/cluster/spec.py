@@ -72,6 +72,11 @@ class ClusterSpec:
     ssh_public_key: str | None = None  # "ssh-ed25519 AAAA... comment"
     startup_script: str = field(default="", repr=False)
     startup_script_path: str | None = None  # shown in the gcloud equivalent
+    #: the training script and its arguments, as the job runs them (``--standby``): each worker's
+    #: startup script starts a standby of it at boot, so a VM that joins a running job is warm
+    standby: str | None = None
+    #: the job's working directory on every VM, where the standby runs (default the ssh user's home)
+    job_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name) or len(self.name) > 40:
@@ -104,6 +109,13 @@ class ClusterSpec:
                     f"label {key}={value}: keys start with a lowercase letter; keys and values use lowercase "
                     "letters, digits, '_' and '-' (at most 63 characters)"
                 )
+        if self.standby is not None and not self.standby.strip():
+            raise ClusterSpecError("--standby needs the training script and its arguments, e.g. 'train.py --epochs 90'")
+        if self.standby and not self.store:
+            raise ClusterSpecError("--standby needs --store: a standby publishes its readiness in the run store, "
+                                   "where discovery reads it")
+        if self.job_dir is not None and not self.job_dir.startswith("/"):
+            raise ClusterSpecError(f"--job-dir must be an absolute path, not {self.job_dir!r}")
         if self.driver_zone is not None and not self.driver_zone:
             raise ClusterSpecError("--driver-zone must not be empty")
 

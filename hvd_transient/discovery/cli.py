@@ -24,6 +24,7 @@ from typing import Sequence
 
 from hvd_transient.discovery.errors import DiscoveryConfigError, DiscoveryError
 from hvd_transient.discovery.hosts import Host, exclude_leaving, format_hosts, parse_slots, unique
+from hvd_transient.discovery.ready import STANDBY_SINCE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 60, or $HVDT_LEAVING_GRACE_S); on gce a restarted or recreated VM is admitted at once",
     )
     parser.add_argument(
-        "--standby-since", type=non_negative_seconds, default=os.environ.get("HVDT_STANDBY_SINCE") or None,
+        "--standby-since", type=non_negative_seconds, default=os.environ.get(STANDBY_SINCE_ENV) or None,
         metavar="UNIX_SECONDS",
         help="VMs started after this time (normally the job's launch) start a standby worker: list each "
         "once its standby is ready (default $HVDT_STANDBY_SINCE; unset: no VM is held back). Needs --store",

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: seconds after a new VM started during which discovery waits for its standby
 DEFAULT_JOIN_TIMEOUT_S = 120.0
+#: the job's launch time (Unix seconds), set by whoever launches it: VMs started later run standbys
+STANDBY_SINCE_ENV = "HVDT_STANDBY_SINCE"
 
 
 @dataclass(frozen=True)
