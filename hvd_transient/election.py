@@ -6,7 +6,7 @@ collective), so all ranks agree without a further round of messages.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection
+from typing import Any, Collection, Sequence
 
 import numpy as np
 
@@ -47,9 +47,20 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
     return vec
 
 
-def decode_notice(summed: np.ndarray[Any, Any], size: int) -> NoticeRound:
-    leaving = tuple(int(i) for i in np.flatnonzero(summed[:size] > 0.5))
-    deadline = min((float(summed[size + i]) for i in leaving), default=None)
+def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] | None = None) -> NoticeRound:
+    """The round every rank agrees on, from the summed vectors.
+
+    ``hosts``: each rank's VM. A notice to one rank of a VM puts all its ranks under notice: a
+    revoked VM takes all its ranks with it, and one watcher may speak for all of them (under MPI,
+    one rank per VM polls the metadata server). The round's deadline is the earliest given.
+    """
+    noticed = [int(i) for i in np.flatnonzero(summed[:size] > 0.5)]
+    deadline = min((float(summed[size + i]) for i in noticed), default=None)
+    if hosts is not None and noticed:
+        revoked = {hosts[i] for i in noticed}
+        leaving = tuple(r for r in range(size) if hosts[r] in revoked)
+    else:
+        leaving = tuple(noticed)
     return NoticeRound(leaving, deadline, bool(summed[2 * size] > 0.5), bool(summed[2 * size + 1] > 0.5),
                        float(summed[2 * size + 2]) / 1e6 / size, bool(summed[2 * size + 3] > 0.5))
 

@@ -13,9 +13,9 @@ matches the application's own messages.
 One watcher per VM: the ranks of one VM (one shared-memory node, see
 ``MPI.COMM_TYPE_SHARED``, with the same host name) share a single notice watcher,
 run by the VM's lowest rank. Its notice reaches the VM's other ranks through the
-per-step notice allreduce (:meth:`MPICollectives.allreduce_sum`): when any rank of a
-VM is under notice, all its ranks count as leaving, with the earliest deadline among
-them, so no rank of a dying VM can be elected checkpoint master.
+per-step notice round: the protocol counts every rank of a VM under notice as leaving
+(:func:`hvd_transient.election.decode_notice`, given each rank's host name), so no rank
+of a dying VM can be elected checkpoint master.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mpi4py import MPI
@@ -31,7 +31,6 @@ from mpi4py import MPI
 from ckpt_service.errors import SaveAbandonedError
 from ckpt_service.gather import Gather
 from ckpt_service.shard_records import RecordJSON
-from hvd_transient.election import encode_notice
 from hvd_transient.transient import TransientConfig, TransientImpl, default_host
 
 if TYPE_CHECKING:
@@ -59,25 +58,6 @@ def _allgather_json(comm: MPI.Comm, obj: Any) -> list[Any]:
     data = np.empty(int(sizes.sum()), dtype=np.uint8)
     comm.Allgatherv(payload, [data, (sizes, offsets), MPI.BYTE])
     return [_decode(data[o:o + n]) for o, n in zip(offsets.tolist(), sizes.tolist())]
-
-
-def spread_vm_notices(summed: np.ndarray[Any, Any], size: int, vm_of_rank: Sequence[int]) -> np.ndarray[Any, Any]:
-    """A summed notice vector in which every rank of a VM with a notice is under notice (pure).
-
-    The layout is :func:`~hvd_transient.election.encode_notice`'s: a leaving flag per rank
-    (exactly 1.0 for a rank under notice: only that rank sets it), then a deadline per rank.
-    Each VM's ranks all get its earliest deadline; the rest of the vector is unchanged.
-    """
-    out = np.array(summed, dtype=np.float64, copy=True)
-    deadlines: dict[int, float] = {}
-    for r in range(size):
-        if summed[r] > 0.5:
-            vm = vm_of_rank[r]
-            deadlines[vm] = min(deadlines.get(vm, float(summed[size + r])), float(summed[size + r]))
-    for r in range(size):
-        if vm_of_rank[r] in deadlines:
-            out[r], out[size + r] = 1.0, deadlines[vm_of_rank[r]]
-    return out
 
 
 class PeerNotices:
@@ -128,8 +108,6 @@ class MPICollectives:
         #: world rank of each rank's VM leader (the VM's lowest rank, which runs the watcher)
         self.vm_of_rank: list[int] = [int(v) for v in _allgather_json(self.comm, vm[0])]
         self.local_rank, self.local_size = vm.index(self._rank), len(vm)
-        self._notice_len = encode_notice(0, self._size, None).size
-        self._shared_vms = any(self.vm_of_rank[r] != r for r in range(self._size))
         log.info("rank %d of %d: VM %s with %d rank(s)%s", self._rank, self._size, self.host, self.local_size,
                  ", runs its watcher" if self.watches else f", watched by rank {vm[0]}")
 
@@ -145,16 +123,10 @@ class MPICollectives:
         return self._size
 
     def allreduce_sum(self, values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """Elementwise sum over ranks, as float64.
-
-        The protocol sums only its notice vector; when VMs hold several ranks, a notice to a VM
-        is spread to all its ranks (:func:`spread_vm_notices`), the same way on every rank.
-        """
+        """Elementwise sum over ranks, as float64."""
         send = np.ascontiguousarray(values, dtype=np.float64)
         summed = np.empty_like(send)
         self.comm.Allreduce(send, summed, op=MPI.SUM)
-        if self._shared_vms and summed.shape == (self._notice_len,):
-            return spread_vm_notices(summed, self._size, self.vm_of_rank)
         return summed
 
     def allgather_json(self, obj: Any) -> list[Any]:
@@ -245,4 +217,4 @@ def mpi_transient(config: TransientConfig, comm: MPI.Comm | None = None, *, host
     return TransientImpl(config, collectives, host=collectives.host, **kwargs)
 
 
-__all__ = ["MPICollectives", "PeerNotices", "mpi_transient", "spread_vm_notices"]
+__all__ = ["MPICollectives", "PeerNotices", "mpi_transient"]

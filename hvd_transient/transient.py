@@ -302,7 +302,7 @@ class TransientImpl:
                                                  detected_at=warning.detected_at))
         summed = self.comm.allreduce_sum(encode_notice(rank, size, deadline, self._stop_requested(),
                                                        self.manager.save_in_flight, elapsed, warned))
-        round_ = decode_notice(summed, size)
+        round_ = decode_notice(summed, size, self.run.hosts if len(self.run.hosts) == size else None)
         self.notice_rounds += 1
         # Every rank got the same sum, so every rank picks the same next check step.
         self.run.next_check_step = step + steps_until_next_check(

@@ -202,6 +202,16 @@ def test_notice_vector_round_trip() -> None:
     assert not quiet.any and quiet.deadline is None and not quiet.stop and not quiet.busy
 
 
+def test_a_notice_to_one_rank_of_a_vm_takes_all_its_ranks() -> None:
+    """Ranks on one VM leave together, with the earliest deadline given (one watcher may speak for them)."""
+    hosts = ["vm0", "vm0", "vm1", "vm2", "vm2"]
+    summed = sum(encode_notice(r, 5, {1: 100.0, 3: 90.0}.get(r)) for r in range(5))
+    round_ = decode_notice(summed, 5, hosts)
+    assert round_.leaving == (0, 1, 3, 4) and round_.deadline == 90.0
+    assert decode_notice(summed, 5).leaving == (1, 3)  # without hosts: only the ranks that were told
+    assert decode_notice(sum(encode_notice(r, 5, None) for r in range(5)), 5, hosts).leaving == ()
+
+
 @pytest.mark.parametrize("size,leaving,master", [(3, [], 0), (3, [0], 1), (3, [0, 1], 2), (3, [0, 1, 2], 0)])
 def test_elect_master(size, leaving, master) -> None:
     assert elect_master(size, leaving) == master
