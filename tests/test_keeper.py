@@ -15,10 +15,8 @@ from fake_compute_api import QUOTA_EXCEEDED, STOCKOUT, FakeComputeAPI
 from ckpt_service.stores import LocalStore
 from hvd_transient.cluster import cli
 from hvd_transient.cluster.compute_api import ComputeAPI
-from hvd_transient.cluster.keeper import CommandJob, ComputeFleet, Keeper, StateFile, exit_status, policy_for
-from hvd_transient.cluster.keeper_plan import (
-    ERROR,
-    GONE,
+from hvd_transient.cluster.job import CommandJob, exit_status
+from hvd_transient.cluster.job_plan import (
     JOB_DONE,
     JOB_EXITED,
     JOB_FAILED,
@@ -26,6 +24,19 @@ from hvd_transient.cluster.keeper_plan import (
     JOB_WAITING,
     KEEPER_STOPPED,
     NO_WORKERS,
+    JobPolicy,
+    JobState,
+    LaunchJob,
+    StopJob,
+    job_ended,
+    job_launch,
+    job_lost,
+    job_started,
+)
+from hvd_transient.cluster.keeper import ComputeFleet, Keeper, StateFile, policy_for
+from hvd_transient.cluster.keeper_plan import (
+    ERROR,
+    GONE,
     ON_DEMAND_FALLBACK,
     QUOTA,
     RECREATE,
@@ -35,25 +46,17 @@ from hvd_transient.cluster.keeper_plan import (
     Backoff,
     Create,
     Delete,
-    JobPolicy,
-    JobState,
     KeeperPolicy,
     KeeperState,
-    LaunchJob,
     Observation,
     Outcome,
     Spend,
     Start,
-    StopJob,
     Wait,
     WorkerVM,
     accrue,
     backoff_delay,
     classify_failure,
-    job_ended,
-    job_launch,
-    job_lost,
-    job_started,
     on_demand_premium,
     plan,
     running_after,

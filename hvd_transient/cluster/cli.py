@@ -45,8 +45,8 @@ from hvd_transient.cluster.spec import (
 
 if TYPE_CHECKING:
     from hvd_transient.cluster.compute_api import ComputeAPI
+    from hvd_transient.cluster.job_plan import JobPolicy
     from hvd_transient.cluster.keeper import Keeper
-    from hvd_transient.cluster.keeper_plan import JobPolicy
 
 log = logging.getLogger(__name__)
 
@@ -367,8 +367,10 @@ def _wait_all(api: "ComputeAPI", pending: list[tuple[str, dict[str, Any]]], time
 
 def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
     """Run the keeper: one pass (``--once``), a preview (``--dry-run``) or until SIGTERM/Ctrl-C."""
-    from hvd_transient.cluster.keeper import CommandJob, ComputeFleet, Keeper, StateFile, policy_for
-    from hvd_transient.cluster.keeper_plan import JOB_FAILED, price_key, worker_rates
+    from hvd_transient.cluster.job import CommandJob
+    from hvd_transient.cluster.job_plan import JOB_FAILED
+    from hvd_transient.cluster.keeper import ComputeFleet, Keeper, StateFile, policy_for
+    from hvd_transient.cluster.keeper_plan import price_key, worker_rates
     from hvd_transient.pricing import PriceTableError, load_price_table
 
     if args.backoff_max < args.backoff:
@@ -432,7 +434,7 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
 
 
 def _job_policy(args: argparse.Namespace, spec: ClusterSpec) -> "JobPolicy":
-    from hvd_transient.cluster.keeper_plan import JobPolicy
+    from hvd_transient.cluster.job_plan import JobPolicy
 
     if args.job is not None and not args.job.strip():
         raise ClusterSpecError("--job: the command is empty")
@@ -454,13 +456,15 @@ def _stop_on_sigterm(keeper: "Keeper") -> None:
 def _keep_dry_run(keeper: "Keeper", spec: ClusterSpec, fmt: str, job: str | None) -> int:
     from dataclasses import asdict
 
+    from hvd_transient.cluster.job_plan import (
+        describe_job,
+        job_launch,
+    )
     from hvd_transient.cluster.keeper_plan import (
         Outcome,
         Wait,
         action_dict,
         describe,
-        describe_job,
-        job_launch,
         running_after,
     )
 

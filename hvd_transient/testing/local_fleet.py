@@ -26,7 +26,7 @@ import subprocess
 import threading
 from typing import Any, Mapping, Sequence
 
-from hvd_transient.cluster.keeper import exit_status
+from hvd_transient.cluster.job import exit_status
 from hvd_transient.cluster.keeper_plan import (
     STOCKOUT_CODES,
     Create,
