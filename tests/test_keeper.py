@@ -67,8 +67,10 @@ from hvd_transient.cluster.keeper_plan import (
 )
 from hvd_transient.cluster.rest_plan import instance_body
 from hvd_transient.cluster.spec import ClusterSpec, plan_instances
+from hvd_transient.discovery.ready import ReadyRecord
 from hvd_transient.event_schema import KeeperRefill
 from hvd_transient.events import EventLog, read_events, read_records
+from hvd_transient.membership import Incarnation
 
 PROJECT, ZA, ZB, ZC = "proj-1", "us-central1-a", "us-central1-b", "us-central1-c"
 T0 = 1_700_000_000.0
@@ -541,7 +543,8 @@ def test_keep_dry_run_prints_the_actions_and_changes_nothing(compute, capsys):
     assert cli.main([*KEEP, "--dry-run", "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [(a["action"], a["name"]) for a in doc["actions"]] == [("start", "exp-worker-0"), ("create", "exp-worker-1")]
-    assert doc["workers"] == [{"name": "exp-worker-0", "zone": ZA, "status": "TERMINATED", "spot": True}]
+    assert doc["workers"] == [{"name": "exp-worker-0", "zone": ZA, "status": "TERMINATED", "spot": True,
+                               "incarnation": {"instance_id": "1000", "started_at": None}}]
 
 
 @pytest.mark.parametrize("bad, option", [
@@ -785,6 +788,38 @@ def test_keeper_ends_a_job_the_wave_left_without_workers_and_relaunches_when_cap
     assert exit_["reason"] == NO_WORKERS and exit_["exit_code"] == 143
     assert relaunch["waited_s"] == 90.0
     assert any(line.startswith("job: no worker is left; stopping attempt 1") for line in rig.lines)
+
+
+def test_with_standbys_a_launch_waits_for_their_ready_records_or_the_timeout(tmp_path):
+    """A RUNNING VM may still be booting: with standbys, a launch takes the workers whose standby of
+    their current boot is ready, or that booted await_ready_s ago."""
+    records: list[ReadyRecord] = []
+    rig = JobRig(tmp_path, min_workers=2, await_ready_s=120.0)
+    rig.keeper.ready = lambda: records
+
+    def boot(t: float) -> None:
+        rig.fleet.vms = {n: replace(w, incarnation=Incarnation(f"id-{n}", t)) for n, w in rig.fleet.vms.items()}
+
+    rig.keeper.reconcile()  # creates both workers; not observed running yet
+    boot(rig.clock())
+    booted = rig.clock()
+    rig.step(10)
+    assert rig.job.launches == []
+    assert "waiting: job launch when 2 worker(s) are RUNNING with a ready standby (0 now)" in rig.lines
+    records += [ReadyRecord("exp-worker-0", booted + 15, instance_id="id-exp-worker-0"),
+                ReadyRecord("exp-worker-1", booted - 50)]  # a standby of an earlier boot
+    rig.step(10)
+    assert rig.job.launches == []
+    records.append(ReadyRecord("exp-worker-1", booted + 25))
+    rig.step(10)
+    assert rig.job.launches == [("exp-worker-0", "exp-worker-1")]
+
+    rig.job.exit(1)  # the VMs boot again (a wave and restarts) and no standby says it is ready
+    boot(rig.clock())
+    rig.step(30)
+    assert len(rig.job.launches) == 1
+    rig.step(100)  # 130 s after the boot: launched without them
+    assert len(rig.job.launches) == 2
 
 
 def test_keeper_gives_up_after_the_maximum_relaunches_and_its_loop_ends(tmp_path):

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import sys
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -415,9 +416,14 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
 
         events = EventLog(store, socket.gethostname())
     job = CommandJob(args.job, standby_joins=bool(spec.standby)) if args.job else None
+    ready = None
+    if store is not None and spec.standby:
+        from hvd_transient.discovery.ready import read_ready
+
+        ready = partial(read_ready, store)
     keeper = Keeper(fleet, policy, cluster=spec.name, instance_type=price_key(spec), events=events,
                     state_file=state_file, interval_s=args.interval, job=job, job_policy=job_policy,
-                    job_stop_timeout_s=args.job_stop_timeout)
+                    job_stop_timeout_s=args.job_stop_timeout, ready=ready)
     try:
         if args.once:
             return 1 if keeper.reconcile().errors else 0
@@ -425,7 +431,8 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
         print(f"keeping {spec.workers} worker(s) of {spec.name} in {', '.join(spec.zones)} "
               f"(every {args.interval:g} s; Ctrl-C or SIGTERM stops)", flush=True)
         if job is not None:
-            print(f"job: {args.job!r}, launched once {job_policy.min_workers} worker(s) are RUNNING, "
+            standby = " with a ready standby" if job_policy.await_ready_s is not None else ""
+            print(f"job: {args.job!r}, launched once {job_policy.min_workers} worker(s) are RUNNING{standby}, "
                   f"relaunched at most {job_policy.max_relaunches} time(s)", flush=True)
         keeper.run()
         return 1 if keeper.job_state.phase == JOB_FAILED else 0
@@ -442,7 +449,10 @@ def _job_policy(args: argparse.Namespace, spec: ClusterSpec) -> "JobPolicy":
         raise ClusterSpecError("--job needs the keeper to run on: it cannot be combined with --once")
     if args.min_workers > max(1, spec.workers):
         raise ClusterSpecError(f"--min-workers ({args.min_workers}) cannot exceed --workers ({spec.workers})")
-    return JobPolicy(min_workers=args.min_workers, max_relaunches=args.max_relaunches, keep_fleet=args.keep_fleet)
+    from hvd_transient.discovery.ready import DEFAULT_JOIN_TIMEOUT_S
+
+    return JobPolicy(min_workers=args.min_workers, max_relaunches=args.max_relaunches, keep_fleet=args.keep_fleet,
+                     await_ready_s=DEFAULT_JOIN_TIMEOUT_S if spec.standby else None)
 
 
 def _stop_on_sigterm(keeper: "Keeper") -> None:

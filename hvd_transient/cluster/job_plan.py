@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from hvd_transient.cluster.keeper_plan import Observation
+from hvd_transient.cluster.keeper_plan import Observation, WorkerVM
+from hvd_transient.discovery.ready import ReadyRecord
 
 JOB_WAITING = "waiting"  # not launched yet: fewer than min_workers RUNNING
 JOB_RUNNING = "running"
@@ -26,6 +27,9 @@ class JobPolicy:
     max_relaunches: int | None = 10
     #: go on keeping the workers once the job has ended (else the keeper ends with it)
     keep_fleet: bool = False
+    #: the workers start standbys (``--standby``): a launch counts only the workers whose standby of
+    #: their current boot is ready, or that booted this many seconds ago; None: every RUNNING worker
+    await_ready_s: float | None = None
     #: end a job none of whose workers is left (see :func:`job_lost`)
     stop_when_lost: bool = True
 
@@ -86,6 +90,25 @@ def job_lost(state: JobState, obs: Observation, policy: JobPolicy) -> StopJob | 
     return None
 
 
+def ready_workers(running: Sequence[str], workers: Sequence[WorkerVM], records: Sequence[ReadyRecord],
+                  now: float, timeout_s: float) -> tuple[str, ...]:
+    """Of the ``running`` workers, those a launch may use when the workers start standbys: a VM whose
+    standby of this boot published itself ready, or one that booted ``timeout_s`` ago or more. A VM
+    that is RUNNING may still be booting (horovodrun could not reach it yet); its standby is also
+    the fastest start a relaunch can get."""
+    seen = {w.name: w.incarnation for w in workers}
+    ready = []
+    for name in running:
+        if name not in seen:  # started in this pass: not observed since
+            continue
+        boot = seen[name]
+        if (boot is None or boot.started_at is None  # when it booted is not known: it cannot be told apart
+                or now >= boot.started_at + timeout_s
+                or any(r.host == name and r.applies_to(boot) for r in records)):
+            ready.append(name)
+    return tuple(ready)
+
+
 def job_launch(state: JobState, running: Sequence[str], now: float, policy: JobPolicy) -> LaunchJob | None:
     """Launch the job the first time, or again after a failure, once ``min_workers`` are RUNNING."""
     if state.phase not in (JOB_WAITING, JOB_EXITED) or len(running) < policy.min_workers:
@@ -119,9 +142,11 @@ def describe_job(state: JobState, running: Sequence[str], policy: JobPolicy) -> 
     if state.phase == JOB_FAILED:
         return f"job failed (exit {state.exit_code}; {state.relaunches} relaunch(es) used)"
     what = "relaunch" if state.phase == JOB_EXITED else "launch"
+    if policy.await_ready_s is not None:
+        return f"job {what} when {policy.min_workers} worker(s) are RUNNING with a ready standby ({len(running)} now)"
     return f"job {what} when {policy.min_workers} worker(s) are RUNNING ({len(running)} now)"
 
 
 __all__ = ["JOB_DONE", "JOB_EXITED", "JOB_FAILED", "JOB_RUNNING", "JOB_WAITING", "KEEPER_STOPPED", "NO_WORKERS",
            "JobPolicy", "JobState", "LaunchJob", "StopJob", "describe_job", "job_ended", "job_launch", "job_lost",
-           "job_started"]
+           "job_started", "ready_workers"]

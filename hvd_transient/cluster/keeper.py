@@ -44,6 +44,7 @@ from hvd_transient.cluster.job_plan import (
     job_launch,
     job_lost,
     job_started,
+    ready_workers,
 )
 from hvd_transient.cluster.keeper_plan import (
     ERROR,
@@ -72,6 +73,7 @@ from hvd_transient.cluster.keeper_plan import (
     worker_from_resource,
 )
 from hvd_transient.cluster.spec import CLUSTER_LABEL, ROLE_LABEL, WORKER, ClusterSpec
+from hvd_transient.discovery.ready import ReadyRecord
 from hvd_transient.event_schema import (
     EventBody,
     KeeperBudget,
@@ -232,6 +234,7 @@ class Keeper:
         job: Job | None = None,
         job_policy: JobPolicy | None = None,
         job_stop_timeout_s: float = 30.0,
+        ready: Callable[[], Sequence[ReadyRecord]] | None = None,
     ) -> None:
         self.fleet, self.policy = fleet, policy
         self.cluster, self.instance_type = cluster, instance_type
@@ -248,6 +251,7 @@ class Keeper:
         self.job, self.job_policy = job, job_policy or JobPolicy()
         self.job_state = JobState()
         self.job_stop_timeout_s = job_stop_timeout_s
+        self.ready = ready  # the standbys' ready records (the run store), for JobPolicy.await_ready_s
         self._last_cost_at: float | None = None
         self._last_wait = ""
         self._last_job_wait = ""
@@ -333,6 +337,9 @@ class Keeper:
         assert self.job is not None
         running = running_after(obs, outcomes)
         now = self.clock()
+        awaited = self.job_policy.await_ready_s
+        if awaited is not None and not (self.job_state.running or self.job_state.finished):
+            running = ready_workers(running, obs.workers, self._ready_records(), now, awaited)
         launch = job_launch(self.job_state, running, now, self.job_policy)
         if launch is None:
             waiting = "" if self.job_state.running or self.job_state.finished else describe_job(
@@ -344,6 +351,15 @@ class Keeper:
             return
         self._last_job_wait = ""
         self._start_job(launch, now)
+
+    def _ready_records(self) -> Sequence[ReadyRecord]:
+        if self.ready is None:
+            return ()
+        try:
+            return self.ready()
+        except Exception as exc:  # the launch waits for the timeout instead
+            log.warning("could not read the standbys' ready records: %s", exc)
+            return ()
 
     def _start_job(self, launch: LaunchJob, now: float) -> None:
         assert self.job is not None

@@ -38,6 +38,8 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 
 from hvd_transient.cluster.rest_plan import instance_body
 from hvd_transient.cluster.spec import WORKER, ClusterSpec, InstancePlan
+from hvd_transient.discovery.gce import incarnation
+from hvd_transient.membership import Incarnation
 from hvd_transient.pricing import PriceTable, instance_type_key
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class WorkerVM:
     zone: str
     status: str  # the Compute instance status: PROVISIONING, RUNNING, TERMINATED, ...
     spot: bool
+    incarnation: Incarnation | None = None  # its id and last start, where the API says
 
     @property
     def live(self) -> bool:
@@ -129,7 +132,8 @@ def worker_from_resource(instance: Mapping[str, Any]) -> WorkerVM:
     scheduling = instance.get("scheduling") or {}
     spot = scheduling.get("provisioningModel") == "SPOT" or bool(scheduling.get("preemptible"))
     zone = str(instance.get("zone", "")).rstrip("/").rsplit("/", 1)[-1]
-    return WorkerVM(name=str(instance.get("name")), zone=zone, status=str(instance.get("status", "")), spot=spot)
+    return WorkerVM(name=str(instance.get("name")), zone=zone, status=str(instance.get("status", "")), spot=spot,
+                    incarnation=incarnation(instance))
 
 
 # ---- configuration and state --------------------------------------------------------------------
