@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a local fake-gcs-server and use gs://demo/<run> as the store")
     p.add_argument("--workdir", default="hvdt-demo", help="where runs, logs and reports go")
     p.add_argument("--model", choices=("resnet32", "small_cnn"), default="resnet32")
-    p.add_argument("--epochs", type=positive_int, default=12)
+    p.add_argument("--epochs", type=positive_int, default=16)
     p.add_argument("--steps-per-epoch", type=positive_int, default=25)
     p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--save-every", type=positive_int, default=50, help="periodic checkpoint interval (steps)")
