@@ -506,30 +506,39 @@ def summarize(rows: Sequence[Row], cfg: Config) -> dict[str, Any]:
     return out
 
 
+def _rate(row: Row | None) -> str:
+    return "-" if row is None else row.mb_per_s.text("{:,.0f}")
+
+
+def restore_table(rows: Sequence[Row], cfg: Config) -> str:
+    """Restore MB/s per N writers -> M readers, with the baselines' reads where they ran."""
+    combos = [(w, r) for w in cfg.writers for r in cfg.readers]
+    base = [("np.load", lambda s: SAVEZ[s][1]), ("tf read", lambda s: TF[1]), ("1 file (disk, cold)",
+            lambda s: FLOOR[1]), ("4 MiB files (cold)", lambda s: FILES[1])] if cfg.baselines else []
+    body = [[size, STORE_NAMES[store], *(_rate(find(rows, store=store, size=size, method=OURS[1], writers=w,
+                                                    readers=r)) for w, r in combos),
+             *(_rate(find(rows, store=store, size=size, method=m(store))) if store == "local" or name == "np.load"
+               else "n/a" for name, m in base)]
+            for size, store in itertools.product(map(bc.size_label, cfg.sizes_mb), cfg.stores)]
+    return bc.markdown_table(["state", "store", *(f"{w}->{r}" for w, r in combos), *(n for n, _ in base)], body)
+
+
 def readme_tables(rows: Sequence[Row], cfg: Config) -> str:
     """Save MB/s, restore MB/s (N writers -> M readers) and the async stall, as markdown."""
-    def rate(row: Row | None) -> str:
-        return "-" if row is None else row.mb_per_s.text("{:,.0f}")
-
     def ms(row: Row | None) -> str:
         return "-" if row is None else bc.spread([s * 1000 for s in row.seconds.samples]).text("{:,.0f}")
 
-    sizes, combos = list(map(bc.size_label, cfg.sizes_mb)), [(w, r) for w in cfg.writers for r in cfg.readers]
+    sizes = list(map(bc.size_label, cfg.sizes_mb))
     plural = {w: f"{w} writer{'s' * (w > 1)}" for w in cfg.writers}
-    save_body, restore_body, stall_body = [], [], []
+    save_body, stall_body = [], []
     for size, store in itertools.product(sizes, cfg.stores):
         mine = [r for r in rows if (r.store, r.size) == (store, size)]
         ours = [find(mine, method=OURS[0], writers=w) for w in cfg.writers]
         base, best = find(mine, method=SAVEZ[store][0]), min(filter(None, ours), key=lambda r: r.seconds.median)
-        save_body.append([size, STORE_NAMES[store], *map(rate, ours), rate(base),
-                          rate(find(mine, method=TF[0])) if store == "local" else "n/a (1)",
-                          *(rate(find(mine, method=m[0])) for m in (FLOOR, FILES)),
+        save_body.append([size, STORE_NAMES[store], *map(_rate, ours), _rate(base),
+                          _rate(find(mine, method=TF[0])) if store == "local" else "n/a (1)",
+                          *(_rate(find(mine, method=m[0])) for m in (FLOOR, FILES)),
                           f"x{base.seconds.median / best.seconds.median:.2f}" if base else "-"])
-        restore_body.append([size, STORE_NAMES[store],
-                             *(rate(find(mine, method=OURS[1], writers=w, readers=r)) for w, r in combos),
-                             rate(find(mine, method=SAVEZ[store][1])),
-                             rate(find(mine, method=TF[1])) if store == "local" else "n/a",
-                             *(rate(find(mine, method=m[1])) for m in (FLOOR, FILES))])
     for size in sizes:
         memcpy, stalls = find(rows, size=size, op="memcpy"), [find(rows, size=size, op="stall", writers=w)
                                                               for w in cfg.writers]
@@ -544,10 +553,7 @@ def readme_tables(rows: Sequence[Row], cfg: Config) -> str:
            "(1) tf.train.Checkpoint cannot write gs:// on the emulator. Disk floors: the same bytes as one fsynced "
            "file, and as fsynced 4 MiB files by 8 threads (the service's file pattern), through the local store.", "",
            "**Restore** (MB/s; N writers -> M reader processes, each reading its share with "
-           "`partition=(rank, M)`; checked bit-exact)", "",
-           bc.markdown_table(["state", "store", *(f"{w}->{r}" for w, r in combos), "np.load", "tf read",
-                              "1 file (disk, cold)", "4 MiB files (cold)"],
-                             restore_body), ""]
+           "`partition=(rank, M)`; checked bit-exact)", "", restore_table(rows, cfg), ""]
     if cfg.async_stall:
         out += ["**Async stall** (ms the caller is blocked by `save_async`, the snapshot; slowest rank) against "
                 "`np.copy` of the whole state", "",

@@ -1,15 +1,7 @@
-"""The harness of the benchmarks in ``bench/`` (each runs as ``python -m bench.<name>`` from the repo root).
-
-* argument types :func:`csv_list` and :func:`positive_int`; :func:`measured` runs a benchmark
-  in a fresh work directory and turns its failures into exit codes;
-* :func:`spread`: repeats as a median and a min/max range;
-* :func:`machine_info` / :func:`machine_line`: what the numbers were measured on;
-* :func:`markdown_table` / :func:`print_table`; :func:`write_results` (``<name>.json`` with
-  ``summary``, ``machine``, ``params``, ``notes`` and ``rows``), :func:`finish_report` (the
-  ``.md`` and the plot beside it), :func:`publish` (both); :func:`plot_panels`: grouped bar charts;
-* :class:`RankPool`: spawned processes that run one function on ranks 0..n-1 at once.
-
-Units: 1 MB = 10**6 bytes.
+"""The harness of the benchmarks in ``bench/`` (each runs as ``python -m bench.<name>`` from the repo root):
+options, :func:`measured` (a fresh work directory, exit codes), :func:`spread` (median and range),
+the machine, :func:`publish` (``<name>.json``, ``.md`` and a plot of :class:`Panel` bar charts), and
+:class:`RankPool` (spawned processes running one function on ranks 0..n-1 at once). 1 MB = 10**6 bytes.
 """
 from __future__ import annotations
 
@@ -32,7 +24,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +88,6 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def install_interrupt_handlers() -> None:
-    """Turn SIGINT and SIGTERM into KeyboardInterrupt, so a benchmark cleans up its workers,
-    emulator and temporary data also when started in the background (where SIGINT is ignored)."""
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
-
-
 def measured(name: str, fn: Callable[[Path], T], tmpdir: Path | None = None,
              keep: bool = False) -> tuple[T, float, dict[str, Any]]:
     """``fn(fresh work directory)``'s result, its seconds and the machine it ran on.
@@ -110,7 +95,9 @@ def measured(name: str, fn: Callable[[Path], T], tmpdir: Path | None = None,
     The directory (under ``tmpdir`` if given) is removed at the end unless ``keep``. A
     BenchError exits with 1, Ctrl-C or SIGTERM with 130, once ``fn`` has cleaned up.
     """
-    install_interrupt_handlers()
+    # SIGTERM (and SIGINT, ignored in the background) must still clean up workers, emulator and data
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     machine = machine_info()
     print(f"machine: {machine_line(machine)}, load {machine['load_average_at_start']}", file=sys.stderr, flush=True)
@@ -173,6 +160,37 @@ def spread_summary(s: Spread | None) -> dict[str, Any] | None:
     return None if s is None else {"median": s.median, "min": s.min, "max": s.max, "n": s.n}
 
 
+def fmt_summary(s: Mapping[str, Any] | None, spec: str = ",.0f") -> str:
+    """A :func:`spread_summary` as ``"12 (10-14)"``; one sample shows no range, none shows ``-``."""
+    if not s:
+        return "-"
+    return f"{s['median']:{spec}}" + (f" ({s['min']:{spec}}-{s['max']:{spec}})" if s["n"] > 1 else "")
+
+
+def phases(marks: Mapping[str, float], order: Sequence[str], scale: float = 1.0) -> dict[str, float]:
+    """Each phase after the first mark present (in ``order``): the gap from the latest earlier mark, x ``scale``."""
+    out: dict[str, float] = {}
+    prev = None
+    for name in (n for n in order if n in marks):
+        if prev is not None:
+            out[name] = max(0.0, (marks[name] - prev) * scale)
+        prev = marks[name] if prev is None else max(prev, marks[name])
+    return out
+
+
+@contextlib.contextmanager
+def store_root(spec: str, tmp: Path, bucket: str) -> Iterator[str]:
+    """Where a benchmark's training runs keep their stores: ``local`` (under ``tmp``), ``gcs``
+    (fake-gcs-server started here; the workers inherit STORAGE_EMULATOR_HOST) or a URL prefix."""
+    if spec == "gcs":
+        from ckpt_service.testing.gcs_emulator import gcs_emulator
+
+        with gcs_emulator() as emu:
+            yield f"gs://{emu.new_bucket(bucket)}/runs"
+    else:
+        yield str(tmp / "stores") if spec == "local" else spec.rstrip("/")
+
+
 def _version(*dists: str) -> str | None:
     """Installed version of the first distribution found, without importing it (TensorFlow is slow)."""
     for dist in dists:
@@ -186,16 +204,14 @@ def machine_info() -> dict[str, Any]:
     with contextlib.suppress(OSError):
         cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                     if line.lower().startswith("model name")), cpu)
-    return {
-        "cpu_model": cpu, "cores": os.cpu_count(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "os": platform.platform(), "python": platform.python_version(), "numpy": _version("numpy"),
-        "tensorflow": _version("tensorflow-cpu", "tensorflow"), "zarr": _version("zarr"),
-        "google_cloud_storage": _version("google-cloud-storage"),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        # on a shared machine the load says how noisy a run was
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
+    return {"cpu_model": cpu, "cores": os.cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "os": platform.platform(), "python": platform.python_version(), "numpy": _version("numpy"),
+            "tensorflow": _version("tensorflow-cpu", "tensorflow"), "zarr": _version("zarr"),
+            "google_cloud_storage": _version("google-cloud-storage"),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            # on a shared machine the load says how noisy a run was
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
 
 
 def machine_line(info: Mapping[str, Any] | None = None) -> str:
@@ -250,26 +266,21 @@ def write_results(path: str | os.PathLike[str], *, name: str, summary: Mapping[s
     return out
 
 
-def finish_report(out: Path, markdown: str, plot: Callable[[Path], Path | None] | None, elapsed: float) -> int:
-    """Write the markdown beside the results JSON, draw the plot (None: skipped), say where they went."""
-    out.with_suffix(".md").write_text(markdown)
+def publish(out: Path, *, name: str, summary: Mapping[str, Any], rows: Sequence[Any], params: Mapping[str, Any],
+            notes: Sequence[str], machine: Mapping[str, Any], elapsed: float, markdown: str,
+            plot: Callable[[Path], Path | None] | None) -> int:
+    """:func:`write_results`, then the markdown (under a header of what ran where) and the plot beside it."""
+    out = write_results(out, name=name, summary={**summary, "elapsed_s": elapsed}, rows=rows, params=params,
+                        notes=notes, machine=machine)
+    out.with_suffix(".md").write_text(
+        f"# {name} results\n\nMachine: {machine_line(machine)}, load average at start "
+        f"{machine['load_average_at_start']}  \nCommand: `{command_line()}`  \n"
+        f"Run time: {elapsed:.0f} s. Units: 1 MB = 10**6 bytes.\n\n{markdown}")
     print(f"\nresults: {out}\ntables:  {out.with_suffix('.md')}")
     if plot is not None and (png := plot(out.with_suffix(".png"))) is not None:
         print(f"plot:    {png}")
     print(f"elapsed: {elapsed:.0f} s", file=sys.stderr)
     return 0
-
-
-def publish(out: Path, *, name: str, summary: Mapping[str, Any], rows: Sequence[Any], params: Mapping[str, Any],
-            notes: Sequence[str], machine: Mapping[str, Any], elapsed: float, markdown: str,
-            plot: Callable[[Path], Path | None] | None) -> int:
-    """:func:`write_results` and :func:`finish_report`, the markdown under a header of what ran where."""
-    out = write_results(out, name=name, summary={**summary, "elapsed_s": elapsed}, rows=rows, params=params,
-                        notes=notes, machine=machine)
-    header = (f"# {name} results\n\nMachine: {machine_line(machine)}, load average at start "
-              f"{machine['load_average_at_start']}  \nCommand: `{command_line()}`  \n"
-              f"Run time: {elapsed:.0f} s. Units: 1 MB = 10**6 bytes.\n\n")
-    return finish_report(out, header + markdown, plot, elapsed)
 
 
 @dataclass(frozen=True)
