@@ -1,11 +1,8 @@
 """Training throughput and per-save stall with periodic checkpoints, ours against Horovod's recipe.
 
-ResNet-32 trains under a real ``horovodrun -np 2`` and runs, side by side in one job, the
-configurations of :mod:`bench.overhead_worker` in *windows* of K steps (K = the save interval)
-whose first step saves, interleaved round by round so a shared machine's slow phases hit all
-alike. Per configuration: steps/s, the overhead against the ``none`` window of the same round,
-and the stall per save; the async stall is compared with ``np.copy`` of the state timed by the
-``none`` windows at their save steps, and the 1% overhead goal is also checked against an
+ResNet-32 trains under a real ``horovodrun -np 2``; the configurations of :mod:`bench.overhead_worker`
+run in *windows* of K steps (K = the save interval, the first step saves), interleaved round by round
+so a shared machine's slow phases hit all alike. The 1% overhead goal is also checked against an
 estimate of the loop's blocked time, since identical windows vary by more than 1% here.
 """
 from __future__ import annotations
@@ -38,9 +35,6 @@ GOAL_OVERHEAD_PCT = 1.0
 GOAL_STALL_VS_MEMCPY = 2.0
 
 
-# --------------------------------------------------------------------------- the plan (pure)
-
-
 @dataclass(frozen=True)
 class Window:
     config: str
@@ -62,9 +56,6 @@ def plan_windows(configs: Sequence[str], intervals: Sequence[int], steps: int) -
         order = [*configs[r % len(configs):], *configs[:r % len(configs)]]
         plan += [Window(c, k, k, r, k * (r + 2)) for k in intervals if r < counts[k] for c in order]
     return plan
-
-
-# --------------------------------------------------------------------------- analysis (pure)
 
 
 @dataclass(frozen=True)
@@ -242,12 +233,10 @@ def table_rows(stats: Sequence[ConfigStats]) -> list[list[str]]:
 def goal_text(summary: Mapping[str, Any]) -> str:
     if "goal" not in summary:
         return "goal not evaluated (ours_async was not run)"
-    g, at = summary["goal"], summary["goal_interval"]
-    noise, overhead = summary["throughput_noise_pct"], summary["async_overhead_pct"]
-    if g["overhead_met"] is None:
-        verdict = f"cannot be decided here: steps/s of identical windows varied over {noise or 0:.1f}%"
-    else:
-        verdict = "met" if g["overhead_met"] else "NOT met"
+    g, at, overhead = summary["goal"], summary["goal_interval"], summary["async_overhead_pct"]
+    noise = summary["throughput_noise_pct"] or 0
+    verdict = (f"cannot be decided here: steps/s of identical windows varied over {noise:.1f}%"
+               if g["overhead_met"] is None else "met" if g["overhead_met"] else "NOT met")
     text = (f"goal check (async, every {at} steps): throughput overhead "
             f"{'-' if overhead is None else f'{overhead:+.2f}%'} (goal <= {GOAL_OVERHEAD_PCT:g}%: {verdict})")
     if "async_blocking_estimate_pct" in summary:
@@ -278,9 +267,6 @@ def make_plot(path: Path, stats: Sequence[ConfigStats], intervals: Sequence[int]
                 series("overhead_pct", configs[1:])),
         bc.bars("stall per save (ms, slowest rank, log)", "ms", every, stalls, log_y=True)],
         title="checkpoint overhead during training (Horovod)", columns=3)
-
-
-# --------------------------------------------------------------------------- running horovodrun
 
 
 def run_horovod(plan: Mapping[str, Any], np_: int, work: Path, timeout_s: float) -> list[dict[str, Any]]:
@@ -314,9 +300,6 @@ def run_horovod(plan: Mapping[str, Any], np_: int, work: Path, timeout_s: float)
         return [json.loads((work / "ranks" / f"rank-{r}.json").read_text()) for r in range(np_)]
     except FileNotFoundError as exc:
         raise bc.BenchError(f"a rank wrote no results: {exc}") from None
-
-
-# --------------------------------------------------------------------------- command line
 
 
 def model_spec(model: str) -> str:
@@ -384,18 +367,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     table, goal = bc.markdown_table(TABLE_COLUMNS, table_rows(stats)), goal_text(summary)
     print(f"\n{title}\n\n{table}\n\n{goal}")
     notes = [
-        "each window is K steps (K = the save interval) whose first step saves; windows of all configurations are "
-        "interleaved round by round; warm-up windows (each configuration's first save) are not counted",
-        "overhead vs none: window time / the `none` window of the same round and interval - 1; throughput_noise_pct "
-        "is the range of the `none` windows' steps/s, % of their median: when it is at least the 1% goal, "
-        "goal.overhead_met is null unless the overhead exceeds the goal by more than the noise",
-        "stall: the slowest rank's time in the checkpoint call at the save step minus its median call at comparable "
-        "steps; for ours_async the save's own blocked time as TransientImpl reports it (async_save event)",
-        "memcpy_ms, the stall's reference: np.copy of every state array, timed by the no-checkpoint windows at the "
-        "step where the others save and at every tenth of the interval after it (slowest rank, median of all)",
-        "async_blocking_estimate_pct: (async stall + the notice collectives of the other K - 1 steps x "
-        "notice_collective_ms + the remaining steps x async_plain_call_ms) / (K x median step without "
-        "checkpointing); background contention is not included",
+        "windows of K steps (K = the save interval) whose first step saves, interleaved round by round; each "
+        "configuration's first (warm-up) window is not counted",
+        "overhead vs none: window time / the `none` window of the same round and interval - 1; throughput_noise_pct: "
+        "the range of the `none` windows' steps/s, % of their median (goal.overhead_met is null when it is at least "
+        "the goal and the overhead does not exceed the goal by more than it)",
+        "stall: the slowest rank's call at the save step minus its median call at comparable steps; ours_async: the "
+        "save's own blocked time (async_save event); memcpy_ms: np.copy of the state in the `none` windows",
+        "async_blocking_estimate_pct: (stall + notice collectives x notice_collective_ms + the other steps x "
+        "async_plain_call_ms) / (K x median step without checkpointing); background contention is not included",
         "model.save_weights does not fsync; the hvd-transient local store fsyncs every object"]
     params = {**{k: v for k, v in vars(args).items() if k not in ("out", "tmpdir", "plot", "keep")}, "model": model,
               "configs": configs, "model_info": {k: rank0[k] for k in ("model_name", "params", "state_bytes", "tensors",

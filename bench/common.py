@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
@@ -360,24 +361,24 @@ def pool_queue() -> Any:
     return _SHARED["queue"]
 
 
-def _serve(conn: Any, barriers: dict[int, Any], shared_queue: Any) -> None:
+def _init_worker(barriers: dict[int, Any], shared_queue: Any) -> None:
     logging.basicConfig(level=logging.WARNING, format="[worker] %(name)s %(levelname)s: %(message)s")
     _SHARED.update(barriers=barriers, queue=shared_queue)
-    while (message := conn.recv()) is not None:
-        fn, kwargs = message
-        try:
-            conn.send((True, fn(**kwargs)))
-        except BaseException:  # every failure goes back to the parent, which decides
-            for barrier in barriers.values():
-                barrier.abort()  # the ranks waiting for this one fail at once rather than time out
-            conn.send((False, traceback.format_exc()))
+
+
+def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    try:
+        return fn(**kwargs)
+    except BaseException:
+        for barrier in _SHARED["barriers"].values():
+            barrier.abort()  # the ranks waiting for this one fail at once rather than time out
+        raise
 
 
 class RankPool:
-    """``size`` spawned processes; :meth:`run` calls a module-level function on ranks 0..n-1 at once.
-
-    A rank's process is the same for every call, so it can keep clients open between calls.
-    The ranks share barriers for 1..size parties (:func:`sync`) and one queue (:func:`pool_queue`).
+    """``size`` spawned processes (one single-worker executor per rank, so a rank keeps its clients
+    open between calls); :meth:`run` calls a module-level function on ranks 0..n-1 at once. The
+    ranks share barriers for 1..size parties (:func:`sync`) and one queue (:func:`pool_queue`).
     A failure on any rank raises BenchError; the pool is then only good for :meth:`close`.
     """
 
@@ -385,36 +386,25 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self.size, self.queue = size, ctx.Queue()
         self.barriers = {n: ctx.Barrier(n) for n in range(1, size + 1)}
-        pipes = [ctx.Pipe() for _ in range(size)]
-        self._conns = [parent for parent, _ in pipes]
-        self._procs = [ctx.Process(target=_serve, args=(child, self.barriers, self.queue), daemon=True)
-                       for _, child in pipes]
-        for p in self._procs:
-            p.start()
+        self._ranks = [ProcessPoolExecutor(1, ctx, _init_worker, (self.barriers, self.queue)) for _ in range(size)]
 
     def run(self, fn: Callable[..., Any], n: int | None = None, **kwargs: Any) -> list[Any]:
         """``fn(rank=r, **kwargs)`` on ranks 0..n-1 (default: all); their answers in rank order."""
-        n = self.size if n is None else n
-        for rank in range(n):
-            self._conns[rank].send((fn, {"rank": rank, **kwargs}))
-        answers, deadline = [], time.monotonic() + OP_TIMEOUT_S
-        for rank, (conn, proc) in enumerate(zip(self._conns[:n], self._procs)):
-            while not conn.poll(1.0):
-                if not proc.is_alive() or time.monotonic() > deadline:
-                    raise BenchError(f"rank {rank} did not answer (exit code {proc.exitcode})")
-            answers.append(conn.recv())
-        if failed := [f"rank {rank}:\n{value}" for rank, (ok, value) in enumerate(answers) if not ok]:
-            raise BenchError(f"{len(failed)} of {n} ranks failed:\n" + "\n".join(failed))
-        return [value for _, value in answers]
+        futures = [ex.submit(_call, fn, {"rank": r, **kwargs}) for r, ex in enumerate(self._ranks[:n or self.size])]
+        wait(futures, timeout=OP_TIMEOUT_S)
+        failed = [f"rank {r}: " + ("no answer" if not f.done() else "".join(traceback.format_exception(f.exception())))
+                  for r, f in enumerate(futures) if not f.done() or f.exception() is not None]
+        if failed:
+            raise BenchError(f"{len(failed)} of {len(futures)} ranks failed:\n" + "\n".join(failed))
+        return [f.result() for f in futures]
 
     def close(self) -> None:
         for barrier in self.barriers.values():
             barrier.abort()  # nobody stays blocked in a barrier
-        for conn in self._conns:
-            with contextlib.suppress(OSError, ValueError):
-                conn.send(None)
-        for p in self._procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+        for ex in self._ranks:
+            procs = list((ex._processes or {}).values())  # private, but the only handle on a stuck rank
+            ex.shutdown(wait=False, cancel_futures=True)
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.terminate()
