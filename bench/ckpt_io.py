@@ -82,9 +82,6 @@ def shared_state(total_bytes: int, seed: int) -> Iterator[StateRef]:
         shm.unlink()
 
 
-# --------------------------------------------------------------------------- in the worker processes
-
-
 def drop_caches(*roots: str | Path) -> str:
     """Evict cached file data so that the next read comes from the disk: every file, if this
     container may write /proc/sys/vm/drop_caches, else the files under ``roots`` (fadvise)."""
@@ -268,9 +265,6 @@ def disk_floor(rank: int, url: str, state: StateRef, file_mib: int = 0) -> tuple
     raise bc.BenchError(f"{store.root}: short read")
 
 
-# --------------------------------------------------------------------------- the measurement
-
-
 @dataclass(frozen=True)
 class Config:
     sizes_mb: tuple[float, ...]
@@ -432,9 +426,6 @@ def run(cfg: Config, tmp: Path, user_store: str | None = None) -> list[Row]:
     with store_urls(cfg.stores, tmp, user_store) as urls, \
             contextlib.closing(bc.RankPool(max((*cfg.writers, *cfg.readers)))) as pool:
         return measure(cfg, pool, urls, tmp)
-
-
-# --------------------------------------------------------------------------- summary and report (pure)
 
 
 def find(rows: Sequence[Row], **match: Any) -> Row | None:

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import bench.common as bc
+from hvd_transient.testing.local_cluster import HOST_ALIASES  # one Horovod slot each
 
 log = logging.getLogger(__name__)
 
-#: local host aliases, one Horovod slot each (see hvd_transient.testing.local_cluster.HOST_ALIASES)
-HOST_ALIASES = ("localhost", "127.0.0.1", "127.0.1", "127.1", "2130706433", "0x7f000001")
 CONFIGS = ("none", "save_weights", "ours_sync", "ours_async")
 LABELS = {"none": "no checkpoint", "save_weights": "rank 0 model.save_weights (Horovod docs)",
           "ours_sync": "hvd-transient sync sharded", "ours_async": "hvd-transient async (TransientCallback)"}
@@ -45,11 +44,8 @@ class Window:
 
 
 def plan_windows(configs: Sequence[str], intervals: Sequence[int], steps: int) -> list[Window]:
-    """Warm-up windows first, then rounds; in each round every configuration runs one window per interval.
-
-    The configuration order rotates from round to round, and a configuration's step count
-    starts every window at a multiple of its interval, so the window's first step saves.
-    """
+    """Warm-up windows, then rounds of one window per configuration and interval (the order rotating);
+    a configuration's step count starts every window at a multiple of its interval: the first step saves."""
     plan = [Window(c, k, min(WARMUP_WINDOW_STEPS, k), -1, k) for k in intervals for c in configs if c != "none"]
     counts = {k: max(1, round(steps / k)) for k in intervals}
     for r in range(max(counts.values())):
@@ -80,11 +76,8 @@ class WindowResult:
                 and (like is None or (j in self.round_steps) == (like in self.round_steps))]
 
     def stalls_s(self) -> list[float]:
-        """Per save: the slowest rank's time in the call beyond its median call at comparable steps.
-
-        The save step's call also runs the notice collective, so it is compared with the other
-        steps that ran one: the stall is the save's own cost.
-        """
+        """Per save: the slowest rank's call beyond its median call at comparable steps (the save step's
+        call also runs the notice collective, so it is compared with the other steps that ran one)."""
         return [max(hooks[i] - statistics.median(self.others(hooks, i) or self.others(hooks) or [0.0])
                     for hooks in self.hook_s) for i in self.save_steps]
 
@@ -262,10 +255,10 @@ def make_plot(path: Path, stats: Sequence[ConfigStats], intervals: Sequence[int]
               "np.copy of the state in the loop": series("copy_ms", ["none"])[LABELS["none"]]}
     every = [f"every {k}" for k in intervals]
     return bc.plot_panels(path, [
-        bc.bars("training throughput (steps/s)", "steps/s", every, series("steps_per_s", configs)),
-        bc.bars("throughput overhead vs no checkpoint (%, paired windows)", "%", every,
-                series("overhead_pct", configs[1:])),
-        bc.bars("stall per save (ms, slowest rank, log)", "ms", every, stalls, log_y=True)],
+        bc.Panel("training throughput (steps/s)", "steps/s", every, series("steps_per_s", configs)),
+        bc.Panel("throughput overhead vs no checkpoint (%, paired windows)", "%", every,
+                 series("overhead_pct", configs[1:])),
+        bc.Panel("stall per save (ms, slowest rank, log)", "ms", every, stalls, log_y=True)],
         title="checkpoint overhead during training (Horovod)", columns=3)
 
 

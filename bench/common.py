@@ -40,9 +40,6 @@ class BenchError(RuntimeError):
     """A benchmark could not run as asked (bad arguments, a missing tool, a failed measurement)."""
 
 
-# --------------------------------------------------------------------------- running a benchmark
-
-
 def csv_list(kind: type, allowed: Sequence[Any] | None = None) -> Callable[[str], tuple[Any, ...]]:
     """An argparse type: a comma-separated list of ``kind`` (numbers must be positive), duplicates dropped."""
     def parse(text: str) -> tuple[Any, ...]:
@@ -118,9 +115,6 @@ def measured(name: str, fn: Callable[[Path], T], tmpdir: Path | None = None,
             print(f"kept: {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- statistics and machine
 
 
 @dataclass(frozen=True)
@@ -232,9 +226,6 @@ def machine_line(info: Mapping[str, Any]) -> str:
             f"numpy {info['numpy']}, TensorFlow {info['tensorflow']}, {info['date'][:10]}")
 
 
-# --------------------------------------------------------------------------- reports
-
-
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def line(cells: Sequence[Any]) -> str:
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
@@ -283,22 +274,14 @@ def publish(out: Path, *, name: str, summary: Mapping[str, Any], rows: Sequence[
 
 @dataclass(frozen=True)
 class Panel:
-    """One grouped bar chart: ``series[label][i]`` is that series' bar in ``categories[i]`` (None: a gap),
-    ``errors[label][i]`` an optional ``(low, high)`` range (e.g. min and max over repeats)."""
+    """One grouped bar chart: ``series[label][i]`` is that series' bar in ``categories[i]``: a value, a
+    :class:`Spread` (its median, with its min-max range as an error bar) or None (a gap)."""
 
     title: str
     ylabel: str
-    categories: tuple[str, ...]
-    series: Mapping[str, Sequence[float | None]]
-    errors: Mapping[str, Sequence[tuple[float, float] | None]] = field(default_factory=dict)
+    categories: Sequence[str]
+    series: Mapping[str, Sequence[Spread | float | None]]
     log_y: bool = False
-
-
-def bars(title: str, ylabel: str, categories: Sequence[str], found: Mapping[str, Sequence[Spread | None]],
-         log_y: bool = False) -> Panel:
-    """A panel of medians with min-max error bars: per series, one spread (None: a gap) per category."""
-    return Panel(title, ylabel, tuple(categories), {k: [x.median if x else None for x in v] for k, v in found.items()},
-                 {k: [(x.min, x.max) if x else None for x in v] for k, v in found.items()}, log_y)
 
 
 def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], *, title: str | None = None,
@@ -318,10 +301,9 @@ def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], *, title:
     for ax, panel in zip(axes.flat, panels):
         width = 0.8 / max(1, len(panel.series))
         for i, (label, values) in enumerate(panel.series.items()):
-            heights = [v if v is not None else 0.0 for v in values]
-            ranges = panel.errors.get(label)
-            yerr = [[max(0.0, h - r[0]) if r else 0.0 for h, r in zip(heights, ranges)],
-                    [max(0.0, r[1] - h) if r else 0.0 for h, r in zip(heights, ranges)]] if ranges else None
+            heights = [(v.median if isinstance(v, Spread) else v) or 0.0 for v in values]
+            yerr = [[max(0.0, h - v.min) if isinstance(v, Spread) else 0.0 for h, v in zip(heights, values)],
+                    [max(0.0, v.max - h) if isinstance(v, Spread) else 0.0 for h, v in zip(heights, values)]]
             ax.bar([c + (i - (len(panel.series) - 1) / 2) * width for c in range(len(heights))], heights, width,
                    label=label, yerr=yerr, capsize=2)
         ax.set_xticks(range(len(panel.categories)), panel.categories)
@@ -338,8 +320,6 @@ def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], *, title:
     plt.close(fig)
     return Path(path)
 
-
-# --------------------------------------------------------------------------- worker processes
 
 _SHARED: dict[str, Any] = {}  # in a RankPool worker: the pool's barriers and queue
 

@@ -96,8 +96,8 @@ def make_plot(path: Path, rows: Sequence[Row], cfg: Config) -> Path | None:
                                                      for ours, _ in found] for w in cfg.writers}
         if cfg.baselines:
             series["single writer np.savez"] = [single.seconds if single else None for _, single in found]
-        panels.append(bc.bars(f"{STORE_NAMES[store]}: notice -> commit (s, log; 30 s window)", "seconds", sizes,
-                              series, log_y=True))
+        panels.append(bc.Panel(f"{STORE_NAMES[store]}: notice -> commit (s, log; 30 s window)", "seconds", sizes,
+                               series, log_y=True))
     return bc.plot_panels(path, panels, title="emergency save: time from notice to durable commit", columns=2)
 
 

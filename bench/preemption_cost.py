@@ -1,23 +1,13 @@
 """What a preemption, and a join, costs: plain Horovod elastic against the same job with hvd-transient.
 
-The same elastic Keras training runs on a local cluster (``LocalCluster``: real ``horovodrun`` over
-local host aliases, a GCE metadata emulator per host) per variant: ``baseline``
-(``bench/plain_elastic_worker.py``, Horovod's own elastic Keras recipe: nobody reacts to the notice,
-the worker is killed when the window ends and Horovod rolls back) and ``ours``
-(``examples/keras_elastic.py``: emergency checkpoint, election, the host leaves the ring cleanly).
-Scenarios: on 3 hosts a plain worker (``worker``) or the checkpoint master / rank 0 (``master``) is
-preempted; ``join``: a third host joins a running 2-host ring (``ours``: the new VM boots a standby
-worker, :mod:`hvd_transient.worker`, and discovery lists it once the standby is ready; ``baseline``:
-Horovod starts the newcomer's process after the survivors reset, as it does).
-
-Every figure of the run comes from :func:`hvd_transient.report.analysis.analyze`, with the
-product's rules (the numbers ``hvd-transient report`` shows): steps rolled back are the largest
-``rolled_back`` of one survivor's reset (not a per-survivor sum), the resume ends at the *first*
-survivor's first step on the new ring (not the last one's), and the baseline departs at the kill time
-the emulator recorded; the phases are :attr:`Preemption.marks`. This module only adds what is
-benchmark-specific: step T, alternating runs (ours, baseline within each repeat, so load drift hits
-both alike), tables and the plot. Results:
-``bench/results/preemption_cost.json``, ``.md`` and ``.png``.
+The same elastic Keras training runs on a ``LocalCluster`` (real ``horovodrun`` over local host aliases,
+a GCE metadata emulator per host) as ``baseline`` (``bench/plain_elastic_worker.py``: nobody reacts to
+the notice, the worker is killed when the window ends, Horovod rolls back) and ``ours``
+(``examples/keras_elastic.py``: emergency checkpoint, election, a clean leave). Scenarios: on 3 hosts a
+worker or the checkpoint master / rank 0 is preempted; ``join``: a third host joins a 2-host ring (ours:
+the new VM boots a standby worker that discovery lists once ready). Every figure and phase comes from
+:func:`hvd_transient.report.analysis.analyze` (what ``hvd-transient report`` shows); this module adds
+step T, alternating runs (so load drift hits both variants alike), tables and the plot.
 """
 from __future__ import annotations
 
@@ -179,9 +169,6 @@ def standby_ready_at(store: Any, host: str) -> float | None:
     return next((r.ready_at for r in read_ready(store) if r.host == host), None)
 
 
-# --------------------------------------------------------------------------- measurement (pure)
-
-
 @dataclass(frozen=True)
 class Measurement:
     variant: str
@@ -254,8 +241,6 @@ def measure(rec: RunRecord) -> Measurement:
         marks={k: v - rec.notice_at for k, v in marks.items()},
         phases_ms=bc.phases(marks, MARKS, 1000.0))
 
-
-# --------------------------------------------------------------------------- summary & report
 
 PER_RUN = ("steps_rolled_back", "resume_ms", "notice_to_resume_ms", "publish_to_resume_ms", "stall_ms", "lost_s",
            "train_to_t_s", "job_s", "join_stall_s", "join_s", "standby_ready_s")
@@ -330,10 +315,9 @@ def make_plot(path: Path, summary: Mapping[str, Any], cfg: Config) -> Path | Non
         scen = tuple(s for s in cfg.scenarios if (s == "join") == (key == "join_stall_s") and summary["scenarios"][s])
         cells = {LABELS[v]: [summary["scenarios"][s].get(v, {}).get(key) for s in scen] for v in cfg.variants}
         if scen:
-            panels.append(bc.Panel(title, unit, scen,
-                                   {k: [c["median"] * scale if c else None for c in cs] for k, cs in cells.items()},
-                                   {k: [(c["min"] * scale, c["max"] * scale) if c else None for c in cs]
-                                    for k, cs in cells.items()}))
+            panels.append(bc.Panel(title, unit, scen, {k: [bc.Spread(c["median"] * scale, c["min"] * scale,
+                                                                      c["max"] * scale, c["n"]) if c else None
+                                                            for c in cs] for k, cs in cells.items()}))
     return bc.plot_panels(path, panels, title=f"cost of a preemption and a join ({cfg.model}, {cfg.window_s:g} s)")
 
 

@@ -54,9 +54,6 @@ class Launch:
     checkpoint_step: int | None
 
 
-# --------------------------------------------------------------------------- analysis (pure)
-
-
 def launch_marks(events: Sequence[Event], launched_at: float, hosts: Sequence[str]) -> dict[str, float]:
     """Seconds after launch by which every rank had logged each of LAUNCH_PHASES' events."""
     marks: dict[str, float] = {}
@@ -115,8 +112,8 @@ def make_plot(path: Path, rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | Non
             found = {size: [x.mb_per_s if (x := ckpt_io.find(rows, store=store, size=size, op="restore", writers=w,
                                                               readers=r)) else None for w, r in combos]
                      for size in map(bc.size_label, cfg.sizes_mb)}
-            panels.append(bc.bars(f"restore from {ckpt_io.STORE_NAMES[store]}: N writers -> M readers (MB/s)", "MB/s",
-                                  [f"{w}->{r}" for w, r in combos], found))
+            panels.append(bc.Panel(f"restore from {ckpt_io.STORE_NAMES[store]}: N writers -> M readers (MB/s)", "MB/s",
+                                   [f"{w}->{r}" for w, r in combos], found))
     if summary.get("cold_restart_phases_s") or summary.get("fresh_start_phases_s"):
         medians = {label: [(summary.get(f"{kind}_phases_s", {}).get(name) or {}).get("median")
                            for name, _, _ in LAUNCH_PHASES]
@@ -124,9 +121,6 @@ def make_plot(path: Path, rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | Non
         panels.append(bc.Panel("launch -> first step, by phase (s, median)", "seconds",
                                tuple(short for _, _, short in LAUNCH_PHASES), medians))
     return bc.plot_panels(path, panels, title="cold restart from the store", columns=2) if panels else None
-
-
-# --------------------------------------------------------------------------- cold restart (I/O)
 
 
 def example_command(store: str, rc: RestartConfig, *, save_every: int) -> tuple[str, ...]:
@@ -193,9 +187,6 @@ def cold_restart(rc: RestartConfig, tmp: Path) -> tuple[list[Launch], dict[str, 
                 print(f"  {kind:12} #{repeat}: first step {launch.first_step_s:.1f} s after launch",
                       file=sys.stderr, flush=True)
     return launches, checkpoint
-
-
-# --------------------------------------------------------------------------- command line
 
 
 def main(argv: Sequence[str] | None = None) -> int:
