@@ -197,14 +197,13 @@ def savez_baseline(rank: int, url: str, state: StateRef, load: bool = True) -> t
             fh.flush(), os.fsync(fh.fileno())
             size = fh.tell()
         os.replace(tmp, local)
+        drop_caches(local.parent)
     else:
         np.savez(buf := io.BytesIO(), **arrays)
         size = buf.tell()
         buf.seek(0)
         blob = store.client.bucket(store.bucket_name).blob(f"{store.prefix}/{key}".lstrip("/"))
         blob.upload_from_file(buf, size=size)
-    if local is not None:
-        drop_caches(local.parent)
     save_s, start = time.perf_counter() - start, time.perf_counter()
     if load:
         with np.load(local or io.BytesIO(store.get(key))) as npz:

@@ -88,18 +88,15 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 def measured(name: str, fn: Callable[[Path], T], tmpdir: Path | None = None,
              keep: bool = False) -> tuple[T, float, dict[str, Any]]:
-    """``fn(fresh work directory)``'s result, its seconds and the machine it ran on.
-
-    The directory (under ``tmpdir`` if given) is removed at the end unless ``keep``. A
-    BenchError exits with 1, Ctrl-C or SIGTERM with 130, once ``fn`` has cleaned up.
-    """
+    """``fn(fresh work directory)``'s result, its seconds and the machine; the directory is removed unless
+    ``keep``. A BenchError exits with 1, Ctrl-C or SIGTERM with 130, once ``fn`` has cleaned up."""
     # SIGTERM (and SIGINT, ignored in the background) must still clean up workers, emulator and data
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     machine = machine_info()
     print(f"machine: {machine_line(machine)}, load {machine['load_average_at_start']}", file=sys.stderr, flush=True)
-    if tmpdir is not None:
+    if tmpdir:
         tmpdir.mkdir(parents=True, exist_ok=True)
     work, started = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmpdir)), time.perf_counter()
     try:
@@ -234,21 +231,17 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def _json_default(value: Any) -> Any:
+    """Dataclasses as objects, numpy scalars as numbers, paths as text."""
     if is_dataclass(value) and not isinstance(value, type):
         return asdict(value)
-    if isinstance(value, Path):
-        return str(value)
-    if hasattr(value, "item"):  # numpy scalars
-        return value.item()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+    return value.item() if hasattr(value, "item") else str(value)
 
 
-def command_line(argv: Sequence[str] | None = None) -> str:
+def command_line() -> str:
     """The command that produced a result: ``python -m bench.NAME ARGS`` for a benchmark module."""
-    args = list(sys.argv if argv is None else argv)
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    head = ["-m", spec.name] if argv is None and spec is not None and spec.name else [os.path.relpath(args[0], REPO)]
-    return "python " + shlex.join([*head, *args[1:]])
+    head = ["-m", spec.name] if spec is not None and spec.name else [os.path.relpath(sys.argv[0], REPO)]
+    return "python " + shlex.join([*head, *sys.argv[1:]])
 
 
 def publish(out: Path, *, name: str, summary: Mapping[str, Any], rows: Sequence[Any], params: Mapping[str, Any],
@@ -350,11 +343,9 @@ def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
 
 
 class RankPool:
-    """``size`` spawned processes (one single-worker executor per rank, so a rank keeps its clients
-    open between calls); :meth:`run` calls a module-level function on ranks 0..n-1 at once. The
-    ranks share barriers for 1..size parties (:func:`sync`) and one queue (:func:`pool_queue`).
-    A failure on any rank raises BenchError; the pool is then only good for :meth:`close`.
-    """
+    """``size`` spawned processes, one single-worker executor per rank (so a rank keeps its clients open),
+    sharing barriers for 1..size parties (:func:`sync`) and a queue (:func:`pool_queue`). A failure on a
+    rank raises BenchError; the pool is then only good for :meth:`close`."""
 
     def __init__(self, size: int) -> None:
         ctx = mp.get_context("spawn")

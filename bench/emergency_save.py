@@ -1,10 +1,7 @@
-"""Emergency save: from a preemption notice to a durable commit, sharded writers against one writer.
-
-The notice is a barrier the armed writers leave together; N writer processes then save their
-shares (records gathered to rank 0 through a process queue, standing in for Horovod's allgather)
-until rank 0 has written the commit marker, against one process writing ``np.savez`` of the whole
-state as one object. No deadline is set: each save's length says whether it fits a 30 s notice,
-and the largest state that fits is extrapolated from the best MB/s at the largest state.
+"""Emergency save: from a preemption notice (a barrier the armed writers leave together) to a durable
+commit, N writer processes (records gathered through a queue, standing in for Horovod's allgather)
+against one process writing ``np.savez`` of the whole state. No deadline is set; the largest state
+that fits a 30 s notice is extrapolated from the best MB/s at the largest state.
 """
 from __future__ import annotations
 
@@ -60,11 +57,10 @@ def summarize(rows: Sequence[Row], cfg: Config) -> dict[str, Any]:
     return out
 
 
-def _cell(row: Row | None) -> str:
-    return "-" if row is None else f"{row.seconds.text('{:.2f}')} s, {row.mb_per_s.median:,.0f} MB/s"
-
-
 def readme_table(rows: Sequence[Row], cfg: Config) -> str:
+    def _cell(row: Row | None) -> str:
+        return "-" if row is None else f"{row.seconds.text('{:.2f}')} s, {row.mb_per_s.median:,.0f} MB/s"
+
     body = []
     for size in map(bc.size_label, cfg.sizes_mb):
         for store in cfg.stores:
@@ -119,11 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     table, capacity = readme_table(rows, cfg), capacity_text(summary)
     print(f"\n{table}\n\n{capacity}")
     notes = [
-        "the clock starts when the armed writers leave a barrier (the notice) and stops when the last of them "
-        "returns: rank 0 after writing the commit marker, so the checkpoint is visible",
-        "shard records reach rank 0 through a process queue (a stand-in for the Horovod allgather)",
-        "no deadline is set, so every save completes; fits_in_30s compares the slowest repeat with the 30 s GCE "
-        "notice; max_state_mb_in_30s is an extrapolation (MB/s at the largest state x 30 s), not a measurement",
+        "from the armed writers leaving a barrier (the notice) to the last one returning (rank 0: the commit "
+        "marker written); shard records reach rank 0 through a process queue (a stand-in for the allgather)",
+        "no deadline is set; fits_in_30s compares the slowest repeat with the 30 s GCE notice; "
+        "max_state_mb_in_30s is an extrapolation (MB/s at the largest state x 30 s), not a measurement",
         "all writers share this machine's cores (and the emulator's); on a cluster each writer is its own VM"]
     return bc.publish(args.out, name="emergency_save", summary=summary, rows=[r.as_dict() for r in rows],
                       params={**asdict(cfg), "store": args.store or "local directory + GCS emulator"}, notes=notes,

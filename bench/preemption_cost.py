@@ -138,8 +138,10 @@ def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
             cluster.add_host(target)
             bigger = cluster.wait_for(first_steps(hosts, 3, notice_at), RESUME_TIMEOUT_S, "the ring of 3")
             cluster.wait_for_step(max(e["step"] for e in bigger) + 10, START_TIMEOUT_S, size=3)
-            if standby:
-                ready_at = standby_ready_at(cluster.store, target)
+            if standby:  # when the new VM's standby worker published itself ready
+                from hvd_transient.discovery.ready import read_ready
+
+                ready_at = next((r.ready_at for r in read_ready(cluster.store) if r.host == target), None)
         else:
             if total is None:
                 if (rate := ring.steps_per_s) is None:
@@ -161,12 +163,6 @@ def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
         events = cluster.events()
     return RunRecord(plan, cluster.started_at, notice_at, target, master, total or 0, events, killed_at,
                      exit_code, time.time(), ready_at)
-
-
-def standby_ready_at(store: Any, host: str) -> float | None:
-    from hvd_transient.discovery.ready import read_ready
-
-    return next((r.ready_at for r in read_ready(store) if r.host == host), None)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -34,9 +34,9 @@ Event = dict[str, Any]
 
 
 @dataclass(frozen=True)
-class RestartConfig:
+class RestartConfig:  # field names are the command line's
     model: str
-    repeats: int
+    restart_repeats: int
     store: str
     steps_per_epoch: int
     batch_size: int
@@ -94,13 +94,14 @@ def summarize(rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | None, launches:
     return summary
 
 
-def launch_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+def launch_table(summary: Mapping[str, Any]) -> str:
     cold, fresh = summary.get("cold_restart_phases_s", {}), summary.get("fresh_start_phases_s", {})
     body = [[text, bc.fmt_summary(cold.get(name), ".2f"), bc.fmt_summary(fresh.get(name), ".2f")]
             for name, text, _ in LAUNCH_PHASES if name in cold or name in fresh]
     body.append(["**horovodrun start -> first step**", bc.fmt_summary(summary.get("cold_restart_s_spread"), ".1f"),
                  bc.fmt_summary(summary.get("fresh_start_s_spread"), ".1f")])
-    return ["phase (seconds; ends when ...)", "cold restart (restore)", "fresh start (no checkpoint)"], body
+    header = ["phase (seconds; ends when ...)", "cold restart (restore)", "fresh start (no checkpoint)"]
+    return bc.markdown_table(header, body)
 
 
 def make_plot(path: Path, rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | None,
@@ -179,7 +180,7 @@ def cold_restart(rc: RestartConfig, tmp: Path) -> tuple[list[Launch], dict[str, 
         checkpoint = write_checkpoint(store := f"{root}/checkpointed", rc, tmp / "writer")
         print(f"checkpoint: step {checkpoint['step']}, {checkpoint['bytes'] / 1e6:.2f} MB by 3 workers",
               file=sys.stderr, flush=True)
-        for repeat in range(rc.repeats):
+        for repeat in range(rc.restart_repeats):
             for kind in ("cold_restart", "fresh_start"):  # alternating: load drift hits both alike
                 target, expected = (store, checkpoint["step"]) if kind == "cold_restart" else (
                     f"{root}/fresh-{repeat}", None)
@@ -205,8 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.skip_throughput and args.skip_restart:
         p.error("nothing to do (both parts skipped)")
     cfg = None if args.skip_throughput else ckpt_io.config(args, async_stall=False, save_repeats=1)
-    rc = None if args.skip_restart else RestartConfig(args.model, args.restart_repeats, args.store,
-                                                      args.steps_per_epoch, args.batch_size)
+    rc = None if args.skip_restart else RestartConfig(**{f.name: getattr(args, f.name) for f in fields(RestartConfig)})
 
     def both(tmp: Path) -> tuple[list[ckpt_io.Row], list[Launch], dict[str, Any] | None]:
         rows = ckpt_io.run(cfg, tmp) if cfg else []
@@ -221,17 +221,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"reading its share, checked bit-exact)\n\n{ckpt_io.restore_table(rows, cfg)}\n")
         print(markdown[-1], flush=True)
     if rc is not None:
-        header, body = launch_table(summary)
-        title = (f"**Cold restart** ({rc.model}, checkpoint of {(checkpoint or {}).get('bytes', 0) / 1e6:.2f} MB "
-                 "written by 3 workers, relaunched on 2; seconds, median (min-max))")
-        markdown.append(f"{title}\n\n{bc.markdown_table(header, body)}\n")
+        markdown.append(f"**Cold restart** ({rc.model}, checkpoint of {(checkpoint or {}).get('bytes', 0) / 1e6:.2f} "
+                        f"MB written by 3 workers, relaunched on 2; seconds, median (min-max))\n\n"
+                        f"{launch_table(summary)}\n")
         print(markdown[-1], flush=True)
-    notes = ["read throughput: each writer count saves once, then each reader count restores it; the time runs "
-             "from a barrier to the last reader done; local reads come from the page cache",
+    notes = ["read throughput: each writer count saves once, each reader count restores it, from a barrier to the "
+             "last reader done; local reads are cold",
              "cold restart: horovodrun start to the latest rank's first completed step, from a checkpoint written by "
-             "3 workers of examples/keras_elastic.py whose whole cluster was then killed",
-             "fresh start: the same command and hosts with an empty store",
-             "machine shared with other jobs: compare medians measured in the same run"]
+             "3 workers of examples/keras_elastic.py whose cluster was then killed; fresh start: an empty store"]
     params = {"throughput": None if cfg is None else asdict(cfg), "restart": None if rc is None else asdict(rc),
               "writer_hosts": WRITER_HOSTS, "restart_hosts": RESTART_HOSTS}
     rows_out = [{"part": "throughput", **r.as_dict()} for r in rows] + [{"part": "restart", **asdict(x)}
