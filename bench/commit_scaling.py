@@ -13,7 +13,7 @@ import collections
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -22,7 +22,6 @@ from ckpt_service.gather import StoreGather
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.shard_records import RecordJSON
-from ckpt_service.stores.base import ObjectInfo
 from ckpt_service.stores.gcs import GCSStore
 from ckpt_service.testing.delegating import DelegatingStore
 
@@ -35,6 +34,13 @@ def kind_of(key: str) -> str:
             return kind
     return ("record" if "/records/" in key else "manifest" if "/manifest." in key
             else "data" if "/data/" in key else "other")
+
+
+def _counted(op: str, name: str) -> Callable[..., Any]:
+    def method(self: CountingStore, key: str = "", *args: Any, **kwargs: Any) -> Any:
+        self._count(op, key)
+        return getattr(self.inner, name)(key, *args, **kwargs)
+    return method
 
 
 class CountingStore(DelegatingStore):
@@ -65,25 +71,9 @@ class CountingStore(DelegatingStore):
                 self.marker_at = time.perf_counter()
         return generation
 
-    def get(self, key: str) -> bytes:
-        self._count("get", key)
-        return self.inner.get(key)
-
-    def get_versioned(self, key: str) -> tuple[bytes, int] | None:
-        self._count("get", key)
-        return self.inner.get_versioned(key)
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        self._count("get", key)
-        return self.inner.stat(key)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        self._count("list", prefix)
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self._count("delete", key)
-        self.inner.delete(key)
+    # reads, listings and deletes are counted (as their operation, on their key's kind) and forwarded
+    get, get_versioned, stat = (_counted("get", name) for name in ("get", "get_versioned", "stat"))
+    list, delete = _counted("list", "list"), _counted("delete", "delete")
 
 
 def one_save(store: CountingStore, managers: list[CheckpointManager], lease: Lease, step: int,

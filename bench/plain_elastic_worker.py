@@ -33,8 +33,7 @@ class StepEvents(tf.keras.callbacks.Callback):  # type: ignore[misc]  # Keras is
     def __init__(self, log: EventLog) -> None:
         super().__init__()
         self.log = log
-        self.started = False
-        self.ring_step: int | None = None
+        self.ring_step: int | None = None  # None until the first ring
         self.last_step = -1
         self.last_step_at: float | None = None
 
@@ -43,13 +42,11 @@ class StepEvents(tf.keras.callbacks.Callback):  # type: ignore[misc]  # Keras is
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         step, rank, size = self._step(), hvd.rank(), hvd.size()
-        if not self.started:
-            self.started = True
+        if self.ring_step is None:
             self.log.emit(ev.Start(step=step, rank=rank, size=size))
         self.log.emit(ev.Ring(step=step, rank=rank, size=size, master=0,
                               master_host=self.log.host if rank == 0 else None))
-        self.ring_step = step
-        self.last_step = step
+        self.ring_step = self.last_step = step
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         step = self._step()
@@ -87,10 +84,8 @@ def main() -> None:
     tf.random.set_seed(1234)  # identical initial weights on every worker
     images, labels = load_cifar10(args.cifar10_npz) if args.cifar10_npz else synthetic_cifar10()
     model = MODELS[args.model]()
-    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(args.base_lr * hvd.size(),
-                                                                              momentum=0.9)),
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(args.base_lr * hvd.size(), momentum=0.9)),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     # Slot variables must exist before the state is made (the documented workaround for
     # horovod#2652); the plugin's elastic_state does the same, so both runs train identically.
     model.optimizer.build(model.trainable_variables)
@@ -104,12 +99,8 @@ def main() -> None:
         events.on_reset()
 
     state.register_reset_callbacks([on_state_reset])
-    callbacks = [
-        hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit),
-        hvd.elastic.UpdateBatchStateCallback(state),
-        hvd.elastic.UpdateEpochStateCallback(state),
-        events,
-    ]
+    callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit),
+                 hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state), events]
     if args.step_seconds:
         callbacks.append(tf.keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs: time.sleep(args.step_seconds)))
@@ -118,8 +109,7 @@ def main() -> None:
     def train(state: Any) -> None:
         seed = 1000 * hvd.rank() + int(model.optimizer.iterations.numpy())
         model.fit(batches(images, labels, args.batch_size, seed), steps_per_epoch=args.steps_per_epoch,
-                  epochs=args.epochs - state.epoch, callbacks=callbacks,
-                  verbose=2 if hvd.rank() == 0 else 0)
+                  epochs=args.epochs - state.epoch, callbacks=callbacks, verbose=2 if hvd.rank() == 0 else 0)
 
     train(state)
     events.log.flush()
