@@ -119,7 +119,6 @@ def state_arrays(ref: StateRef) -> dict[str, np.ndarray]:
 def manager(url: str, io_threads: int = 8) -> Any:
     """One CheckpointManager per store and process, kept open (no retention: the parent deletes steps)."""
     from ckpt_service.manager import CheckpointManager
-
     return CheckpointManager(url, max_to_keep=None, io_threads=io_threads)
 
 
@@ -218,7 +217,6 @@ def tf_baseline(rank: int, prefix: str, state: StateRef) -> tuple[float, float, 
     """(save s, load s, bytes) of ``tf.train.Checkpoint`` write (fsynced) and read of the state."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
-
     arrays = state_arrays(state)
     if _HELD.get("tf", (None,))[0] != state:
         variables = [tf.Variable(a, name=n.replace("/", "_")) for n, a in arrays.items()]
@@ -247,7 +245,6 @@ def disk_floor(rank: int, url: str, state: StateRef, file_mib: int = 0) -> tuple
     """(write s, cold read s, how caches were dropped) of the state's bytes through the local store (fsynced) as
     one file (``file_mib`` 0: what the disk allows) or ``file_mib`` MiB files by 8 threads (the service's pattern)."""
     from ckpt_service.stores.local import LocalStore
-
     step, store = file_mib * 2**20 or state.nbytes, LocalStore(Path(url) / f"floor-{uuid.uuid4().hex}")
     state_arrays(state)  # maps the state's block in this process
     blob, buf = _HELD["state"][1].buf[:state.nbytes], memoryview(bytearray(state.nbytes))
@@ -312,7 +309,6 @@ class Row:
 def snapshot_share(layout: Layout, writers: int) -> float:
     """Largest fraction of the state one rank copies in ``save_async`` (exactly its planned pieces)."""
     from ckpt_service.plan import TensorSpec, make_save_plan
-
     plan = make_save_plan([TensorSpec(n, shape, DTYPE.name) for n, shape in layout], writers)
     return max(plan.bytes_per_rank()) / plan.total_bytes
 
@@ -325,7 +321,6 @@ def _elapsed(answers: Sequence[Sequence[Any]]) -> float:
 def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) -> list[Row]:
     """Every measurement of ``cfg``, size by size, store by store."""
     from ckpt_service.manager import CheckpointManager
-
     rows: list[Row] = []
     steps = itertools.count(1)
 
@@ -410,7 +405,6 @@ def store_urls(stores: Sequence[str], tmp: Path, user_store: str | None = None) 
             yield {"url": url}
         finally:
             from ckpt_service.stores import open_store
-
             with contextlib.suppress(Exception):  # clean-up must not hide the results
                 open_store(url).delete_prefix("")
             shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
@@ -480,16 +474,18 @@ def _rate(row: Row | None) -> str:
 
 
 def restore_table(rows: Sequence[Row], cfg: Config) -> str:
-    """Restore MB/s per N writers -> M readers, with the baselines' reads where they ran."""
+    """Restore MB/s per N writers -> M readers, and the baselines' reads where they ran (TF, disk: local only)."""
     combos = [(w, r) for w in cfg.writers for r in cfg.readers]
-    base = [("np.load", lambda s: SAVEZ[s][1]), ("tf read", lambda s: TF[1]), ("1 file (disk, cold)",
-            lambda s: FLOOR[1]), ("4 MiB files (cold)", lambda s: FILES[1])] if cfg.baselines else []
-    body = [[size, STORE_NAMES[store], *(_rate(find(rows, store=store, size=size, method=OURS[1], writers=w,
-                                                    readers=r)) for w, r in combos),
-             *(_rate(find(rows, store=store, size=size, method=m(store))) if store == "local" or name == "np.load"
-               else "n/a" for name, m in base)]
-            for size, store in itertools.product(map(bc.size_label, cfg.sizes_mb), cfg.stores)]
-    return bc.markdown_table(["state", "store", *(f"{w}->{r}" for w, r in combos), *(n for n, _ in base)], body)
+    base = {"np.load": None, "tf read": TF[1], "1 file (disk, cold)": FLOOR[1], "4 MiB files (cold)": FILES[1]}
+    body = []
+    for size, store in itertools.product(map(bc.size_label, cfg.sizes_mb), cfg.stores):
+        mine = [r for r in rows if (r.store, r.size) == (store, size)]
+        body.append([size, STORE_NAMES[store], *(_rate(find(mine, method=OURS[1], writers=w, readers=r))
+                                                 for w, r in combos),
+                     *(_rate(find(mine, method=m or SAVEZ[store][1])) if store == "local" or m is None else "n/a"
+                       for m in base.values() if cfg.baselines)])
+    return bc.markdown_table(["state", "store", *(f"{w}->{r}" for w, r in combos), *(base if cfg.baselines else ())],
+                             body)
 
 
 def readme_tables(rows: Sequence[Row], cfg: Config) -> str:

@@ -300,11 +300,9 @@ def model_spec(model: str) -> str:
     path, _, func = model.rpartition(":")
     if model not in ("resnet32", "small_cnn") and (not path or not func):
         raise bc.BenchError(f"--model {model!r}: use resnet32, small_cnn, module:function or file.py:function")
-    if path.endswith(".py"):
-        if not Path(path).expanduser().is_file():
-            raise bc.BenchError(f"--model {model!r}: no such file {path}")
-        return f"{Path(path).expanduser().resolve()}:{func}"
-    return model
+    if path.endswith(".py") and not (file := Path(path).expanduser()).is_file():
+        raise bc.BenchError(f"--model {model!r}: no such file {path}")
+    return f"{file.resolve()}:{func}" if path.endswith(".py") else model
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -326,11 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=20, help="untimed steps at the start")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before horovodrun is killed")
     args = p.parse_args(argv)
+    if args.np_ > len(HOST_ALIASES):
+        p.error(f"--np at most {len(HOST_ALIASES)} on one machine")
+    if args.store and args.store.startswith("memory://"):
+        p.error("memory:// stores live in one process; use a directory or gs://")
     try:
-        if args.np_ > len(HOST_ALIASES):
-            raise bc.BenchError(f"--np at most {len(HOST_ALIASES)} on one machine")
-        if args.store and args.store.startswith("memory://"):
-            raise bc.BenchError("memory:// stores live in one process; use a directory or gs://")
         model = model_spec(args.model)
     except bc.BenchError as exc:
         p.error(str(exc))
@@ -339,7 +337,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def train(work: Path) -> list[dict[str, Any]]:
         from bench.ckpt_io import store_urls
-
         with store_urls(("local",), work, args.store) as urls:
             base = urls.get("url") or urls["local"]
             plan = {"model": model, "batch_size": args.batch_size, "warmup_steps": args.warmup_steps,

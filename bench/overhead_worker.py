@@ -37,7 +37,6 @@ NOTICE_REPEATS = 21  # timings of the notice allreduce alone, at the end
 def load_model(spec: str) -> tf.keras.Model:
     """A built-in model, or what ``package.module:function`` / ``path/to/file.py:function`` returns."""
     from hvd_transient.testing.workloads import MODELS
-
     path, _, func = spec.rpartition(":")
     model = (MODELS[spec]() if spec in MODELS else runpy.run_path(path)[func]() if path.endswith(".py")
              else pkgutil.resolve_name(spec)())
@@ -106,7 +105,6 @@ class Saver:
             from hvd_transient.hvd_collectives import HorovodCollectives
             from hvd_transient.tf_snapshot import FusedSnapshot
             from hvd_transient.transient import TransientConfig, TransientImpl
-
             # as TransientCallback: the variables listed once, this rank's share read by one fused call
             self.fused = FusedSnapshot(state_variables(model))
             self.impl = TransientImpl(TransientConfig(
@@ -188,7 +186,6 @@ def notice_collective_s() -> list[float]:
     """The per-step notice allreduce of TransientCallback alone, every rank arriving together."""
     from hvd_transient.election import encode_notice
     from hvd_transient.hvd_collectives import HorovodCollectives
-
     comm = HorovodCollectives()
     vector = encode_notice(comm.rank(), comm.size(), None)
     comm.allreduce_sum(vector)

@@ -12,7 +12,6 @@ step T, alternating runs (so load drift hits both variants alike), tables and th
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
@@ -121,7 +120,6 @@ def first_steps(hosts: Sequence[str], size: int, after: float) -> Callable[[list
 
 def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
     from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
-
     plan.workdir.mkdir(parents=True, exist_ok=True)
     hosts = HOSTS[:2] if plan.scenario == "join" else HOSTS
     standby = plan.scenario == "join" and plan.variant == "ours"  # new VMs start a pre-warmed worker
@@ -140,7 +138,6 @@ def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
             cluster.wait_for_step(max(e["step"] for e in bigger) + 10, START_TIMEOUT_S, size=3)
             if standby:  # when the new VM's standby worker published itself ready
                 from hvd_transient.discovery.ready import read_ready
-
                 ready_at = next((r.ready_at for r in read_ready(cluster.store) if r.host == target), None)
         else:
             if total is None:
@@ -337,7 +334,6 @@ def run_all(cfg: Config, tmp: Path) -> list[Measurement]:
                                                         error=f"{type(exc).__name__}: {exc}".splitlines()[0]))
                         continue
                     total = rec.total_steps or total
-                    (plan.workdir / "record.json").write_text(json.dumps(asdict(rec), default=str))  # with --keep
                     measurements.append(m := measure(rec))
                     print(f"run {name}: {m.target}, rolled back {m.steps_rolled_back}, resume "
                           f"{m.resume_ms or 0:,.0f} ms, join stall {m.join_stall_s or 0:.2f} s, {m.error or 'ok'}",

@@ -132,7 +132,6 @@ def example_command(store: str, rc: RestartConfig, *, save_every: int) -> tuple[
 
 def _cluster(store: str, hosts: Sequence[str], command: tuple[str, ...], workdir: Path) -> Any:
     from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
-
     return LocalCluster(LocalClusterSpec(store=store, hosts=tuple(hosts), command=command, workdir=workdir))
 
 
@@ -140,7 +139,6 @@ def write_checkpoint(store: str, rc: RestartConfig, workdir: Path) -> dict[str, 
     """Train on 3 workers until a periodic checkpoint of all 3 commits, then lose the whole cluster."""
     from ckpt_service.manager import CheckpointManager
     from hvd_transient.testing.local_cluster import of
-
     cmd = example_command(store, rc, save_every=2 * rc.steps_per_epoch)
     with _cluster(store, WRITER_HOSTS, cmd, workdir) as c:
         c.wait_for(lambda ev: of(ev, "commit", kind="periodic", size=3), LAUNCH_TIMEOUT_S,
