@@ -306,13 +306,6 @@ class Row:
         return {**fields, "procs": self.procs, "mb_per_s": self.mb_per_s, **self.extra}
 
 
-def snapshot_share(layout: Layout, writers: int) -> float:
-    """Largest fraction of the state one rank copies in ``save_async`` (exactly its planned pieces)."""
-    from ckpt_service.plan import TensorSpec, make_save_plan
-    plan = make_save_plan([TensorSpec(n, shape, DTYPE.name) for n, shape in layout], writers)
-    return max(plan.bytes_per_rank()) / plan.total_bytes
-
-
 def _elapsed(answers: Sequence[Sequence[Any]]) -> float:
     """From the barrier to the last rank done: answers begin with (start, end)."""
     return max(a[1] for a in answers) - min(a[0] for a in answers)
@@ -321,6 +314,7 @@ def _elapsed(answers: Sequence[Sequence[Any]]) -> float:
 def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) -> list[Row]:
     """Every measurement of ``cfg``, size by size, store by store."""
     from ckpt_service.manager import CheckpointManager
+    from ckpt_service.plan import TensorSpec, make_save_plan
     rows: list[Row] = []
     steps = itertools.count(1)
 
@@ -371,8 +365,10 @@ def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) 
                     answers = pool.run(save, w, step=(step := next(steps)), world=w, asynchronous=True, **where)
                     samples.append(max(a[3] for a in answers))
                     parent.delete(step)
+                # the largest share of the state one rank copies: exactly its planned pieces
+                plan = make_save_plan([TensorSpec(n, shape, DTYPE.name) for n, shape in state.layout], w)
                 add(**row, op="stall", method="save_async", seconds=bc.spread(samples), writers=w,
-                    extra={"snapshot_share_max": snapshot_share(state.layout, w)})
+                    extra={"snapshot_share_max": max(plan.bytes_per_rank()) / plan.total_bytes})
 
     for size_mb in cfg.sizes_mb:
         label, repeats, started = bc.size_label(size_mb), cfg.repeats_for(size_mb), time.perf_counter()

@@ -226,22 +226,20 @@ def table_rows(stats: Sequence[ConfigStats]) -> list[list[str]]:
 def goal_text(summary: Mapping[str, Any]) -> str:
     if "goal" not in summary:
         return "goal not evaluated (ours_async was not run)"
-    g, at, overhead = summary["goal"], summary["goal_interval"], summary["async_overhead_pct"]
-    noise = summary["throughput_noise_pct"] or 0
-    verdict = (f"cannot be decided here: steps/s of identical windows varied over {noise:.1f}%"
-               if g["overhead_met"] is None else "met" if g["overhead_met"] else "NOT met")
-    text = (f"goal check (async, every {at} steps): throughput overhead "
-            f"{'-' if overhead is None else f'{overhead:+.2f}%'} (goal <= {GOAL_OVERHEAD_PCT:g}%: {verdict})")
-    if "async_blocking_estimate_pct" in summary:
-        text += (f"; blocked-time estimate {summary['async_blocking_estimate_pct']:.2f}% (one stall + "
-                 f"{summary['async_notice_rounds_per_interval']:g} notice collectives of "
-                 f"{summary['notice_collective_ms']:.2f} ms + the other steps' calls of "
-                 f"{summary['async_plain_call_ms']:.2f} ms, over {at} steps without checkpointing: "
-                 f"{'met' if g['blocking_estimate_met'] else 'NOT met'})")
-    return text + (f"; stall {summary['async_stall_ms']:.1f} ms (median of {summary['async_saves']} saves, slowest "
-                   f"rank) vs np.copy of the state at the same point of the loop {summary['memcpy_ms']:.2f} ms "
-                   f"(median of {summary['memcpy_samples']}) = {summary['async_stall_vs_memcpy']:.1f}x "
-                   f"(goal <= {GOAL_STALL_VS_MEMCPY:g}x: {'met' if g['stall_met'] else 'NOT met'})")
+    g, s, met = summary["goal"], summary, {True: "met", False: "NOT met"}
+    overhead = "-" if s["async_overhead_pct"] is None else f"{s['async_overhead_pct']:+.2f}%"
+    verdict = (f"undecided: steps/s of identical windows varied over {s['throughput_noise_pct'] or 0:.1f}%"
+               if g["overhead_met"] is None else met[g["overhead_met"]])
+    parts = [f"goal check (async, every {s['goal_interval']} steps): throughput overhead {overhead} "
+             f"(goal <= {GOAL_OVERHEAD_PCT:g}%: {verdict})"]
+    if "async_blocking_estimate_pct" in s:
+        estimate, rounds = s["async_blocking_estimate_pct"], s["async_notice_rounds_per_interval"]
+        parts.append(f"blocked-time estimate {estimate:.2f}% ({met[g['blocking_estimate_met']]}; {rounds:g} notice "
+                     "collectives per interval)")
+    parts.append(f"stall {s['async_stall_ms']:.1f} ms (median of {s['async_saves']} saves) vs np.copy of the state "
+                 f"{s['memcpy_ms']:.2f} ms = {s['async_stall_vs_memcpy']:.1f}x (goal <= {GOAL_STALL_VS_MEMCPY:g}x: "
+                 f"{met[g['stall_met']]})")
+    return "; ".join(parts)
 
 
 def make_plot(path: Path, stats: Sequence[ConfigStats], intervals: Sequence[int]) -> Path | None:

@@ -78,12 +78,6 @@ def barrier() -> None:
     hvd_tf.allreduce(tf.constant(0.0), name="bench.barrier")
 
 
-def copy_seconds(arrays: Sequence[np.ndarray]) -> float:
-    t0 = time.perf_counter()
-    _copies = [np.copy(a) for a in arrays]  # freed after the clock stopped
-    return time.perf_counter() - t0
-
-
 class Saver:
     """What one configuration runs after each training step (``local``: its own step count): ``none``
     times an ``np.copy`` of the state ten times a window (the stall's reference); ``save_weights``: rank 0
@@ -127,7 +121,9 @@ class Saver:
     def after_step(self, local: int) -> None:
         if self.config == "none":
             if local % max(1, self.interval // COPIES_PER_WINDOW) == 0:
-                self.samples.setdefault("copy_s", []).append(copy_seconds(self.arrays))
+                t0 = time.perf_counter()
+                _copies = [np.copy(a) for a in self.arrays]
+                self.samples.setdefault("copy_s", []).append(time.perf_counter() - t0)
         elif self.config == "save_weights":
             if self.saves(local) and hvd.rank() == 0:
                 self.model.save_weights(str(self.directory / f"ckpt-{local}"))  # no .h5: TensorFlow format

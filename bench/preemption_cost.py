@@ -191,13 +191,6 @@ class Measurement:
     error: str | None = None
 
 
-def last_step_before(events: Sequence[Event], survivors: Sequence[str], after: float, until: float) -> float | None:
-    """When the last survivor completed its last step on the old ring, as its reset reports it."""
-    found = [e["last_step_at"] for e in events if e.get("event") == "reset" and e.get("host") in survivors
-             and after < e["t"] <= until and e.get("last_step_at") is not None]
-    return max(found, default=None)
-
-
 def measure(rec: RunRecord) -> Measurement:
     """RunAnalysis's figures for the target's departure (or join), and its phases."""
     run = analyze(rec.events, kills={rec.target: rec.killed_at} if rec.killed_at is not None else None)
@@ -216,8 +209,10 @@ def measure(rec: RunRecord) -> Measurement:
     ours, survivors = rec.plan.variant == "ours", [h for h in HOSTS if h != rec.target]
     marks = {"given": rec.notice_at, **p.marks}
     first = p.resumed_at
-    if ours and first is not None and (last := last_step_before(rec.events, survivors, p.departed_at, first)):
-        marks["last_step"] = last  # the ring, leaving worker included, trained until Horovod interrupted it
+    if ours and first is not None:  # the ring, leaving worker included, trained until Horovod interrupted it
+        last = [e["last_step_at"] for e in rec.events if e.get("event") == "reset" and e.get("host") in survivors
+                and p.departed_at < e["t"] <= first and e.get("last_step_at") is not None]
+        marks |= {"last_step": max(last)} if last else {}  # the last survivor's last step on the old ring
     rate_after = ring.steps_per_s if first is not None and (ring := run.ring_at(first)) is not None else None
     last_old = marks.get("last_step") if ours else p.departed_at
     resume = (first - last_old) * 1000.0 if first is not None and last_old is not None else None

@@ -70,13 +70,11 @@ def summarize(rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | None, launches:
     summary: dict[str, Any] = {"units": "MB = 10**6 bytes; medians over repeats"}
     if cfg is not None and rows:
         largest = bc.size_label(max(cfg.sizes_mb))
-        summary.update(restore_size=largest, restore_mb_per_s_by_size=ckpt_io.summarize(rows, cfg)["restore_mb_per_s"],
-                       restore_mb_per_s={}, restore_best_combination={})
-        for store in cfg.stores:
-            found = [r for r in rows if (r.store, r.size, r.op) == (store, largest, "restore")]
-            if best := max(found, key=lambda r: r.mb_per_s.median, default=None):
-                summary["restore_mb_per_s"][store] = best.mb_per_s.median
-                summary["restore_best_combination"][store] = f"{best.writers}->{best.readers}"
+        by_size = ckpt_io.summarize(rows, cfg)["restore_mb_per_s"]
+        best = {store: max(by_size[store][largest].items(), key=lambda kv: kv[1]) for store in by_size}
+        summary.update(restore_size=largest, restore_mb_per_s_by_size=by_size,
+                       restore_mb_per_s={store: rate for store, (_, rate) in best.items()},
+                       restore_best_combination={store: combo for store, (combo, _) in best.items()})
     if not launches:
         return summary
     order = ("launch", *(name for name, _, _ in LAUNCH_PHASES))
