@@ -41,6 +41,7 @@ TF = ("tf.train.Checkpoint.write", "tf.train.Checkpoint.read")
 FLOOR = ("1 file, fsynced (disk floor)", "1 file, cold read (disk floor)")
 FILES = ("4 MiB files, 8 threads, fsynced", "4 MiB files, 8 threads, cold read")
 OURS = ("ckpt_service save", "ckpt_service restore")
+BASELINES = ("savez", "tf", "floor")  # np.savez / np.load, tf.train.Checkpoint, the disk (FLOOR and FILES)
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
 
 
@@ -534,8 +535,7 @@ def state_parser(name: str, description: str, *, sizes: tuple[float, ...], reade
         p.add_argument("--readers", type=bc.csv_list(int), default=(1, 2, 4), help="reader process counts")
     p.add_argument("--stores", type=bc.csv_list(str, ("local", "gcs")), default=("local", "gcs"))
     p.add_argument("--repeats", type=bc.positive_int, default=3, help="repeats per measurement")
-    p.add_argument("--large-repeats", type=bc.positive_int, default=large_repeats,
-                   help="repeats for states of at least --large-mb")
+    p.add_argument("--large-repeats", type=bc.positive_int, default=large_repeats, help="... of a large state")
     p.add_argument("--large-mb", type=float, default=large_mb, help="what counts as a large state")
     p.add_argument("--io-threads", type=bc.positive_int, default=8, help="CheckpointManager io_threads per process")
     return p
@@ -549,11 +549,8 @@ def config(args: argparse.Namespace, **fields: Any) -> Config:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = state_parser("ckpt_io", "Checkpoint save/restore throughput: ckpt_service (N writer / M reader processes) "
-                     "against np.savez and tf.train.Checkpoint, on a local directory and fake-gcs-server.",
-                     sizes=(10.0, 100.0, 1000.0), plot=False)
-    p.add_argument("--baselines", type=bc.csv_list(str, ("savez", "tf", "floor")), default=("savez", "tf", "floor"),
-                   help="baselines to run (tf = tf.train.Checkpoint; floor = one fsynced file, read cold; local only)")
+    p = state_parser("ckpt_io", __doc__, sizes=(10.0, 100.0, 1000.0), plot=False)
+    p.add_argument("--baselines", type=bc.csv_list(str, BASELINES), default=BASELINES, help="tf, floor: local only")
     p.add_argument("--no-async", dest="async_stall", action="store_false", help="skip the save_async stall runs")
     args = p.parse_args(argv)
     cfg = config(args, baselines=args.baselines, async_stall=args.async_stall)

@@ -304,20 +304,15 @@ def model_spec(model: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = bc.parser("ckpt_overhead", "Training throughput and per-save stall under Horovod: no checkpoint, rank-0 "
-                  "model.save_weights (Horovod's recipe), hvd-transient sync sharded and async saves.", keep=True)
-    p.add_argument("--model", default="resnet32", help="resnet32 | small_cnn | package.module:function | "
-                   "path/to/file.py:function (a function returning a Keras model, compiled or not)")
-    p.add_argument("--store", help="where hvd-transient writes (directory, file://, gs://bucket/prefix); default: a "
-                                   "temporary directory. A run prefix under it is removed at the end")
-    p.add_argument("--steps", type=bc.positive_int, default=200,
-                   help="measured steps per configuration and interval (whole intervals, at least one)")
+    p = bc.parser("ckpt_overhead", __doc__, keep=True)
+    p.add_argument("--model", default="resnet32", help="resnet32 | small_cnn | module:function | file.py:function")
+    p.add_argument("--store", help="where hvd-transient writes (default: a temporary directory)")
+    p.add_argument("--steps", type=bc.positive_int, default=200, help="measured steps per configuration and interval")
     p.add_argument("--batch-size", type=bc.positive_int, default=32, help="per-rank batch size")
     p.add_argument("--intervals", type=bc.csv_list(int), default=(50, 200), help="save every K steps")
     p.add_argument("--np", dest="np_", type=bc.positive_int, default=2, help="Horovod ranks (local host aliases)")
     p.add_argument("--configs", type=bc.csv_list(str, CONFIGS), default=CONFIGS, help="none is always run")
-    p.add_argument("--check-every", type=bc.positive_int, default=None,
-                   help="TransientCallback check_every_steps (default: adaptive, about once per --check-interval)")
+    p.add_argument("--check-every", type=bc.positive_int, help="TransientCallback check_every_steps")
     p.add_argument("--check-interval", type=float, default=1.0, help="TransientCallback check_interval_s")
     p.add_argument("--warmup-steps", type=int, default=20, help="untimed steps at the start")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before horovodrun is killed")

@@ -98,12 +98,9 @@ def make_plot(path: Path, rows: Sequence[Row], cfg: Config) -> Path | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = state_parser("emergency_save", "Time from a preemption notice to a durable commit: hvd-transient with 1, 2, "
-                     "4 writer processes against one process writing np.savez, on a local directory and "
-                     "fake-gcs-server.", sizes=(10.0, 100.0, 500.0, 2000.0), readers=False, large_repeats=1,
+    p = state_parser("emergency_save", __doc__, sizes=(10.0, 100.0, 500.0, 2000.0), readers=False, large_repeats=1,
                      large_mb=2000.0)
-    p.add_argument("--store", help="measure only this store instead of --stores: a directory, file:// or "
-                                   "gs://bucket/prefix (a run prefix under it is removed at the end)")
+    p.add_argument("--store", help="only this store (directory, file://, gs://bucket/prefix) instead of --stores")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the single-writer baseline")
     args = p.parse_args(argv)
     if args.store and args.store.startswith("memory://"):

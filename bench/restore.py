@@ -187,11 +187,8 @@ def cold_restart(rc: RestartConfig, tmp: Path) -> tuple[list[Launch], dict[str, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = ckpt_io.state_parser("restore", "Cold restart: checkpoint read throughput (N writers -> M readers) and the "
-                             "start-up of a job restored on 2 workers from a checkpoint written by 3, against a "
-                             "fresh start.", sizes=(100.0, 1000.0), keep=True)
-    p.add_argument("--store", default="local", help="cold-restart store: 'local' (temporary directory), 'gcs' "
-                   "(fake-gcs-server started here) or a URL prefix (directory, file://, gs://bucket/prefix)")
+    p = ckpt_io.state_parser("restore", __doc__, sizes=(100.0, 1000.0), keep=True)
+    p.add_argument("--store", default="local", help="cold-restart stores: local, gcs (emulator) or a URL")
     p.add_argument("--model", choices=("small_cnn", "resnet32"), default="small_cnn", help="cold-restart model")
     p.add_argument("--restart-repeats", type=bc.positive_int, default=3, help="cold restarts and fresh starts each")
     p.add_argument("--steps-per-epoch", type=bc.positive_int, default=20)
