@@ -350,15 +350,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     table, goal = bc.markdown_table(TABLE_COLUMNS, table_rows(stats)), goal_text(summary)
     print(f"\n{title}\n\n{table}\n\n{goal}")
     notes = [
-        "windows of K steps (K = the save interval) whose first step saves, interleaved round by round; each "
-        "configuration's first (warm-up) window is not counted",
-        "overhead vs none: window time / the `none` window of the same round and interval - 1; throughput_noise_pct: "
-        "the range of the `none` windows' steps/s, % of their median (goal.overhead_met is null when it is at least "
-        "the goal and the overhead does not exceed the goal by more than it)",
-        "stall: the slowest rank's call at the save step minus its median call at comparable steps; ours_async: the "
-        "save's own blocked time (async_save event); memcpy_ms: np.copy of the state in the `none` windows",
-        "async_blocking_estimate_pct: (stall + notice collectives x notice_collective_ms + the other steps x "
-        "async_plain_call_ms) / (K x median step without checkpointing); background contention is not included",
+        "windows of K steps (the save interval; the first step saves) interleaved round by round, warm-ups not counted;"
+        " overhead vs none: window time / the same round's `none` window - 1",
+        "stall: the slowest rank's call at the save step minus its median call at comparable steps (ours_async: its "
+        "async_save event); memcpy_ms: np.copy of the state in the `none` windows",
         "model.save_weights does not fsync; the hvd-transient local store fsyncs every object"]
     params = {**{k: v for k, v in vars(args).items() if k not in ("out", "tmpdir", "plot", "keep")}, "model": model,
               "configs": configs, "model_info": {k: rank0[k] for k in ("model_name", "params", "state_bytes", "tensors",

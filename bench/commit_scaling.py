@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -81,7 +82,6 @@ def one_save(store: CountingStore, managers: list[CheckpointManager], lease: Lea
     n = len(managers)
     tensors = {"w": np.full(n * 16384, step, np.float32)}  # 64 KiB per rank: one piece each
     start, gathered = threading.Barrier(n), dict[str, float]()
-    errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
         inner = StoreGather(store, step, rank, n, timeout_s=300.0, read_threads=read_threads)
@@ -93,21 +93,14 @@ def one_save(store: CountingStore, managers: list[CheckpointManager], lease: Lea
                 gathered.update(enter=t0, done=time.perf_counter())
             return out
 
-        try:
-            start.wait()
-            managers[rank].save(step, tensors, rank=rank, world_size=n, gather=gather,
-                                lease=lease if rank == 0 else None)
-        except BaseException as exc:  # reported by the caller
-            errors.append(exc)
+        start.wait()
+        managers[rank].save(step, tensors, rank=rank, world_size=n, gather=gather, lease=lease if rank == 0 else None)
 
     store.reset()
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise common.BenchError(f"N={n} step {step}: {len(errors)} ranks failed, first: {errors[0]!r}")
+    with ThreadPoolExecutor(n) as pool:  # one thread per rank
+        failed = [exc for f in [pool.submit(rank_main, r) for r in range(n)] if (exc := f.exception())]
+    if failed:
+        raise common.BenchError(f"N={n} step {step}: {len(failed)} ranks failed, first: {failed[0]!r}")
     calls = dict(store.calls)
     objects = collections.Counter(kind_of(k) for k in store.inner.list(f"steps/{step:012d}/"))
     by_kind = {k: sum(v for (_op, kind), v in calls.items() if kind == k) for k in KINDS}

@@ -356,13 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 NOTES = [
     "figures and phases from hvd_transient.report.analysis (as `hvd-transient report` shows them)",
-    "resume: from the worker leaving the ring (ours: the survivors' last step before Horovod reset them, until "
-    "which it trained with them; baseline: the SIGTERM ending the window) to the first survivor's first step on "
-    "the new ring",
-    "time lost: emergency-checkpoint stall (ours) + resume + rolled-back steps / the new ring's step rate",
-    "join: ours boots a standby worker on the new VM (python -m hvd_transient.worker --standby) and discovery "
-    "lists the VM once it is ready; the stall runs from the survivors' last step before the reset to their first "
-    "step on the ring of 3"]
+    "resume: the worker leaves the ring (ours: the survivors' last step before their reset; baseline: the SIGTERM) "
+    "-> the first survivor's first step on the new ring; time lost: stall + resume + redone steps",
+    "join: ours boots a standby worker on the new VM, listed once ready; stall: the survivors' last step -> their "
+    "first step on the ring of 3"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
