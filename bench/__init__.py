@@ -1,1 +1,1 @@
-"""Benchmarks: ``python -m bench.<name>``; :mod:`bench.common` is the harness, ``*_worker`` modules run under them."""
+"""Benchmarks: ``python -m bench.<name>``; :mod:`bench.common` is the harness, ``*_worker`` run under them."""

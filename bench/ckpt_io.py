@@ -372,7 +372,7 @@ def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) 
                     extra={"snapshot_share_max": max(plan.bytes_per_rank()) / plan.total_bytes})
 
     for size_mb in cfg.sizes_mb:
-        label, repeats, started = bc.size_label(size_mb), cfg.repeats_for(size_mb), time.perf_counter()
+        label, repeats = bc.size_label(size_mb), cfg.repeats_for(size_mb)
         with shared_state(int(size_mb * bc.MB), cfg.seed) as state:
             print(f"state {label}: {len(state.layout)} float32 tensors, {state.nbytes / bc.MB:.1f} MB, "
                   f"{repeats} repeat(s)", file=sys.stderr, flush=True)
@@ -388,14 +388,12 @@ def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) 
             if cfg.async_stall:
                 add(store="mem", size=label, state_bytes=state.nbytes, op="memcpy", method="np.copy of every array",
                     seconds=bc.spread([pool.run(copy_state, 1, state=state)[0] for _ in range(repeats)]))
-        print(f"state {label} done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return rows
 
 
 @contextlib.contextmanager
 def store_urls(stores: Sequence[str], tmp: Path, user_store: str | None = None) -> Iterator[dict[str, str]]:
-    """A URL prefix per store: a directory under ``tmp``, a :func:`bench.common.gcs_bucket` (started before
-    any worker), or a run prefix under ``user_store`` (``url``), removed at the end."""
+    """A URL prefix per store: a directory, an emulator bucket, or a run prefix under ``user_store`` (removed)."""
     if user_store:
         url = user_store.rstrip("/") + f"/bench-{uuid.uuid4().hex[:8]}"
         try:
@@ -556,10 +554,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config(args, baselines=args.baselines, async_stall=args.async_stall)
     rows, elapsed, machine = bc.measured("ckpt_io", lambda tmp: run(cfg, tmp), args.tmpdir)
     print(f"\n{(tables := readme_tables(rows, cfg))}")
-    notes = ["save: from a barrier to the commit marker written; restores checked bit-exact, local reads cold",
-             "the local store fsyncs every object; so do the baselines",
-             "tf.train.Checkpoint cannot write gs:// on the emulator (TensorFlow's GCS filesystem ignores it)",
-             "the async stall is measured on the local store only: it is the snapshot, independent of the store"]
+    notes = ["save: from a barrier to the commit marker written; restores checked bit-exact, local reads cold; the "
+             "local store fsyncs every object, so do the baselines; the async stall (the snapshot) is measured locally",
+             "tf.train.Checkpoint cannot write gs:// on the emulator (TensorFlow's GCS filesystem ignores it)"]
     return bc.publish(args.out, name="ckpt_io", summary=summarize(rows, cfg), rows=[r.as_dict() for r in rows],
                       params=asdict(cfg), notes=notes, machine=machine, elapsed=elapsed, markdown=tables, plot=None)
 

@@ -185,8 +185,7 @@ def gcs_bucket(name: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def store_root(spec: str, tmp: Path, bucket: str) -> Iterator[str]:
-    """Where a benchmark's training runs keep their stores: ``local`` (under ``tmp``), ``gcs``
-    (:func:`gcs_bucket`) or a URL prefix."""
+    """Where training runs keep their stores: ``local`` (under ``tmp``), ``gcs`` (a new bucket) or a URL prefix."""
     if spec == "gcs":
         with gcs_bucket(bucket) as url:
             yield f"{url}/runs"

@@ -111,12 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(rows, cfg)
     table, capacity = readme_table(rows, cfg), capacity_text(summary)
     print(f"\n{table}\n\n{capacity}")
-    notes = [
-        "from the armed writers leaving a barrier (the notice) to the last one returning (rank 0: the commit "
-        "marker written); shard records reach rank 0 through a process queue (a stand-in for the allgather)",
-        "no deadline is set; fits_in_30s compares the slowest repeat with the 30 s GCE notice; "
-        "max_state_mb_in_30s is an extrapolation (MB/s at the largest state x 30 s), not a measurement",
-        "all writers share this machine's cores (and the emulator's); on a cluster each writer is its own VM"]
+    notes = ["from the armed writers leaving a barrier (the notice) to the last one returning (rank 0: commit marker "
+             "written); fits_in_30s: the slowest repeat; max_state_mb_in_30s: extrapolated (MB/s x 30 s), not measured",
+             "all writers share this machine's cores (and the emulator's); on a cluster each writer is its own VM"]
     return bc.publish(args.out, name="emergency_save", summary=summary, rows=[r.as_dict() for r in rows],
                       params={**asdict(cfg), "store": args.store or "local directory + GCS emulator"}, notes=notes,
                       machine=machine, elapsed=elapsed,

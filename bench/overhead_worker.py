@@ -225,8 +225,7 @@ def run(plan: dict[str, Any], out_dir: Path) -> None:
            "loss": loss, "state_bytes": int(sum(np.asarray(v).nbytes for v in variables)), "tensors": len(variables),
            "notice_collective_samples": notice_collective_s(), "windows": results}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank-{rank}.json.tmp").write_text(json.dumps(doc))
-    os.replace(out_dir / f"rank-{rank}.json.tmp", out_dir / f"rank-{rank}.json")
+    (out_dir / f"rank-{rank}.json").write_text(json.dumps(doc))  # read once horovodrun exited cleanly
 
 
 def main(argv: Sequence[str] | None = None) -> int:

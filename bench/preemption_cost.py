@@ -330,9 +330,8 @@ def run_all(cfg: Config, tmp: Path) -> list[Measurement]:
                         continue
                     total = rec.total_steps or total
                     measurements.append(m := measure(rec))
-                    print(f"run {name}: {m.target}, rolled back {m.steps_rolled_back}, resume "
-                          f"{m.resume_ms or 0:,.0f} ms, join stall {m.join_stall_s or 0:.2f} s, {m.error or 'ok'}",
-                          file=sys.stderr, flush=True)
+                    print(f"run {name}: {m.target}, rolled back {m.steps_rolled_back}, resume {m.resume_ms or 0:,.0f} "
+                          f"ms, join stall {m.join_stall_s or 0:.2f} s, {m.error or 'ok'}", file=sys.stderr, flush=True)
     return measurements
 
 
