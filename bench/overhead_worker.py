@@ -1,8 +1,5 @@
-"""One rank of :mod:`bench.ckpt_overhead` under ``horovodrun``: trains and times every step.
-
-The plan (JSON) lists windows of one configuration whose first step saves; :class:`Saver` says what
-each runs after ``train_on_batch``. A window ends by waiting for a background save (counted in it)
-and a barrier. Writes ``rank-<r>.json``.
+"""One rank of :mod:`bench.ckpt_overhead` under ``horovodrun``: trains the plan's windows, times every step
+(a window ends with its background save and a barrier) and writes ``rank-<r>.json``.
 """
 from __future__ import annotations
 
@@ -79,11 +76,8 @@ def barrier() -> None:
 
 
 class Saver:
-    """What one configuration runs after each training step (``local``: its own step count): ``none``
-    times an ``np.copy`` of the state ten times a window (the stall's reference); ``save_weights``: rank 0
-    calls ``model.save_weights`` at save steps (Horovod's recipe); ``ours_sync``: ``TransientImpl.after_step``
-    and, at save steps, ``save_now``; ``ours_async``: ``after_step`` with ``save_every_steps``, as
-    ``TransientCallback`` does."""
+    """What one configuration runs after each training step (``local``: its own step count), see
+    :meth:`after_step`; ``ours_async`` runs exactly what ``TransientCallback`` does."""
 
     def __init__(self, config: str, interval: int, model: tf.keras.Model, plan: dict[str, Any]) -> None:
         self.config, self.interval, self.model = config, interval, model
@@ -119,7 +113,7 @@ class Saver:
         return {"step": step, "world_size": hvd.size(), **({"lr": lr} if lr is not None else {})}
 
     def after_step(self, local: int) -> None:
-        if self.config == "none":
+        if self.config == "none":  # np.copy of the state ten times a window: the stall's reference
             if local % max(1, self.interval // COPIES_PER_WINDOW) == 0:
                 t0 = time.perf_counter()
                 _copies = [np.copy(a) for a in self.arrays]

@@ -1,12 +1,9 @@
 """The baseline for ``bench/preemption_cost.py``: a standard Horovod elastic Keras script, no hvd-transient.
 
-Same model, data, learning rate and in-memory commit cadence as ``examples/keras_elastic.py``,
-written the way Horovod's own elastic Keras example is (``hvd.elastic.KerasState``, the commit /
-batch / epoch callbacks, the learning rate rescaled on reset). Nothing watches for notices: when a
-VM's window ends its worker is killed, Horovod blacklists the host and rolls the survivors back to
-their last in-memory commit. The only addition is measurement: :class:`StepEvents` writes events of
-hvd-transient's schema (start, ring, first_step, progress, reset, train_end; no checkpointing, no
-plugin callbacks), so ``hvd_transient.report.analysis`` reads both runs the same way.
+Same model, data, learning rate and commit cadence as ``examples/keras_elastic.py``, written like Horovod's
+elastic Keras example (``KerasState``, commit / batch / epoch callbacks, LR rescaled on reset); nobody
+watches for notices. :class:`StepEvents` only writes hvd-transient's events (start, ring, first_step,
+progress, reset, train_end), so ``hvd_transient.report.analysis`` reads both runs the same way.
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """What a preemption, and a join, costs: plain Horovod elastic against the same job with hvd-transient.
 
-The same elastic Keras training runs on a ``LocalCluster`` (real ``horovodrun`` over local host aliases,
-a GCE metadata emulator per host) as ``baseline`` (``bench/plain_elastic_worker.py``: nobody reacts to
-the notice, the worker is killed when the window ends, Horovod rolls back) and ``ours``
-(``examples/keras_elastic.py``: emergency checkpoint, election, a clean leave). Scenarios: on 3 hosts a
-worker or the checkpoint master / rank 0 is preempted; ``join``: a third host joins a 2-host ring (ours:
-the new VM boots a standby worker that discovery lists once ready). Every figure and phase comes from
-:func:`hvd_transient.report.analysis.analyze` (what ``hvd-transient report`` shows); this module adds
-step T, alternating runs (so load drift hits both variants alike), tables and the plot.
+The same Keras training on a ``LocalCluster`` (real ``horovodrun``, a GCE metadata emulator per host) as
+``baseline`` (``bench/plain_elastic_worker.py``: killed when the notice window ends, Horovod rolls back)
+and ``ours`` (``examples/keras_elastic.py``: emergency checkpoint, election, a clean leave), when a worker
+or the checkpoint master / rank 0 of 3 is preempted, or a host joins a ring of 2 (ours: through a standby
+worker). Figures and phases come from :func:`hvd_transient.report.analysis.analyze`; runs alternate.
 """
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ from hvd_transient.report.analysis import analyze
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parent.parent
-OURS_SCRIPT, BASELINE_SCRIPT = REPO / "examples" / "keras_elastic.py", REPO / "bench" / "plain_elastic_worker.py"
+OURS_SCRIPT, BASELINE_SCRIPT = bc.REPO / "examples" / "keras_elastic.py", bc.REPO / "bench" / "plain_elastic_worker.py"
 HOSTS = ("localhost", "127.0.0.1", "127.0.1")
 VARIANTS, SCENARIOS = ("ours", "baseline"), ("worker", "master", "join")
 LABELS = {"ours": "hvd-transient", "baseline": "plain Horovod elastic"}
@@ -103,8 +99,7 @@ class RunRecord:
 
 
 def choose_total_steps(cfg: Config, rate: float) -> int:
-    """A step T the baseline reaches only well after its kill and resume: warm-up, the window at the
-    3-worker rate (x1.5 for noise) and 40 steps, rounded up to whole epochs."""
+    """A step T well after the baseline's resume: warm-up + 1.5 windows at the 3-worker rate + 40, in epochs."""
     steps = cfg.warmup_steps + math.ceil(1.5 * rate * cfg.window_s) + 40
     return math.ceil(steps / cfg.steps_per_epoch) * cfg.steps_per_epoch
 

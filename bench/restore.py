@@ -1,9 +1,6 @@
-"""Cold restart from the store: checkpoint read throughput, and the start-up of a restored job.
-
-* read throughput: :mod:`bench.ckpt_io`'s restore measurement alone (N writers -> M readers);
-* cold restart: ``examples/keras_elastic.py`` on 3 workers until a checkpoint of all 3 commits,
-  the cluster lost, the job relaunched on 2: ``horovodrun`` start to the first step, against a
-  fresh start on an empty store, by phase from the job's own events (``start``, ``ring``, ``first_step``).
+"""Cold restart from the store: read throughput (:mod:`bench.ckpt_io`'s restore, N writers -> M readers),
+and ``examples/keras_elastic.py`` relaunched on 2 workers after a checkpoint by 3 and the loss of the
+cluster: ``horovodrun`` start -> first step by the job's events (start, ring, first_step), against a fresh start.
 """
 from __future__ import annotations
 
