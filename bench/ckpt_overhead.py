@@ -1,9 +1,8 @@
 """Training throughput and per-save stall with periodic checkpoints, ours against Horovod's recipe.
 
-ResNet-32 trains under a real ``horovodrun -np 2``; the configurations of :mod:`bench.overhead_worker`
-run in *windows* of K steps (K = the save interval, the first step saves), interleaved round by round
-so a shared machine's slow phases hit all alike. The 1% overhead goal is also checked against an
-estimate of the loop's blocked time, since identical windows vary by more than 1% here.
+ResNet-32 trains under ``horovodrun -np 2``; :mod:`bench.overhead_worker`'s configurations run in windows
+of K steps (the save interval; the first step saves) interleaved round by round, so a shared machine's
+slow phases hit all alike. The 1% goal is also checked against an estimate of the loop's blocked time.
 """
 from __future__ import annotations
 
