@@ -1,7 +1,6 @@
 """Checkpoint save and restore throughput: ckpt_service (N writer / M reader processes) against np.savez,
-tf.train.Checkpoint and the disk, for float32 states in one shared-memory block every worker maps, on a
-local directory and fake-gcs-server; and how long ``save_async`` blocks against ``np.copy``.
-``emergency_save`` and ``restore`` reuse the state, the workers and :func:`measure`.
+tf.train.Checkpoint and the disk, on a local directory and fake-gcs-server, and the ``save_async`` stall
+against ``np.copy``; the state is one shared-memory block (``emergency_save`` and ``restore`` reuse it).
 """
 from __future__ import annotations
 

@@ -27,10 +27,8 @@ KINDS = ("data", "record", "manifest", "lease", "marker", "other")
 
 
 def kind_of(key: str) -> str:
-    for prefix, kind in (("lease/", "lease"), ("commits/", "marker")):
-        if key.startswith(prefix):
-            return kind
-    return ("record" if "/records/" in key else "manifest" if "/manifest." in key
+    return ("lease" if key.startswith("lease/") else "marker" if key.startswith("commits/")
+            else "record" if "/records/" in key else "manifest" if "/manifest." in key
             else "data" if "/data/" in key else "other")
 
 

@@ -278,6 +278,7 @@ def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], *, title:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     columns = max(1, min(columns, len(panels)))
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 4.2 * rows), squeeze=False)

@@ -1,7 +1,6 @@
-"""Emergency save: from a preemption notice (a barrier the armed writers leave together) to a durable
-commit, N writer processes (records gathered through a queue, standing in for Horovod's allgather)
-against one process writing ``np.savez`` of the whole state. No deadline is set; the largest state
-that fits a 30 s notice is extrapolated from the best MB/s at the largest state.
+"""Emergency save: from a preemption notice (a barrier the armed writers leave) to a durable commit, N writer
+processes (records gathered through a queue, as by Horovod's allgather) against one writing ``np.savez``;
+no deadline is set, the largest state that fits a 30 s notice is extrapolated from the best MB/s.
 """
 from __future__ import annotations
 

@@ -264,10 +264,11 @@ def summarize(ms: Sequence[Measurement], cfg: Config) -> dict[str, Any]:
 
 
 #: (column, per-run measure, number format) of the main table
-MAIN_COLUMNS = (("steps rolled back", "steps_rolled_back", "g"), ("resume ms (leaves ring -> next step)", "resume_ms",
-                 ",.0f"), ("published -> next step ms", "publish_to_resume_ms", ",.0f"), ("time lost s", "lost_s",
-                 ".2f"), ("notice -> next step ms", "notice_to_resume_ms", ",.0f"), ("s to step T", "train_to_t_s",
-                 ".1f"), ("join stall s (survivors' last -> next step)", "join_stall_s", ".2f"),
+MAIN_COLUMNS = (("steps rolled back", "steps_rolled_back", "g"),
+                ("resume ms (leaves ring -> next step)", "resume_ms", ",.0f"),
+                ("published -> next step ms", "publish_to_resume_ms", ",.0f"), ("time lost s", "lost_s", ".2f"),
+                ("notice -> next step ms", "notice_to_resume_ms", ",.0f"), ("s to step T", "train_to_t_s", ".1f"),
+                ("join stall s (survivors' last -> next step)", "join_stall_s", ".2f"),
                 ("join s (VM appears -> ring with it)", "join_s", ".1f"))
 WHO = {"master": "checkpoint master (rank 0) preempted", "worker": "worker (not rank 0) preempted",
        "join": "a host joins a ring of 2"}
