@@ -122,7 +122,7 @@ def test_join_stall_comes_from_the_run_analysis() -> None:
     m = pc.measure(record("baseline", events, killed_at=None, scenario="join"))
     assert m.error is None and m.join_stall_s == pytest.approx(7.5) and m.steps_rolled_back == 0
     summary = pc.summarize([m], pc.Config("small_cnn", 1, 10.0, "local", 20, 30, None, 10, 100, 0.05, 10,
-                                              ("join",), ("baseline",)))
+                                          ("join",), ("baseline",)))
     assert summary["baseline_join_stall_s"] == pytest.approx(7.5) and summary["ours_join_stall_s"] is None
     assert summary["baseline_resume_ms_median"] is None
 
