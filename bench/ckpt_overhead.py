@@ -1,12 +1,8 @@
 """Training throughput and per-save stall with periodic checkpoints, ours against Horovod's recipe.
 
-ResNet-32 trains under a real ``horovodrun -np 2`` and runs, side by side in one job, the
-configurations of :mod:`bench.overhead_worker` in *windows* of K steps (K = the save interval)
-whose first step saves, interleaved round by round so a shared machine's slow phases hit all
-alike. Per configuration: steps/s, the overhead against the ``none`` window of the same round,
-and the stall per save; the async stall is compared with ``np.copy`` of the state timed by the
-``none`` windows at their save steps, and the 1% overhead goal is also checked against an
-estimate of the loop's blocked time, since identical windows vary by more than 1% here.
+ResNet-32 trains under ``horovodrun -np 2``; :mod:`bench.overhead_worker`'s configurations run in windows
+of K steps (the save interval; the first step saves) interleaved round by round, so a shared machine's
+slow phases hit all alike. The 1% goal is also checked against an estimate of the loop's blocked time.
 """
 from __future__ import annotations
 
@@ -24,11 +20,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import bench.common as bc
+from hvd_transient.testing.local_cluster import HOST_ALIASES  # one Horovod slot each
 
 log = logging.getLogger(__name__)
 
-#: local host aliases, one Horovod slot each (see hvd_transient.testing.local_cluster.HOST_ALIASES)
-HOST_ALIASES = ("localhost", "127.0.0.1", "127.0.1", "127.1", "2130706433", "0x7f000001")
 CONFIGS = ("none", "save_weights", "ours_sync", "ours_async")
 LABELS = {"none": "no checkpoint", "save_weights": "rank 0 model.save_weights (Horovod docs)",
           "ours_sync": "hvd-transient sync sharded", "ours_async": "hvd-transient async (TransientCallback)"}
@@ -36,9 +31,6 @@ PREFIXES = {"ours_async": "async", "ours_sync": "sync", "save_weights": "baselin
 WARMUP_WINDOW_STEPS = 3  # the untimed window of each checkpointing configuration's first save
 GOAL_OVERHEAD_PCT = 1.0
 GOAL_STALL_VS_MEMCPY = 2.0
-
-
-# --------------------------------------------------------------------------- the plan (pure)
 
 
 @dataclass(frozen=True)
@@ -51,20 +43,13 @@ class Window:
 
 
 def plan_windows(configs: Sequence[str], intervals: Sequence[int], steps: int) -> list[Window]:
-    """Warm-up windows first, then rounds; in each round every configuration runs one window per interval.
-
-    The configuration order rotates from round to round, and a configuration's step count
-    starts every window at a multiple of its interval, so the window's first step saves.
-    """
+    """Warm-ups, then rounds of one window per configuration (rotating) and interval, whose first step saves."""
     plan = [Window(c, k, min(WARMUP_WINDOW_STEPS, k), -1, k) for k in intervals for c in configs if c != "none"]
     counts = {k: max(1, round(steps / k)) for k in intervals}
     for r in range(max(counts.values())):
         order = [*configs[r % len(configs):], *configs[:r % len(configs)]]
         plan += [Window(c, k, k, r, k * (r + 2)) for k in intervals if r < counts[k] for c in order]
     return plan
-
-
-# --------------------------------------------------------------------------- analysis (pure)
 
 
 @dataclass(frozen=True)
@@ -83,17 +68,12 @@ class WindowResult:
     copies_s: tuple[float, ...]  # none: per timed step, the slowest rank's np.copy of the state
 
     def others(self, values: Sequence[float], like: int | None = None) -> list[float]:
-        """``values`` at steps that do not save; with ``like``, only those that ran the notice
-        collective if step ``like`` did, and otherwise only those that did not."""
+        """``values`` at steps that do not save (with ``like``: ran the notice collective iff step ``like`` did)."""
         return [v for j, v in enumerate(values) if j not in self.save_steps
                 and (like is None or (j in self.round_steps) == (like in self.round_steps))]
 
     def stalls_s(self) -> list[float]:
-        """Per save: the slowest rank's time in the call beyond its median call at comparable steps.
-
-        The save step's call also runs the notice collective, so it is compared with the other
-        steps that ran one: the stall is the save's own cost.
-        """
+        """Per save: the slowest rank's call beyond its median call at comparable steps (:meth:`others`)."""
         return [max(hooks[i] - statistics.median(self.others(hooks, i) or self.others(hooks) or [0.0])
                     for hooks in self.hook_s) for i in self.save_steps]
 
@@ -242,24 +222,20 @@ def table_rows(stats: Sequence[ConfigStats]) -> list[list[str]]:
 def goal_text(summary: Mapping[str, Any]) -> str:
     if "goal" not in summary:
         return "goal not evaluated (ours_async was not run)"
-    g, at = summary["goal"], summary["goal_interval"]
-    noise, overhead = summary["throughput_noise_pct"], summary["async_overhead_pct"]
-    if g["overhead_met"] is None:
-        verdict = f"cannot be decided here: steps/s of identical windows varied over {noise or 0:.1f}%"
-    else:
-        verdict = "met" if g["overhead_met"] else "NOT met"
-    text = (f"goal check (async, every {at} steps): throughput overhead "
-            f"{'-' if overhead is None else f'{overhead:+.2f}%'} (goal <= {GOAL_OVERHEAD_PCT:g}%: {verdict})")
-    if "async_blocking_estimate_pct" in summary:
-        text += (f"; blocked-time estimate {summary['async_blocking_estimate_pct']:.2f}% (one stall + "
-                 f"{summary['async_notice_rounds_per_interval']:g} notice collectives of "
-                 f"{summary['notice_collective_ms']:.2f} ms + the other steps' calls of "
-                 f"{summary['async_plain_call_ms']:.2f} ms, over {at} steps without checkpointing: "
-                 f"{'met' if g['blocking_estimate_met'] else 'NOT met'})")
-    return text + (f"; stall {summary['async_stall_ms']:.1f} ms (median of {summary['async_saves']} saves, slowest "
-                   f"rank) vs np.copy of the state at the same point of the loop {summary['memcpy_ms']:.2f} ms "
-                   f"(median of {summary['memcpy_samples']}) = {summary['async_stall_vs_memcpy']:.1f}x "
-                   f"(goal <= {GOAL_STALL_VS_MEMCPY:g}x: {'met' if g['stall_met'] else 'NOT met'})")
+    g, s, met = summary["goal"], summary, {True: "met", False: "NOT met"}
+    overhead = "-" if s["async_overhead_pct"] is None else f"{s['async_overhead_pct']:+.2f}%"
+    verdict = (f"undecided: steps/s of identical windows varied over {s['throughput_noise_pct'] or 0:.1f}%"
+               if g["overhead_met"] is None else met[g["overhead_met"]])
+    parts = [f"goal check (async, every {s['goal_interval']} steps): throughput overhead {overhead} "
+             f"(goal <= {GOAL_OVERHEAD_PCT:g}%: {verdict})"]
+    if "async_blocking_estimate_pct" in s:
+        estimate, rounds = s["async_blocking_estimate_pct"], s["async_notice_rounds_per_interval"]
+        parts.append(f"blocked-time estimate {estimate:.2f}% ({met[g['blocking_estimate_met']]}; {rounds:g} notice "
+                     "collectives per interval)")
+    parts.append(f"stall {s['async_stall_ms']:.1f} ms (median of {s['async_saves']} saves) vs np.copy of the state "
+                 f"{s['memcpy_ms']:.2f} ms = {s['async_stall_vs_memcpy']:.1f}x (goal <= {GOAL_STALL_VS_MEMCPY:g}x: "
+                 f"{met[g['stall_met']]})")
+    return "; ".join(parts)
 
 
 def make_plot(path: Path, stats: Sequence[ConfigStats], intervals: Sequence[int]) -> Path | None:
@@ -273,14 +249,11 @@ def make_plot(path: Path, stats: Sequence[ConfigStats], intervals: Sequence[int]
               "np.copy of the state in the loop": series("copy_ms", ["none"])[LABELS["none"]]}
     every = [f"every {k}" for k in intervals]
     return bc.plot_panels(path, [
-        bc.bars("training throughput (steps/s)", "steps/s", every, series("steps_per_s", configs)),
-        bc.bars("throughput overhead vs no checkpoint (%, paired windows)", "%", every,
-                series("overhead_pct", configs[1:])),
-        bc.bars("stall per save (ms, slowest rank, log)", "ms", every, stalls, log_y=True)],
+        bc.Panel("training throughput (steps/s)", "steps/s", every, series("steps_per_s", configs)),
+        bc.Panel("throughput overhead vs no checkpoint (%, paired windows)", "%", every,
+                 series("overhead_pct", configs[1:])),
+        bc.Panel("stall per save (ms, slowest rank, log)", "ms", every, stalls, log_y=True)],
         title="checkpoint overhead during training (Horovod)", columns=3)
-
-
-# --------------------------------------------------------------------------- running horovodrun
 
 
 def run_horovod(plan: Mapping[str, Any], np_: int, work: Path, timeout_s: float) -> list[dict[str, Any]]:
@@ -316,45 +289,35 @@ def run_horovod(plan: Mapping[str, Any], np_: int, work: Path, timeout_s: float)
         raise bc.BenchError(f"a rank wrote no results: {exc}") from None
 
 
-# --------------------------------------------------------------------------- command line
-
-
 def model_spec(model: str) -> str:
     """What the worker loads, checked here before anything starts (a file's path made absolute)."""
     path, _, func = model.rpartition(":")
     if model not in ("resnet32", "small_cnn") and (not path or not func):
         raise bc.BenchError(f"--model {model!r}: use resnet32, small_cnn, module:function or file.py:function")
-    if path.endswith(".py"):
-        if not Path(path).expanduser().is_file():
-            raise bc.BenchError(f"--model {model!r}: no such file {path}")
-        return f"{Path(path).expanduser().resolve()}:{func}"
-    return model
+    if path.endswith(".py") and not (file := Path(path).expanduser()).is_file():
+        raise bc.BenchError(f"--model {model!r}: no such file {path}")
+    return f"{file.resolve()}:{func}" if path.endswith(".py") else model
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = bc.parser("ckpt_overhead", "Training throughput and per-save stall under Horovod: no checkpoint, rank-0 "
-                  "model.save_weights (Horovod's recipe), hvd-transient sync sharded and async saves.", keep=True)
-    p.add_argument("--model", default="resnet32", help="resnet32 | small_cnn | package.module:function | "
-                   "path/to/file.py:function (a function returning a Keras model, compiled or not)")
-    p.add_argument("--store", help="where hvd-transient writes (directory, file://, gs://bucket/prefix); default: a "
-                                   "temporary directory. A run prefix under it is removed at the end")
-    p.add_argument("--steps", type=bc.positive_int, default=200,
-                   help="measured steps per configuration and interval (whole intervals, at least one)")
+    p = bc.parser("ckpt_overhead", __doc__, keep=True)
+    p.add_argument("--model", default="resnet32", help="resnet32 | small_cnn | module:function | file.py:function")
+    p.add_argument("--store", help="where hvd-transient writes (default: a temporary directory)")
+    p.add_argument("--steps", type=bc.positive_int, default=200, help="measured steps per configuration and interval")
     p.add_argument("--batch-size", type=bc.positive_int, default=32, help="per-rank batch size")
     p.add_argument("--intervals", type=bc.csv_list(int), default=(50, 200), help="save every K steps")
     p.add_argument("--np", dest="np_", type=bc.positive_int, default=2, help="Horovod ranks (local host aliases)")
     p.add_argument("--configs", type=bc.csv_list(str, CONFIGS), default=CONFIGS, help="none is always run")
-    p.add_argument("--check-every", type=bc.positive_int, default=None,
-                   help="TransientCallback check_every_steps (default: adaptive, about once per --check-interval)")
+    p.add_argument("--check-every", type=bc.positive_int, help="TransientCallback check_every_steps")
     p.add_argument("--check-interval", type=float, default=1.0, help="TransientCallback check_interval_s")
     p.add_argument("--warmup-steps", type=int, default=20, help="untimed steps at the start")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before horovodrun is killed")
     args = p.parse_args(argv)
+    if args.np_ > len(HOST_ALIASES):
+        p.error(f"--np at most {len(HOST_ALIASES)} on one machine")
+    if args.store and args.store.startswith("memory://"):
+        p.error("memory:// stores live in one process; use a directory or gs://")
     try:
-        if args.np_ > len(HOST_ALIASES):
-            raise bc.BenchError(f"--np at most {len(HOST_ALIASES)} on one machine")
-        if args.store and args.store.startswith("memory://"):
-            raise bc.BenchError("memory:// stores live in one process; use a directory or gs://")
         model = model_spec(args.model)
     except bc.BenchError as exc:
         p.error(str(exc))
@@ -363,7 +326,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def train(work: Path) -> list[dict[str, Any]]:
         from bench.ckpt_io import store_urls
-
         with store_urls(("local",), work, args.store) as urls:
             base = urls.get("url") or urls["local"]
             plan = {"model": model, "batch_size": args.batch_size, "warmup_steps": args.warmup_steps,
@@ -384,18 +346,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     table, goal = bc.markdown_table(TABLE_COLUMNS, table_rows(stats)), goal_text(summary)
     print(f"\n{title}\n\n{table}\n\n{goal}")
     notes = [
-        "each window is K steps (K = the save interval) whose first step saves; windows of all configurations are "
-        "interleaved round by round; warm-up windows (each configuration's first save) are not counted",
-        "overhead vs none: window time / the `none` window of the same round and interval - 1; throughput_noise_pct "
-        "is the range of the `none` windows' steps/s, % of their median: when it is at least the 1% goal, "
-        "goal.overhead_met is null unless the overhead exceeds the goal by more than the noise",
-        "stall: the slowest rank's time in the checkpoint call at the save step minus its median call at comparable "
-        "steps; for ours_async the save's own blocked time as TransientImpl reports it (async_save event)",
-        "memcpy_ms, the stall's reference: np.copy of every state array, timed by the no-checkpoint windows at the "
-        "step where the others save and at every tenth of the interval after it (slowest rank, median of all)",
-        "async_blocking_estimate_pct: (async stall + the notice collectives of the other K - 1 steps x "
-        "notice_collective_ms + the remaining steps x async_plain_call_ms) / (K x median step without "
-        "checkpointing); background contention is not included",
+        "windows of K steps (the save interval; the first step saves) interleaved round by round, warm-ups not counted;"
+        " overhead vs none: window time / the same round's `none` window - 1",
+        "stall: the slowest rank's call at the save step minus its median call at comparable steps (ours_async: its "
+        "async_save event); memcpy_ms: np.copy of the state in the `none` windows",
         "model.save_weights does not fsync; the hvd-transient local store fsyncs every object"]
     params = {**{k: v for k, v in vars(args).items() if k not in ("out", "tmpdir", "plot", "keep")}, "model": model,
               "configs": configs, "model_info": {k: rank0[k] for k in ("model_name", "params", "state_bytes", "tensors",

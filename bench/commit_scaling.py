@@ -1,22 +1,17 @@
 """How the commit protocol's cost grows with the number of writers.
 
-N simulated ranks (threads, one 64 KiB piece each) save one step together against one
-fake-gcs-server, gathering their shard records through the store (:class:`StoreGather`);
-rank 0 holds the lease and commits. Per N: store requests per checkpoint by object kind,
-objects per checkpoint, lease renewals, the coordinator's gather time, and the commit
-latency (last shard record written -> commit marker written). Latency is fitted against
-N and log2 N by least squares. The bytes are tiny on purpose: this measures protocol cost.
-The emulator answers in about a millisecond on loopback; ``--rtt-ms`` adds a sleep to every
-store call to model a real bucket's round trip, and ``--read-threads`` sets how many records
-the coordinator reads at a time (1: one after another).
+N ranks (threads, one 64 KiB piece each: protocol cost, not bytes) save one step against fake-gcs-server,
+gathering shard records through the store; rank 0 holds the lease and commits. Per N: store requests and
+objects by kind, and the commit latency (last record -> commit marker), fitted against N and log2 N.
 """
 from __future__ import annotations
 
 import collections
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -25,7 +20,6 @@ from ckpt_service.gather import StoreGather
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.shard_records import RecordJSON
-from ckpt_service.stores.base import ObjectInfo
 from ckpt_service.stores.gcs import GCSStore
 from ckpt_service.testing.delegating import DelegatingStore
 
@@ -33,11 +27,16 @@ KINDS = ("data", "record", "manifest", "lease", "marker", "other")
 
 
 def kind_of(key: str) -> str:
-    for prefix, kind in (("lease/", "lease"), ("commits/", "marker")):
-        if key.startswith(prefix):
-            return kind
-    return ("record" if "/records/" in key else "manifest" if "/manifest." in key
+    return ("lease" if key.startswith("lease/") else "marker" if key.startswith("commits/")
+            else "record" if "/records/" in key else "manifest" if "/manifest." in key
             else "data" if "/data/" in key else "other")
+
+
+def _counted(op: str, name: str) -> Callable[..., Any]:
+    def method(self: CountingStore, key: str = "", *args: Any, **kwargs: Any) -> Any:
+        self._count(op, key)
+        return getattr(self.inner, name)(key, *args, **kwargs)
+    return method
 
 
 class CountingStore(DelegatingStore):
@@ -68,25 +67,9 @@ class CountingStore(DelegatingStore):
                 self.marker_at = time.perf_counter()
         return generation
 
-    def get(self, key: str) -> bytes:
-        self._count("get", key)
-        return self.inner.get(key)
-
-    def get_versioned(self, key: str) -> tuple[bytes, int] | None:
-        self._count("get", key)
-        return self.inner.get_versioned(key)
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        self._count("get", key)
-        return self.inner.stat(key)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        self._count("list", prefix)
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self._count("delete", key)
-        self.inner.delete(key)
+    # reads, listings and deletes are counted (as their operation, on their key's kind) and forwarded
+    get, get_versioned, stat = (_counted("get", name) for name in ("get", "get_versioned", "stat"))
+    list, delete = _counted("list", "list"), _counted("delete", "delete")
 
 
 def one_save(store: CountingStore, managers: list[CheckpointManager], lease: Lease, step: int,
@@ -94,7 +77,6 @@ def one_save(store: CountingStore, managers: list[CheckpointManager], lease: Lea
     n = len(managers)
     tensors = {"w": np.full(n * 16384, step, np.float32)}  # 64 KiB per rank: one piece each
     start, gathered = threading.Barrier(n), dict[str, float]()
-    errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
         inner = StoreGather(store, step, rank, n, timeout_s=300.0, read_threads=read_threads)
@@ -106,21 +88,14 @@ def one_save(store: CountingStore, managers: list[CheckpointManager], lease: Lea
                 gathered.update(enter=t0, done=time.perf_counter())
             return out
 
-        try:
-            start.wait()
-            managers[rank].save(step, tensors, rank=rank, world_size=n, gather=gather,
-                                lease=lease if rank == 0 else None)
-        except BaseException as exc:  # reported by the caller
-            errors.append(exc)
+        start.wait()
+        managers[rank].save(step, tensors, rank=rank, world_size=n, gather=gather, lease=lease if rank == 0 else None)
 
     store.reset()
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise common.BenchError(f"N={n} step {step}: {len(errors)} ranks failed, first: {errors[0]!r}")
+    with ThreadPoolExecutor(n) as pool:  # one thread per rank
+        failed = [exc for f in [pool.submit(rank_main, r) for r in range(n)] if (exc := f.exception())]
+    if failed:
+        raise common.BenchError(f"N={n} step {step}: {len(failed)} ranks failed, first: {failed[0]!r}")
     calls = dict(store.calls)
     objects = collections.Counter(kind_of(k) for k in store.inner.list(f"steps/{step:012d}/"))
     by_kind = {k: sum(v for (_op, kind), v in calls.items() if kind == k) for k in KINDS}
@@ -151,7 +126,6 @@ def fit(ns: list[int], ys: list[float]) -> dict[str, Any]:
 def run(writers: tuple[int, ...], repeats: int, rtts_ms: tuple[float, ...],
         threads: tuple[int, ...]) -> list[dict[str, Any]]:
     from ckpt_service.testing.gcs_emulator import gcs_emulator
-
     rows = []
     with gcs_emulator() as emu:
         for n, rtt_ms, read_threads in ((n, r, t) for r in rtts_ms for t in threads for n in writers):
@@ -179,7 +153,7 @@ def main() -> int:
     p.add_argument("--writers", type=common.csv_list(int), default=(8, 16, 32, 64, 128, 256))
     p.add_argument("--repeats", type=common.positive_int, default=3)
     p.add_argument("--rtt-ms", type=lambda t: tuple(max(0.0, float(x)) for x in t.split(",")), default=(0.0, 20.0),
-                   help="added to every store call")
+                   help="sleep in every store call: a real bucket's round trip (the emulator's is ~1 ms)")
     p.add_argument("--read-threads", type=common.csv_list(int), default=(1, 16), help="coordinator's record reads")
     args = p.parse_args()
     rows, elapsed, machine = common.measured(
@@ -204,17 +178,14 @@ def main() -> int:
                    f"{lists[n]:.0f}", f"{med['objects'][str(n)]:.0f}", f"{med['lease_writes'][str(n)]:.0f}"]
                   for n in ns]
         if f:
-            fit_lines.append(
-                f"- {config}: linear {f['linear']['slope_s'] * 1e3:.2f} ms/writer + "
-                f"{f['linear']['intercept_s'] * 1e3:.1f}"
-                f" ms (RMS {f['linear']['rms_s'] * 1e3:.1f} ms); log2 {f['log2']['slope_s'] * 1e3:.1f} ms/doubling + "
-                f"{f['log2']['intercept_s'] * 1e3:.1f} ms (RMS {f['log2']['rms_s'] * 1e3:.1f} ms); "
-                f"better: {f['better']}")
+            lin, log2 = ({k: v * 1e3 for k, v in f[name].items()} for name in ("linear", "log2"))
+            fit_lines.append(f"- {config}: linear {lin['slope_s']:.2f} ms/writer + {lin['intercept_s']:.1f} ms (RMS "
+                             f"{lin['rms_s']:.1f} ms); log2 {log2['slope_s']:.1f} ms/doubling + "
+                             f"{log2['intercept_s']:.1f} ms (RMS {log2['rms_s']:.1f} ms); better: {f['better']}")
     title = ("**Commit protocol cost per checkpoint** (median (min-max) over repeats; requests: store calls of all "
              "ranks, incl. retention after the commit)")
-    common.print_table(cols, table, title)
     fits = "Commit latency vs N, least squares on the medians:\n\n" + "\n".join(fit_lines) + "\n"
-    print(fits)
+    print(markdown := f"{title}\n\n{common.markdown_table(cols, table)}\n\n{fits}", flush=True)
     notes = ["writers are threads of one process sharing one GCS client; all ranks start together",
              "commit latency: last shard record written -> commit marker written (coordinator gather, manifest, "
              "lease fence, marker)", "rtt: a sleep added to every store call, modelling a real bucket's round trip"]
@@ -229,8 +200,7 @@ def main() -> int:
     return common.publish(args.out, name="commit_scaling", summary=summary, rows=rows,
                           params={"writers": list(args.writers), "repeats": args.repeats, "rtt_ms": list(args.rtt_ms),
                                   "read_threads": list(args.read_threads)}, notes=notes,
-                          machine=machine, elapsed=elapsed, markdown=title + "\n\n" + common.markdown_table(cols, table)
-                          + "\n\n" + fits, plot=plot)
+                          machine=machine, elapsed=elapsed, markdown=markdown, plot=plot)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,7 @@
-"""The harness of the benchmarks in ``bench/`` (each runs as ``python -m bench.<name>`` from the repo root).
-
-* argument types :func:`csv_list` and :func:`positive_int`; :func:`measured` runs a benchmark
-  in a fresh work directory and turns its failures into exit codes;
-* :func:`spread`: repeats as a median and a min/max range;
-* :func:`machine_info` / :func:`machine_line`: what the numbers were measured on;
-* :func:`markdown_table` / :func:`print_table`; :func:`write_results` (``<name>.json`` with
-  ``summary``, ``machine``, ``params``, ``notes`` and ``rows``), :func:`finish_report` (the
-  ``.md`` and the plot beside it), :func:`publish` (both); :func:`plot_panels`: grouped bar charts;
-* :class:`RankPool`: spawned processes that run one function on ranks 0..n-1 at once.
-
-Units: 1 MB = 10**6 bytes.
+"""The harness of the benchmarks in ``bench/`` (each runs as ``python -m bench.<name>`` from the repo root):
+options, :func:`measured` (a fresh work directory, exit codes), :func:`spread` (median and range),
+the machine, :func:`publish` (``<name>.json``, ``.md`` and a plot of :class:`Panel` bar charts), and
+:class:`RankPool` (spawned processes running one function on ranks 0..n-1 at once). 1 MB = 10**6 bytes.
 """
 from __future__ import annotations
 
@@ -30,9 +22,10 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +38,6 @@ T = TypeVar("T")
 
 class BenchError(RuntimeError):
     """A benchmark could not run as asked (bad arguments, a missing tool, a failed measurement)."""
-
-
-# --------------------------------------------------------------------------- running a benchmark
 
 
 def csv_list(kind: type, allowed: Sequence[Any] | None = None) -> Callable[[str], tuple[Any, ...]]:
@@ -84,7 +74,7 @@ def parser(name: str, description: str, *, plot: bool = True, keep: bool = False
         p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--tmpdir", type=Path, help="parent of the temporary work directory (removed at the end)")
     if keep:
-        p.add_argument("--keep", action="store_true", help="keep the work directory (logs, traces, stores)")
+        p.add_argument("--keep", action="store_true", help="keep the work directory (logs, stores)")
     return p
 
 
@@ -96,25 +86,16 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def install_interrupt_handlers() -> None:
-    """Turn SIGINT and SIGTERM into KeyboardInterrupt, so a benchmark cleans up its workers,
-    emulator and temporary data also when started in the background (where SIGINT is ignored)."""
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
-
-
 def measured(name: str, fn: Callable[[Path], T], tmpdir: Path | None = None,
              keep: bool = False) -> tuple[T, float, dict[str, Any]]:
-    """``fn(fresh work directory)``'s result, its seconds and the machine it ran on.
-
-    The directory (under ``tmpdir`` if given) is removed at the end unless ``keep``. A
-    BenchError exits with 1, Ctrl-C or SIGTERM with 130, once ``fn`` has cleaned up.
-    """
-    install_interrupt_handlers()
+    """``fn(fresh work directory)``, its seconds and the machine; a BenchError exits 1, Ctrl-C or SIGTERM 130."""
+    # SIGTERM (and SIGINT, ignored in the background) must still clean up workers, emulator and data
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     machine = machine_info()
     print(f"machine: {machine_line(machine)}, load {machine['load_average_at_start']}", file=sys.stderr, flush=True)
-    if tmpdir is not None:
+    if tmpdir:
         tmpdir.mkdir(parents=True, exist_ok=True)
     work, started = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmpdir)), time.perf_counter()
     try:
@@ -130,9 +111,6 @@ def measured(name: str, fn: Callable[[Path], T], tmpdir: Path | None = None,
             print(f"kept: {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- statistics and machine
 
 
 @dataclass(frozen=True)
@@ -173,6 +151,46 @@ def spread_summary(s: Spread | None) -> dict[str, Any] | None:
     return None if s is None else {"median": s.median, "min": s.min, "max": s.max, "n": s.n}
 
 
+def fmt_summary(s: Mapping[str, Any] | None, spec: str = ",.0f") -> str:
+    """A :func:`spread_summary` as ``"12 (10-14)"``; one sample shows no range, none shows ``-``."""
+    if not s:
+        return "-"
+    return f"{s['median']:{spec}}" + (f" ({s['min']:{spec}}-{s['max']:{spec}})" if s["n"] > 1 else "")
+
+
+def phases(marks: Mapping[str, float], order: Sequence[str], scale: float = 1.0) -> dict[str, float]:
+    """Each phase after the first mark present (in ``order``): the gap from the latest earlier mark, x ``scale``."""
+    out: dict[str, float] = {}
+    prev = None
+    for name in (n for n in order if n in marks):
+        if prev is not None:
+            out[name] = max(0.0, (marks[name] - prev) * scale)
+        prev = marks[name] if prev is None else max(prev, marks[name])
+    return out
+
+
+@contextlib.contextmanager
+def gcs_bucket(name: str) -> Iterator[str]:
+    """A new bucket on fake-gcs-server started here; workers started later inherit STORAGE_EMULATOR_HOST."""
+    try:
+        from ckpt_service.testing.gcs_emulator import fake_gcs_server_binary, gcs_emulator
+        fake_gcs_server_binary()
+    except Exception as exc:
+        raise BenchError(f"cannot use the GCS emulator ({exc}); install .[gcs,dev] or use a local store") from exc
+    with gcs_emulator() as emu:
+        yield f"gs://{emu.new_bucket(name)}"
+
+
+@contextlib.contextmanager
+def store_root(spec: str, tmp: Path, bucket: str) -> Iterator[str]:
+    """Where training runs keep their stores: ``local`` (under ``tmp``), ``gcs`` (a new bucket) or a URL prefix."""
+    if spec == "gcs":
+        with gcs_bucket(bucket) as url:
+            yield f"{url}/runs"
+    else:
+        yield str(tmp / "stores") if spec == "local" else spec.rstrip("/")
+
+
 def _version(*dists: str) -> str | None:
     """Installed version of the first distribution found, without importing it (TensorFlow is slow)."""
     for dist in dists:
@@ -186,25 +204,19 @@ def machine_info() -> dict[str, Any]:
     with contextlib.suppress(OSError):
         cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                     if line.lower().startswith("model name")), cpu)
-    return {
-        "cpu_model": cpu, "cores": os.cpu_count(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "os": platform.platform(), "python": platform.python_version(), "numpy": _version("numpy"),
-        "tensorflow": _version("tensorflow-cpu", "tensorflow"), "zarr": _version("zarr"),
-        "google_cloud_storage": _version("google-cloud-storage"),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        # on a shared machine the load says how noisy a run was
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
+    return {"cpu_model": cpu, "cores": os.cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "os": platform.platform(), "python": platform.python_version(), "numpy": _version("numpy"),
+            "tensorflow": _version("tensorflow-cpu", "tensorflow"), "zarr": _version("zarr"),
+            "google_cloud_storage": _version("google-cloud-storage"),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            # on a shared machine the load says how noisy a run was
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
 
 
-def machine_line(info: Mapping[str, Any] | None = None) -> str:
-    info = info or machine_info()
+def machine_line(info: Mapping[str, Any]) -> str:
     return (f"{info['cpu_model']}, {info['cores']} cores, {info['memory_gib']} GiB RAM, Python {info['python']}, "
             f"numpy {info['numpy']}, TensorFlow {info['tensorflow']}, {info['date'][:10]}")
-
-
-# --------------------------------------------------------------------------- reports
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -214,45 +226,34 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join([line(columns), "|" + "|".join(" --- " for _ in columns) + "|", *map(line, rows)])
 
 
-def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
-    print(f"{title}\n\n" * bool(title) + markdown_table(columns, rows) + "\n", flush=True)
-
-
 def _json_default(value: Any) -> Any:
+    """Dataclasses as objects, numpy scalars as numbers, paths as text."""
     if is_dataclass(value) and not isinstance(value, type):
         return asdict(value)
-    if isinstance(value, Path):
-        return str(value)
-    if hasattr(value, "item"):  # numpy scalars
-        return value.item()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+    return value.item() if hasattr(value, "item") else str(value)
 
 
-def command_line(argv: Sequence[str] | None = None) -> str:
+def command_line() -> str:
     """The command that produced a result: ``python -m bench.NAME ARGS`` for a benchmark module."""
-    args = list(sys.argv if argv is None else argv)
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    head = ["-m", spec.name] if argv is None and spec is not None and spec.name else [os.path.relpath(args[0], REPO)]
-    return "python " + shlex.join([*head, *args[1:]])
+    head = ["-m", spec.name] if spec is not None and spec.name else [os.path.relpath(sys.argv[0], REPO)]
+    return "python " + shlex.join([*head, *sys.argv[1:]])
 
 
-def write_results(path: str | os.PathLike[str], *, name: str, summary: Mapping[str, Any],
-                  rows: Sequence[Any], params: Mapping[str, Any], notes: Sequence[str] = (),
-                  machine: Mapping[str, Any] | None = None) -> Path:
-    """Write the results JSON atomically (temporary file + rename) and return its path."""
-    out = Path(path)
+def publish(out: Path, *, name: str, summary: Mapping[str, Any], rows: Sequence[Any], params: Mapping[str, Any],
+            notes: Sequence[str], machine: Mapping[str, Any], elapsed: float, markdown: str,
+            plot: Callable[[Path], Path | None] | None) -> int:
+    """The results JSON (written atomically), the markdown under a header of what ran where, and the plot."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"name": name, "command": command_line(), "machine": dict(machine or machine_info()), "params": params,
-           "summary": summary, "notes": list(notes), "rows": list(rows)}
+    doc = {"name": name, "command": command_line(), "machine": dict(machine), "params": params,
+           "summary": {**summary, "elapsed_s": elapsed}, "notes": list(notes), "rows": list(rows)}
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
     os.replace(tmp, out)
-    return out
-
-
-def finish_report(out: Path, markdown: str, plot: Callable[[Path], Path | None] | None, elapsed: float) -> int:
-    """Write the markdown beside the results JSON, draw the plot (None: skipped), say where they went."""
-    out.with_suffix(".md").write_text(markdown)
+    out.with_suffix(".md").write_text(
+        f"# {name} results\n\nMachine: {machine_line(machine)}, load average at start "
+        f"{machine['load_average_at_start']}  \nCommand: `{command_line()}`  \n"
+        f"Run time: {elapsed:.0f} s. Units: 1 MB = 10**6 bytes.\n\n{markdown}")
     print(f"\nresults: {out}\ntables:  {out.with_suffix('.md')}")
     if plot is not None and (png := plot(out.with_suffix(".png"))) is not None:
         print(f"plot:    {png}")
@@ -260,62 +261,33 @@ def finish_report(out: Path, markdown: str, plot: Callable[[Path], Path | None] 
     return 0
 
 
-def publish(out: Path, *, name: str, summary: Mapping[str, Any], rows: Sequence[Any], params: Mapping[str, Any],
-            notes: Sequence[str], machine: Mapping[str, Any], elapsed: float, markdown: str,
-            plot: Callable[[Path], Path | None] | None) -> int:
-    """:func:`write_results` and :func:`finish_report`, the markdown under a header of what ran where."""
-    out = write_results(out, name=name, summary={**summary, "elapsed_s": elapsed}, rows=rows, params=params,
-                        notes=notes, machine=machine)
-    header = (f"# {name} results\n\nMachine: {machine_line(machine)}, load average at start "
-              f"{machine['load_average_at_start']}  \nCommand: `{command_line()}`  \n"
-              f"Run time: {elapsed:.0f} s. Units: 1 MB = 10**6 bytes.\n\n")
-    return finish_report(out, header + markdown, plot, elapsed)
-
-
 @dataclass(frozen=True)
 class Panel:
-    """One grouped bar chart: ``series[label][i]`` is the bar of that series in ``categories[i]``.
-
-    ``None`` leaves a gap (not measured); ``errors[label][i]`` is an optional ``(low, high)``
-    range drawn as an error bar (e.g. the min and max over repeats).
-    """
+    """Grouped bars: ``series[label][i]`` in ``categories[i]``, a value, a :class:`Spread` (min-max bar) or None."""
 
     title: str
     ylabel: str
-    categories: tuple[str, ...]
-    series: Mapping[str, Sequence[float | None]]
-    errors: Mapping[str, Sequence[tuple[float, float] | None]] = field(default_factory=dict)
+    categories: Sequence[str]
+    series: Mapping[str, Sequence[Spread | float | None]]
     log_y: bool = False
-
-
-def bars(title: str, ylabel: str, categories: Sequence[str], found: Mapping[str, Sequence[Spread | None]],
-         log_y: bool = False) -> Panel:
-    """A panel of medians with min-max error bars: per series, one spread (None: a gap) per category."""
-    return Panel(title, ylabel, tuple(categories), {k: [x.median if x else None for x in v] for k, v in found.items()},
-                 {k: [(x.min, x.max) if x else None for x in v] for k, v in found.items()}, log_y)
 
 
 def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], *, title: str | None = None,
                 columns: int = 2) -> Path | None:
-    """Draw the panels side by side into a PNG. Returns None (and says so) without matplotlib."""
-    try:
-        import matplotlib
+    """Draw the panels side by side into a PNG (matplotlib comes with the dev extras, as the emulator does)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot written (pip install matplotlib)", file=sys.stderr)
-        return None
     columns = max(1, min(columns, len(panels)))
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 4.2 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         width = 0.8 / max(1, len(panel.series))
         for i, (label, values) in enumerate(panel.series.items()):
-            heights = [v if v is not None else 0.0 for v in values]
-            ranges = panel.errors.get(label)
-            yerr = [[max(0.0, h - r[0]) if r else 0.0 for h, r in zip(heights, ranges)],
-                    [max(0.0, r[1] - h) if r else 0.0 for h, r in zip(heights, ranges)]] if ranges else None
+            heights = [(v.median if isinstance(v, Spread) else v) or 0.0 for v in values]
+            yerr = [[max(0.0, h - v.min) if isinstance(v, Spread) else 0.0 for h, v in zip(heights, values)],
+                    [max(0.0, v.max - h) if isinstance(v, Spread) else 0.0 for h, v in zip(heights, values)]]
             ax.bar([c + (i - (len(panel.series) - 1) / 2) * width for c in range(len(heights))], heights, width,
                    label=label, yerr=yerr, capsize=2)
         ax.set_xticks(range(len(panel.categories)), panel.categories)
@@ -333,8 +305,6 @@ def plot_panels(path: str | os.PathLike[str], panels: Sequence[Panel], *, title:
     return Path(path)
 
 
-# --------------------------------------------------------------------------- worker processes
-
 _SHARED: dict[str, Any] = {}  # in a RankPool worker: the pool's barriers and queue
 
 
@@ -349,61 +319,47 @@ def pool_queue() -> Any:
     return _SHARED["queue"]
 
 
-def _serve(conn: Any, barriers: dict[int, Any], shared_queue: Any) -> None:
+def _init_worker(barriers: dict[int, Any], shared_queue: Any) -> None:
     logging.basicConfig(level=logging.WARNING, format="[worker] %(name)s %(levelname)s: %(message)s")
     _SHARED.update(barriers=barriers, queue=shared_queue)
-    while (message := conn.recv()) is not None:
-        fn, kwargs = message
-        try:
-            conn.send((True, fn(**kwargs)))
-        except BaseException:  # every failure goes back to the parent, which decides
-            for barrier in barriers.values():
-                barrier.abort()  # the ranks waiting for this one fail at once rather than time out
-            conn.send((False, traceback.format_exc()))
+
+
+def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    try:
+        return fn(**kwargs)
+    except BaseException:
+        for barrier in _SHARED["barriers"].values():
+            barrier.abort()  # the ranks waiting for this one fail at once rather than time out
+        raise
 
 
 class RankPool:
-    """``size`` spawned processes; :meth:`run` calls a module-level function on ranks 0..n-1 at once.
-
-    A rank's process is the same for every call, so it can keep clients open between calls.
-    The ranks share barriers for 1..size parties (:func:`sync`) and one queue (:func:`pool_queue`).
-    A failure on any rank raises BenchError; the pool is then only good for :meth:`close`.
-    """
+    """``size`` spawned processes, one executor per rank (a rank keeps its clients open) sharing barriers
+    (:func:`sync`) and a queue (:func:`pool_queue`); after a rank's failure (BenchError) only :meth:`close`."""
 
     def __init__(self, size: int) -> None:
         ctx = mp.get_context("spawn")
         self.size, self.queue = size, ctx.Queue()
         self.barriers = {n: ctx.Barrier(n) for n in range(1, size + 1)}
-        pipes = [ctx.Pipe() for _ in range(size)]
-        self._conns = [parent for parent, _ in pipes]
-        self._procs = [ctx.Process(target=_serve, args=(child, self.barriers, self.queue), daemon=True)
-                       for _, child in pipes]
-        for p in self._procs:
-            p.start()
+        self._ranks = [ProcessPoolExecutor(1, ctx, _init_worker, (self.barriers, self.queue)) for _ in range(size)]
 
     def run(self, fn: Callable[..., Any], n: int | None = None, **kwargs: Any) -> list[Any]:
         """``fn(rank=r, **kwargs)`` on ranks 0..n-1 (default: all); their answers in rank order."""
-        n = self.size if n is None else n
-        for rank in range(n):
-            self._conns[rank].send((fn, {"rank": rank, **kwargs}))
-        answers, deadline = [], time.monotonic() + OP_TIMEOUT_S
-        for rank, (conn, proc) in enumerate(zip(self._conns[:n], self._procs)):
-            while not conn.poll(1.0):
-                if not proc.is_alive() or time.monotonic() > deadline:
-                    raise BenchError(f"rank {rank} did not answer (exit code {proc.exitcode})")
-            answers.append(conn.recv())
-        if failed := [f"rank {rank}:\n{value}" for rank, (ok, value) in enumerate(answers) if not ok]:
-            raise BenchError(f"{len(failed)} of {n} ranks failed:\n" + "\n".join(failed))
-        return [value for _, value in answers]
+        futures = [ex.submit(_call, fn, {"rank": r, **kwargs}) for r, ex in enumerate(self._ranks[:n or self.size])]
+        wait(futures, timeout=OP_TIMEOUT_S)
+        failed = [f"rank {r}: " + ("no answer" if not f.done() else "".join(traceback.format_exception(f.exception())))
+                  for r, f in enumerate(futures) if not f.done() or f.exception() is not None]
+        if failed:
+            raise BenchError(f"{len(failed)} of {len(futures)} ranks failed:\n" + "\n".join(failed))
+        return [f.result() for f in futures]
 
     def close(self) -> None:
         for barrier in self.barriers.values():
             barrier.abort()  # nobody stays blocked in a barrier
-        for conn in self._conns:
-            with contextlib.suppress(OSError, ValueError):
-                conn.send(None)
-        for p in self._procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+        for ex in self._ranks:
+            procs = list((ex._processes or {}).values())  # private, but the only handle on a stuck rank
+            ex.shutdown(wait=False, cancel_futures=True)
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.terminate()

@@ -1,10 +1,6 @@
-"""Emergency save: from a preemption notice to a durable commit, sharded writers against one writer.
-
-The notice is a barrier the armed writers leave together; N writer processes then save their
-shares (records gathered to rank 0 through a process queue, standing in for Horovod's allgather)
-until rank 0 has written the commit marker, against one process writing ``np.savez`` of the whole
-state as one object. No deadline is set: each save's length says whether it fits a 30 s notice,
-and the largest state that fits is extrapolated from the best MB/s at the largest state.
+"""Emergency save: from a preemption notice (a barrier the armed writers leave) to a durable commit, N writer
+processes (records gathered through a queue, as by Horovod's allgather) against one writing ``np.savez``;
+no deadline is set, the largest state that fits a 30 s notice is extrapolated from the best MB/s.
 """
 from __future__ import annotations
 
@@ -60,11 +56,10 @@ def summarize(rows: Sequence[Row], cfg: Config) -> dict[str, Any]:
     return out
 
 
-def _cell(row: Row | None) -> str:
-    return "-" if row is None else f"{row.seconds.text('{:.2f}')} s, {row.mb_per_s.median:,.0f} MB/s"
-
-
 def readme_table(rows: Sequence[Row], cfg: Config) -> str:
+    def _cell(row: Row | None) -> str:
+        return "-" if row is None else f"{row.seconds.text('{:.2f}')} s, {row.mb_per_s.median:,.0f} MB/s"
+
     body = []
     for size in map(bc.size_label, cfg.sizes_mb):
         for store in cfg.stores:
@@ -96,18 +91,15 @@ def make_plot(path: Path, rows: Sequence[Row], cfg: Config) -> Path | None:
                                                      for ours, _ in found] for w in cfg.writers}
         if cfg.baselines:
             series["single writer np.savez"] = [single.seconds if single else None for _, single in found]
-        panels.append(bc.bars(f"{STORE_NAMES[store]}: notice -> commit (s, log; 30 s window)", "seconds", sizes,
-                              series, log_y=True))
+        panels.append(bc.Panel(f"{STORE_NAMES[store]}: notice -> commit (s, log; 30 s window)", "seconds", sizes,
+                               series, log_y=True))
     return bc.plot_panels(path, panels, title="emergency save: time from notice to durable commit", columns=2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = state_parser("emergency_save", "Time from a preemption notice to a durable commit: hvd-transient with 1, 2, "
-                     "4 writer processes against one process writing np.savez, on a local directory and "
-                     "fake-gcs-server.", sizes=(10.0, 100.0, 500.0, 2000.0), readers=False, large_repeats=1,
+    p = state_parser("emergency_save", __doc__, sizes=(10.0, 100.0, 500.0, 2000.0), readers=False, large_repeats=1,
                      large_mb=2000.0)
-    p.add_argument("--store", help="measure only this store instead of --stores: a directory, file:// or "
-                                   "gs://bucket/prefix (a run prefix under it is removed at the end)")
+    p.add_argument("--store", help="only this store (directory, file://, gs://bucket/prefix) instead of --stores")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the single-writer baseline")
     args = p.parse_args(argv)
     if args.store and args.store.startswith("memory://"):
@@ -118,13 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(rows, cfg)
     table, capacity = readme_table(rows, cfg), capacity_text(summary)
     print(f"\n{table}\n\n{capacity}")
-    notes = [
-        "the clock starts when the armed writers leave a barrier (the notice) and stops when the last of them "
-        "returns: rank 0 after writing the commit marker, so the checkpoint is visible",
-        "shard records reach rank 0 through a process queue (a stand-in for the Horovod allgather)",
-        "no deadline is set, so every save completes; fits_in_30s compares the slowest repeat with the 30 s GCE "
-        "notice; max_state_mb_in_30s is an extrapolation (MB/s at the largest state x 30 s), not a measurement",
-        "all writers share this machine's cores (and the emulator's); on a cluster each writer is its own VM"]
+    notes = ["from the armed writers leaving a barrier (the notice) to the last one returning (rank 0: commit marker "
+             "written); fits_in_30s: the slowest repeat; max_state_mb_in_30s: extrapolated (MB/s x 30 s), not measured",
+             "all writers share this machine's cores (and the emulator's); on a cluster each writer is its own VM"]
     return bc.publish(args.out, name="emergency_save", summary=summary, rows=[r.as_dict() for r in rows],
                       params={**asdict(cfg), "store": args.store or "local directory + GCS emulator"}, notes=notes,
                       machine=machine, elapsed=elapsed,

@@ -1,11 +1,5 @@
-"""One rank of :mod:`bench.ckpt_overhead` under ``horovodrun``: trains and times every step.
-
-The plan (JSON) lists windows: ``steps`` steps of one configuration whose first step saves. After
-each ``train_on_batch``: ``none`` times an ``np.copy`` of the state at ten steps per window (the
-stall's reference); ``save_weights`` has rank 0 call ``model.save_weights`` at save steps (Horovod's
-recipe); ``ours_sync`` runs ``TransientImpl.after_step`` and, at save steps, ``save_now``;
-``ours_async`` runs ``after_step`` with ``save_every_steps``, as ``TransientCallback`` does. A window
-ends by waiting for a background save (counted in it) and a barrier. Writes ``rank-<r>.json``.
+"""One rank of :mod:`bench.ckpt_overhead` under ``horovodrun``: trains the plan's windows, times every step
+(a window ends with its background save and a barrier) and writes ``rank-<r>.json``.
 """
 from __future__ import annotations
 
@@ -40,7 +34,6 @@ NOTICE_REPEATS = 21  # timings of the notice allreduce alone, at the end
 def load_model(spec: str) -> tf.keras.Model:
     """A built-in model, or what ``package.module:function`` / ``path/to/file.py:function`` returns."""
     from hvd_transient.testing.workloads import MODELS
-
     path, _, func = spec.rpartition(":")
     model = (MODELS[spec]() if spec in MODELS else runpy.run_path(path)[func]() if path.endswith(".py")
              else pkgutil.resolve_name(spec)())
@@ -82,16 +75,9 @@ def barrier() -> None:
     hvd_tf.allreduce(tf.constant(0.0), name="bench.barrier")
 
 
-def copy_seconds(arrays: Sequence[np.ndarray]) -> float:
-    t0 = time.perf_counter()
-    copies = [np.copy(a) for a in arrays]
-    elapsed = time.perf_counter() - t0
-    del copies
-    return elapsed
-
-
 class Saver:
-    """What one configuration runs after each training step; ``local`` is its own step count."""
+    """What one configuration runs after each training step (``local``: its own step count), see
+    :meth:`after_step`; ``ours_async`` runs exactly what ``TransientCallback`` does."""
 
     def __init__(self, config: str, interval: int, model: tf.keras.Model, plan: dict[str, Any]) -> None:
         self.config, self.interval, self.model = config, interval, model
@@ -107,7 +93,6 @@ class Saver:
             from hvd_transient.hvd_collectives import HorovodCollectives
             from hvd_transient.tf_snapshot import FusedSnapshot
             from hvd_transient.transient import TransientConfig, TransientImpl
-
             # as TransientCallback: the variables listed once, this rank's share read by one fused call
             self.fused = FusedSnapshot(state_variables(model))
             self.impl = TransientImpl(TransientConfig(
@@ -128,9 +113,11 @@ class Saver:
         return {"step": step, "world_size": hvd.size(), **({"lr": lr} if lr is not None else {})}
 
     def after_step(self, local: int) -> None:
-        if self.config == "none":
+        if self.config == "none":  # np.copy of the state ten times a window: the stall's reference
             if local % max(1, self.interval // COPIES_PER_WINDOW) == 0:
-                self.samples.setdefault("copy_s", []).append(copy_seconds(self.arrays))
+                t0 = time.perf_counter()
+                _copies = [np.copy(a) for a in self.arrays]
+                self.samples.setdefault("copy_s", []).append(time.perf_counter() - t0)
         elif self.config == "save_weights":
             if self.saves(local) and hvd.rank() == 0:
                 self.model.save_weights(str(self.directory / f"ckpt-{local}"))  # no .h5: TensorFlow format
@@ -189,7 +176,6 @@ def notice_collective_s() -> list[float]:
     """The per-step notice allreduce of TransientCallback alone, every rank arriving together."""
     from hvd_transient.election import encode_notice
     from hvd_transient.hvd_collectives import HorovodCollectives
-
     comm = HorovodCollectives()
     vector = encode_notice(comm.rank(), comm.size(), None)
     comm.allreduce_sum(vector)
@@ -233,8 +219,7 @@ def run(plan: dict[str, Any], out_dir: Path) -> None:
            "loss": loss, "state_bytes": int(sum(np.asarray(v).nbytes for v in variables)), "tensors": len(variables),
            "notice_collective_samples": notice_collective_s(), "windows": results}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank-{rank}.json.tmp").write_text(json.dumps(doc))
-    os.replace(out_dir / f"rank-{rank}.json.tmp", out_dir / f"rank-{rank}.json")
+    (out_dir / f"rank-{rank}.json").write_text(json.dumps(doc))  # read once horovodrun exited cleanly
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,22 +1,9 @@
 """The baseline for ``bench/preemption_cost.py``: a standard Horovod elastic Keras script, no hvd-transient.
 
-Same model, data, learning rate and in-memory commit cadence as ``examples/keras_elastic.py``,
-written the way Horovod's own elastic Keras example is (``hvd.elastic.KerasState``, the
-commit / batch / epoch callbacks, the learning rate rescaled on reset). Nothing watches for
-preemption notices: when a VM's notice window ends its worker is killed, Horovod counts that
-as a failure, blacklists the host and rolls the survivors back to their last in-memory commit.
-
-The only addition is measurement: a few lines record events of hvd-transient's schema
-(``hvd_transient.event_schema`` through ``hvd_transient.events.EventLog``; no checkpointing,
-no callbacks of the plugin), so ``hvd_transient.report.analysis`` reads both runs the same way:
-
-    start       first time training begins in this process: step, rank, size
-    ring        training (re)starts on a ring: step, rank, size, master (0), master_host (rank 0's host
-                when this rank is rank 0, else None)
-    first_step  first step completed on a new ring: step, size
-    progress    every 10 steps: step, size
-    reset       Horovod reset the ring: step (after), rolled_back, last_step
-    train_end   step
+Same model, data, learning rate and commit cadence as ``examples/keras_elastic.py``, written like Horovod's
+elastic Keras example (``KerasState``, commit / batch / epoch callbacks, LR rescaled on reset); nobody
+watches for notices. :class:`StepEvents` only writes hvd-transient's events (start, ring, first_step,
+progress, reset, train_end), so ``hvd_transient.report.analysis`` reads both runs the same way.
 """
 from __future__ import annotations
 
@@ -43,8 +30,7 @@ class StepEvents(tf.keras.callbacks.Callback):  # type: ignore[misc]  # Keras is
     def __init__(self, log: EventLog) -> None:
         super().__init__()
         self.log = log
-        self.started = False
-        self.ring_step: int | None = None
+        self.ring_step: int | None = None  # None until the first ring
         self.last_step = -1
         self.last_step_at: float | None = None
 
@@ -53,13 +39,11 @@ class StepEvents(tf.keras.callbacks.Callback):  # type: ignore[misc]  # Keras is
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         step, rank, size = self._step(), hvd.rank(), hvd.size()
-        if not self.started:
-            self.started = True
+        if self.ring_step is None:
             self.log.emit(ev.Start(step=step, rank=rank, size=size))
         self.log.emit(ev.Ring(step=step, rank=rank, size=size, master=0,
                               master_host=self.log.host if rank == 0 else None))
-        self.ring_step = step
-        self.last_step = step
+        self.ring_step = self.last_step = step
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         step = self._step()
@@ -97,10 +81,8 @@ def main() -> None:
     tf.random.set_seed(1234)  # identical initial weights on every worker
     images, labels = load_cifar10(args.cifar10_npz) if args.cifar10_npz else synthetic_cifar10()
     model = MODELS[args.model]()
-    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(args.base_lr * hvd.size(),
-                                                                              momentum=0.9)),
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(args.base_lr * hvd.size(), momentum=0.9)),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     # Slot variables must exist before the state is made (the documented workaround for
     # horovod#2652); the plugin's elastic_state does the same, so both runs train identically.
     model.optimizer.build(model.trainable_variables)
@@ -114,12 +96,8 @@ def main() -> None:
         events.on_reset()
 
     state.register_reset_callbacks([on_state_reset])
-    callbacks = [
-        hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit),
-        hvd.elastic.UpdateBatchStateCallback(state),
-        hvd.elastic.UpdateEpochStateCallback(state),
-        events,
-    ]
+    callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit),
+                 hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state), events]
     if args.step_seconds:
         callbacks.append(tf.keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs: time.sleep(args.step_seconds)))
@@ -128,8 +106,7 @@ def main() -> None:
     def train(state: Any) -> None:
         seed = 1000 * hvd.rank() + int(model.optimizer.iterations.numpy())
         model.fit(batches(images, labels, args.batch_size, seed), steps_per_epoch=args.steps_per_epoch,
-                  epochs=args.epochs - state.epoch, callbacks=callbacks,
-                  verbose=2 if hvd.rank() == 0 else 0)
+                  epochs=args.epochs - state.epoch, callbacks=callbacks, verbose=2 if hvd.rank() == 0 else 0)
 
     train(state)
     events.log.flush()

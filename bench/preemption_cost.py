@@ -1,57 +1,40 @@
 """What a preemption, and a join, costs: plain Horovod elastic against the same job with hvd-transient.
 
-The same elastic Keras training runs on a local cluster (``LocalCluster``: real ``horovodrun`` over
-local host aliases, a GCE metadata emulator per host) per variant: ``baseline``
-(``bench/plain_elastic_worker.py``, Horovod's own elastic Keras recipe: nobody reacts to the notice,
-the worker is killed when the window ends and Horovod rolls back) and ``ours``
-(``examples/keras_elastic.py``: emergency checkpoint, election, the host leaves the ring cleanly).
-Scenarios: on 3 hosts a plain worker (``worker``) or the checkpoint master / rank 0 (``master``) is
-preempted; ``join``: a third host joins a running 2-host ring (``ours``: the new VM boots a standby
-worker, :mod:`hvd_transient.worker`, and discovery lists it once the standby is ready; ``baseline``:
-Horovod starts the newcomer's process after the survivors reset, as it does).
-
-Every figure of the run comes from :func:`hvd_transient.report.analysis.analyze`, with the
-product's rules (the numbers ``hvd-transient report`` shows): steps rolled back are the largest
-``rolled_back`` of one survivor's reset (not a per-survivor sum), the resume ends at the *first*
-survivor's first step on the new ring (not the last one's), and the baseline departs at the kill time
-the emulator recorded. This module only adds what is benchmark-specific: Horovod-internal phases
-(``bench/_hvd_trace.py``), discovery timing, step T, alternating runs (ours, baseline within each
-repeat, so load drift hits both alike), tables and the plot. Results:
-``bench/results/preemption_cost.json``, ``.md`` and ``.png``.
+The same Keras training on a ``LocalCluster`` (real ``horovodrun``, a GCE metadata emulator per host) as
+``baseline`` (``bench/plain_elastic_worker.py``: killed when the notice window ends, Horovod rolls back)
+and ``ours`` (``examples/keras_elastic.py``: emergency checkpoint, election, a clean leave), when a worker
+or the checkpoint master / rank 0 of 3 is preempted, or a host joins a ring of 2 (ours: through a standby
+worker). Figures and phases come from :func:`hvd_transient.report.analysis.analyze`; runs alternate.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import logging
 import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import bench.common as bc
-from bench._hvd_trace import departure_marks, discovery_stats, read_jsonl
 from hvd_transient.report.analysis import analyze
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parent.parent
-OURS_SCRIPT, BASELINE_SCRIPT = REPO / "examples" / "keras_elastic.py", REPO / "bench" / "plain_elastic_worker.py"
-TRACE = REPO / "bench" / "_hvd_trace.py"
-DEFAULT_OUT = REPO / "bench" / "results" / "preemption_cost.json"
+OURS_SCRIPT, BASELINE_SCRIPT = bc.REPO / "examples" / "keras_elastic.py", bc.REPO / "bench" / "plain_elastic_worker.py"
 HOSTS = ("localhost", "127.0.0.1", "127.0.1")
 VARIANTS, SCENARIOS = ("ours", "baseline"), ("worker", "master", "join")
 LABELS = {"ours": "hvd-transient", "baseline": "plain Horovod elastic"}
 RESUME_GOAL_MS = 1000.0
-DRIVER_DISCOVERY_SLEEP_S = 1.0  # horovod.runner.elastic.driver.DISCOVER_HOSTS_FREQUENCY_SECS
 BASE_LR, START_TIMEOUT_S, RESUME_TIMEOUT_S = 0.01, 600.0, 300.0
-#: phases of a departure, in order; each ends at the mark of the same name
-OURS_MARKS = ("watcher", "agreed", "emergency_save", "left", "discovery", "notified", "interrupt", "rendezvous",
-              "restart", "first_step")
-BASELINE_MARKS = ("killed", "failure_detected", "rendezvous", "restart", "first_step")
+#: phases of a departure, in order, each ending at its mark: Preemption.marks plus the notice given
+#: (``given``) and the survivors' last step on the old ring (``last_step``, from their resets)
+MARKS = ("given", "notice", "agreed", "committed", "left", "last_step", "reset", "ring", "first_step")
+PHASES = {"notice": "notice seen by the watcher", "agreed": "all ranks agree on the step",
+          "committed": "emergency checkpoint committed", "left": "host published as leaving / killed at the deadline",
+          "last_step": "survivors' last step on the old ring", "reset": "survivors reset (rendezvous, rollback)",
+          "ring": "training restarts on the new ring", "first_step": "first step on the new ring completes"}
 
 Event = dict[str, Any]
 
@@ -84,7 +67,7 @@ class RunPlan:
 
 
 def worker_command(plan: RunPlan, cfg: Config) -> tuple[str, ...]:
-    """The training command of every worker, wrapped by the Horovod trace."""
+    """The training command of every worker."""
     shared = ["--model", cfg.model, "--steps-per-epoch", str(cfg.steps_per_epoch), "--batches-per-commit",
               str(cfg.batches_per_commit), "--step-seconds", str(cfg.step_seconds), "--base-lr", str(BASE_LR)]
     if plan.variant == "ours":  # runs until told to stop; knows the cloud's notice window, as a user would
@@ -95,10 +78,7 @@ def worker_command(plan: RunPlan, cfg: Config) -> tuple[str, ...]:
     else:  # a join run is stopped once the bigger ring trained
         epochs = 100000 if plan.scenario == "join" else math.ceil((plan.total_steps or 0) / cfg.steps_per_epoch)
         script = [str(BASELINE_SCRIPT), "--events-store", plan.store, "--epochs", str(epochs), *shared]
-    return (sys.executable, str(TRACE), "worker", str(plan.workdir / "trace"), *script)
-
-
-# --------------------------------------------------------------------------- one run (I/O)
+    return (sys.executable, *script)
 
 
 @dataclass
@@ -112,8 +92,6 @@ class RunRecord:
     master: str
     total_steps: int
     events: list[Event]
-    trace: list[Event]
-    discovery: list[Event]
     killed_at: float | None = None
     exit_code: int | None = None
     ended_at: float | None = None
@@ -121,8 +99,7 @@ class RunRecord:
 
 
 def choose_total_steps(cfg: Config, rate: float) -> int:
-    """A step T the baseline reaches only well after its kill and resume: warm-up, the window at the
-    3-worker rate (x1.5 for noise) and 40 steps, rounded up to whole epochs."""
+    """A step T well after the baseline's resume: warm-up + 1.5 windows at the 3-worker rate + 40, in epochs."""
     steps = cfg.warmup_steps + math.ceil(1.5 * rate * cfg.window_s) + 40
     return math.ceil(steps / cfg.steps_per_epoch) * cfg.steps_per_epoch
 
@@ -138,14 +115,11 @@ def first_steps(hosts: Sequence[str], size: int, after: float) -> Callable[[list
 
 def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
     from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
-
     plan.workdir.mkdir(parents=True, exist_ok=True)
     hosts = HOSTS[:2] if plan.scenario == "join" else HOSTS
-    tap = f"{sys.executable} {TRACE} discover {plan.workdir / 'discovery.jsonl'} hvd-transient"
     standby = plan.scenario == "join" and plan.variant == "ours"  # new VMs start a pre-warmed worker
     spec = LocalClusterSpec(store=plan.store, hosts=hosts, command=worker_command(plan, cfg), workdir=plan.workdir,
-                            gloo_timeout_s=cfg.gloo_timeout_seconds, extra_env=(("HVDT_CLI", tap),),
-                            standby=standby)
+                            gloo_timeout_s=cfg.gloo_timeout_seconds, standby=standby)
     ready_at = None
     with LocalCluster(spec) as cluster:
         cluster.wait_for_step(cfg.warmup_steps, START_TIMEOUT_S, size=len(hosts))
@@ -157,8 +131,9 @@ def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
             cluster.add_host(target)
             bigger = cluster.wait_for(first_steps(hosts, 3, notice_at), RESUME_TIMEOUT_S, "the ring of 3")
             cluster.wait_for_step(max(e["step"] for e in bigger) + 10, START_TIMEOUT_S, size=3)
-            if standby:
-                ready_at = standby_ready_at(cluster.store, target)
+            if standby:  # when the new VM's standby worker published itself ready
+                from hvd_transient.discovery.ready import read_ready
+                ready_at = next((r.ready_at for r in read_ready(cluster.store) if r.host == target), None)
         else:
             if total is None:
                 if (rate := ring.steps_per_s) is None:
@@ -178,18 +153,8 @@ def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
             exit_code = cluster.wait(START_TIMEOUT_S)
             killed_at = cluster.emulator.instance(target).killed_at
         events = cluster.events()
-    trace = read_jsonl((plan.workdir / "trace").glob("*.jsonl"))
-    return RunRecord(plan, cluster.started_at, notice_at, target, master, total or 0, events, trace,
-                     read_jsonl(plan.workdir.glob("discovery.jsonl")), killed_at, exit_code, time.time(), ready_at)
-
-
-def standby_ready_at(store: Any, host: str) -> float | None:
-    from hvd_transient.discovery.ready import read_ready
-
-    return next((r.ready_at for r in read_ready(store) if r.host == host), None)
-
-
-# --------------------------------------------------------------------------- measurement (pure)
+    return RunRecord(plan, cluster.started_at, notice_at, target, master, total or 0, events, killed_at,
+                     exit_code, time.time(), ready_at)
 
 
 @dataclass(frozen=True)
@@ -203,7 +168,7 @@ class Measurement:
     step_before: int | None = None            # the survivors' first reset: from this step ...
     step_after: int | None = None             # ... to this one
     resets: int = 0
-    resume_ms: float | None = None            # worker leaves the ring (interrupt / kill) -> survivors' next step
+    resume_ms: float | None = None            # worker leaves the ring (survivors' last step / kill) -> next step
     publish_to_resume_ms: float | None = None  # ours: leave_published -> survivors' next step
     notice_to_resume_ms: float | None = None
     stall_ms: float | None = None             # ours: every rank waited for the emergency checkpoint
@@ -221,19 +186,8 @@ class Measurement:
     error: str | None = None
 
 
-def phases(marks: Mapping[str, float], order: Sequence[str]) -> dict[str, float]:
-    """Milliseconds of each phase after the first present mark: the gap from the latest earlier one."""
-    out: dict[str, float] = {}
-    prev = None
-    for name in (n for n in order if n in marks):
-        if prev is not None:
-            out[name] = max(0.0, (marks[name] - prev) * 1000.0)
-        prev = marks[name] if prev is None else max(prev, marks[name])
-    return out
-
-
 def measure(rec: RunRecord) -> Measurement:
-    """RunAnalysis's figures for the target's departure (or join), with the Horovod-internal phases."""
+    """RunAnalysis's figures for the target's departure (or join), and its phases."""
     run = analyze(rec.events, kills={rec.target: rec.killed_at} if rec.killed_at is not None else None)
     base = Measurement(rec.plan.variant, rec.plan.scenario, rec.plan.repeat, rec.target, rec.master,
                        total_steps=rec.total_steps, exit_code=rec.exit_code, killed=rec.killed_at is not None,
@@ -248,17 +202,14 @@ def measure(rec: RunRecord) -> Measurement:
     if p is None:
         return replace(base, error=f"no departure of {rec.target} after the notice")
     ours, survivors = rec.plan.variant == "ours", [h for h in HOSTS if h != rec.target]
-    found = {"notice": rec.notice_at, "restart": p.ring_at, "first_step": p.resumed_at}
-    if ours:
-        found |= {"watcher": p.notice_at, "agreed": p.agreed_at, "emergency_save": p.commit_at, "left": p.departed_at}
-    else:
-        found["killed"] = p.departed_at
-    marks = {k: v for k, v in found.items() if v is not None}
-    marks |= departure_marks(rec.trace, rec.discovery, host=rec.target, survivors=survivors, left=p.departed_at,
-                             graceful=ours)
+    marks = {"given": rec.notice_at, **p.marks}
     first = p.resumed_at
+    if ours and first is not None:  # the ring, leaving worker included, trained until Horovod interrupted it
+        last = [e["last_step_at"] for e in rec.events if e.get("event") == "reset" and e.get("host") in survivors
+                and p.departed_at < e["t"] <= first and e.get("last_step_at") is not None]
+        marks |= {"last_step": max(last)} if last else {}  # the last survivor's last step on the old ring
     rate_after = ring.steps_per_s if first is not None and (ring := run.ring_at(first)) is not None else None
-    last_old = marks.get("interrupt") if ours else p.departed_at  # ours trained on (leaving worker too) until then
+    last_old = marks.get("last_step") if ours else p.departed_at
     resume = (first - last_old) * 1000.0 if first is not None and last_old is not None else None
     stall = p.agreed_to_left_ms if ours else 0.0
     redo = p.steps_rolled_back / rate_after if p.steps_rolled_back and rate_after else 0.0
@@ -271,16 +222,14 @@ def measure(rec: RunRecord) -> Measurement:
         lost_s=(stall + resume) / 1000.0 + redo if resume is not None and stall is not None else None,
         train_to_t_s=reached - run.progress[0].t if reached is not None else None,
         marks={k: v - rec.notice_at for k, v in marks.items()},
-        phases_ms=phases(marks, ("notice", *(OURS_MARKS if ours else BASELINE_MARKS))))
+        phases_ms=bc.phases(marks, MARKS, 1000.0))
 
-
-# --------------------------------------------------------------------------- summary & report
 
 PER_RUN = ("steps_rolled_back", "resume_ms", "notice_to_resume_ms", "publish_to_resume_ms", "stall_ms", "lost_s",
            "train_to_t_s", "job_s", "join_stall_s", "join_s", "standby_ready_s")
 
 
-def summarize(ms: Sequence[Measurement], records: Sequence[RunRecord], cfg: Config) -> dict[str, Any]:
+def summarize(ms: Sequence[Measurement], cfg: Config) -> dict[str, Any]:
     ok = [m for m in ms if m.error is None]
 
     def of(v: str, key: str, stat: str = "median", join: bool = False) -> float | None:
@@ -311,37 +260,34 @@ def summarize(ms: Sequence[Measurement], records: Sequence[RunRecord], cfg: Conf
         "goal_zero_rollback_met": bool(ours) and all(m.steps_rolled_back == 0 for m in ours),
         "goal_resume_under_1s_met": (o if o is not None else math.inf) <= RESUME_GOAL_MS,
         "goal_resume_under_1s_every_run": bool(ours) and all((m.resume_ms or math.inf) <= RESUME_GOAL_MS for m in ours),
-        "total_steps": max((m.total_steps for m in ok if m.total_steps), default=None),
-        "discovery": discovery_stats([r.discovery for r in records], DRIVER_DISCOVERY_SLEEP_S)}
+        "total_steps": max((m.total_steps for m in ok if m.total_steps), default=None)}
 
 
-def _fmt(s: Mapping[str, Any] | None, spec: str = ",.0f") -> str:
-    if not s:
-        return "-"
-    return f"{s['median']:{spec}}" + (f" ({s['min']:{spec}}-{s['max']:{spec}})" if s["n"] > 1 else "")
-
-
-MAIN_COLUMNS = ("scenario", "variant", "runs", "steps rolled back", "resume ms (leaves ring -> next step)",
-                "published -> next step ms", "time lost s", "notice -> next step ms", "s to step T",
-                "join stall s (survivors' last -> next step)", "join s (VM appears -> ring with it)")
+#: (column, per-run measure, number format) of the main table
+MAIN_COLUMNS = (("steps rolled back", "steps_rolled_back", "g"),
+                ("resume ms (leaves ring -> next step)", "resume_ms", ",.0f"),
+                ("published -> next step ms", "publish_to_resume_ms", ",.0f"), ("time lost s", "lost_s", ".2f"),
+                ("notice -> next step ms", "notice_to_resume_ms", ",.0f"), ("s to step T", "train_to_t_s", ".1f"),
+                ("join stall s (survivors' last -> next step)", "join_stall_s", ".2f"),
+                ("join s (VM appears -> ring with it)", "join_s", ".1f"))
 WHO = {"master": "checkpoint master (rank 0) preempted", "worker": "worker (not rank 0) preempted",
        "join": "a host joins a ring of 2"}
 
 
-def main_table(summary: Mapping[str, Any], cfg: Config) -> list[list[str]]:
-    return [[WHO[s], LABELS[v], str(e["runs"]), _fmt(e["steps_rolled_back"], "g"), _fmt(e["resume_ms"]),
-             _fmt(e["publish_to_resume_ms"]), _fmt(e["lost_s"], ".2f"), _fmt(e["notice_to_resume_ms"]),
-             _fmt(e["train_to_t_s"], ".1f"), _fmt(e["join_stall_s"], ".2f"), _fmt(e["join_s"], ".1f")]
+def main_table(summary: Mapping[str, Any], cfg: Config) -> str:
+    rows = [[WHO[s], LABELS[v], str(e["runs"]), *(bc.fmt_summary(e[key], spec) for _, key, spec in MAIN_COLUMNS)]
             for s in cfg.scenarios for v in cfg.variants if (e := summary["scenarios"][s].get(v))]
+    return bc.markdown_table(("scenario", "variant", "runs", *(c for c, _, _ in MAIN_COLUMNS)), rows)
 
 
-def phase_table(summary: Mapping[str, Any], cfg: Config) -> tuple[list[str], list[list[str]]]:
+def phase_table(summary: Mapping[str, Any], cfg: Config) -> str:
+    """Where the time goes, in markdown ("" without a departure)."""
     cols = [(s, v) for s in cfg.scenarios if s != "join" for v in cfg.variants if summary["scenarios"][s].get(v)]
-    rows = [[f"{v}: {name}", *(_fmt(summary["scenarios"][s][v]["phases_ms"].get(name)) if c == v else ""
-                               for s, c in cols)]
-            for v, order in (("ours", OURS_MARKS), ("baseline", BASELINE_MARKS)) if v in cfg.variants and cols
-            for name in order]
-    return ["phase (ends when ...)", *(f"{LABELS[v]}, {s}" for s, v in cols)], rows
+    rows = [[text, *(bc.fmt_summary(summary["scenarios"][s][v]["phases_ms"].get(name)) for s, v in cols)]
+            for name, text in PHASES.items() if any(name in summary["scenarios"][s][v]["phases_ms"] for s, v in cols)]
+    return (f"**Where the time goes** (ms from the previous phase's end, median (min-max))\n\n"
+            f"{bc.markdown_table(['phase (ends when ...)', *(f'{LABELS[v]}, {s}' for s, v in cols)], rows)}\n"
+            if rows else "")
 
 
 def make_plot(path: Path, summary: Mapping[str, Any], cfg: Config) -> Path | None:
@@ -353,33 +299,16 @@ def make_plot(path: Path, summary: Mapping[str, Any], cfg: Config) -> Path | Non
         scen = tuple(s for s in cfg.scenarios if (s == "join") == (key == "join_stall_s") and summary["scenarios"][s])
         cells = {LABELS[v]: [summary["scenarios"][s].get(v, {}).get(key) for s in scen] for v in cfg.variants}
         if scen:
-            panels.append(bc.Panel(title, unit, scen,
-                                   {k: [c["median"] * scale if c else None for c in cs] for k, cs in cells.items()},
-                                   {k: [(c["min"] * scale, c["max"] * scale) if c else None for c in cs]
-                                    for k, cs in cells.items()}))
+            panels.append(bc.Panel(title, unit, scen, {k: [bc.Spread(c["median"] * scale, c["min"] * scale,
+                                                                      c["max"] * scale, c["n"]) if c else None
+                                                            for c in cs] for k, cs in cells.items()}))
     return bc.plot_panels(path, panels, title=f"cost of a preemption and a join ({cfg.model}, {cfg.window_s:g} s)")
 
 
-# --------------------------------------------------------------------------- driver
-
-
-@contextlib.contextmanager
-def store_root(spec: str, tmp: Path) -> Iterator[str]:
-    """Where the runs' stores go: ``local`` (temporary directory), ``gcs`` (fake-gcs-server) or a URL prefix."""
-    if spec == "gcs":
-        from ckpt_service.testing.gcs_emulator import gcs_emulator
-
-        with gcs_emulator() as emu:  # sets STORAGE_EMULATOR_HOST for the workers too
-            yield f"gs://{emu.new_bucket('preemption-cost')}/runs"
-    else:
-        yield str(tmp / "stores") if spec == "local" else spec.rstrip("/")
-
-
-def run_all(cfg: Config, tmp: Path) -> tuple[list[Measurement], list[RunRecord]]:
+def run_all(cfg: Config, tmp: Path) -> list[Measurement]:
     measurements: list[Measurement] = []
-    records: list[RunRecord] = []
     total = cfg.total_steps
-    with store_root(cfg.store, tmp) as root:
+    with bc.store_root(cfg.store, tmp, "preemption-cost") as root:
         for repeat in range(cfg.repeats):
             for scenario in cfg.scenarios:
                 for variant in cfg.variants:  # ours first: the very first run can choose T
@@ -396,18 +325,14 @@ def run_all(cfg: Config, tmp: Path) -> tuple[list[Measurement], list[RunRecord]]
                                                         error=f"{type(exc).__name__}: {exc}".splitlines()[0]))
                         continue
                     total = rec.total_steps or total
-                    (plan.workdir / "record.json").write_text(json.dumps(asdict(rec), default=str))  # with --keep
-                    records.append(rec)
                     measurements.append(m := measure(rec))
-                    print(f"run {name}: {m.target}, rolled back {m.steps_rolled_back}, resume "
-                          f"{m.resume_ms or 0:,.0f} ms, join stall {m.join_stall_s or 0:.2f} s, {m.error or 'ok'}",
-                          file=sys.stderr, flush=True)
-    return measurements, records
+                    print(f"run {name}: {m.target}, rolled back {m.steps_rolled_back}, resume {m.resume_ms or 0:,.0f} "
+                          f"ms, join stall {m.join_stall_s or 0:.2f} s, {m.error or 'ok'}", file=sys.stderr, flush=True)
+    return measurements
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="preemption_cost", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bc.parser("preemption_cost", __doc__.splitlines()[0], keep=True)
     p.add_argument("--model", choices=("small_cnn", "resnet32"), default="small_cnn")
     p.add_argument("--repeats", type=bc.positive_int, default=3, help="runs per scenario and variant")
     p.add_argument("--window-s", type=float, default=10.0, help="notice window: the kill comes this long after it")
@@ -421,50 +346,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gloo-timeout-seconds", type=int, default=10, help="how long survivors wait on a dead peer")
     p.add_argument("--scenarios", type=bc.csv_list(str, SCENARIOS), default=SCENARIOS)
     p.add_argument("--variants", type=bc.csv_list(str, VARIANTS), default=VARIANTS)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (.md and .png beside it)")
-    p.add_argument("--no-plot", dest="plot", action="store_false")
-    p.add_argument("--tmpdir", type=Path, default=None, help="parent of the temporary working directory")
-    p.add_argument("--keep", action="store_true", help="keep the working directory (logs, traces, stores)")
     return p
 
 
 NOTES = [
-    "figures from hvd_transient.report.analysis (as `hvd-transient report` shows them); phases from "
-    "bench/_hvd_trace.py (Horovod internals) and the recorded discovery calls",
-    "resume: from the worker leaving the ring (ours: the survivors' HostsUpdatedInterrupt, until which it trained "
-    "with them; baseline: the SIGTERM ending the window) to the first survivor's first step on the new ring",
-    "time lost: emergency-checkpoint stall (ours) + resume + rolled-back steps / the new ring's step rate",
-    "join: ours boots a standby worker on the new VM (python -m hvd_transient.worker --standby) and discovery "
-    "lists the VM once it is ready; the stall runs from the survivors' last training event before the reset "
-    "(progress is logged every 10 steps, so it may lag the last step) to their first step on the ring of 3"]
+    "figures and phases from hvd_transient.report.analysis (as `hvd-transient report` shows them)",
+    "resume: the worker leaves the ring (ours: the survivors' last step before their reset; baseline: the SIGTERM) "
+    "-> the first survivor's first step on the new ring; time lost: stall + resume + redone steps",
+    "join: ours boots a standby worker on the new VM, listed once ready; stall: the survivors' last step -> their "
+    "first step on the ring of 3"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     if args.step_seconds is None:
         args.step_seconds = 0.05 if args.model == "small_cnn" else 0.0
     cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
-    if cfg.window_s <= 0 or cfg.warmup_steps < 10:
-        print("preemption_cost: --window-s must be > 0 and --warmup-steps >= 10 (the step rate is measured over "
-              "the warm-up)", file=sys.stderr)
-        return 2
+    if cfg.window_s <= 0 or cfg.warmup_steps < 10:  # the step rate is measured over the warm-up
+        p.error("--window-s must be > 0 and --warmup-steps >= 10")
     if cfg.total_steps is None and "ours" not in cfg.variants and set(cfg.scenarios) != {"join"}:
-        print("preemption_cost: with --variants baseline alone, give --total-steps", file=sys.stderr)
-        return 2
+        p.error("with --variants baseline alone, give --total-steps")
     # our workers have normally left before their deadline: the emulator's undeliverable SIGTERM is expected
     logging.getLogger("hvd_transient.testing.metadata_emulator.registry").setLevel(logging.ERROR)
-    (measurements, records), elapsed, machine = bc.measured("preemption_cost", lambda tmp: run_all(cfg, tmp),
-                                                            args.tmpdir, args.keep)
+    measurements, elapsed, machine = bc.measured("preemption_cost", lambda tmp: run_all(cfg, tmp), args.tmpdir,
+                                                 args.keep)
     if not any(m.error is None for m in measurements):
         print("preemption_cost: every run failed:\n" + "\n".join(m.error or "" for m in measurements), file=sys.stderr)
         return 1
-    summary = summarize(measurements, records, cfg)
-    header, rows = phase_table(summary, cfg)
+    summary = summarize(measurements, cfg)
     markdown = (f"{cfg.model}, {cfg.window_s:g} s notice, step T = {summary['total_steps']}.\n\n"
-                f"{bc.markdown_table(MAIN_COLUMNS, main_table(summary, cfg))}\n\n"
-                + (f"**Where the time goes** (ms from the previous phase's end, median (min-max))\n\n"
-                   f"{bc.markdown_table(header, rows)}\n\n" if rows else "")
-                + f"Discovery: {json.dumps(summary['discovery'])}\n")
+                f"{main_table(summary, cfg)}\n\n{phase_table(summary, cfg)}")
     print(markdown, flush=True)
     return bc.publish(args.out, name="preemption_cost", summary=summary, rows=[asdict(m) for m in measurements],
                       params=asdict(cfg) | {"total_steps_used": summary["total_steps"], "hosts": HOSTS},

@@ -1,38 +1,28 @@
-"""Cold restart from the store: checkpoint read throughput, and the start-up of a restored job.
-
-* read throughput: :mod:`bench.ckpt_io`'s restore measurement alone (N writers -> M readers);
-* cold restart: ``examples/keras_elastic.py`` on 3 workers until a checkpoint of all 3 commits,
-  the cluster lost, the job relaunched on 2: ``horovodrun`` start to the first step, against a
-  fresh start on an empty store, by phase (``bench/_hvd_trace.py --startup`` and the job's events).
+"""Cold restart from the store: read throughput (:mod:`bench.ckpt_io`'s restore, N writers -> M readers),
+and ``examples/keras_elastic.py`` relaunched on 2 workers after a checkpoint by 3 and the loss of the
+cluster: ``horovodrun`` start -> first step by the job's events (start, ring, first_step), against a fresh start.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import bench.common as bc
 from bench import ckpt_io
-from bench._hvd_trace import read_jsonl
 
 log = logging.getLogger(__name__)
 
 EXAMPLE = bc.REPO / "examples" / "keras_elastic.py"
-TRACE = bc.REPO / "bench" / "_hvd_trace.py"
 WRITER_HOSTS = ("localhost", "127.0.0.1", "127.0.1")
 RESTART_HOSTS = ("localhost", "127.0.0.1")
 LAUNCH_TIMEOUT_S = 600.0
 NEVER = 10**9  # --save-every / --epochs that a run never reaches
-#: (mark, what ends there, short name): the marks every launch passes, in order
+#: (event, what ends there, short name): the job's events every launch passes, in order
 LAUNCH_PHASES = (
-    ("exec", "horovodrun + discovery + worker interpreters up", "procs up"),
-    ("init_done", "imports (TensorFlow, Horovod) + hvd.init", "hvd.init"),
-    ("restore_begin", "model built and compiled", "model"),
-    ("restore_end", "checkpoint restore (rank 0)", "restore"),
-    ("start", "KerasState + callback set-up", "state"),
+    ("start", "processes up, imports, hvd.init, model, checkpoint restore (rank 0), state set-up", "start-up"),
     ("ring", "state sync (broadcast from rank 0) + fit starts", "sync"),
     ("first_step", "first step (tracing) completes", "1st step"),
 )
@@ -41,9 +31,9 @@ Event = dict[str, Any]
 
 
 @dataclass(frozen=True)
-class RestartConfig:
+class RestartConfig:  # field names are the command line's
     model: str
-    repeats: int
+    restart_repeats: int
     store: str
     steps_per_epoch: int
     batch_size: int
@@ -58,35 +48,17 @@ class Launch:
     first_step_s: float  # horovodrun start -> first completed step (latest rank)
     marks: dict[str, float]  # LAUNCH_PHASES' marks present
     restored_step: int | None
-    checkpoint_step: int | None
 
 
-# --------------------------------------------------------------------------- analysis (pure)
-
-
-def launch_marks(events: Sequence[Event], trace: Sequence[Event], launched_at: float,
-                 hosts: Sequence[str]) -> dict[str, float]:
-    """Seconds after launch by which every rank passed each mark (the restore: rank 0's)."""
+def launch_marks(events: Sequence[Event], launched_at: float, hosts: Sequence[str]) -> dict[str, float]:
+    """Seconds after launch by which every rank had logged each of LAUNCH_PHASES' events."""
     marks: dict[str, float] = {}
-    for name in ("exec", "init_done", "start", "ring", "first_step"):
-        source = trace if name in ("exec", "init_done") else events
-        firsts = [min((e["t"] for e in source if e.get("event") == name and e.get("host") == host
+    for name, _, _ in LAUNCH_PHASES:
+        firsts = [min((e["t"] for e in events if e.get("event") == name and e.get("host") == host
                        and e["t"] >= launched_at), default=None) for host in hosts]
         if None not in firsts:
             marks[name] = max(firsts) - launched_at  # type: ignore[type-var]
-    for name in ("restore_begin", "restore_end"):
-        if found := [e["t"] for e in trace if e.get("event") == name and e["t"] >= launched_at]:
-            marks[name] = min(found) - launched_at
     return marks
-
-
-def launch_phases(marks: Mapping[str, float]) -> dict[str, float]:
-    """Seconds of each phase: the gap to the previous mark present."""
-    out, prev = {}, 0.0
-    for name, _, _ in LAUNCH_PHASES:
-        if name in marks:
-            out[name], prev = max(0.0, marks[name] - prev), max(prev, marks[name])
-    return out
 
 
 def summarize(rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | None, launches: Sequence[Launch],
@@ -94,66 +66,36 @@ def summarize(rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | None, launches:
     summary: dict[str, Any] = {"units": "MB = 10**6 bytes; medians over repeats"}
     if cfg is not None and rows:
         largest = bc.size_label(max(cfg.sizes_mb))
-        summary.update(restore_size=largest, restore_mb_per_s_by_size=ckpt_io.summarize(rows, cfg)["restore_mb_per_s"],
-                       restore_mb_per_s={}, restore_best_combination={})
-        for store in cfg.stores:
-            if best := best_restore(rows, store, largest):
-                summary["restore_mb_per_s"][store] = best.mb_per_s.median
-                summary["restore_best_combination"][store] = f"{best.writers}->{best.readers}"
+        by_size = ckpt_io.summarize(rows, cfg)["restore_mb_per_s"]
+        best = {store: max(by_size[store][largest].items(), key=lambda kv: kv[1]) for store in by_size}
+        summary.update(restore_size=largest, restore_mb_per_s_by_size=by_size,
+                       restore_mb_per_s={store: rate for store, (_, rate) in best.items()},
+                       restore_best_combination={store: combo for store, (combo, _) in best.items()})
     if not launches:
         return summary
+    order = ("launch", *(name for name, _, _ in LAUNCH_PHASES))
     for kind in ("cold_restart", "fresh_start"):
         if found := [x for x in launches if x.kind == kind]:
             s = bc.spread([x.first_step_s for x in found])
-            phases = [launch_phases(x.marks) for x in found]
+            phases = [bc.phases({"launch": 0.0, **x.marks}, order) for x in found]
             summary.update({f"{kind}_s": s.median, f"{kind}_s_spread": bc.spread_summary(s), f"{kind}_phases_s": {
-                name: bc.spread_summary(bc.spread([p[name] for p in phases if name in p]))
+                name: bc.spread_summary(bc.spread_or_none([p.get(name) for p in phases]))
                 for name, _, _ in LAUNCH_PHASES if any(name in p for p in phases)}})
     cold, fresh = summary.get("cold_restart_s"), summary.get("fresh_start_s")
     if cold and fresh:
         summary["cold_minus_fresh_s"] = cold - fresh  # launch noise on a shared machine: either sign
-    if restore_s := [x.marks["restore_end"] - x.marks["restore_begin"] for x in launches
-                     if x.kind == "cold_restart" and {"restore_begin", "restore_end"} <= x.marks.keys()]:
-        # the restore itself, timed inside rank 0: its share of the cold restart's start-up
-        summary["restore_in_worker_s"] = bc.spread_summary(bc.spread(restore_s))
-        if cold:
-            summary["restore_share_of_cold_restart"] = bc.spread(restore_s).median / cold
     summary["checkpoint"] = dict(checkpoint or {})
     return summary
 
 
-def best_restore(rows: Sequence[ckpt_io.Row], store: str, size: str) -> ckpt_io.Row | None:
-    found = [r for r in rows if (r.store, r.size, r.op) == (store, size, "restore")]
-    return max(found, key=lambda r: r.mb_per_s.median, default=None)
-
-
-def throughput_table(rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config) -> tuple[list[str], list[list[str]]]:
-    combos = [(w, r) for w in cfg.writers for r in cfg.readers]
-    body = []
-    for size in map(bc.size_label, cfg.sizes_mb):
-        for store in cfg.stores:
-            cells = [(x.mb_per_s.text("{:,.0f}") if (x := ckpt_io.find(rows, store=store, size=size, op="restore",
-                                                                       writers=w, readers=r)) else "-")
-                     for w, r in combos]
-            best = best_restore(rows, store, size)
-            body.append([size, ckpt_io.STORE_NAMES[store], *cells, f"{best.writers}->{best.readers}" if best else "-"])
-    return ["state", "store", *(f"{w}->{r}" for w, r in combos), "best"], body
-
-
-def _fmt(s: Mapping[str, Any] | None, digits: int = 1) -> str:
-    if not s:
-        return "-"
-    text = f"{s['median']:.{digits}f}"
-    return text if s["n"] < 2 else f"{text} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
-def launch_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+def launch_table(summary: Mapping[str, Any]) -> str:
     cold, fresh = summary.get("cold_restart_phases_s", {}), summary.get("fresh_start_phases_s", {})
-    body = [[text, _fmt(cold.get(name), 2), _fmt(fresh.get(name), 2)] for name, text, _ in LAUNCH_PHASES
-            if name in cold or name in fresh]
-    body.append(["**horovodrun start -> first step**", _fmt(summary.get("cold_restart_s_spread")),
-                 _fmt(summary.get("fresh_start_s_spread"))])
-    return ["phase (seconds; ends when ...)", "cold restart (restore)", "fresh start (no checkpoint)"], body
+    body = [[text, bc.fmt_summary(cold.get(name), ".2f"), bc.fmt_summary(fresh.get(name), ".2f")]
+            for name, text, _ in LAUNCH_PHASES if name in cold or name in fresh]
+    body.append(["**horovodrun start -> first step**", bc.fmt_summary(summary.get("cold_restart_s_spread"), ".1f"),
+                 bc.fmt_summary(summary.get("fresh_start_s_spread"), ".1f")])
+    header = ["phase (seconds; ends when ...)", "cold restart (restore)", "fresh start (no checkpoint)"]
+    return bc.markdown_table(header, body)
 
 
 def make_plot(path: Path, rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | None,
@@ -165,8 +107,8 @@ def make_plot(path: Path, rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | Non
             found = {size: [x.mb_per_s if (x := ckpt_io.find(rows, store=store, size=size, op="restore", writers=w,
                                                               readers=r)) else None for w, r in combos]
                      for size in map(bc.size_label, cfg.sizes_mb)}
-            panels.append(bc.bars(f"restore from {ckpt_io.STORE_NAMES[store]}: N writers -> M readers (MB/s)", "MB/s",
-                                  [f"{w}->{r}" for w, r in combos], found))
+            panels.append(bc.Panel(f"restore from {ckpt_io.STORE_NAMES[store]}: N writers -> M readers (MB/s)", "MB/s",
+                                   [f"{w}->{r}" for w, r in combos], found))
     if summary.get("cold_restart_phases_s") or summary.get("fresh_start_phases_s"):
         medians = {label: [(summary.get(f"{kind}_phases_s", {}).get(name) or {}).get("median")
                            for name, _, _ in LAUNCH_PHASES]
@@ -176,18 +118,14 @@ def make_plot(path: Path, rows: Sequence[ckpt_io.Row], cfg: ckpt_io.Config | Non
     return bc.plot_panels(path, panels, title="cold restart from the store", columns=2) if panels else None
 
 
-# --------------------------------------------------------------------------- cold restart (I/O)
-
-
-def example_command(store: str, rc: RestartConfig, trace_dir: Path, *, save_every: int) -> tuple[str, ...]:
-    return (sys.executable, str(TRACE), "worker", "--startup", str(trace_dir), str(EXAMPLE), "--store", store,
+def example_command(store: str, rc: RestartConfig, *, save_every: int) -> tuple[str, ...]:
+    return (sys.executable, str(EXAMPLE), "--store", store,
             "--model", rc.model, "--epochs", str(NEVER), "--steps-per-epoch", str(rc.steps_per_epoch),
             "--batch-size", str(rc.batch_size), "--save-every", str(save_every), "--batches-per-commit", "10")
 
 
 def _cluster(store: str, hosts: Sequence[str], command: tuple[str, ...], workdir: Path) -> Any:
     from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
-
     return LocalCluster(LocalClusterSpec(store=store, hosts=tuple(hosts), command=command, workdir=workdir))
 
 
@@ -195,19 +133,17 @@ def write_checkpoint(store: str, rc: RestartConfig, workdir: Path) -> dict[str, 
     """Train on 3 workers until a periodic checkpoint of all 3 commits, then lose the whole cluster."""
     from ckpt_service.manager import CheckpointManager
     from hvd_transient.testing.local_cluster import of
-
-    cmd = example_command(store, rc, workdir / "trace", save_every=2 * rc.steps_per_epoch)
+    cmd = example_command(store, rc, save_every=2 * rc.steps_per_epoch)
     with _cluster(store, WRITER_HOSTS, cmd, workdir) as c:
         c.wait_for(lambda ev: of(ev, "commit", kind="periodic", size=3), LAUNCH_TIMEOUT_S,
                    "a checkpoint written by 3 workers")
         c.stop()
     with CheckpointManager(store, max_to_keep=None) as mgr:
-        if (step := mgr.latest_step()) is None:
-            raise bc.BenchError(f"no committed checkpoint in {store} after the 3-worker run")
-        ckpt = mgr.restore(step)
-    if ckpt.manifest.world_size != 3:
-        raise bc.BenchError(f"the checkpoint of {store} was written by {ckpt.manifest.world_size} workers, not 3")
-    return {"step": step, "writers": 3, "bytes": ckpt.manifest.nbytes, "tensors": len(ckpt.tensors)}
+        step = mgr.latest_step()
+        manifest = mgr.manifest(step) if step is not None else None
+    if manifest is None or manifest.world_size != 3:
+        raise bc.BenchError(f"{store} has no committed checkpoint written by the 3 workers")
+    return {"step": step, "writers": 3, "bytes": manifest.nbytes, "tensors": len(manifest.tensors)}
 
 
 def measure_launch(kind: str, repeat: int, store: str, rc: RestartConfig, workdir: Path,
@@ -217,60 +153,36 @@ def measure_launch(kind: str, repeat: int, store: str, rc: RestartConfig, workdi
                 and e["t"] >= c.started_at]
         return hits if len({e["host"] for e in hits}) == len(RESTART_HOSTS) else []
 
-    with _cluster(store, RESTART_HOSTS, example_command(store, rc, workdir / "trace", save_every=NEVER), workdir) as c:
-        firsts = c.wait_for(first_steps, LAUNCH_TIMEOUT_S, f"the first step ({kind})")
+    with _cluster(store, RESTART_HOSTS, example_command(store, rc, save_every=NEVER), workdir) as c:
+        c.wait_for(first_steps, LAUNCH_TIMEOUT_S, f"the first step ({kind})")
         launched_at, events = c.started_at, c.events()
         c.stop()
     restored = next((e["restored_step"] for e in events if e.get("event") == "start" and e["t"] >= launched_at
                      and e.get("restored_step") is not None), None)
     if restored != checkpoint_step:
         raise bc.BenchError(f"the {kind} restored step {restored}, expected {checkpoint_step}")
-    marks = launch_marks(events, read_jsonl((workdir / "trace").glob("*.jsonl")), launched_at, RESTART_HOSTS)
-    marks["first_step"] = max(e["t"] for e in firsts) - launched_at
-    return Launch(kind, repeat, marks["first_step"], marks, restored, checkpoint_step)
-
-
-@contextlib.contextmanager
-def store_factory(spec: str, tmp: Path) -> Iterator[Callable[[str], str]]:
-    """Fresh store URLs: under ``tmp`` (``local``), on fake-gcs-server started here (``gcs``) or a URL prefix."""
-    counter = iter(range(10**6))
-    if spec == "gcs":
-        from ckpt_service.testing.gcs_emulator import gcs_emulator
-
-        with gcs_emulator() as emu:  # the workers inherit STORAGE_EMULATOR_HOST
-            bucket = emu.new_bucket("restore")
-            yield lambda name: f"gs://{bucket}/{name}-{next(counter)}"
-        return
-    root = str(tmp / "stores") if spec == "local" else spec.rstrip("/")
-    yield lambda name: f"{root}/{name}-{next(counter)}"
+    marks = launch_marks(events, launched_at, RESTART_HOSTS)
+    return Launch(kind, repeat, marks["first_step"], marks, restored)
 
 
 def cold_restart(rc: RestartConfig, tmp: Path) -> tuple[list[Launch], dict[str, Any]]:
     launches: list[Launch] = []
-    with store_factory(rc.store, tmp) as new_store:
-        store = new_store("checkpointed")
-        checkpoint = write_checkpoint(store, rc, tmp / "writer")
-        print(f"checkpoint: step {checkpoint['step']}, {checkpoint['bytes'] / 1e6:.2f} MB by 3 workers",
-              file=sys.stderr, flush=True)
-        for repeat in range(rc.repeats):
+    with bc.store_root(rc.store, tmp, "restore") as root:
+        checkpoint = write_checkpoint(store := f"{root}/checkpointed", rc, tmp / "writer")
+        print(f"checkpoint: step {checkpoint['step']}, {checkpoint['bytes'] / 1e6:.2f} MB", file=sys.stderr, flush=True)
+        for repeat in range(rc.restart_repeats):
             for kind in ("cold_restart", "fresh_start"):  # alternating: load drift hits both alike
-                cold = kind == "cold_restart"
-                target, expected = (store, checkpoint["step"]) if cold else (new_store("fresh"), None)
+                target, expected = (store, checkpoint["step"]) if kind == "cold_restart" else (
+                    f"{root}/fresh-{repeat}", None)
                 launches.append(launch := measure_launch(kind, repeat, target, rc, tmp / f"{kind}-{repeat}", expected))
                 print(f"  {kind:12} #{repeat}: first step {launch.first_step_s:.1f} s after launch",
                       file=sys.stderr, flush=True)
     return launches, checkpoint
 
 
-# --------------------------------------------------------------------------- command line
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    p = ckpt_io.state_parser("restore", "Cold restart: checkpoint read throughput (N writers -> M readers) and the "
-                             "start-up of a job restored on 2 workers from a checkpoint written by 3, against a "
-                             "fresh start.", sizes=(100.0, 1000.0), keep=True)
-    p.add_argument("--store", default="local", help="cold-restart store: 'local' (temporary directory), 'gcs' "
-                   "(fake-gcs-server started here) or a URL prefix (directory, file://, gs://bucket/prefix)")
+    p = ckpt_io.state_parser("restore", __doc__, sizes=(100.0, 1000.0), keep=True)
+    p.add_argument("--store", default="local", help="cold-restart stores: local, gcs (emulator) or a URL")
     p.add_argument("--model", choices=("small_cnn", "resnet32"), default="small_cnn", help="cold-restart model")
     p.add_argument("--restart-repeats", type=bc.positive_int, default=3, help="cold restarts and fresh starts each")
     p.add_argument("--steps-per-epoch", type=bc.positive_int, default=20)
@@ -281,8 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.skip_throughput and args.skip_restart:
         p.error("nothing to do (both parts skipped)")
     cfg = None if args.skip_throughput else ckpt_io.config(args, async_stall=False, save_repeats=1)
-    rc = None if args.skip_restart else RestartConfig(args.model, args.restart_repeats, args.store,
-                                                      args.steps_per_epoch, args.batch_size)
+    rc = None if args.skip_restart else RestartConfig(**{f.name: getattr(args, f.name) for f in fields(RestartConfig)})
 
     def both(tmp: Path) -> tuple[list[ckpt_io.Row], list[Launch], dict[str, Any] | None]:
         rows = ckpt_io.run(cfg, tmp) if cfg else []
@@ -293,22 +204,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(rows, cfg, launches, checkpoint)
     markdown = []
     if cfg is not None:
-        header, body = throughput_table(rows, cfg)
-        bc.print_table(header, body, title="restore MB/s, N writers -> M readers (median (min-max))")
         markdown.append("**Read throughput** (MB/s, median (min-max); N writers -> M reader processes, each "
-                        f"reading its share, checked bit-exact)\n\n{bc.markdown_table(header, body)}\n")
+                        f"reading its share, checked bit-exact)\n\n{ckpt_io.restore_table(rows, cfg)}\n")
+        print(markdown[-1], flush=True)
     if rc is not None:
-        header, body = launch_table(summary)
-        title = (f"**Cold restart** ({rc.model}, checkpoint of {(checkpoint or {}).get('bytes', 0) / 1e6:.2f} MB "
-                 "written by 3 workers, relaunched on 2; seconds, median (min-max))")
-        bc.print_table(header, body, title=title)
-        markdown.append(f"{title}\n\n{bc.markdown_table(header, body)}\n")
-    notes = ["read throughput: each writer count saves once, then each reader count restores it; the time runs "
-             "from a barrier to the last reader done; local reads come from the page cache",
+        markdown.append(f"**Cold restart** ({rc.model}, checkpoint of {(checkpoint or {}).get('bytes', 0) / 1e6:.2f} "
+                        f"MB written by 3 workers, relaunched on 2; seconds, median (min-max))\n\n"
+                        f"{launch_table(summary)}\n")
+        print(markdown[-1], flush=True)
+    notes = ["read throughput: each writer count saves once, each reader count restores it, from a barrier to the "
+             "last reader done; local reads are cold",
              "cold restart: horovodrun start to the latest rank's first completed step, from a checkpoint written by "
-             "3 workers of examples/keras_elastic.py whose whole cluster was then killed",
-             "fresh start: the same command and hosts with an empty store",
-             "machine shared with other jobs: compare medians measured in the same run"]
+             "3 workers of examples/keras_elastic.py whose cluster was then killed; fresh start: an empty store"]
     params = {"throughput": None if cfg is None else asdict(cfg), "restart": None if rc is None else asdict(rc),
               "writer_hosts": WRITER_HOSTS, "restart_hosts": RESTART_HOSTS}
     rows_out = [{"part": "throughput", **r.as_dict()} for r in rows] + [{"part": "restart", **asdict(x)}

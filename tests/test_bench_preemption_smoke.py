@@ -1,8 +1,8 @@
 """The preemption-cost and restore benchmarks run end to end at tiny sizes and write their summaries.
 
 No timing is asserted: only that each benchmark measures what it says and writes a valid JSON
-with its summary keys (and a PNG). How the preemption benchmark reads a run (RunAnalysis plus
-the Horovod trace) is also checked on hand-made event logs, where the right answers are known.
+with its summary keys (and a PNG). How the preemption benchmark reads a run (RunAnalysis) is
+also checked on hand-made event logs, where the right answers are known.
 """
 from __future__ import annotations
 
@@ -15,13 +15,11 @@ from typing import Any
 import pytest
 
 from bench import preemption_cost as pc
-from bench._hvd_trace import discovery_stats
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 PREEMPTION_KEYS = ("ours_steps_rolled_back", "baseline_steps_rolled_back", "ours_resume_ms_median",
-                   "baseline_resume_ms_median", "ours_join_stall_s", "baseline_join_stall_s", "scenarios",
-                   "discovery")
+                   "baseline_resume_ms_median", "ours_join_stall_s", "baseline_join_stall_s", "scenarios")
 
 
 def run_bench(module: str, out: Path, *args: str, timeout: float = 300) -> dict[str, Any]:
@@ -52,18 +50,20 @@ def ring(t: float, step: int, hosts: tuple[str, ...], *, plain: bool = False) ->
                master_host=None if plain and r else hosts[0]) for r, h in enumerate(hosts)]
 
 
-def record(variant: str, events: list[dict[str, Any]], trace: list[dict[str, Any]], discovery: list[dict[str, Any]],
-           killed_at: float | None, scenario: str = "worker") -> pc.RunRecord:
+def record(variant: str, events: list[dict[str, Any]], killed_at: float | None,
+           scenario: str = "worker") -> pc.RunRecord:
     plan = pc.RunPlan(variant, scenario, 0, "memory://x", Path("/nonexistent"), 100)
-    return pc.RunRecord(plan, 80.0, 100.0, TARGET, "localhost", 100, events, trace, discovery, killed_at=killed_at,
-                        exit_code=0, ended_at=130.0)
+    return pc.RunRecord(plan, 80.0, 100.0, TARGET, "localhost", 100, events, killed_at=killed_at, exit_code=0,
+                        ended_at=130.0)
 
 
-def three_then_two(reset_t: float, rolled_back: int) -> list[dict[str, Any]]:
-    """A ring of 3 from t=80; the survivors reset at ``reset_t`` and train on 2 from step 50."""
+def three_then_two(reset_t: float, rolled_back: int, last_step_at: float | None = None) -> list[dict[str, Any]]:
+    """A ring of 3 from t=80; the survivors, whose last step on it ended at ``last_step_at``, reset at
+    ``reset_t`` and train on 2 from step 50."""
     events = ring(80.0, 0, (*SURVIVORS, TARGET))
     events += [ev(90.0, "first_step", h, step=1, size=3) for h in (*SURVIVORS, TARGET)]
-    events += [ev(reset_t, "reset", h, step=50, rolled_back=rolled_back, last_step=50 + rolled_back)
+    events += [ev(reset_t, "reset", h, step=50, rolled_back=rolled_back, last_step=50 + rolled_back,
+                  last_step_at=None if last_step_at is None else last_step_at - 0.01 * (h == "localhost"))
                for h in SURVIVORS]
     events += ring(reset_t + 0.1, 50, SURVIVORS)
     events += [ev(reset_t + 0.2, "first_step", "localhost", step=51, size=2),
@@ -73,45 +73,40 @@ def three_then_two(reset_t: float, rolled_back: int) -> list[dict[str, Any]]:
 
 
 def test_graceful_leave_is_measured_from_leaving_the_ring() -> None:
-    events = three_then_two(101.51, 0)
+    events = three_then_two(101.51, 0, last_step_at=101.31)
     events += [ev(100.01, "notice", TARGET, source="gce", reason="preempted", detected_at=100.001, deadline=110.0),
                ev(100.1, "notice_agreed", "localhost", step=40, leaving=[TARGET], deadline=105.0, size=3),
                ev(100.2, "commit", "localhost", kind="emergency", step=40, size=3),
                ev(100.21, "leave_published", TARGET, step=40, deadline=110.0)]
-    trace = [ev(101.2, "hosts_updated", "localhost", driver_t=101), ev(101.3, "interrupt", "localhost"),
-             ev(101.31, "interrupt", "127.0.0.1")]
-    trace += [ev(101.5, "reset_done", h) for h in SURVIVORS]
-    discovery = [{"t": 99.0, "end": 99.1, "code": 0, "hosts": [*SURVIVORS, TARGET]},
-                 # started before the publication, read the store after it
-                 {"t": 100.15, "end": 101.1, "code": 0, "hosts": list(SURVIVORS)}]
-    m = pc.measure(record("ours", sorted(events, key=lambda e: e["t"]), trace, discovery, killed_at=None))
+    m = pc.measure(record("ours", sorted(events, key=lambda e: e["t"]), killed_at=None))
     assert m.error is None
     assert m.steps_rolled_back == 0 and (m.step_before, m.step_after) == (50, 50) and m.resets == 1
-    assert m.resume_ms == pytest.approx(400.0)            # training went on until the interrupt
+    assert m.resume_ms == pytest.approx(400.0)            # training went on until the last survivor's last step
     assert m.publish_to_resume_ms == pytest.approx(1500.0)  # leave_published -> the first survivor's first step
     assert m.notice_to_resume_ms == pytest.approx(1710.0)
     assert m.stall_ms == pytest.approx(110.0)             # the emergency checkpoint blocked every rank
     assert m.lost_s == pytest.approx(0.51)
     assert m.train_to_t_s == pytest.approx(16.71)         # first step 90.0 -> step 100 at 106.71
-    assert m.phases_ms["discovery"] == pytest.approx(890.0)   # until the call that dropped the host ended
-    assert m.phases_ms["notified"] == pytest.approx(100.0)
-    assert m.phases_ms["rendezvous"] == pytest.approx(190.0)
-    assert sum(v for k, v in m.phases_ms.items() if k in pc.OURS_MARKS[4:]) == pytest.approx(m.publish_to_resume_ms)
-    after_interrupt = pc.OURS_MARKS[pc.OURS_MARKS.index("interrupt") + 1:]
-    assert sum(v for k, v in m.phases_ms.items() if k in after_interrupt) == pytest.approx(m.resume_ms)
+    assert m.phases_ms["notice"] == pytest.approx(1.0)       # the watcher's detection
+    assert m.phases_ms["committed"] == pytest.approx(100.0)
+    assert m.phases_ms["last_step"] == pytest.approx(1100.0)  # discovery and Horovod's notification; training on
+    assert m.phases_ms["reset"] == pytest.approx(200.0)
+    after_left = pc.MARKS[pc.MARKS.index("left") + 1:]
+    assert sum(v for k, v in m.phases_ms.items() if k in after_left) == pytest.approx(m.publish_to_resume_ms)
+    after_last_step = pc.MARKS[pc.MARKS.index("last_step") + 1:]
+    assert sum(v for k, v in m.phases_ms.items() if k in after_last_step) == pytest.approx(m.resume_ms)
     assert not m.killed
 
 
 def test_failure_path_counts_the_rollback_and_the_redone_steps() -> None:
     events = three_then_two(111.0, 7)
-    trace = [ev(110.1, "reset_begin", "localhost"), ev(110.12, "reset_begin", "127.0.0.1")]
-    trace += [ev(110.9, "reset_done", h) for h in SURVIVORS]
-    m = pc.measure(record("baseline", events, trace, [], killed_at=110.0))
+    m = pc.measure(record("baseline", events, killed_at=110.0))
     assert m.steps_rolled_back == 7 and (m.step_before, m.step_after) == (57, 50)
     assert m.resume_ms == pytest.approx(1200.0) and m.publish_to_resume_ms is None   # from the kill
     assert m.lost_s == pytest.approx(1.2 + 7 / 10.0)       # resume + the 7 steps redone at 10 steps/s
-    assert m.phases_ms["killed"] == pytest.approx(10000.0)  # the notice window nobody used
-    assert m.phases_ms["failure_detected"] == pytest.approx(100.0)
+    assert m.phases_ms["left"] == pytest.approx(10000.0)    # the notice window nobody used
+    assert m.phases_ms["reset"] == pytest.approx(1000.0)    # the survivors' failure, rendezvous and rollback
+    assert "last_step" not in m.phases_ms
     assert m.train_to_t_s == pytest.approx(116.2 - 90.0)
     assert m.killed
 
@@ -124,10 +119,10 @@ def test_join_stall_comes_from_the_run_analysis() -> None:
     events += [ev(103.0, "reset", h, step=44, rolled_back=0, last_step=44) for h in two]
     events += ring(104.0, 44, (*two, TARGET), plain=True)
     events += [ev(106.5, "first_step", h, step=45, size=3) for h in (*two, TARGET)]
-    m = pc.measure(record("baseline", events, [], [], killed_at=None, scenario="join"))
+    m = pc.measure(record("baseline", events, killed_at=None, scenario="join"))
     assert m.error is None and m.join_stall_s == pytest.approx(7.5) and m.steps_rolled_back == 0
-    summary = pc.summarize([m], [], pc.Config("small_cnn", 1, 10.0, "local", 20, 30, None, 10, 100, 0.05, 10,
-                                              ("join",), ("baseline",)))
+    summary = pc.summarize([m], pc.Config("small_cnn", 1, 10.0, "local", 20, 30, None, 10, 100, 0.05, 10,
+                                          ("join",), ("baseline",)))
     assert summary["baseline_join_stall_s"] == pytest.approx(7.5) and summary["ours_join_stall_s"] is None
     assert summary["baseline_resume_ms_median"] is None
 
@@ -137,13 +132,6 @@ def test_targets_and_step_t() -> None:
     assert pc.pick_target("worker", "127.0.1") not in ("127.0.1",)
     assert pc.choose_total_steps(pc.Config("small_cnn", 1, 10.0, "local", 20, 30, None, 10, 100, 0.05, 10,
                                            ("worker",), ("ours",)), rate=10.0) == 220
-
-
-def test_discovery_stats() -> None:
-    calls = [{"t": 0.0, "end": 0.3}, {"t": 1.6, "end": 1.8}, {"t": 3.1, "end": 3.4}]
-    stats = discovery_stats([calls, []], driver_sleep_s=1.0)
-    assert stats["interval_s"]["median"] == pytest.approx(1.55)
-    assert stats["start_up_s"] == pytest.approx({"median": 0.3, "min": 0.3, "max": 0.3, "n": 2})
 
 
 # --------------------------------------------------------------------------- real runs
@@ -162,7 +150,7 @@ def test_preemption_cost_ours_worker(tmp_path: Path) -> None:
     assert summary["ours_resume_ms_median"] > 0 and summary["baseline_resume_ms_median"] is None
     row = doc["rows"][0]
     assert row["variant"] == "ours" and row["target"] != row["master"] and not row["killed"]
-    assert {"left", "discovery", "interrupt", "first_step"} <= set(row["phases_ms"])
+    assert {"agreed", "left", "last_step", "first_step"} <= set(row["phases_ms"])
     assert doc["machine"]["load_average_at_start"] is not None
 
 
@@ -216,4 +204,4 @@ def test_restore_cold_restart_vs_fresh_start(tmp_path: Path) -> None:
     launches = {r["kind"]: r for r in doc["rows"]}
     assert launches["cold_restart"]["restored_step"] == summary["checkpoint"]["step"]
     assert launches["fresh_start"]["restored_step"] is None
-    assert "restore_end" in launches["cold_restart"]["marks"]
+    assert {"start", "ring", "first_step"} <= set(launches["cold_restart"]["marks"])
