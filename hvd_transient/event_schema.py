@@ -158,7 +158,7 @@ class Reset(EventBody):
     step: int
     rolled_back: int
     last_step: int
-    last_step_at: float | None = None
+    last_step_at: float | None = field(default=None, metadata=OMIT_NONE)
 
 
 @_declare("stop_requested", urgent=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -10,5 +11,11 @@ pytest.register_assert_rewrite("ckpt_service.testing.store_conformance")
 
 # Nothing in the tests may probe the real GCE metadata address.
 os.environ.setdefault("NO_GCE_CHECK", "true")
+
+# A suite started in the background by a shell without job control (`make test &`) inherits
+# SIGINT ignored, and so would every process it starts; the tests that send SIGINT need its
+# default action in those processes (a handler, unlike SIG_IGN, is reset by exec).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from gcs_emulator import gcs_emulator_session  # noqa: E402,F401  (session fixture for every module)
