@@ -179,6 +179,15 @@ def recv_message(sock: socket.socket, maxfds: int = 0) -> tuple[dict[str, Any] |
 # ---------------------------------------------------------------- the launcher
 
 
+def recv_or_closed(sock: socket.socket) -> dict[str, Any] | None:
+    """One message without fds, or None when the peer closed, failed or sent garbage: each of
+    those ends the conversation the same way."""
+    try:
+        return recv_message(sock)[0]
+    except (OSError, ValueError):
+        return None
+
+
 def _open_stdio() -> list[int]:
     fds = []
     for fd in STDIO:
@@ -266,10 +275,7 @@ def hand_off(path: Path, script: str, args: Sequence[str], *, env: Mapping[str, 
                         _send_signals(sock, pending)
                 if sock not in ready:
                     continue
-                try:
-                    reply, _ = recv_message(sock)
-                except (OSError, ValueError):
-                    reply = None
+                reply = recv_or_closed(sock)
                 if accepted and reply is not None and reply.get("type") == "exit":
                     return ExitStatus.from_message(reply)
                 if accepted and reply is None:
@@ -513,10 +519,7 @@ class _Supervisor:
 
     def _from_worker(self) -> None:
         assert self.ctl is not None
-        try:
-            msg, _ = recv_message(self.ctl)
-        except (OSError, ValueError):
-            msg = None
+        msg = recv_or_closed(self.ctl)
         if msg is None:  # it closed its end after the handoff
             self.selector.unregister(self.ctl)
             self.ctl.close()
@@ -526,10 +529,7 @@ class _Supervisor:
 
     def _from_launcher(self) -> None:
         assert self.launcher is not None
-        try:
-            msg, _ = recv_message(self.launcher)
-        except (OSError, ValueError):
-            msg = None
+        msg = recv_or_closed(self.launcher)
         if msg is None:
             # the launcher is gone (the driver killed it, or its host): so must its worker be
             log.warning("the launcher went away; killing the worker")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 import uuid
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -176,13 +176,18 @@ def test_fixture_guard_rejects_an_emulator_that_ignores_preconditions(gcs_emulat
 GIVE_UP_FAST = DEFAULT_RETRY.with_delay(initial=0.01, maximum=0.05, multiplier=2.0).with_timeout(1.0)
 
 
-@pytest.fixture
-def giving_up(gcs_emulator_session: GCSEmulator, proxy: FaultProxy, bucket: str) -> Iterator[GCSStore]:
+def proxied_store(emulator: GCSEmulator, proxy: FaultProxy, bucket: str, retry: Any) -> Iterator[GCSStore]:
+    """A store of its own behind the (reset) fault proxy, with the given retry policy."""
     proxy.reset()
-    client = gcs_emulator_session.client(endpoint=proxy.url)
-    yield GCSStore(bucket, f"t-{uuid.uuid4().hex[:12]}", client=client, retry=GIVE_UP_FAST)
+    client = emulator.client(endpoint=proxy.url)
+    yield GCSStore(bucket, f"t-{uuid.uuid4().hex[:12]}", client=client, retry=retry)
     proxy.reset()
     client.close()
+
+
+@pytest.fixture
+def giving_up(gcs_emulator_session: GCSEmulator, proxy: FaultProxy, bucket: str) -> Iterator[GCSStore]:
+    yield from proxied_store(gcs_emulator_session, proxy, bucket, GIVE_UP_FAST)
 
 
 def is_create_only(req) -> bool:
@@ -354,11 +359,7 @@ LATE = DEADLINE_IN + 10.0
 @pytest.fixture
 def lib_store(gcs_emulator_session: GCSEmulator, proxy: FaultProxy, bucket: str) -> Iterator[GCSStore]:
     """A store behind the proxy with the library's default retry policy and request timeout."""
-    proxy.reset()
-    client = gcs_emulator_session.client(endpoint=proxy.url)
-    yield GCSStore(bucket, f"t-{uuid.uuid4().hex[:12]}", client=client, retry=DEFAULT_RETRY)
-    proxy.reset()
-    client.close()
+    yield from proxied_store(gcs_emulator_session, proxy, bucket, DEFAULT_RETRY)
 
 
 @pytest.fixture

@@ -2,11 +2,13 @@
 dataclasses: when to launch it, when to end it, what its exit means (:mod:`.keeper` applies them)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 from hvd_transient.cluster.keeper_plan import Observation, WorkerVM
-from hvd_transient.discovery.ready import ReadyRecord
+from hvd_transient.discovery.hosts import Host
+from hvd_transient.discovery.ready import JoinGate, ReadyRecord
 
 JOB_WAITING = "waiting"  # not launched yet: fewer than min_workers RUNNING
 JOB_RUNNING = "running"
@@ -92,21 +94,14 @@ def job_lost(state: JobState, obs: Observation, policy: JobPolicy) -> StopJob | 
 
 def ready_workers(running: Sequence[str], workers: Sequence[WorkerVM], records: Sequence[ReadyRecord],
                   now: float, timeout_s: float) -> tuple[str, ...]:
-    """Of the ``running`` workers, those a launch may use when the workers start standbys: a VM whose
-    standby of this boot published itself ready, or one that booted ``timeout_s`` ago or more. A VM
-    that is RUNNING may still be booting (horovodrun could not reach it yet); its standby is also
-    the fastest start a relaunch can get."""
+    """Of the ``running`` workers, those a launch may use when the workers start standbys: discovery's
+    join gate, applied to every boot (a VM whose standby of this boot published itself ready, or
+    that booted ``timeout_s`` ago or more). A VM that is RUNNING may still be booting (horovodrun
+    could not reach it yet); its standby is also the fastest start a relaunch can get."""
     seen = {w.name: w.incarnation for w in workers}
-    ready = []
-    for name in running:
-        if name not in seen:  # started in this pass: not observed since
-            continue
-        boot = seen[name]
-        if (boot is None or boot.started_at is None  # when it booted is not known: it cannot be told apart
-                or now >= boot.started_at + timeout_s
-                or any(r.host == name and r.applies_to(boot) for r in records)):
-            ready.append(name)
-    return tuple(ready)
+    observed = [Host(name, incarnation=seen[name]) for name in running if name in seen]  # not those started now
+    gate = JoinGate(standby_since=-math.inf, join_timeout_s=timeout_s)
+    return tuple(h.name for h in gate.admit(observed, records, now))
 
 
 def job_launch(state: JobState, running: Sequence[str], now: float, policy: JobPolicy) -> LaunchJob | None:

@@ -177,7 +177,6 @@ class LocalCluster:
             "HVDT_WATCHER": self.spec.cloud,
             # each worker substitutes its own host name: one emulated VM per host alias
             "GCE_METADATA_HOST": f"127.0.0.1:{self.emulator.port}/i/{{host}}",
-            AWS_ENDPOINT_ENV: f"{self.emulator.url}/i/{{host}}",
             "NO_GCE_CHECK": "true",
             "PYTHONUNBUFFERED": "1",
             "TF_CPP_MIN_LOG_LEVEL": "2",
@@ -186,6 +185,8 @@ class LocalCluster:
             "TF_NUM_INTEROP_THREADS": "1",
             "OMP_NUM_THREADS": "1",
         })
+        if self.spec.cloud == "aws":
+            env[AWS_ENDPOINT_ENV] = f"{self.emulator.url}/i/{{host}}"
         if self.standby_dir is not None:
             env.update({"HVDT_STANDBY_DIR": str(self.standby_dir), "HVDT_STANDBY_SINCE": repr(self.job_started_at),
                         "HVDT_JOIN_TIMEOUT_S": f"{self.spec.join_timeout_s:g}"})
