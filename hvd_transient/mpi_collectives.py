@@ -63,7 +63,7 @@ def _allgather_json(comm: MPI.Comm, obj: Any) -> list[Any]:
 class PeerNotices:
     """The notice source of a rank that does not watch: its VM's watcher runs on another rank.
 
-    It never has a notice of its own; the VM's notice reaches it through the notice allreduce.
+    It never has a notice of its own; the VM's notice reaches it through the notice round.
     """
 
     notice: "Notice | None" = None
@@ -82,8 +82,8 @@ class MPICollectives:
 
     Collective: every rank of ``comm`` constructs it, in the same order as its other collectives.
     ``host`` is the name this rank's VM goes by (default: what :func:`default_host` gives); ranks
-    on one node with the same name are one VM. ``one_watcher_per_vm=False`` lets every rank watch
-    (and leave) on its own.
+    on one node with the same name are one VM. ``one_watcher_per_vm=False`` gives every rank a
+    watcher of its own (the ranks of one VM still leave together: the protocol groups them by name).
     """
 
     def __init__(self, comm: MPI.Comm | None = None, *, host: str | None = None,

@@ -14,7 +14,6 @@ from hvd_transient.discovery.ready import STANDBY_SINCE_ENV
 log = logging.getLogger(__name__)
 
 
-
 class Job(Protocol):
     """The training job the keeper supervises, launched from the driver VM."""
 
