@@ -12,6 +12,11 @@ pytest.register_assert_rewrite("ckpt_service.testing.store_conformance")
 # Nothing in the tests may probe the real GCE metadata address.
 os.environ.setdefault("NO_GCE_CHECK", "true")
 
+# Horovod's background loop wakes every HOROVOD_CYCLE_TIME ms (default 1) and, over Gloo, talks to
+# every rank even when idle: three or four ranks on a 2-core machine spend half a core in syscalls.
+# A 10 ms cycle gives that CPU back to the work the end-to-end tests wait for.
+os.environ.setdefault("HOROVOD_CYCLE_TIME", "10")
+
 # A suite started in the background by a shell without job control (`make test &`) inherits
 # SIGINT ignored, and so would every process it starts; the tests that send SIGINT need its
 # default action in those processes (a handler, unlike SIG_IGN, is reset by exec).

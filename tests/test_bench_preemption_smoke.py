@@ -158,7 +158,7 @@ def test_preemption_cost_ours_worker(tmp_path: Path) -> None:
 def test_preemption_cost_baseline_master(tmp_path: Path) -> None:
     doc = run_bench("preemption_cost", tmp_path / "results" / "preemption_cost.json",
                     "--repeats", "1", "--variants", "baseline", "--scenarios", "master", "--warmup-steps", "10",
-                    "--total-steps", "200", "--window-s", "3", "--gloo-timeout-seconds", "5")
+                    "--total-steps", "140", "--window-s", "3", "--gloo-timeout-seconds", "5")
     summary = doc["summary"]
     for key in PREEMPTION_KEYS:
         assert key in summary, key

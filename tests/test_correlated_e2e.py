@@ -40,7 +40,7 @@ REFILLS = {"restart": {("localhost", ZONE_A, "start"), ("127.0.0.1", ZONE_A, "st
 def test_wave_takes_every_worker_and_the_keeper_relaunches_the_run_at_the_exact_step(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], refill: str) -> None:
     store = str(tmp_path / "store")
-    epochs, per_epoch, batch, window = 4, 30, 32, 15.0
+    epochs, per_epoch, batch, window = 4, 30, 32, 10.0
     nominal = epochs * per_epoch
     cluster = LocalCluster(LocalClusterSpec(
         store=store, hosts=HOSTS, workdir=tmp_path / "run",

@@ -303,18 +303,20 @@ def test_whole_run_exact_steps_and_samples_through_leave_join_loss_and_relaunch(
     hosts = ("localhost", "127.0.0.1", "127.0.1")
     grace = (("HVDT_LEAVING_GRACE_S", "1"),)
     # a short notice window, so that the leaving records expire soon after the whole cluster is lost
-    c = cluster(tmp_path, "first", store, hosts, elastic_cmd(store, epochs=epochs, steps=per_epoch, notice_window=20),
+    window = 10.0  # the emergency commit gets the 5 s before leave_margin_s; leaving takes ~1.5 s
+    c = cluster(tmp_path, "first", store, hosts,
+                elastic_cmd(store, epochs=epochs, steps=per_epoch, notice_window=window),
                 instances=hosts + ("127.1",), extra_env=grace)
     with c:
         c.wait_for_step(10, 180, size=3)
-        c.preempt("127.0.1", window_s=20)  # its VM stops when the window ends  # a worker leaves
+        c.preempt("127.0.1", window_s=window)  # its VM stops when the window ends  # a worker leaves
         c.wait_for(lambda ev: of(ev, "ring", size=2, host="localhost"), 120, "the ring to shrink to 2")
         c.add_host("127.1")  # a new VM joins
         c.wait_for(lambda ev: of(ev, "ring", size=3, host="127.1"), 180, "127.1 to join")
         c.wait_for_step(max(e["step"] for e in of(c.events(), "ring", host="127.1")) + 10, 120, size=3)
         live = ("localhost", "127.0.0.1", "127.1")
         for host in live:  # a wave: every VM is preempted at once
-            c.preempt(host, window_s=20, kill_at_deadline=False)
+            c.preempt(host, window_s=window, kill_at_deadline=False)
         c.wait_for(lambda ev: {e["host"] for e in of(ev, "leave_published")} == set(hosts + ("127.1",)), 120,
                    "every worker to publish leaving")
         first_events = c.events()
