@@ -9,8 +9,9 @@ Horovod, and the job's command, run by ``horovodrun`` on that host, only hands i
 
 ``python -m hvd_transient.worker SCRIPT [ARGS...]`` (the launcher, the job's command)
     If a standby of this command waits for this host and slot (a unix socket
-    ``$HVDT_STANDBY_DIR/<HOROVOD_HOSTNAME>.<HOROVOD_LOCAL_RANK>.<command key>.sock``, the
-    directory defaulting to ``<tmp>/hvdt-standby-<uid>``), the launcher sends it its whole
+    ``$HVDT_STANDBY_DIR/<HOROVOD_HOSTNAME>.<HOROVOD_LOCAL_RANK>.<command key>.sock``, or under the
+    machine's host name if Horovod knows the host by IP, the directory defaulting to
+    ``<tmp>/hvdt-standby-<uid>``), the launcher sends it its whole
     environment (Horovod's rendezvous variables, rank, ...), its working directory and its
     stdin/stdout/stderr (``socket.send_fds``), forwards SIGTERM, SIGINT and SIGHUP to it, and
     exits as the standby's worker exits (its code, or killed by its signal). Otherwise it runs
@@ -310,13 +311,25 @@ def run_script(script: str, args: Sequence[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def find_socket(directory: Path, hosts: Sequence[str], local_rank: int, key: str) -> Path:
+    """Where this host's standby listens: under the first of ``hosts`` that has a socket there, else
+    under the first. A standby started at boot names its host as the machine does, while Horovod
+    may know the host by its IP (``discover --use-ip``, a multi-zone cluster): both are tried."""
+    paths = [socket_path(directory, hosts[0], local_rank, key)]
+    for host in hosts[1:]:
+        with contextlib.suppress(StandbyError):
+            paths.append(socket_path(directory, host, local_rank, key))
+    return next((p for p in paths if p.exists()), paths[0])
+
+
 def launch(script: str, args: Sequence[str]) -> None:
     """The job's command on a host: hand over to this host's standby, else run the script here."""
     host = os.environ.get("HOROVOD_HOSTNAME")
     if host:
         try:
             local_rank = int(os.environ.get("HOROVOD_LOCAL_RANK") or 0)
-            path = socket_path(standby_dir(os.environ), host, local_rank, command_key(script, args, os.getcwd()))
+            path = find_socket(standby_dir(os.environ), (host, socket.gethostname()), local_rank,
+                               command_key(script, args, os.getcwd()))
         except (StandbyError, ValueError) as exc:
             log.warning("no standby can be used: %s", exc)
         else:

@@ -58,7 +58,8 @@
 # where it reads metadata, so it can be exercised off a VM.
 set -euo pipefail
 
-METADATA=${HVDT_METADATA_URL:-http://metadata.google.internal}/computeMetadata/v1/instance/attributes
+INSTANCE=${HVDT_METADATA_URL:-http://metadata.google.internal}/computeMetadata/v1/instance
+METADATA=$INSTANCE/attributes
 ROOT=${HVDT_ROOT:-}
 meta() {  # meta KEY [DEFAULT]: a metadata attribute, or DEFAULT when it is not set
   curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$METADATA/$1" 2>/dev/null || printf '%s' "${2:-}"
@@ -142,11 +143,13 @@ if [[ "$ROLE" == worker && -n "$STANDBY" ]]; then
   if [[ -z "$STORE" ]]; then
     log "hvdt-standby is set but hvdt-store is not: no standby (it publishes its readiness there)"
   else
+    # its ready record names this boot's VM: one recreated under the same name waits for its own
+    INSTANCE_ID=$(curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$INSTANCE/id" 2>/dev/null || true)
     systemctl stop hvdt-standby 2>/dev/null || true
     systemd-run --unit hvdt-standby --collect --uid "$SSH_USER" --working-directory "${JOB_DIR:-$home}" \
       --property=EnvironmentFile="$ETC/env" --setenv=PATH="$VENV/bin:/usr/local/bin:/usr/bin:/bin" \
-      /bin/bash -c "exec \"\$0\" -m hvd_transient.worker --standby --store \"\$1\" $STANDBY" \
-      "$VENV/bin/python" "$STORE"
+      /bin/bash -c "exec \"\$0\" -m hvd_transient.worker --standby --store \"\$1\" \${2:+--instance-id \"\$2\"} $STANDBY" \
+      "$VENV/bin/python" "$STORE" "$INSTANCE_ID"
     log "standby of '$STANDBY' started in ${JOB_DIR:-$home}"
   fi
 fi

@@ -158,15 +158,19 @@ def test_startup_script_starts_the_jobs_standby_on_workers(tmp_path):
     options, command = args[:args.index("/bin/bash")], args[args.index("/bin/bash"):]
     assert {"--unit", "hvdt-standby", "--uid", "hvdt", "--working-directory", "/srv/job",
             f"--property=EnvironmentFile={root}/etc/hvdt/env"} <= set(options)
-    assert command[1] == "-c" and command[3:] == [f"{root}/opt/hvdt/venv/bin/python", "gs://b/run"]
+    instance_id = command[5]
+    assert instance_id.isdigit()  # the metadata server's instance/id
+    assert command[1] == "-c" and command[3:] == [f"{root}/opt/hvdt/venv/bin/python", "gs://b/run", instance_id]
     # the unit's command line, with a program that prints its arguments in the venv's python's place
     show = tmp_path / "show-args"
     show.write_text('#!/bin/bash\nprintf "%s\\0" "$@"\n')
     show.chmod(0o755)
-    shown = subprocess.run(["/bin/bash", "-c", command[2], str(show), "gs://b/run"], capture_output=True,
-                           text=True, timeout=30)
-    assert shown.stdout.split("\0")[:-1] == ["-m", "hvd_transient.worker", "--standby", "--store", "gs://b/run",
-                                             "train.py", "--epochs", "90", "--name", "my run"], shown.stderr
+    standby = ["-m", "hvd_transient.worker", "--standby", "--store", "gs://b/run"]
+    job = ["train.py", "--epochs", "90", "--name", "my run"]
+    for ids, given in (([instance_id], ["--instance-id", instance_id]), ([], []), ([""], [])):
+        shown = subprocess.run(["/bin/bash", "-c", command[2], str(show), "gs://b/run", *ids], capture_output=True,
+                               text=True, timeout=30)
+        assert shown.stdout.split("\0")[:-1] == [*standby, *given, *job], shown.stderr
 
 
 def test_startup_script_starts_no_standby_on_the_driver_or_without_one(tmp_path):

@@ -11,6 +11,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -212,6 +213,24 @@ def test_one_standby_per_host_slot_and_command(script: Path, env: dict[str, str]
         end(sb)
 
 
+def test_a_standby_named_as_the_machine_serves_a_launcher_horovod_knows_by_ip(
+        script: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """A VM's startup script starts the standby without knowing that discovery lists hosts by IP
+    (a multi-zone cluster): the launcher finds it under the machine's name."""
+    at_boot = {k: v for k, v in env.items() if k != "HOROVOD_HOSTNAME"}
+    sb, _ = start_standby(script, env=at_boot)
+    try:
+        assert [p.name.split(".")[0] for p in Path(env[worker.DIR_ENV]).glob("*.sock")] == \
+            [socket.gethostname().split(".")[0]]
+        proc = launcher(script, env={**env, "HOROVOD_HOSTNAME": "10.128.0.7"}, cwd=tmp_path)
+        out, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0, err
+        assert "job in " in out and f"job in {proc.pid} " not in out and "name=__main__" not in out
+        assert sb.wait(timeout=TIMEOUT) == 0
+    finally:
+        end(sb)
+
+
 # ---- pure parts --------------------------------------------------------------------------------
 
 
@@ -229,6 +248,16 @@ def test_socket_paths_are_checked() -> None:
         worker.socket_path(Path("/tmp/" + "d" * 100), "h", 0, "k" * 16)
     with pytest.raises(worker.StandbyError, match="invalid host"):
         worker.socket_path(Path("/tmp/d"), "a/b", 0, "k")
+
+
+def test_the_socket_is_looked_for_under_each_name_of_the_host(tmp_path: Path) -> None:
+    assert worker.find_socket(tmp_path, ("10.0.0.7", "vm-1"), 0, "k") == tmp_path / "10.0.0.7.0.k.sock"
+    (tmp_path / "vm-1.0.k.sock").touch()
+    assert worker.find_socket(tmp_path, ("10.0.0.7", "vm-1", "a/b"), 0, "k") == tmp_path / "vm-1.0.k.sock"
+    (tmp_path / "10.0.0.7.0.k.sock").touch()
+    assert worker.find_socket(tmp_path, ("10.0.0.7", "vm-1"), 0, "k") == tmp_path / "10.0.0.7.0.k.sock"
+    with pytest.raises(worker.StandbyError, match="invalid host"):
+        worker.find_socket(tmp_path, ("a/b", "vm-1"), 0, "k")
 
 
 def test_handoff_checks() -> None:
