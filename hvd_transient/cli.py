@@ -47,6 +47,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hvd_transient.testing.demo", "run the local transient-cluster demo"),
     "report": ("hvd_transient.report", "timeline, cost and checkpoint report of a run"),
     "stop": ("hvd_transient.control", "ask a running job to checkpoint and stop cleanly"),
+    "ready": ("hvd_transient.discovery.ready_cli", "publish this VM as ready to join (its startup script runs it)"),
     "bench": ("hvd_transient.bench_cli", "run the benchmarks in bench/"),
 }
 

@@ -21,6 +21,10 @@
 #      hvdt-standby): it imports, builds the model and rehearses a step now, and
 #      publishes the VM as ready in the store; horovodrun's worker on this VM
 #      (`python -m hvd_transient.worker SCRIPT ARGS`) then only hands it the job.
+#      Workers without one publish themselves as ready at the end of step 5
+#      (`hvd-transient ready`), so that discovery and `cluster keep --job` do not
+#      offer Horovod a VM that is still booting (its worker would fail, and
+#      Horovod would blacklist the host).
 #
 # What it assumes:
 #   - a Debian or Ubuntu image with apt, curl and systemd. The default image
@@ -136,6 +140,12 @@ HVDT_STORE=$STORE
 ENV
 touch "$STATE/ready"
 log "ready for horovodrun"
+# a ready record names this boot's VM: one recreated under the same name waits for its own
+INSTANCE_ID=$(curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$INSTANCE/id" 2>/dev/null || true)
+if [[ "$ROLE" == worker && -n "$STORE" && -z "$STANDBY" ]]; then
+  "$VENV/bin/hvd-transient" ready --store "$STORE" ${INSTANCE_ID:+--instance-id "$INSTANCE_ID"} \
+    || log "could not publish this VM as ready: discovery lists it once its join timeout has passed"
+fi
 
 # 5. The job's standby on workers (every boot: a restarted Spot VM rejoins warm). It runs as
 #    the ssh user in the job's directory, as horovodrun's worker will, so the worker finds it.
@@ -143,8 +153,6 @@ if [[ "$ROLE" == worker && -n "$STANDBY" ]]; then
   if [[ -z "$STORE" ]]; then
     log "hvdt-standby is set but hvdt-store is not: no standby (it publishes its readiness there)"
   else
-    # its ready record names this boot's VM: one recreated under the same name waits for its own
-    INSTANCE_ID=$(curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$INSTANCE/id" 2>/dev/null || true)
     systemctl stop hvdt-standby 2>/dev/null || true
     systemd-run --unit hvdt-standby --collect --uid "$SSH_USER" --working-directory "${JOB_DIR:-$home}" \
       --property=EnvironmentFile="$ETC/env" --setenv=PATH="$VENV/bin:/usr/local/bin:/usr/bin:/bin" \

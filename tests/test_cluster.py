@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from fake_compute_api import FakeComputeAPI
 
+from hvd_transient.cli import main as cli_main
 from hvd_transient.cluster import cli
 from hvd_transient.cluster.gcloud import create_command, render
 from hvd_transient.cluster.rest_plan import instance_body, up_requests
@@ -134,6 +135,9 @@ def run_startup_script(tmp_path: Path, attributes: dict[str, str]) -> Path:
         (bin_dir / name).chmod(0o755)
     venv_python.write_text("#!/bin/bash\n")
     venv_python.chmod(0o755)
+    ready = venv_python.parent / "hvd-transient"  # logs its argv, as the systemd-run stub does
+    ready.write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$HVDT_ROOT/hvd-transient.args"\n')
+    ready.chmod(0o755)
     role = attributes.get("hvdt-role", "worker")
     tf = "tensorflow-cpu==2.15.1" if role == "driver" else "tensorflow==2.15.1"
     (root / "var/lib/hvdt/installed").write_text(f"{tf}|horovod==0.28.1||hvd-transient")
@@ -178,6 +182,30 @@ def test_startup_script_starts_no_standby_on_the_driver_or_without_one(tmp_path)
                                     {"hvdt-role": "worker", "hvdt-store": "gs://b/run"})):
         root = run_startup_script(tmp_path / str(i), attributes)
         assert not (root / "systemd-run.args").exists()
+
+
+def test_startup_script_publishes_a_worker_without_a_standby_as_ready_at_the_end_of_its_boot(tmp_path):
+    root = run_startup_script(tmp_path / "w", {"hvdt-role": "worker", "hvdt-store": "gs://b/run"})
+    args = (root / "hvd-transient.args").read_text().split("\0")[:-1]
+    assert args[:4] == ["ready", "--store", "gs://b/run", "--instance-id"] and args[4].isdigit() and len(args) == 5
+    for name, attributes in (("standby", {"hvdt-store": "gs://b/run", "hvdt-standby": "train.py"}),  # it publishes
+                             ("driver", {"hvdt-role": "driver", "hvdt-store": "gs://b/run"}),
+                             ("no-store", {"hvdt-role": "worker"})):
+        assert not (run_startup_script(tmp_path / name, attributes) / "hvd-transient.args").exists(), name
+
+
+def test_ready_command_publishes_the_record_discovery_reads(tmp_path, capsys):
+    from ckpt_service.stores import LocalStore
+    from hvd_transient.discovery.ready import read_ready
+
+    assert cli_main(["ready", "--store", str(tmp_path / "run"), "--host", "w-1", "--instance-id", "42"]) == 0
+    [record] = read_ready(LocalStore(str(tmp_path / "run")))
+    assert (record.host, record.instance_id, record.pid) == ("w-1", "42", None)
+    assert "w-1 is ready to join" in capsys.readouterr().err
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert cli_main(["ready", "--store", str(blocked / "run")]) == 1
+    assert "hvd-transient ready: error: could not publish" in capsys.readouterr().err
 
 
 def test_label_items():

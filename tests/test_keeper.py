@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -882,17 +883,21 @@ def test_command_job_runs_a_shell_line_and_stops_its_whole_session():
         CommandJob("")
 
 
-def test_command_job_with_standby_joins_tells_discovery_when_each_launch_began(tmp_path):
-    """Workers with standbys (cluster up --standby): VMs that boot after a launch wait for their standby."""
-    out = tmp_path / "since"
-    env = {k: v for k, v in os.environ.items() if k != "HVDT_STANDBY_SINCE"}
-    job = CommandJob(f'printf %s "${{HVDT_STANDBY_SINCE-unset}}" > {out}', env=env, standby_joins=True)
+def test_command_job_that_gates_joins_tells_discovery_when_each_launch_began_and_how_long_to_wait(tmp_path):
+    """Workers that publish themselves ready (their boot, or their standby): VMs that boot after a launch are
+    listed once ready, or after the join timeout."""
+    out = tmp_path / "gate"
+    env = {k: v for k, v in os.environ.items() if k not in ("HVDT_STANDBY_SINCE", "HVDT_JOIN_TIMEOUT_S")}
+    line = f'printf "%s %s" "${{HVDT_STANDBY_SINCE-unset}}" "${{HVDT_JOIN_TIMEOUT_S-unset}}" > {out}'
+    job = CommandJob(line, env=env, join_timeout_s=1200.0)
     before = time.time()
     job.start(["w0"])
-    assert job.wait(30) == 0 and before <= float(out.read_text()) <= time.time()
-    plain = CommandJob(f'printf %s "${{HVDT_STANDBY_SINCE-unset}}" > {out}', env=env)
+    assert job.wait(30) == 0
+    since, timeout = out.read_text().split()
+    assert before <= float(since) <= time.time() and float(timeout) == 1200.0
+    plain = CommandJob(line, env=env)
     plain.start(["w0"])
-    assert plain.wait(30) == 0 and out.read_text() == "unset"
+    assert plain.wait(30) == 0 and out.read_text() == "unset unset"
 
 
 # ---- the CLI with --job ---------------------------------------------------------------------------------
@@ -902,13 +907,46 @@ def test_keep_with_job_launches_it_and_ends_when_training_completes(compute, cap
     run = tmp_path / "run"
     run.mkdir()
     marker = tmp_path / "ran"
-    assert cli.main([*KEEP, "--store", str(run), "--interval", "0.1", "--min-workers", "2",
+    assert cli.main([*KEEP, "--store", str(run), "--interval", "0.1", "--min-workers", "2", "--join-timeout", "0",
                      "--job", f"touch {marker}; exit 0"]) == 0
     out = capsys.readouterr().out
     assert marker.exists()
     assert "job: launched on 2 worker(s): exp-worker-0, exp-worker-1" in out and "job: training is complete" in out
     phases = [(e["phase"], e.get("exit_code")) for e in read_events(LocalStore(str(run))) if e["event"] == "keeper_job"]
     assert phases == [("start", None), ("exit", 0)]
+
+
+def test_keep_with_job_and_a_store_launches_it_once_the_booted_workers_said_they_are_ready(compute, capsys, tmp_path):
+    """A worker's startup script publishes it ready (`hvd-transient ready`) at the end of its boot: the job is
+    launched on the workers only then, not as soon as they are RUNNING (a worker started on a VM still
+    installing fails, and Horovod blacklists its host)."""
+    from hvd_transient.cli import main as hvdt_main
+
+    run, launched = tmp_path / "run", tmp_path / "launched"
+    run.mkdir()
+    published: list[float] = []
+
+    def boot() -> None:  # the VMs' startup scripts, done a few keeper passes after the VMs came up
+        deadline, seen_at = time.time() + 60, None
+        while time.time() < deadline and not published:
+            running = [i for i in compute.instances(PROJECT) if i["status"] == "RUNNING"]
+            passes = len([r for r in compute.requests if r.method == "GET" and r.path.endswith("/instances")])
+            if len(running) == 2 and seen_at is None:
+                seen_at = passes
+            if seen_at is not None and passes >= seen_at + 6:  # the keeper looked again and again: not ready yet
+                for vm in running:
+                    assert hvdt_main(["ready", "--store", str(run), "--host", vm["name"],
+                                      "--instance-id", str(vm["id"])]) == 0
+                published.append(time.time())
+            time.sleep(0.02)
+
+    booting = threading.Thread(target=boot, daemon=True)
+    booting.start()
+    assert cli.main([*KEEP, "--store", str(run), "--interval", "0.1", "--min-workers", "2",
+                     "--job", f"date +%s.%N > {launched}"]) == 0
+    booting.join(timeout=30)
+    assert published and float(launched.read_text()) >= published[0]
+    assert "launched once 2 worker(s) are RUNNING and ready" in capsys.readouterr().out
 
 
 def test_keep_with_a_failing_job_relaunches_then_exits_1(compute, capsys):

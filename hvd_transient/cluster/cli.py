@@ -55,6 +55,9 @@ PROG = "hvd-transient cluster"
 # Where a source checkout keeps the startup script (pip install -e . installs from one).
 DEFAULT_STARTUP_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "startup_script.sh"
 RESTARTABLE = frozenset({"TERMINATED", "STOPPED", "SUSPENDED"})
+#: how long after its start a worker may take to publish itself ready (``--join-timeout``): a new VM
+#: installs TensorFlow and builds Horovod first
+DEFAULT_BOOT_TIMEOUT_S = 1200.0
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +153,11 @@ def _add_keep(commands: Any) -> None:
                      help="go on keeping the workers after the job has ended")
     job.add_argument("--job-stop-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
                      help="seconds between SIGTERM and SIGKILL when the keeper ends the job (default 30)")
+    job.add_argument("--join-timeout", type=non_negative_seconds, default=DEFAULT_BOOT_TIMEOUT_S, metavar="SECONDS",
+                     help="with --store, the workers publish themselves ready once booted (or once their "
+                          "--standby is warm): the job is launched on, and discovery lists, a VM that booted "
+                          "less than this long ago only from then on (default 1200: a new VM installs "
+                          "TensorFlow and builds Horovod first; 0: as soon as it is RUNNING)")
 
 
 def usd(text: str) -> float:
@@ -415,9 +423,10 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
         from hvd_transient.events import EventLog
 
         events = EventLog(store, socket.gethostname())
-    job = CommandJob(args.job, standby_joins=bool(spec.standby)) if args.job else None
+    # with a store the workers publish themselves ready (their boot, or their standby): gate on it
+    job = CommandJob(args.job, join_timeout_s=job_policy.await_ready_s) if args.job else None
     ready = None
-    if store is not None and spec.standby:
+    if store is not None:
         from hvd_transient.discovery.ready import read_ready
 
         ready = partial(read_ready, store)
@@ -431,8 +440,8 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
         print(f"keeping {spec.workers} worker(s) of {spec.name} in {', '.join(spec.zones)} "
               f"(every {args.interval:g} s; Ctrl-C or SIGTERM stops)", flush=True)
         if job is not None:
-            standby = " with a ready standby" if job_policy.await_ready_s is not None else ""
-            print(f"job: {args.job!r}, launched once {job_policy.min_workers} worker(s) are RUNNING{standby}, "
+            and_ready = " and ready" if job_policy.await_ready_s else ""
+            print(f"job: {args.job!r}, launched once {job_policy.min_workers} worker(s) are RUNNING{and_ready}, "
                   f"relaunched at most {job_policy.max_relaunches} time(s)", flush=True)
         keeper.run()
         return 1 if keeper.job_state.phase == JOB_FAILED else 0
@@ -449,10 +458,8 @@ def _job_policy(args: argparse.Namespace, spec: ClusterSpec) -> "JobPolicy":
         raise ClusterSpecError("--job needs the keeper to run on: it cannot be combined with --once")
     if args.min_workers > max(1, spec.workers):
         raise ClusterSpecError(f"--min-workers ({args.min_workers}) cannot exceed --workers ({spec.workers})")
-    from hvd_transient.discovery.ready import DEFAULT_JOIN_TIMEOUT_S
-
     return JobPolicy(min_workers=args.min_workers, max_relaunches=args.max_relaunches, keep_fleet=args.keep_fleet,
-                     await_ready_s=DEFAULT_JOIN_TIMEOUT_S if spec.standby else None)
+                     await_ready_s=args.join_timeout if spec.store else None)
 
 
 def _stop_on_sigterm(keeper: "Keeper") -> None:

@@ -9,7 +9,7 @@ import subprocess
 import time
 from typing import Mapping, Protocol, Sequence
 
-from hvd_transient.discovery.ready import STANDBY_SINCE_ENV
+from hvd_transient.discovery.ready import JOIN_TIMEOUT_ENV, STANDBY_SINCE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,12 @@ class CommandJob:
     where the keeper's goes."""
 
     def __init__(self, command: str | Sequence[str], *, cwd: str | None = None,
-                 env: Mapping[str, str] | None = None, standby_joins: bool = False) -> None:
+                 env: Mapping[str, str] | None = None, join_timeout_s: float | None = None) -> None:
         if not command:
             raise ValueError("the job's command is empty")
         self.command = command
         self.cwd, self.env = cwd, None if env is None else dict(env)
-        self.standby_joins = standby_joins
+        self.join_timeout_s = join_timeout_s  # not None: the workers publish themselves ready
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, workers: Sequence[str]) -> None:
@@ -58,10 +58,11 @@ class CommandJob:
             raise RuntimeError("the job is still running")
         shell = isinstance(self.command, str)
         env = dict(os.environ if self.env is None else self.env)
-        if self.standby_joins:
-            # the workers start standbys at boot: discovery holds a VM that boots from now on back
-            # until its standby is ready (the VMs of this launch run the job at once)
+        if self.join_timeout_s is not None:
+            # discovery holds a VM that boots from now on back until it is ready (its boot done, or
+            # its standby warm), at most this long (the VMs of this launch run the job at once)
             env[STANDBY_SINCE_ENV] = repr(time.time())
+            env[JOIN_TIMEOUT_ENV] = repr(self.join_timeout_s)
         log.info("launching the job on %d worker(s): %s", len(workers), self.command)
         self.process = subprocess.Popen(self.command, shell=shell, cwd=self.cwd, env=env,
                                         stdin=subprocess.DEVNULL, start_new_session=True)

@@ -5,7 +5,7 @@ cloud-storage import unless the store URL itself needs one; the Compute client
 is imported only by the gce backend.
 
 With ``--standby-since T`` (or ``$HVDT_STANDBY_SINCE``) and a store, a VM that started
-after T is listed only once its standby worker is ready, or ``--join-timeout`` seconds
+after T is listed only once it is ready (its standby worker warm, or its boot done), or ``--join-timeout`` seconds
 after it started (:mod:`hvd_transient.discovery.ready`); the ready records are read only
 while such a VM waits.
 
@@ -24,7 +24,7 @@ from typing import Sequence
 
 from hvd_transient.discovery.errors import DiscoveryConfigError, DiscoveryError
 from hvd_transient.discovery.hosts import Host, exclude_leaving, format_hosts, parse_slots, unique
-from hvd_transient.discovery.ready import STANDBY_SINCE_ENV
+from hvd_transient.discovery.ready import JOIN_TIMEOUT_ENV, STANDBY_SINCE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--standby-since", type=non_negative_seconds, default=os.environ.get(STANDBY_SINCE_ENV) or None,
         metavar="UNIX_SECONDS",
-        help="VMs started after this time (normally the job's launch) start a standby worker: list each "
-        "once its standby is ready (default $HVDT_STANDBY_SINCE; unset: no VM is held back). Needs --store",
+        help="VMs started after this time (normally the job's launch) publish themselves ready (their standby "
+        "worker once warm, or their startup script once booted): list each from then on (default "
+        "$HVDT_STANDBY_SINCE; unset: no VM is held back). Needs --store",
     )
     parser.add_argument(
-        "--join-timeout", type=non_negative_seconds, default=os.environ.get("HVDT_JOIN_TIMEOUT_S", "120"),
+        "--join-timeout", type=non_negative_seconds, default=os.environ.get(JOIN_TIMEOUT_ENV, "120"),
         metavar="SECONDS",
-        help="list such a VM anyway this long after it started, standby or not "
+        help="list such a VM anyway this long after it started, ready or not "
         "(default 120, or $HVDT_JOIN_TIMEOUT_S)",
     )
     parser.add_argument(

@@ -1,12 +1,15 @@
-"""The join gate: a new VM is offered to Horovod once its standby worker is ready.
+"""The join gate: a new VM is offered to Horovod once its standby worker, or its boot, is ready.
 
 Horovod starts a joining host's worker only after every current worker has reset, so with
 a cold start the survivors wait for the newcomer's whole start-up (interpreter, TensorFlow,
 model build, first trace). A VM that boots while the job runs starts a *standby* instead
 (``python -m hvd_transient.worker --standby``, :mod:`hvd_transient.standby`), which does all of
 that before the VM is listed, then publishes ``hosts/ready/<host>.json`` in the run's store.
-Discovery holds such a VM back until that record exists for its current incarnation, for at
-most ``join_timeout_s`` after the VM started; after that it is listed anyway and joins cold.
+A VM without a standby publishes the same record at the end of its boot (``hvd-transient
+ready``, from its startup script): a worker started on a VM that is still installing or
+starting sshd fails, and Horovod blacklists the host. Discovery holds such a VM back until that
+record exists for its current incarnation, for at most ``join_timeout_s`` after the VM started;
+after that it is listed anyway (and joins cold).
 
 Which hosts are held back (:class:`JoinGate`, pure):
 
@@ -43,7 +46,10 @@ log = logging.getLogger(__name__)
 
 #: seconds after a new VM started during which discovery waits for its standby
 DEFAULT_JOIN_TIMEOUT_S = 120.0
-#: the job's launch time (Unix seconds), set by whoever launches it: VMs started later run standbys
+#: how long discovery holds a new VM back at most (seconds; ``--join-timeout``'s default)
+JOIN_TIMEOUT_ENV = "HVDT_JOIN_TIMEOUT_S"
+#: the job's launch time (Unix seconds), set by whoever launches it: VMs started later publish a ready
+#: record (their standby's, or their boot's) before they are listed
 STANDBY_SINCE_ENV = "HVDT_STANDBY_SINCE"
 
 
@@ -122,7 +128,7 @@ def publish_ready(store: "ObjectStore", host: str, *, pid: int | None = None, in
     record = ReadyRecord(host=host, ready_at=time.time() if now is None else now, pid=pid,
                          instance_id=instance_id)
     store.put(check_key(ready_key(host)), record.to_json())
-    log.info("published the standby of %s as ready", host)
+    log.info("published %s as ready to join", host)
     return record
 
 
