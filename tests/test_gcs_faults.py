@@ -549,7 +549,7 @@ def test_deadline_saves_under_mixed_faults_end_in_time(lib_store: GCSStore, heal
 
 
 #: saves of the long mixed-fault run (it is part of `make test`: about half a second each)
-MIXED_SAVES = 30
+MIXED_SAVES = 20
 
 
 def test_many_deadline_saves_under_mixed_faults(lib_store: GCSStore, healthy: GCSStore, proxy: FaultProxy) -> None:

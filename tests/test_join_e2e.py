@@ -32,7 +32,7 @@ STALL_BOUND_S = 3.0
 
 def test_a_host_joins_through_its_standby_quickly_and_the_run_ends_at_the_nominal_step(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
-    epochs, per_epoch = 12, 40  # long enough for the standby to warm up while two workers train (~5 s here)
+    epochs, per_epoch = 9, 40  # long enough for the standby to warm up while two workers train (~5 s here)
     hosts = ("localhost", "127.0.0.1")
     cmd = (sys.executable, ELASTIC, "--store", store, "--model", "small_cnn", "--epochs", str(epochs),
            "--steps-per-epoch", str(per_epoch), "--save-every", "100", "--base-lr", "0.01",
