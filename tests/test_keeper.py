@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -16,7 +18,7 @@ from fake_compute_api import QUOTA_EXCEEDED, STOCKOUT, FakeComputeAPI
 from ckpt_service.stores import LocalStore
 from hvd_transient.cluster import cli
 from hvd_transient.cluster.compute_api import ComputeAPI
-from hvd_transient.cluster.job import CommandJob, exit_status
+from hvd_transient.cluster.job import CommandJob, exit_status, start_ticks
 from hvd_transient.cluster.job_plan import (
     JOB_DONE,
     JOB_EXITED,
@@ -491,7 +493,8 @@ KEEP = ["keep", "--name", "exp", "--project", PROJECT, "--zones", f"{ZA},{ZB}", 
 
 
 @pytest.fixture
-def compute(monkeypatch):
+def compute(monkeypatch, tmp_path):
+    monkeypatch.setenv("HVDT_KEEPER_DIR", str(tmp_path / "keeper"))  # each test's keeper owns its own job
     with FakeComputeAPI(operation_polls=2) as api:
         monkeypatch.setenv("HVDT_COMPUTE_API", api.base_url)
         monkeypatch.setenv("HVDT_COMPUTE_ANONYMOUS", "1")
@@ -898,6 +901,37 @@ def test_command_job_that_gates_joins_tells_discovery_when_each_launch_began_and
     plain = CommandJob(line, env=env)
     plain.start(["w0"])
     assert plain.wait(30) == 0 and out.read_text() == "unset unset"
+
+
+def test_a_job_a_dead_keeper_left_running_is_ended_before_the_next_launch(tmp_path):
+    """A keeper killed outright (SIGKILL, OOM) cannot stop its job; the keeper started after it ends that job
+    before launching its own, so that two jobs never train on the same workers and store."""
+    pidfile = tmp_path / "keeper" / "p.exp.job"
+    first = CommandJob("sleep 600 & wait", pidfile=pidfile, stop_timeout_s=10)
+    first.start(["w0"])
+    left = first.process  # its keeper dies here, without stopping it
+    assert left is not None and json.loads(pidfile.read_text())["pid"] == left.pid
+    out = tmp_path / "second"
+    second = CommandJob(f"echo launched > {out}", pidfile=pidfile)
+    second.start(["w0"])
+    assert left.poll() is not None and exit_status(left.returncode) == 128 + signal.SIGTERM  # ended first
+    assert second.wait(30) == 0 and out.read_text() == "launched\n"
+
+
+def test_a_noted_pid_that_is_no_longer_the_job_is_left_alone(tmp_path):
+    pidfile = tmp_path / "p.exp.job"
+    bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:  # the job ended and its pid went to another process: a different start time
+        pidfile.write_text(json.dumps({"pid": bystander.pid, "started": (start_ticks(bystander.pid) or 0) + 1}))
+        job = CommandJob("true", pidfile=pidfile)
+        job.start(["w0"])
+        assert job.wait(30) == 0 and bystander.poll() is None
+        pidfile.write_text("not json")  # unreadable: nothing proves a job is running
+        job.start(["w0"])
+        assert job.wait(30) == 0 and bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 # ---- the CLI with --job ---------------------------------------------------------------------------------

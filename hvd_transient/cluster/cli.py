@@ -424,7 +424,8 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
 
         events = EventLog(store, socket.gethostname())
     # with a store the workers publish themselves ready (their boot, or their standby): gate on it
-    job = CommandJob(args.job, join_timeout_s=job_policy.await_ready_s) if args.job else None
+    job = CommandJob(args.job, join_timeout_s=job_policy.await_ready_s, pidfile=_job_pidfile(spec),
+                     stop_timeout_s=args.job_stop_timeout) if args.job else None
     ready = None
     if store is not None:
         from hvd_transient.discovery.ready import read_ready
@@ -447,6 +448,17 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
         return 1 if keeper.job_state.phase == JOB_FAILED else 0
     finally:
         keeper.close()
+
+
+def _job_pidfile(spec: ClusterSpec) -> Path:
+    """Where this machine's keeper of ``spec`` notes its job's process (a keeper restarted after it was
+    killed ends the job it left running before launching its own): ``$HVDT_KEEPER_DIR``, by default
+    ``<tmp>/hvdt-keeper-<uid>``."""
+    import os
+    import tempfile
+
+    directory = os.environ.get("HVDT_KEEPER_DIR") or Path(tempfile.gettempdir()) / f"hvdt-keeper-{os.getuid()}"
+    return Path(directory) / f"{spec.project}.{spec.name}.job"
 
 
 def _job_policy(args: argparse.Namespace, spec: ClusterSpec) -> "JobPolicy":

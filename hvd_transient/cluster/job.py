@@ -2,11 +2,14 @@
 ``keep --job`` command line run in a session of its own (the decisions are in :mod:`.job_plan`)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import time
+from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
 from hvd_transient.discovery.ready import JOIN_TIMEOUT_ENV, STANDBY_SINCE_ENV
@@ -45,12 +48,15 @@ class CommandJob:
     where the keeper's goes."""
 
     def __init__(self, command: str | Sequence[str], *, cwd: str | None = None,
-                 env: Mapping[str, str] | None = None, join_timeout_s: float | None = None) -> None:
+                 env: Mapping[str, str] | None = None, join_timeout_s: float | None = None,
+                 pidfile: Path | None = None, stop_timeout_s: float = 30.0) -> None:
         if not command:
             raise ValueError("the job's command is empty")
         self.command = command
         self.cwd, self.env = cwd, None if env is None else dict(env)
         self.join_timeout_s = join_timeout_s  # not None: the workers publish themselves ready
+        # where the running job's process is noted: a keeper started after one that died finds its job
+        self.pidfile, self.stop_timeout_s = pidfile, stop_timeout_s
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, workers: Sequence[str]) -> None:
@@ -63,9 +69,27 @@ class CommandJob:
             # its standby warm), at most this long (the VMs of this launch run the job at once)
             env[STANDBY_SINCE_ENV] = repr(time.time())
             env[JOIN_TIMEOUT_ENV] = repr(self.join_timeout_s)
+        if self.pidfile is not None:
+            self._end_left_behind(self.pidfile)
         log.info("launching the job on %d worker(s): %s", len(workers), self.command)
         self.process = subprocess.Popen(self.command, shell=shell, cwd=self.cwd, env=env,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        if self.pidfile is not None:
+            self.pidfile.parent.mkdir(parents=True, exist_ok=True)
+            self.pidfile.write_text(json.dumps({"pid": self.process.pid, "started": start_ticks(self.process.pid)}))
+
+    def _end_left_behind(self, pidfile: Path) -> None:
+        """End the job a keeper that died (SIGKILL, OOM) left running, so that two jobs never train on the
+        same workers and store. Only a process that is provably that job (same pid and start time) is ended."""
+        try:
+            noted = json.loads(pidfile.read_text())
+            pid, started = int(noted["pid"]), noted["started"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # none, or unreadable: nothing to prove
+        if started is None or start_ticks(pid) != started:
+            return  # ended, or the pid now belongs to another process
+        log.warning("a previous keeper left its job running (pid %d): ending it before launching", pid)
+        end_session(pid, self.stop_timeout_s)
 
     def poll(self) -> int | None:
         code = None if self.process is None else self.process.poll()
@@ -95,10 +119,40 @@ class CommandJob:
 
     def _signal(self, sig: int) -> None:
         assert self.process is not None
-        try:
-            os.killpg(self.process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass  # the session is gone already
+        signal_session(self.process.pid, sig)
 
 
-__all__ = ["CommandJob", "Job", "exit_status"]
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat), or None if unknown or gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22; the name before ")" may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def end_session(pid: int, timeout: float) -> None:
+    """SIGTERM the session ``pid`` leads (a job started with ``start_new_session``), SIGKILL what is left
+    after ``timeout`` seconds. ``pid`` need not be a child: its exit is awaited through a pidfd."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        signal_session(pid, signal.SIGTERM)
+        if not select.select([fd], [], [], timeout)[0]:
+            log.warning("process %d did not end %.0f s after SIGTERM: killing its session", pid, timeout)
+        signal_session(pid, signal.SIGKILL)
+    finally:
+        os.close(fd)
+
+
+def signal_session(pgid: int, sig: int) -> None:
+    """Send ``sig`` to every process of the session (process group) ``pgid`` leads, if any is left."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the session is gone already
+
+
+__all__ = ["CommandJob", "Job", "end_session", "exit_status", "start_ticks"]
