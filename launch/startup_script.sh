@@ -142,8 +142,10 @@ touch "$STATE/ready"
 log "ready for horovodrun"
 # a ready record names this boot's VM: one recreated under the same name waits for its own
 INSTANCE_ID=$(curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$INSTANCE/id" 2>/dev/null || true)
+NAME=$(curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$INSTANCE/name" 2>/dev/null || hostname -s)
 if [[ "$ROLE" == worker && -n "$STORE" && -z "$STANDBY" ]]; then
-  "$VENV/bin/hvd-transient" ready --store "$STORE" ${INSTANCE_ID:+--instance-id "$INSTANCE_ID"} \
+  # under the instance's name, as discovery lists it (the host name may be the FQDN on some images)
+  "$VENV/bin/hvd-transient" ready --store "$STORE" --host "$NAME" ${INSTANCE_ID:+--instance-id "$INSTANCE_ID"} \
     || log "could not publish this VM as ready: discovery lists it once its join timeout has passed"
 fi
 

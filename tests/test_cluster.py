@@ -187,7 +187,8 @@ def test_startup_script_starts_no_standby_on_the_driver_or_without_one(tmp_path)
 def test_startup_script_publishes_a_worker_without_a_standby_as_ready_at_the_end_of_its_boot(tmp_path):
     root = run_startup_script(tmp_path / "w", {"hvdt-role": "worker", "hvdt-store": "gs://b/run"})
     args = (root / "hvd-transient.args").read_text().split("\0")[:-1]
-    assert args[:4] == ["ready", "--store", "gs://b/run", "--instance-id"] and args[4].isdigit() and len(args) == 5
+    assert args[:6] == ["ready", "--store", "gs://b/run", "--host", "vm", "--instance-id"]  # the instance's name
+    assert args[6].isdigit() and len(args) == 7
     for name, attributes in (("standby", {"hvdt-store": "gs://b/run", "hvdt-standby": "train.py"}),  # it publishes
                              ("driver", {"hvdt-role": "driver", "hvdt-store": "gs://b/run"}),
                              ("no-store", {"hvdt-role": "worker"})):

@@ -18,7 +18,7 @@ from fake_compute_api import QUOTA_EXCEEDED, STOCKOUT, FakeComputeAPI
 from ckpt_service.stores import LocalStore
 from hvd_transient.cluster import cli
 from hvd_transient.cluster.compute_api import ComputeAPI
-from hvd_transient.cluster.job import CommandJob, exit_status, start_ticks
+from hvd_transient.cluster.job import CommandJob, exit_status, hold_lock, note_process, start_ticks
 from hvd_transient.cluster.job_plan import (
     JOB_DONE,
     JOB_EXITED,
@@ -809,7 +809,7 @@ def test_with_standbys_a_launch_waits_for_their_ready_records_or_the_timeout(tmp
     booted = rig.clock()
     rig.step(10)
     assert rig.job.launches == []
-    assert "waiting: job launch when 2 worker(s) are RUNNING with a ready standby (0 now)" in rig.lines
+    assert "waiting: job launch when 2 worker(s) are RUNNING and ready (0 now)" in rig.lines
     records += [ReadyRecord("exp-worker-0", booted + 15, instance_id="id-exp-worker-0"),
                 ReadyRecord("exp-worker-1", booted - 50)]  # a standby of an earlier boot
     rig.step(10)
@@ -929,6 +929,15 @@ def test_a_noted_pid_that_is_no_longer_the_job_is_left_alone(tmp_path):
         pidfile.write_text("not json")  # unreadable: nothing proves a job is running
         job.start(["w0"])
         assert job.wait(30) == 0 and bystander.poll() is None
+        unwritable = CommandJob("true", pidfile=pidfile / "below-a-file.job")  # the job runs all the same
+        unwritable.start(["w0"])
+        assert unwritable.wait(30) == 0
+        shared = tmp_path / "shared"  # a note others could have written proves nothing
+        note_process(shared / "p.exp.job", bystander.pid)
+        shared.chmod(0o777)
+        job = CommandJob("true", pidfile=shared / "p.exp.job")
+        job.start(["w0"])
+        assert job.wait(30) == 0 and bystander.poll() is None
     finally:
         bystander.kill()
         bystander.wait()
@@ -968,19 +977,30 @@ def test_keep_with_job_and_a_store_launches_it_once_the_booted_workers_said_they
             if len(running) == 2 and seen_at is None:
                 seen_at = passes
             if seen_at is not None and passes >= seen_at + 6:  # the keeper looked again and again: not ready yet
+                published.append(time.time())
                 for vm in running:
                     assert hvdt_main(["ready", "--store", str(run), "--host", vm["name"],
                                       "--instance-id", str(vm["id"])]) == 0
-                published.append(time.time())
             time.sleep(0.02)
 
     booting = threading.Thread(target=boot, daemon=True)
     booting.start()
-    assert cli.main([*KEEP, "--store", str(run), "--interval", "0.1", "--min-workers", "2",
+    assert cli.main([*KEEP, "--store", str(run), "--interval", "0.1", "--min-workers", "2", "--join-timeout", "60",
                      "--job", f"date +%s.%N > {launched}"]) == 0
     booting.join(timeout=30)
     assert published and float(launched.read_text()) >= published[0]
     assert "launched once 2 worker(s) are RUNNING and ready" in capsys.readouterr().out
+
+
+def test_a_second_keeper_of_the_cluster_with_a_job_is_refused_on_the_same_machine(compute, capsys, tmp_path):
+    held = hold_lock(tmp_path / "keeper" / f"{PROJECT}.exp.lock")  # a first keeper of exp runs here
+    try:
+        assert held is not None
+        assert cli.main([*KEEP, "--interval", "0.1", "--job", "true"]) == 2
+        assert "another 'cluster keep --job' of exp runs on this machine" in capsys.readouterr().err
+    finally:
+        os.close(held)
+    assert cli.main([*KEEP, "--interval", "0.1", "--join-timeout", "0", "--job", "true"]) == 0  # once it is gone
 
 
 def test_keep_with_a_failing_job_relaunches_then_exits_1(compute, capsys):

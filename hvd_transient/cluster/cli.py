@@ -426,6 +426,7 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
     # with a store the workers publish themselves ready (their boot, or their standby): gate on it
     job = CommandJob(args.job, join_timeout_s=job_policy.await_ready_s, pidfile=_job_pidfile(spec),
                      stop_timeout_s=args.job_stop_timeout) if args.job else None
+    lock = _claim_job(spec) if job is not None else None
     ready = None
     if store is not None:
         from hvd_transient.discovery.ready import read_ready
@@ -448,6 +449,10 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
         return 1 if keeper.job_state.phase == JOB_FAILED else 0
     finally:
         keeper.close()
+        if lock is not None:
+            import os
+
+            os.close(lock)
 
 
 def _job_pidfile(spec: ClusterSpec) -> Path:
@@ -459,6 +464,23 @@ def _job_pidfile(spec: ClusterSpec) -> Path:
 
     directory = os.environ.get("HVDT_KEEPER_DIR") or Path(tempfile.gettempdir()) / f"hvdt-keeper-{os.getuid()}"
     return Path(directory) / f"{spec.project}.{spec.name}.job"
+
+
+def _claim_job(spec: ClusterSpec) -> int | None:
+    """This machine's lock on ``spec``'s job, held while the keeper runs: a second keeper of the cluster would
+    end the first one's job as one left behind. None if it cannot be taken here (no lock, as before)."""
+    from hvd_transient.cluster.job import hold_lock
+
+    path = _job_pidfile(spec).with_suffix(".lock")
+    try:
+        fd = hold_lock(path)
+    except OSError as exc:
+        log.warning("could not take %s (%s): nothing stops a second keeper of %s here", path, exc, spec.name)
+        return None
+    if fd is None:
+        raise ClusterSpecError(f"another 'cluster keep --job' of {spec.name} runs on this machine (it holds {path}): "
+                               "stop it first, or give this one another --name")
+    return fd
 
 
 def _job_policy(args: argparse.Namespace, spec: ClusterSpec) -> "JobPolicy":

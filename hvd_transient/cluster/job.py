@@ -2,6 +2,7 @@
 ``keep --job`` command line run in a session of its own (the decisions are in :mod:`.job_plan`)."""
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -75,18 +76,23 @@ class CommandJob:
         self.process = subprocess.Popen(self.command, shell=shell, cwd=self.cwd, env=env,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         if self.pidfile is not None:
-            self.pidfile.parent.mkdir(parents=True, exist_ok=True)
-            self.pidfile.write_text(json.dumps({"pid": self.process.pid, "started": start_ticks(self.process.pid)}))
+            try:  # the job runs either way: a failure here must not look like a failed launch
+                note_process(self.pidfile, self.process.pid)
+            except OSError as exc:
+                log.warning("could not note the job's process in %s: %s", self.pidfile, exc)
 
     def _end_left_behind(self, pidfile: Path) -> None:
         """End the job a keeper that died (SIGKILL, OOM) left running, so that two jobs never train on the
-        same workers and store. Only a process that is provably that job (same pid and start time) is ended."""
+        same workers and store. Only a process that is provably that job (this user's, same pid and start
+        time, noted in a directory only this user can write) is ended."""
+        if not private(pidfile.parent):
+            return  # none yet, or another user could have written it: it proves nothing
         try:
             noted = json.loads(pidfile.read_text())
             pid, started = int(noted["pid"]), noted["started"]
         except (OSError, ValueError, KeyError, TypeError):
             return  # none, or unreadable: nothing to prove
-        if started is None or start_ticks(pid) != started:
+        if started is None or start_ticks(pid) != started or not owned(pid):
             return  # ended, or the pid now belongs to another process
         log.warning("a previous keeper left its job running (pid %d): ending it before launching", pid)
         end_session(pid, self.stop_timeout_s)
@@ -131,20 +137,78 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+def private(directory: Path) -> bool:
+    """Whether ``directory`` exists, is this user's and only they can write in it."""
+    try:
+        st = directory.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def owned(pid: int) -> bool:
+    """Whether process ``pid`` runs as this user."""
+    try:
+        return Path(f"/proc/{pid}").stat().st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def note_process(pidfile: Path, pid: int) -> None:
+    """Note ``pid`` and its start time in ``pidfile``, in a directory only this user can write."""
+    pidfile.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not private(pidfile.parent):
+        raise PermissionError(f"{pidfile.parent} is not this user's alone")
+    tmp = pidfile.with_name(pidfile.name + ".tmp")
+    tmp.write_text(json.dumps({"pid": pid, "started": start_ticks(pid)}))
+    os.replace(tmp, pidfile)  # a reader never sees half a note
+
+
+def hold_lock(path: Path) -> int | None:
+    """Take the lock ``path`` for as long as this process lives: its descriptor, or None if another
+    process holds it."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def end_session(pid: int, timeout: float) -> None:
     """SIGTERM the session ``pid`` leads (a job started with ``start_new_session``), SIGKILL what is left
-    after ``timeout`` seconds. ``pid`` need not be a child: its exit is awaited through a pidfd."""
+    after ``timeout`` seconds. ``pid`` need not be a child: its exit is awaited through a pidfd, or, where
+    there are none (kernels before 5.3, some sandboxes), by watching its start time."""
+    started = start_ticks(pid)
     try:
-        fd = os.pidfd_open(pid)
+        fd: int | None = os.pidfd_open(pid)
     except ProcessLookupError:
         return
+    except OSError:
+        fd = None
     try:
         signal_session(pid, signal.SIGTERM)
-        if not select.select([fd], [], [], timeout)[0]:
+        if not _ends(pid, started, fd, timeout):
             log.warning("process %d did not end %.0f s after SIGTERM: killing its session", pid, timeout)
         signal_session(pid, signal.SIGKILL)
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
+
+
+def _ends(pid: int, started: int | None, fd: int | None, timeout: float) -> bool:
+    if fd is not None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(timeout * 1000))
+    deadline = time.monotonic() + timeout
+    while start_ticks(pid) == started:  # no event to wait on: look every 0.1 s
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def signal_session(pgid: int, sig: int) -> None:
@@ -155,4 +219,4 @@ def signal_session(pgid: int, sig: int) -> None:
         pass  # the session is gone already
 
 
-__all__ = ["CommandJob", "Job", "end_session", "exit_status", "start_ticks"]
+__all__ = ["CommandJob", "Job", "end_session", "exit_status", "hold_lock", "note_process", "start_ticks"]

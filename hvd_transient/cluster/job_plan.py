@@ -29,8 +29,9 @@ class JobPolicy:
     max_relaunches: int | None = 10
     #: go on keeping the workers once the job has ended (else the keeper ends with it)
     keep_fleet: bool = False
-    #: the workers start standbys (``--standby``): a launch counts only the workers whose standby of
-    #: their current boot is ready, or that booted this many seconds ago; None: every RUNNING worker
+    #: the workers publish themselves ready (at the end of their boot, or once their ``--standby`` is
+    #: warm): a launch counts only the workers ready in their current boot, or that booted this many
+    #: seconds ago; None: every RUNNING worker
     await_ready_s: float | None = None
     #: end a job none of whose workers is left (see :func:`job_lost`)
     stop_when_lost: bool = True
@@ -94,10 +95,11 @@ def job_lost(state: JobState, obs: Observation, policy: JobPolicy) -> StopJob | 
 
 def ready_workers(running: Sequence[str], workers: Sequence[WorkerVM], records: Sequence[ReadyRecord],
                   now: float, timeout_s: float) -> tuple[str, ...]:
-    """Of the ``running`` workers, those a launch may use when the workers start standbys: discovery's
-    join gate, applied to every boot (a VM whose standby of this boot published itself ready, or
-    that booted ``timeout_s`` ago or more). A VM that is RUNNING may still be booting (horovodrun
-    could not reach it yet); its standby is also the fastest start a relaunch can get."""
+    """Of the ``running`` workers, those a launch may use when the workers publish themselves ready:
+    discovery's join gate, applied to every boot (a VM that published itself ready in this boot, at
+    its end or once its standby was warm, or that booted ``timeout_s`` ago or more). A VM that is
+    RUNNING may still be booting (a worker horovodrun starts there would fail); a standby is also
+    the fastest start a relaunch can get."""
     seen = {w.name: w.incarnation for w in workers}
     observed = [Host(name, incarnation=seen[name]) for name in running if name in seen]  # not those started now
     gate = JoinGate(standby_since=-math.inf, join_timeout_s=timeout_s)
@@ -137,8 +139,8 @@ def describe_job(state: JobState, running: Sequence[str], policy: JobPolicy) -> 
     if state.phase == JOB_FAILED:
         return f"job failed (exit {state.exit_code}; {state.relaunches} relaunch(es) used)"
     what = "relaunch" if state.phase == JOB_EXITED else "launch"
-    if policy.await_ready_s is not None:
-        return f"job {what} when {policy.min_workers} worker(s) are RUNNING with a ready standby ({len(running)} now)"
+    if policy.await_ready_s:
+        return f"job {what} when {policy.min_workers} worker(s) are RUNNING and ready ({len(running)} now)"
     return f"job {what} when {policy.min_workers} worker(s) are RUNNING ({len(running)} now)"
 
 
