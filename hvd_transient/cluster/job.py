@@ -63,6 +63,8 @@ class CommandJob:
     def start(self, workers: Sequence[str]) -> None:
         if self.process is not None and self.process.poll() is None:
             raise RuntimeError("the job is still running")
+        if self.pidfile is not None:
+            self._end_left_behind(self.pidfile)
         shell = isinstance(self.command, str)
         env = dict(os.environ if self.env is None else self.env)
         if self.join_timeout_s is not None:
@@ -70,8 +72,6 @@ class CommandJob:
             # its standby warm), at most this long (the VMs of this launch run the job at once)
             env[STANDBY_SINCE_ENV] = repr(time.time())
             env[JOIN_TIMEOUT_ENV] = repr(self.join_timeout_s)
-        if self.pidfile is not None:
-            self._end_left_behind(self.pidfile)
         log.info("launching the job on %d worker(s): %s", len(workers), self.command)
         self.process = subprocess.Popen(self.command, shell=shell, cwd=self.cwd, env=env,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
