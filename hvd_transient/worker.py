@@ -16,7 +16,8 @@ Horovod, and the job's command, run by ``horovodrun`` on that host, only hands i
     stdin/stdout/stderr (``socket.send_fds``), forwards SIGTERM, SIGINT and SIGHUP to it, and
     exits as the standby's worker exits (its code, or killed by its signal). Otherwise it runs
     SCRIPT in this process as ``python SCRIPT`` would (``runpy``: ``sys.argv``, ``__main__``).
-    It imports only the standard library, so it costs nothing when no standby exists.
+    It imports only the standard library (and :mod:`hvd_transient.user_files`, which does too),
+    so it costs nothing when no standby exists.
 
 ``python -m hvd_transient.worker --standby [--host H] SCRIPT [ARGS...]`` (started at boot)
     Runs SCRIPT with Horovod's initialisation deferred (:mod:`hvd_transient.standby`): imports,
@@ -57,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -67,11 +67,12 @@ import selectors
 import signal
 import socket
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, Mapping, NoReturn, Sequence
+
+from hvd_transient.user_files import ensure_dir, try_lock, user_dir
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,7 @@ def command_key(script: str, args: Sequence[str], cwd: str) -> str:
 
 
 def standby_dir(env: Mapping[str, str]) -> Path:
-    configured = env.get(DIR_ENV)
-    return Path(configured) if configured else Path(tempfile.gettempdir()) / f"hvdt-standby-{os.getuid()}"
+    return user_dir(env.get(DIR_ENV), "hvdt-standby")
 
 
 def socket_path(directory: Path, host: str, local_rank: int, key: str) -> Path:
@@ -378,19 +378,14 @@ def check_handoff(msg: Mapping[str, Any], key: str) -> str | None:
 
 
 def _lock(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StandbyError(f"another standby already waits at {path.with_suffix('.sock')}") from None
+    fd = try_lock(path)
+    if fd is None:
+        raise StandbyError(f"another standby already waits at {path.with_suffix('.sock')}")
     return fd
 
 
 def _prepare_dir(directory: Path) -> None:
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = directory.stat()
-    if st.st_uid != os.getuid():
+    if ensure_dir(directory).st_uid != os.getuid():
         raise StandbyError(f"{directory} belongs to another user; set {DIR_ENV} to a directory of yours")
 
 

@@ -18,7 +18,7 @@ from fake_compute_api import QUOTA_EXCEEDED, STOCKOUT, FakeComputeAPI
 from ckpt_service.stores import LocalStore
 from hvd_transient.cluster import cli
 from hvd_transient.cluster.compute_api import ComputeAPI
-from hvd_transient.cluster.job import CommandJob, exit_status, hold_lock, note_process, start_ticks
+from hvd_transient.cluster.job import CommandJob, exit_status, note_process, start_ticks
 from hvd_transient.cluster.job_plan import (
     JOB_DONE,
     JOB_EXITED,
@@ -74,6 +74,7 @@ from hvd_transient.discovery.ready import ReadyRecord
 from hvd_transient.event_schema import KeeperRefill
 from hvd_transient.events import EventLog, read_events, read_records
 from hvd_transient.membership import Incarnation
+from hvd_transient.user_files import try_lock
 
 PROJECT, ZA, ZB, ZC = "proj-1", "us-central1-a", "us-central1-b", "us-central1-c"
 T0 = 1_700_000_000.0
@@ -993,7 +994,8 @@ def test_keep_with_job_and_a_store_launches_it_once_the_booted_workers_said_they
 
 
 def test_a_second_keeper_of_the_cluster_with_a_job_is_refused_on_the_same_machine(compute, capsys, tmp_path):
-    held = hold_lock(tmp_path / "keeper" / f"{PROJECT}.exp.lock")  # a first keeper of exp runs here
+    (tmp_path / "keeper").mkdir()
+    held = try_lock(tmp_path / "keeper" / f"{PROJECT}.exp.lock")  # a first keeper of exp runs here
     try:
         assert held is not None
         assert cli.main([*KEEP, "--interval", "0.1", "--job", "true"]) == 2

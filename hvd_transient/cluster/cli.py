@@ -423,10 +423,13 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
         from hvd_transient.events import EventLog
 
         events = EventLog(store, socket.gethostname())
-    # with a store the workers publish themselves ready (their boot, or their standby): gate on it
-    job = CommandJob(args.job, join_timeout_s=job_policy.await_ready_s, pidfile=_job_pidfile(spec),
-                     stop_timeout_s=args.job_stop_timeout) if args.job else None
-    lock = _claim_job(spec) if job is not None else None
+    job, lock = None, None
+    if args.job:
+        pidfile = _job_pidfile(spec)
+        lock = _claim_job(pidfile, spec.name)
+        # with a store the workers publish themselves ready (their boot, or their standby): gate on it
+        job = CommandJob(args.job, join_timeout_s=job_policy.await_ready_s, pidfile=pidfile,
+                         stop_timeout_s=args.job_stop_timeout)
     ready = None
     if store is not None:
         from hvd_transient.discovery.ready import read_ready
@@ -460,25 +463,26 @@ def _job_pidfile(spec: ClusterSpec) -> Path:
     killed ends the job it left running before launching its own): ``$HVDT_KEEPER_DIR``, by default
     ``<tmp>/hvdt-keeper-<uid>``."""
     import os
-    import tempfile
 
-    directory = os.environ.get("HVDT_KEEPER_DIR") or Path(tempfile.gettempdir()) / f"hvdt-keeper-{os.getuid()}"
-    return Path(directory) / f"{spec.project}.{spec.name}.job"
+    from hvd_transient.user_files import user_dir
+
+    return user_dir(os.environ.get("HVDT_KEEPER_DIR"), "hvdt-keeper") / f"{spec.project}.{spec.name}.job"
 
 
-def _claim_job(spec: ClusterSpec) -> int | None:
-    """This machine's lock on ``spec``'s job, held while the keeper runs: a second keeper of the cluster would
-    end the first one's job as one left behind. None if it cannot be taken here (no lock, as before)."""
-    from hvd_transient.cluster.job import hold_lock
+def _claim_job(pidfile: Path, cluster: str) -> int | None:
+    """This machine's lock on the cluster's job, held while the keeper runs: a second keeper of the cluster
+    would end the first one's job as one left behind. None if it cannot be taken here (no lock, as before)."""
+    from hvd_transient.user_files import ensure_dir, try_lock
 
-    path = _job_pidfile(spec).with_suffix(".lock")
+    path = pidfile.with_suffix(".lock")
     try:
-        fd = hold_lock(path)
+        ensure_dir(path.parent)
+        fd = try_lock(path)
     except OSError as exc:
-        log.warning("could not take %s (%s): nothing stops a second keeper of %s here", path, exc, spec.name)
+        log.warning("could not take %s (%s): nothing stops a second keeper of %s here", path, exc, cluster)
         return None
     if fd is None:
-        raise ClusterSpecError(f"another 'cluster keep --job' of {spec.name} runs on this machine (it holds {path}): "
+        raise ClusterSpecError(f"another 'cluster keep --job' of {cluster} runs on this machine (it holds {path}): "
                                "stop it first, or give this one another --name")
     return fd
 

@@ -2,7 +2,6 @@
 ``keep --job`` command line run in a session of its own (the decisions are in :mod:`.job_plan`)."""
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
 from hvd_transient.discovery.ready import JOIN_TIMEOUT_ENV, STANDBY_SINCE_ENV
+from hvd_transient.user_files import ensure_dir, private
 
 log = logging.getLogger(__name__)
 
@@ -137,15 +137,6 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
-def private(directory: Path) -> bool:
-    """Whether ``directory`` exists, is this user's and only they can write in it."""
-    try:
-        st = directory.stat()
-    except OSError:
-        return False
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
-
-
 def owned(pid: int) -> bool:
     """Whether process ``pid`` runs as this user."""
     try:
@@ -156,25 +147,12 @@ def owned(pid: int) -> bool:
 
 def note_process(pidfile: Path, pid: int) -> None:
     """Note ``pid`` and its start time in ``pidfile``, in a directory only this user can write."""
-    pidfile.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ensure_dir(pidfile.parent)
     if not private(pidfile.parent):
         raise PermissionError(f"{pidfile.parent} is not this user's alone")
     tmp = pidfile.with_name(pidfile.name + ".tmp")
     tmp.write_text(json.dumps({"pid": pid, "started": start_ticks(pid)}))
     os.replace(tmp, pidfile)  # a reader never sees half a note
-
-
-def hold_lock(path: Path) -> int | None:
-    """Take the lock ``path`` for as long as this process lives: its descriptor, or None if another
-    process holds it."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def end_session(pid: int, timeout: float) -> None:
@@ -219,4 +197,4 @@ def signal_session(pgid: int, sig: int) -> None:
         pass  # the session is gone already
 
 
-__all__ = ["CommandJob", "Job", "end_session", "exit_status", "hold_lock", "note_process", "start_ticks"]
+__all__ = ["CommandJob", "Job", "end_session", "exit_status", "note_process", "start_ticks"]
