@@ -63,11 +63,11 @@
 set -euo pipefail
 
 INSTANCE=${HVDT_METADATA_URL:-http://metadata.google.internal}/computeMetadata/v1/instance
-METADATA=$INSTANCE/attributes
 ROOT=${HVDT_ROOT:-}
-meta() {  # meta KEY [DEFAULT]: a metadata attribute, or DEFAULT when it is not set
-  curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$METADATA/$1" 2>/dev/null || printf '%s' "${2:-}"
+instance() {  # instance KEY [DEFAULT]: an instance metadata value, or DEFAULT when it is not set
+  curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$INSTANCE/$1" 2>/dev/null || printf '%s' "${2:-}"
 }
+meta() { instance "attributes/$1" "${2:-}"; }  # meta KEY [DEFAULT]: a custom attribute
 log() { echo "hvdt-startup: $*"; logger -t hvdt-startup -- "$*" 2>/dev/null || true; }
 
 ROLE=$(meta hvdt-role worker)
@@ -141,8 +141,8 @@ ENV
 touch "$STATE/ready"
 log "ready for horovodrun"
 # a ready record names this boot's VM: one recreated under the same name waits for its own
-INSTANCE_ID=$(curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$INSTANCE/id" 2>/dev/null || true)
-NAME=$(curl -fsS --retry 5 -H 'Metadata-Flavor: Google' "$INSTANCE/name" 2>/dev/null || hostname -s)
+INSTANCE_ID=$(instance id)
+NAME=$(instance name "$(hostname -s)")
 if [[ "$ROLE" == worker && -n "$STORE" && -z "$STANDBY" ]]; then
   # under the instance's name, as discovery lists it (the host name may be the FQDN on some images)
   "$VENV/bin/hvd-transient" ready --store "$STORE" --host "$NAME" ${INSTANCE_ID:+--instance-id "$INSTANCE_ID"} \
