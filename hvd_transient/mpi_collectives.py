@@ -122,17 +122,18 @@ class MPICollectives:
     def size(self) -> int:
         return self._size
 
-    def allreduce_sum(self, values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # ``name`` labels the call for the Collectives protocol; MPI matches collectives by order alone.
+    def allreduce_sum(self, values: np.ndarray[Any, Any], *, name: str = "notice") -> np.ndarray[Any, Any]:
         """Elementwise sum over ranks, as float64."""
         send = np.ascontiguousarray(values, dtype=np.float64)
         summed = np.empty_like(send)
         self.comm.Allreduce(send, summed, op=MPI.SUM)
         return summed
 
-    def allgather_json(self, obj: Any) -> list[Any]:
+    def allgather_json(self, obj: Any, *, name: str = "gather") -> list[Any]:
         return _allgather_json(self.comm, obj)
 
-    def broadcast_json(self, obj: Any, root: int) -> Any:
+    def broadcast_json(self, obj: Any, root: int, *, name: str = "bcast") -> Any:
         payload = _encode(obj) if self._rank == root else np.empty(0, dtype=np.uint8)
         size = np.array([payload.size], dtype=np.int64)
         self.comm.Bcast(size, root=root)

@@ -66,17 +66,20 @@ class NoticeSource(Protocol):
 
 
 class Collectives(Protocol):
-    """The few collectives the protocol needs; every rank calls each one in the same order."""
+    """The few collectives the protocol needs; every rank calls each one in the same order.
+
+    ``name`` tells the calls apart (Horovod matches a collective across ranks by its name).
+    """
 
     def rank(self) -> int: ...
 
     def size(self) -> int: ...
 
-    def allreduce_sum(self, values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]: ...
+    def allreduce_sum(self, values: np.ndarray[Any, Any], *, name: str = ...) -> np.ndarray[Any, Any]: ...
 
-    def allgather_json(self, obj: Any) -> list[Any]: ...
+    def allgather_json(self, obj: Any, *, name: str = ...) -> list[Any]: ...
 
-    def broadcast_json(self, obj: Any, root: int) -> Any: ...
+    def broadcast_json(self, obj: Any, root: int, *, name: str = ...) -> Any: ...
 
 
 #: the shortest notice a cloud gives (GCE Spot default), for a notice without a deadline
@@ -399,7 +402,7 @@ class TransientImpl:
         except Exception as exc:  # reported below; training goes on either way
             error = f"{type(exc).__name__}: {exc}"
         stats = self.manager.last_stats
-        outcome = self.comm.broadcast_json({"ok": error is None, "error": error}, coordinator)
+        outcome = self.comm.broadcast_json({"ok": error is None, "error": error}, coordinator, name="save-outcome")
         self.events.emit(ev.SaveEnd(step=step, kind=kind, seconds=self.clocks.monotonic() - t0,
                                     bytes=stats.bytes_written if stats and stats.step == step else 0))
         if outcome["ok"]:
