@@ -152,7 +152,9 @@ class MPICollectives:
         """
         self._gathers += 1
         tag = 1 + self._gathers % (self._tag_ub - 1)
-        return _MPIGather(self, tag, coordinator, deadline if deadline is not None else time.time() + timeout_s)
+        # the wall-clock deadline becomes a monotonic one once, here: a clock step must not move it
+        left_s = deadline - time.time() if deadline is not None else timeout_s
+        return _MPIGather(self, tag, coordinator, time.monotonic() + left_s)
 
     def _drain(self) -> None:
         """Receive and drop records that arrived after their gather was abandoned; forget sent records."""
@@ -167,6 +169,8 @@ class MPICollectives:
 
 
 class _MPIGather:
+    """One save's gather; ``deadline`` is on the :func:`time.monotonic` clock."""
+
     def __init__(self, owner: MPICollectives, tag: int, coordinator: int, deadline: float) -> None:
         self.owner, self.tag, self.coordinator, self.deadline = owner, tag, coordinator, deadline
 
@@ -192,7 +196,7 @@ class _MPIGather:
                 records[status.Get_source()] = _decode(data)
                 missing.discard(status.Get_source())
                 continue
-            now = time.time()
+            now = time.monotonic()
             if now >= self.deadline:
                 with owner._lock:
                     owner._stale.update((source, self.tag) for source in missing)
