@@ -412,13 +412,11 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
             return
         step = self._step()
         self.impl.end(step)  # lets an in-flight background save finish first
-        if self.save_on_train_end:
-            # Only the master's view of the store decides, so every rank takes the same branch.
-            master = self.impl.run.master
-            needed = self.impl.manager.latest_step() != step if self.impl.comm.rank() == master else None
-            if self.impl.comm.broadcast_json(needed, master):
-                self.impl.save_now(step, self._snapshot(), self._metadata(step), coordinator=master,
-                                   deadline=None, kind="final", share_snapshot=self._share_snapshot)
+        # The master's view of the store decides, one broadcast tells every rank (a failure to
+        # read it included), so every rank takes the same branch.
+        if self.save_on_train_end and self.impl.final_save_needed(step):
+            self.impl.save_now(step, self._snapshot(), self._metadata(step), coordinator=self.impl.run.master,
+                               deadline=None, kind="final", share_snapshot=self._share_snapshot)
         self.impl.events.emit(ev.Weights(step=step, crc=weights_crc(self.model), size=self.impl.comm.size(),
                                          rank=self.impl.comm.rank()))
 

@@ -19,6 +19,11 @@ Per step boundary, on every rank, in the same order:
    shrinks the ring with no rollback;
 3. otherwise, every ``save_every_steps`` steps, start a periodic asynchronous
    sharded checkpoint (the caller only pays for the host-memory snapshot).
+
+No rank raises between two collectives: a failure on one rank (its snapshot, its share,
+the master's look at the store) becomes an outcome that every rank learns from the next
+collective (a failed save in the outcome broadcast, an error in a broadcast answer), so
+the other ranks never wait on it until the transport's timeout.
 """
 from __future__ import annotations
 
@@ -27,13 +32,14 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
 
 import numpy as np
 
-from ckpt_service.errors import CheckpointError
+from ckpt_service.errors import BadSnapshotError, CheckpointError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager, CommitConflictError, ShareSnapshot
+from ckpt_service.manifest import checked_metadata
 from hvd_transient import event_schema as ev
 from hvd_transient.control import STOP_POLL_S, stop_requested
 from hvd_transient.election import NoticeRound, decode_notice, elect_master, encode_notice, steps_until_next_check
@@ -237,6 +243,28 @@ class TransientImpl:
             self.watcher.stop()
         self.events.close()
 
+    def final_save_needed(self, step: int) -> bool:
+        """Every rank: whether a final save of ``step`` is needed; the master's view of the store decides.
+
+        Only the master reads the store, and every rank gets its answer from one broadcast, so
+        every rank takes the same branch. If the master cannot read the store, the error is
+        broadcast instead and every rank answers True: a save of a step that is already
+        committed is reported as skipped, and one the store refuses fails cleanly on every rank.
+        """
+        master = self.run.master
+        answer: dict[str, Any] | None = None
+        if self.comm.rank() == master:
+            try:
+                answer = {"needed": self.manager.latest_step() != step, "error": None}
+            except Exception as exc:  # shared below, not raised: the other ranks are in the broadcast
+                answer = {"needed": True, "error": f"{type(exc).__name__}: {exc}"}
+        answer = self.comm.broadcast_json(answer, master, name="final-save")
+        assert answer is not None
+        if answer["error"] is not None:
+            log.warning("the master could not read the latest committed step (%s); saving step %d anyway",
+                        answer["error"], step)
+        return bool(answer["needed"])
+
     # ------------------------------------------------------------ step boundary
 
     def after_step(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
@@ -329,6 +357,24 @@ class TransientImpl:
                 log.warning("could not check for a stop request: %s", exc)
         return self._stop_seen
 
+    def _take_snapshot(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
+                       metadata: Callable[[], dict[str, Any]]) -> tuple[Mapping[str, Any], dict[str, Any]]:
+        """This rank's tensors and metadata for a save; never raises.
+
+        A failure gives tensors that raise BadSnapshotError when the save reads them, so the save
+        still reaches its gather with a failed share record and fails on every rank together.
+        """
+        try:
+            tensors, meta = snapshot(), metadata()
+            checked_metadata(meta)  # bad metadata fails here, before the save's gather, not after it
+            return tensors, meta
+        except Exception as exc:
+            log.error("could not take the snapshot of step %d: %s", step, exc)
+            return _FailedSnapshot(BadSnapshotError(
+                f"rank {self.comm.rank()} could not take its snapshot of step {step} "
+                f"({type(exc).__name__}: {exc}); the save fails on every rank and the previous checkpoint "
+                "stays the latest")), {}
+
     def _emergency(self, step: int, round_: NoticeRound, snapshot: Callable[[], Mapping[str, Any]],
                    metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None) -> StepOutcome:
         rank, size = self.comm.rank(), self.comm.size()
@@ -357,17 +403,25 @@ class TransientImpl:
                                          lease_generation=self.lease.generation if rank == new_master else None))
             self.run.master = new_master
 
-        committed = self.save_now(step, snapshot(), metadata(), coordinator=new_master, deadline=deadline,
-                                   kind="emergency", share_snapshot=share_snapshot)
+        tensors, meta = self._take_snapshot(step, snapshot, metadata)
+        committed = self.save_now(step, tensors, meta, coordinator=new_master, deadline=deadline,
+                                  kind="emergency", share_snapshot=share_snapshot)
         self.run.handled_leavers.update(leaving_hosts)
         self.run.departure_pending = True
         if rank in round_.leaving:
             self.run.leaving = True
-            publish_leaving(self.manager.store, self.host, deadline=round_.deadline,
-                            instance_id=self.watcher.instance_id if self.watcher is not None else None)
+            self._publish_leaving(round_.deadline)
             self.events.emit(ev.LeavePublished(step=step, deadline=round_.deadline, was_master=was_master))
         return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
                            departure_pending=True)
+
+    def _publish_leaving(self, deadline: float | None) -> None:
+        """Write this VM's leaving record; a failure is logged (discovery then keeps the host until it is gone)."""
+        try:
+            publish_leaving(self.manager.store, self.host, deadline=deadline,
+                            instance_id=self.watcher.instance_id if self.watcher is not None else None)
+        except Exception as exc:  # every rank already agreed on the departure; this one must not raise
+            log.error("could not publish %s as leaving: %s", self.host, exc)
 
     def _move_lease(self, master: int) -> None:
         """Release the lease unless this rank is ``master``, which takes it (all ranks agreed).
@@ -387,26 +441,32 @@ class TransientImpl:
 
     def save_now(self, step: int, tensors: Mapping[str, Any], meta: dict[str, Any], *, coordinator: int,
                   deadline: float | None, kind: str, share_snapshot: ShareSnapshot | None = None) -> bool:
-        """Synchronous sharded save on every rank; returns (on every rank) whether it committed."""
+        """Synchronous sharded save on every rank; returns (on every rank) whether the step is committed.
+
+        A step that an earlier save already committed counts as committed (reported as skipped).
+        """
         rank, size = self.comm.rank(), self.comm.size()
         self.events.emit(ev.SaveStart(step=step, kind=kind, size=size))
         t0 = self.clocks.monotonic()
-        error = None
+        error, already = None, False
         try:
             self.manager.save(step, tensors, meta, rank=rank, world_size=size,
                               gather=self.comm.allgather_json, coordinator=coordinator,
                               lease=self.lease if rank == coordinator else None, deadline=deadline,
                               snapshot=share_snapshot)
         except CommitConflictError:
-            pass  # the step is already durable (a periodic save of the same step got there first)
+            already = True  # the step is already durable (a periodic save of the same step got there first)
         except Exception as exc:  # reported below; training goes on either way
             error = f"{type(exc).__name__}: {exc}"
         stats = self.manager.last_stats
-        outcome = self.comm.broadcast_json({"ok": error is None, "error": error}, coordinator, name="save-outcome")
+        outcome = self.comm.broadcast_json({"ok": error is None, "error": error, "already": already},
+                                           coordinator, name="save-outcome")
         self.events.emit(ev.SaveEnd(step=step, kind=kind, seconds=self.clocks.monotonic() - t0,
                                     bytes=stats.bytes_written if stats and stats.step == step else 0))
         if outcome["ok"]:
-            if rank == coordinator:
+            if outcome["already"]:  # this save wrote no commit: say so, not that it committed
+                self.events.emit(ev.SaveSkipped(step=step, reason="already committed"))
+            elif rank == coordinator:
                 self.events.emit(ev.Commit(step=step, kind=kind, size=size, lease_generation=self.lease.generation))
         else:
             self.events.emit(ev.SaveFailed(step=step, kind=kind, error=outcome["error"]))
@@ -415,6 +475,11 @@ class TransientImpl:
     def _periodic_save(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
                        metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None,
                        kind: str = "periodic") -> None:
+        """Start a background save of ``step`` on every rank (all agreed that no rank is busy).
+
+        Never raises: a rank whose snapshot or share fails reports it to the save's gather, so the
+        coordinator abandons the step, and the failure is logged here.
+        """
         rank, size = self.comm.rank(), self.comm.size()
         master = self.run.master
         t0 = time.perf_counter()
@@ -428,10 +493,15 @@ class TransientImpl:
                 self.events.emit(ev.Commit(step=step, kind=kind, size=size, bytes=manifest.nbytes,
                                            lease_generation=manifest.lease_generation))
 
-        started = self.manager.save_async(
-            step, snapshot(), metadata(), rank=rank, world_size=size, coordinator=master,
-            lease=self.lease if rank == master else None, if_busy="wait",  # not busy: agreed above
-            on_done=done, snapshot=share_snapshot)
+        tensors, meta = self._take_snapshot(step, snapshot, metadata)
+        try:
+            started = self.manager.save_async(
+                step, tensors, meta, rank=rank, world_size=size, coordinator=master,
+                lease=self.lease if rank == master else None, if_busy="wait",  # not busy: agreed above
+                on_done=done, snapshot=share_snapshot)
+        except Exception as exc:  # this rank's share failed; the save's gather has its error record
+            self.events.emit(ev.SaveFailed(step=step, kind=kind, error=f"{type(exc).__name__}: {exc}"))
+            return
         if started:
             self.events.emit(ev.AsyncSave(step=step, stall_ms=(time.perf_counter() - t0) * 1e3, size=size,
                                           kind=None if kind == "periodic" else kind))
@@ -462,3 +532,23 @@ def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
 
 __all__ = ["CheckpointError", "Clocks", "Collectives", "NoticeSource", "StepOutcome", "TransientConfig",
            "TransientImpl", "default_host"]
+
+
+class _FailedSnapshot(Mapping[str, Any]):
+    """The tensors of a rank whose snapshot failed: reading them raises the failure.
+
+    Handed to the save like any tensors, so the save reaches its gather with this rank's
+    failed share record and the coordinator abandons the step for every rank.
+    """
+
+    def __init__(self, error: BadSnapshotError) -> None:
+        self.error = error
+
+    def __getitem__(self, name: str) -> Any:
+        raise self.error
+
+    def __iter__(self) -> Iterator[str]:
+        raise self.error
+
+    def __len__(self) -> int:
+        raise self.error

@@ -1,16 +1,144 @@
-"""The notice protocol agrees on every outcome, with in-process ranks.
+"""The notice protocol agrees on every outcome: failures on one rank, slow stores, busy ranks,
+leaving records, early warnings and the time bound of the check cadence, with in-process ranks.
 
 The fake group fails any test whose ranks call different collectives (or one rank none) at
 the same point, so each test here also checks that every rank ran the same collectives.
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any
+import uuid
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
-from fake_collectives import CollectiveMismatch, CollectiveTimeout, FakeCollectives, ThreadGroup
+from fake_collectives import Call, CollectiveMismatch, CollectiveTimeout, FakeCollectives, FakeWatcher, ThreadGroup
+
+from ckpt_service import layout
+from ckpt_service.errors import StoreUnavailableError
+from ckpt_service.manager import CheckpointManager
+from ckpt_service.stores import MemoryStore
+from ckpt_service.stores.base import ObjectStore
+from ckpt_service.testing.delegating import DelegatingStore
+from hvd_transient.control import STOP_POLL_S, request_stop
+from hvd_transient.membership import read_leaving
+from hvd_transient.transient import Clocks, TransientConfig, TransientImpl
+from hvd_transient.watchers import Notice
+
+HOSTS = ["h0", "h1", "h2"]
+STATE = {"w": np.arange(3000, dtype=np.float32), "b": np.ones(7, dtype=np.float64)}
+
+
+class PausingStore(DelegatingStore):
+    """Puts of piece data wait until ``resume`` is set (a rank whose background save is stuck)."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.resume = threading.Event()
+        self.paused = threading.Event()  # set once a put is held
+
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        if key.startswith(layout.STEPS_PREFIX) and "/shards/" not in key and key.endswith(("c/0", "zarr.json")):
+            self.paused.set()
+            self.resume.wait(30)
+        return super().put(key, data, if_generation_match=if_generation_match)
+
+
+class SlowStore(DelegatingStore):
+    """Every put and get takes ``delay_s`` longer (a store under load)."""
+
+    def __init__(self, inner: ObjectStore, delay_s: float) -> None:
+        super().__init__(inner)
+        self.delay_s = delay_s
+
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        time.sleep(self.delay_s)  # the fault injected, not synchronisation
+        return super().put(key, data, if_generation_match=if_generation_match)
+
+    def get(self, key: str) -> bytes:
+        time.sleep(self.delay_s)
+        return super().get(key)
+
+
+class BlindStore(DelegatingStore):
+    """Sees no stop request (a rank that is not the master never looks)."""
+
+    def exists(self, key: str) -> bool:
+        return False if key == layout.STOP_KEY else self.inner.exists(key)
+
+    def stat(self, key: str) -> Any:
+        return None if key == layout.STOP_KEY else super().stat(key)
+
+
+class FailingListStore(DelegatingStore):
+    """The next ``failures`` listings fail (a store that is briefly unreachable)."""
+
+    def __init__(self, inner: ObjectStore, failures: int = 1) -> None:
+        super().__init__(inner)
+        self.failures = failures
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        if self.failures > 0:
+            self.failures -= 1
+            raise StoreUnavailableError("the store did not answer (injected)")
+        return super().list(prefix)
+
+
+class CountingStore(DelegatingStore):
+    """Counts the puts of each key."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.puts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        with self._lock:
+            self.puts[key] = self.puts.get(key, 0) + 1
+        return super().put(key, data, if_generation_match=if_generation_match)
+
+
+def notice(deadline_in: float = 30.0, *, now: float | None = None) -> Notice:
+    now = time.time() if now is None else now
+    return Notice("test", "vm", now, now + deadline_in, "preempted")
+
+
+def make_ranks(*, stores: list[ObjectStore] | None = None, size: int = 3, timeout_s: float = 10.0,
+               clocks: Clocks | None = None, **config: Any) -> tuple[ThreadGroup, list[TransientImpl], str]:
+    url = stores[0].url if stores is not None else f"memory://{uuid.uuid4().hex}"
+    group = ThreadGroup(size, timeout_s=timeout_s)
+    settings: dict[str, Any] = {"save_every_steps": None, "leave_margin_s": 1.0, "check_every_steps": 1}
+    settings.update(config)
+    cfg = TransientConfig(store=url, **settings)
+    impls = []
+    for r in range(size):
+        manager = CheckpointManager(stores[r]) if stores is not None else None
+        impls.append(TransientImpl(cfg, FakeCollectives(group, r), host=HOSTS[r], watcher=FakeWatcher(),
+                                   manager=manager, **({"clocks": clocks} if clocks else {})))
+    group.run(lambda r: impls[r].begin(0))
+    return group, impls, url
+
+
+def step_all(group: ThreadGroup, impls: list[TransientImpl], step: int, snapshot: Any = None,
+             share: Any = None) -> list[Any]:
+    def one(r: int) -> Any:
+        snap = snapshot(r) if snapshot is not None else (lambda: STATE)
+        return impls[r].after_step(step, snap, lambda: {"step": step}, share(r) if share else None)
+    return group.run(one)
+
+
+def events(impl: TransientImpl, name: str) -> list[dict[str, Any]]:
+    return [e for e in impl.events.events if e["event"] == name]
+
+
+def wait_all(impls: list[TransientImpl]) -> None:
+    for impl in impls:
+        try:
+            impl.manager.wait(timeout=30)
+        except Exception:  # noqa: BLE001 - the test looks at the outcome through the store
+            pass
+
 
 # ------------------------------------------------------------------ the fake group itself
 
@@ -35,3 +163,142 @@ def test_the_fake_group_fails_fast_when_a_rank_never_arrives() -> None:
     with pytest.raises(CollectiveTimeout, match=r"ranks \[1\] did not reach the collective .*rank 0 in "):
         group.run(lambda r: comms[r].allgather_json(r) if r == 0 else None)
     assert time.monotonic() - t0 < 5
+
+
+# ------------------------------------------------------------------ one rank failing before a collective
+
+@pytest.mark.parametrize("failing", [0, 1, 2])
+def test_a_snapshot_failing_on_one_rank_fails_the_emergency_save_on_every_rank(failing: int) -> None:
+    """Rank 2 is under notice; ``failing`` cannot take its snapshot (master, writer, leaver)."""
+    group, impls, url = make_ranks()
+    impls[2].watcher.notice = notice()
+
+    def snapshot(r: int) -> Any:
+        def take() -> Any:
+            if r == failing:
+                raise MemoryError("host memory exhausted")
+            return STATE
+        return take
+
+    outcomes = step_all(group, impls, 3, snapshot)
+    assert [o.emergency_step for o in outcomes] == [3, 3, 3]
+    assert [o.committed for o in outcomes] == [False, False, False]
+    assert [o.leaving for o in outcomes] == [False, False, True]
+    for impl in impls:
+        [failed] = events(impl, "save_failed")
+        assert f"rank {failing} could not take its snapshot of step 3" in failed["error"]
+        assert not events(impl, "commit")
+    assert CheckpointManager(url).all_steps() == []
+    assert {r.host for r in read_leaving(impls[0].manager.store)} == {"h2"}  # it still leaves
+    assert group.calls[0] == group.calls[1] == group.calls[2]
+    assert [c.name for c in group.calls[0][-3:]] == ["notice", "gather", "save-outcome"]
+    step_all(group, impls, 4)  # the ring goes on together
+
+
+def test_bad_metadata_on_one_rank_fails_the_emergency_save_on_every_rank() -> None:
+    group, impls, url = make_ranks()
+    impls[1].watcher.notice = notice()
+
+    def one(r: int) -> Any:
+        meta = {"step": 5, "opaque": object()} if r == 2 else {"step": 5}  # not JSON: refused
+        return impls[r].after_step(5, lambda: STATE, lambda: meta)
+
+    outcomes = group.run(one)
+    assert [o.committed for o in outcomes] == [False, False, False]
+    assert CheckpointManager(url).all_steps() == []
+
+
+def test_a_share_failing_on_one_rank_fails_the_periodic_save_without_raising() -> None:
+    group, impls, url = make_ranks(save_every_steps=2)
+
+    def share(r: int) -> Any:
+        def take(plan: Any, rank: int) -> Any:
+            raise OSError("device lost") if r == 1 else None
+        return take if r == 1 else None
+
+    step_all(group, impls, 2, share=share)  # no rank raises, so no rank waits on another
+    wait_all(impls)
+    assert CheckpointManager(url).all_steps() == []
+    assert any("device lost" in e["error"] for e in events(impls[1], "save_failed"))
+    step_all(group, impls, 4)
+    wait_all(impls)
+    assert CheckpointManager(url).all_steps() == [4]
+
+
+def test_a_failing_latest_step_on_the_master_is_shared_with_every_rank() -> None:
+    """The final save's question goes to the master's store; its failure is broadcast, and every
+    rank saves (an already committed step would be reported as skipped)."""
+    memory = MemoryStore.named(uuid.uuid4().hex)
+    flaky = FailingListStore(memory, failures=0)
+    group, impls, url = make_ranks(stores=[flaky, memory, memory])
+    assert group.run(lambda r: impls[r].final_save_needed(0)) == [True, True, True]  # nothing committed yet
+    group.run(lambda r: impls[r].save_now(7, STATE, {"step": 7}, coordinator=0, deadline=None, kind="final"))
+    assert group.run(lambda r: impls[r].final_save_needed(7)) == [False, False, False]
+    flaky.failures = 1
+    assert group.run(lambda r: impls[r].final_save_needed(7)) == [True, True, True]
+    assert group.calls[1][-1] == Call("broadcast_json", "final-save", 0)
+    # every rank saves, and learns that the step was already there
+    committed = group.run(lambda r: impls[r].save_now(7, STATE, {"step": 7}, coordinator=0, deadline=None,
+                                                       kind="final"))
+    assert committed == [True, True, True]
+    assert [e["reason"] for e in events(impls[0], "save_skipped")] == ["already committed"]
+    assert [e["step"] for e in events(impls[0], "commit")] == [7]  # one commit, not a second one
+
+
+# ------------------------------------------------------------------ busy ranks, stop, slow store
+
+def test_one_rank_still_busy_makes_every_rank_skip_the_save() -> None:
+    memory = MemoryStore.named(uuid.uuid4().hex)
+    stuck = PausingStore(memory)
+    group, impls, url = make_ranks(stores=[memory, stuck, memory], save_every_steps=2)
+    step_all(group, impls, 2)
+    assert stuck.paused.wait(10)
+    try:
+        step_all(group, impls, 4)  # rank 1's background save is still writing
+        for impl in impls:
+            assert [(e["step"], e["reason"]) for e in events(impl, "save_skipped")] == [
+                (4, "previous save still in flight")]
+            assert [e["step"] for e in events(impl, "async_save")] == [2]
+    finally:
+        stuck.resume.set()
+    wait_all(impls)
+    step_all(group, impls, 6)
+    wait_all(impls)
+    assert CheckpointManager(url).all_steps() == [2, 6]
+
+
+def test_a_stop_request_only_the_master_sees_stops_every_rank() -> None:
+    memory = MemoryStore.named(uuid.uuid4().hex)
+    now = {"t": 0.0}
+    group, impls, _ = make_ranks(stores=[memory, BlindStore(memory), BlindStore(memory)],
+                                 clocks=Clocks(monotonic=lambda: now["t"]))
+    assert not any(o.stop for o in step_all(group, impls, 1))
+    request_stop(memory)
+    now["t"] += STOP_POLL_S  # the master looks again
+    outcomes = step_all(group, impls, 2)
+    assert [o.stop for o in outcomes] == [True, True, True]
+    for impl in impls:
+        assert [e["step"] for e in events(impl, "stop_requested")] == [2]
+
+
+def test_a_slow_store_during_a_notice_still_commits_on_every_rank() -> None:
+    memory = MemoryStore.named(uuid.uuid4().hex)
+    slow = SlowStore(memory, delay_s=0.05)
+    group, impls, url = make_ranks(stores=[memory, slow, memory])
+    impls[1].watcher.notice = notice()
+    outcomes = step_all(group, impls, 3)
+    assert [o.committed for o in outcomes] == [True, True, True]
+    assert CheckpointManager(url).all_steps() == [3]
+    assert [r.host for r in read_leaving(memory)] == ["h1"]
+    assert group.calls[0] == group.calls[1] == group.calls[2]
+
+
+def test_a_store_too_slow_for_the_deadline_abandons_on_every_rank() -> None:
+    memory = MemoryStore.named(uuid.uuid4().hex)
+    slow = SlowStore(memory, delay_s=0.5)
+    group, impls, url = make_ranks(stores=[memory, memory, slow])
+    impls[2].watcher.notice = notice(deadline_in=2.5)  # 1.5 s for the save after the leave margin
+    outcomes = step_all(group, impls, 3)
+    assert [o.committed for o in outcomes] == [False, False, False]
+    assert CheckpointManager(url).all_steps() == []
+    assert all(events(impl, "save_failed") for impl in impls)
