@@ -168,6 +168,7 @@ class TransientImpl:
         self.clocks = clocks
         self.comm = collectives
         self.host = host or default_host()
+        self._owns_manager = manager is None  # close() closes only a manager made here
         self.manager = manager or CheckpointManager(
             config.store, max_to_keep=config.max_to_keep, keep_every_n_steps=config.keep_every_n_steps,
             gather_timeout_s=config.async_gather_timeout_s)
@@ -181,6 +182,7 @@ class TransientImpl:
         self._warning_logged = False
         self._warning_handled = False  # a checkpoint answered this rank's early warning
         self._stop_seen = False
+        self._closed = False
         if self.watcher is not None:
             self.watcher.start()
 
@@ -239,9 +241,17 @@ class TransientImpl:
         self.events.emit(ev.TrainEnd(step=step))
 
     def close(self) -> None:
-        if self.watcher is not None:
-            self.watcher.stop()
-        self.events.close()
+        """Stop the watcher, flush the event log, and close the manager if this object made it."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.watcher is not None:
+                self.watcher.stop()
+            self.events.close()
+        finally:
+            if self._owns_manager:
+                self.manager.close()
 
     def final_save_needed(self, step: int) -> bool:
         """Every rank: whether a final save of ``step`` is needed; the master's view of the store decides.

@@ -302,3 +302,21 @@ def test_a_store_too_slow_for_the_deadline_abandons_on_every_rank() -> None:
     assert [o.committed for o in outcomes] == [False, False, False]
     assert CheckpointManager(url).all_steps() == []
     assert all(events(impl, "save_failed") for impl in impls)
+
+
+# ------------------------------------------------------------------ lifetime
+
+def test_close_closes_the_manager_it_made_only() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    config = TransientConfig(store=url, save_every_steps=None)
+    own = TransientImpl(config, FakeCollectives(ThreadGroup(1), 0), host="h0", watcher=FakeWatcher())
+    given = CheckpointManager(url)
+    lent = TransientImpl(config, FakeCollectives(ThreadGroup(1), 0), host="h0", watcher=FakeWatcher(),
+                         manager=given)
+    own.close()
+    own.close()  # twice is harmless
+    lent.close()
+    with pytest.raises(RuntimeError):
+        own.manager.save(1, STATE)
+    given.save(1, STATE)
+    assert CheckpointManager(url).all_steps() == [1]
