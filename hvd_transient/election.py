@@ -22,10 +22,16 @@ class NoticeRound:
     busy: bool = False      # some rank is still persisting a background save
     elapsed_s: float = 0.0  # mean over ranks of the seconds since each one's previous round
     early_warning: bool = False  # some rank got an early warning: checkpoint now, nobody leaves
+    #: per rank: the deadline of its own VM's notice (the earliest its ranks were given), None if not leaving
+    vm_deadlines: tuple[float | None, ...] = ()
 
     @property
     def any(self) -> bool:
         return bool(self.leaving)
+
+    def deadline_of(self, rank: int) -> float | None:
+        """The deadline of ``rank``'s own VM, as its watcher (or its VM's) gave it."""
+        return self.vm_deadlines[rank] if rank < len(self.vm_deadlines) else None
 
 
 def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = False,
@@ -52,17 +58,19 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
 
     ``hosts``: each rank's VM. A notice to one rank of a VM puts all its ranks under notice: a
     revoked VM takes all its ranks with it, and one watcher may speak for all of them (under MPI,
-    one rank per VM polls the metadata server). The round's deadline is the earliest given.
+    one rank per VM polls the metadata server). The round's deadline is the earliest given; each
+    leaving rank's own VM deadline is the earliest given to a rank of that VM.
     """
     noticed = [int(i) for i in np.flatnonzero(summed[:size] > 0.5)]
     deadline = min((float(summed[size + i]) for i in noticed), default=None)
-    if hosts is not None and noticed:
-        revoked = {hosts[i] for i in noticed}
-        leaving = tuple(r for r in range(size) if hosts[r] in revoked)
-    else:
-        leaving = tuple(noticed)
+    vm_of = list(hosts) if hosts is not None else [str(r) for r in range(size)]
+    vm_deadline: dict[str, float] = {}
+    for i in noticed:
+        vm_deadline[vm_of[i]] = min(vm_deadline.get(vm_of[i], float("inf")), float(summed[size + i]))
+    leaving = tuple(r for r in range(size) if vm_of[r] in vm_deadline)
     return NoticeRound(leaving, deadline, bool(summed[2 * size] > 0.5), bool(summed[2 * size + 1] > 0.5),
-                       float(summed[2 * size + 2]) / 1e6 / size, bool(summed[2 * size + 3] > 0.5))
+                       float(summed[2 * size + 2]) / 1e6 / size, bool(summed[2 * size + 3] > 0.5),
+                       vm_deadlines=tuple(vm_deadline.get(vm_of[r]) for r in range(size)))
 
 
 def steps_until_next_check(elapsed_s: float, steps: int, interval_s: float, max_steps: int) -> int:

@@ -14,9 +14,9 @@ Per step boundary, on every rank, in the same order:
    save; elect the master (lowest rank not leaving) and move the store lease to
    it; write the **emergency sharded checkpoint** with every rank writing its
    share (records gathered by collective, commit by the master before the
-   deadline, or abandoned cleanly); broadcast the outcome; the leaving ranks
-   publish themselves as leaving, so host discovery drops them and Horovod
-   shrinks the ring with no rollback;
+   deadline, or abandoned cleanly); broadcast the outcome; each newly leaving VM
+   publishes its leaving record once, with its own notice's deadline, so host
+   discovery drops it and Horovod shrinks the ring with no rollback;
 3. otherwise, every ``save_every_steps`` steps, start a periodic asynchronous
    sharded checkpoint (the caller only pays for the host-memory snapshot).
 
@@ -304,7 +304,7 @@ class TransientImpl:
             round_ = self._notice_round(step)
             new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
             if new:
-                return self._emergency(step, round_, snapshot, metadata, share_snapshot)
+                return self._emergency(step, round_, new, snapshot, metadata, share_snapshot)
             if round_.stop:
                 self.events.emit(ev.StopRequested(step=step))
                 return StepOutcome(stop=True, departure_pending=self.run.departure_pending)
@@ -385,12 +385,16 @@ class TransientImpl:
                 f"({type(exc).__name__}: {exc}); the save fails on every rank and the previous checkpoint "
                 "stays the latest")), {}
 
-    def _emergency(self, step: int, round_: NoticeRound, snapshot: Callable[[], Mapping[str, Any]],
-                   metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None) -> StepOutcome:
+    def _emergency(self, step: int, round_: NoticeRound, new: list[int],
+                   snapshot: Callable[[], Mapping[str, Any]], metadata: Callable[[], dict[str, Any]],
+                   share_snapshot: ShareSnapshot | None) -> StepOutcome:
+        """``new``: the ranks whose notice no earlier round handled."""
         rank, size = self.comm.rank(), self.comm.size()
         window = self.config.notice_window_s or DEFAULT_NOTICE_WINDOW_S
+        # Every rank still in the ring writes a share, earlier leavers too: the save must end
+        # before the first of them is gone.
         deadline = (round_.deadline or self.clocks.wall() + window) - self.config.leave_margin_s
-        leaving_hosts = [self.run.hosts[r] for r in round_.leaving]
+        leaving_hosts = [self.run.hosts[r] for r in new]
         self.events.emit(ev.NoticeAgreed(step=step, leaving=tuple(leaving_hosts), deadline=deadline, size=size))
 
         # A background save still in flight gets part of the window; its commit (if it still
@@ -418,10 +422,14 @@ class TransientImpl:
                                   kind="emergency", share_snapshot=share_snapshot)
         self.run.handled_leavers.update(leaving_hosts)
         self.run.departure_pending = True
-        if rank in round_.leaving:
+        if rank in new:
             self.run.leaving = True
-            self._publish_leaving(round_.deadline)
-            self.events.emit(ev.LeavePublished(step=step, deadline=round_.deadline, was_master=was_master))
+            # One record per VM, written once, by its lowest rank, with its own notice's deadline
+            # (not another VM's, nor one written again when a later notice comes in).
+            own_deadline = round_.deadline_of(rank)
+            if rank == min(r for r in new if self.run.hosts[r] == self.host):
+                self._publish_leaving(own_deadline)
+            self.events.emit(ev.LeavePublished(step=step, deadline=own_deadline, was_master=was_master))
         return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
                            departure_pending=True)
 

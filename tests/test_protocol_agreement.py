@@ -22,6 +22,7 @@ from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
 from hvd_transient.control import STOP_POLL_S, request_stop
+from hvd_transient.election import decode_notice, encode_notice
 from hvd_transient.membership import read_leaving
 from hvd_transient.transient import Clocks, TransientConfig, TransientImpl
 from hvd_transient.watchers import Notice
@@ -302,6 +303,48 @@ def test_a_store_too_slow_for_the_deadline_abandons_on_every_rank() -> None:
     assert [o.committed for o in outcomes] == [False, False, False]
     assert CheckpointManager(url).all_steps() == []
     assert all(events(impl, "save_failed") for impl in impls)
+
+
+# ------------------------------------------------------------------ leaving records
+
+def test_each_leaving_record_carries_its_own_deadline_and_is_written_once() -> None:
+    """h2 gets a 30 s notice; 2 s later, before the ring re-forms, h1 gets a 150 s one (AWS)."""
+    counting = CountingStore(MemoryStore.named(uuid.uuid4().hex))
+    group, impls, _ = make_ranks(stores=[counting] * 3)
+    t0 = time.time()
+    impls[2].watcher.notice = notice(30.0, now=t0)
+    assert step_all(group, impls, 1)[2].leaving
+    impls[1].watcher.notice = notice(150.0, now=t0 + 2)
+    outcomes = step_all(group, impls, 2)
+    assert [o.emergency_step for o in outcomes] == [2, 2, 2]
+    records = {r.host: r.deadline for r in read_leaving(counting)}
+    assert records == {"h2": pytest.approx(t0 + 30), "h1": pytest.approx(t0 + 152)}
+    assert counting.puts[layout.leaving_key("h2")] == 1 and counting.puts[layout.leaving_key("h1")] == 1
+    # the second save still had to end before h2, one of its writers, is gone
+    agreed = events(impls[0], "notice_agreed")
+    assert [e["leaving"] for e in agreed] == [["h2"], ["h1"]]
+    assert agreed[1]["deadline"] == pytest.approx(t0 + 30 - 1.0)
+    assert events(impls[1], "leave_published")[0]["deadline"] == pytest.approx(t0 + 152)
+
+
+def test_a_later_shorter_notice_does_not_rewrite_an_earlier_record() -> None:
+    counting = CountingStore(MemoryStore.named(uuid.uuid4().hex))
+    group, impls, _ = make_ranks(stores=[counting] * 3)
+    t0 = time.time()
+    impls[1].watcher.notice = notice(150.0, now=t0)
+    step_all(group, impls, 1)
+    impls[2].watcher.notice = notice(30.0, now=t0 + 2)
+    step_all(group, impls, 2)
+    records = {r.host: r.deadline for r in read_leaving(counting)}
+    assert records == {"h1": pytest.approx(t0 + 150), "h2": pytest.approx(t0 + 32)}
+    assert counting.puts[layout.leaving_key("h1")] == 1
+
+
+def test_ranks_of_one_vm_publish_one_record_with_that_vms_deadline() -> None:
+    summed = sum(encode_notice(r, 4, {1: 100.0, 3: 90.0, 0: 120.0}.get(r)) for r in range(4))
+    round_ = decode_notice(summed, 4, ["vm0", "vm0", "vm1", "vm2"])
+    assert round_.leaving == (0, 1, 3) and round_.deadline == 90.0
+    assert [round_.deadline_of(r) for r in range(4)] == [100.0, 100.0, None, 90.0]
 
 
 # ------------------------------------------------------------------ lifetime
