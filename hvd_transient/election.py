@@ -24,6 +24,7 @@ class NoticeRound:
     early_warning: bool = False  # some rank got an early warning: checkpoint now, nobody leaves
     #: per rank: the deadline of its own VM's notice (the earliest its ranks were given), None if not leaving
     vm_deadlines: tuple[float | None, ...] = ()
+    committed_step: int | None = None  # the latest step the master knows committed
 
     @property
     def any(self) -> bool:
@@ -35,14 +36,16 @@ class NoticeRound:
 
 
 def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = False,
-                  busy: bool = False, elapsed_s: float = 0.0, early_warning: bool = False) -> np.ndarray[Any, Any]:
+                  busy: bool = False, elapsed_s: float = 0.0, early_warning: bool = False, *,
+                  committed_step: int | None = None) -> np.ndarray[Any, Any]:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
-    Layout: ``[leaving flag per rank | deadline per rank | stop | busy | elapsed us | early warning]``.
-    The elapsed time travels in whole microseconds, so the sum is exact and every rank
-    derives the same next check step from it.
+    Layout: ``[leaving flag per rank | deadline per rank | stop | busy | elapsed us | early warning |
+    committed step + 1]``. The elapsed time travels in whole microseconds and the step as an
+    integer, so the sum is exact and every rank derives the same decisions from it. Only the
+    master gives ``committed_step``.
     """
-    vec = np.zeros(2 * size + 4, dtype=np.float64)
+    vec = np.zeros(2 * size + 5, dtype=np.float64)
     if deadline is not None:
         vec[rank] = 1.0
         vec[size + rank] = deadline
@@ -50,6 +53,7 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
     vec[2 * size + 1] = 1.0 if busy else 0.0
     vec[2 * size + 2] = float(round(max(0.0, elapsed_s) * 1e6))
     vec[2 * size + 3] = 1.0 if early_warning else 0.0
+    vec[2 * size + 4] = float(committed_step + 1) if committed_step is not None else 0.0
     return vec
 
 
@@ -61,6 +65,8 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
     one rank per VM polls the metadata server). The round's deadline is the earliest given; each
     leaving rank's own VM deadline is the earliest given to a rank of that VM.
     """
+    if summed.shape != (2 * size + 5,):
+        raise ValueError(f"a notice vector of {size} ranks has {2 * size + 5} values, not {summed.shape}")
     noticed = [int(i) for i in np.flatnonzero(summed[:size] > 0.5)]
     deadline = min((float(summed[size + i]) for i in noticed), default=None)
     vm_of = list(hosts) if hosts is not None else [str(r) for r in range(size)]
@@ -68,9 +74,11 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
     for i in noticed:
         vm_deadline[vm_of[i]] = min(vm_deadline.get(vm_of[i], float("inf")), float(summed[size + i]))
     leaving = tuple(r for r in range(size) if vm_of[r] in vm_deadline)
+    committed = int(round(summed[2 * size + 4]))
     return NoticeRound(leaving, deadline, bool(summed[2 * size] > 0.5), bool(summed[2 * size + 1] > 0.5),
                        float(summed[2 * size + 2]) / 1e6 / size, bool(summed[2 * size + 3] > 0.5),
-                       vm_deadlines=tuple(vm_deadline.get(vm_of[r]) for r in range(size)))
+                       vm_deadlines=tuple(vm_deadline.get(vm_of[r]) for r in range(size)),
+                       committed_step=committed - 1 if committed > 0 else None)
 
 
 def steps_until_next_check(elapsed_s: float, steps: int, interval_s: float, max_steps: int) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
@@ -180,9 +181,15 @@ class TransientImpl:
         self.notice_rounds = 0  # notice collectives run so far (benchmarks count them)
         self._notice_logged = False
         self._warning_logged = False
-        self._warning_handled = False  # a checkpoint answered this rank's early warning
+        self._warning_handled = False  # a committed checkpoint answered this rank's early warning
+        self._warning_save_step: int | None = None  # a save started after the warning, outcome not yet known
         self._stop_seen = False
         self._closed = False
+        # The latest step this rank knows committed (the coordinator learns a background save's
+        # commit on its thread); the master shares it in the notice round.
+        self._commit_lock = threading.Lock()
+        self._committed_step: int | None = None
+        self._async_outcome_pending = False  # a background save's on_done has not run yet
         if self.watcher is not None:
             self.watcher.start()
 
@@ -308,11 +315,11 @@ class TransientImpl:
             if round_.stop:
                 self.events.emit(ev.StopRequested(step=step))
                 return StepOutcome(stop=True, departure_pending=self.run.departure_pending)
-            if round_.early_warning and not round_.busy:
+            if round_.early_warning and not round_.busy and not self.run.departure_pending:
                 # Some VM is at elevated risk: every rank takes a checkpoint now (in the
                 # background, as a periodic one) so a notice that follows finds a recent one.
+                # Not while a rank is leaving: it would be a writer, and the ring re-forms soon.
                 self._periodic_save(step, snapshot, metadata, share_snapshot, kind="early")
-                self._warning_handled = self._warning_handled or self._warning_pending()
                 return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending)
             # Every rank takes the same decision: a save starts only if no rank is still busy,
             # so the writers of one step always meet in its gather.
@@ -341,18 +348,50 @@ class TransientImpl:
             if warning is not None:
                 self.events.emit(ev.EarlyWarning(source=warning.source, reason=warning.reason,
                                                  detected_at=warning.detected_at))
-        summed = self.comm.allreduce_sum(encode_notice(rank, size, deadline, self._stop_requested(),
-                                                       self.manager.save_in_flight, elapsed, warned))
+        # busy before the committed step: once a background save's outcome is in, busy reads
+        # False only after the step it committed was recorded
+        busy = self.manager.save_in_flight or self._async_outcome_pending
+        committed = self._committed_step if rank == self.run.master else None
+        summed = self.comm.allreduce_sum(
+            encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
+                          committed_step=committed), name="notice")
         round_ = decode_notice(summed, size, self.run.hosts if len(self.run.hosts) == size else None)
         self.notice_rounds += 1
+        self._settle_warning(round_)
         # Every rank got the same sum, so every rank picks the same next check step.
         self.run.next_check_step = step + steps_until_next_check(
             round_.elapsed_s, steps, self.config.check_interval_s, self.config.max_check_every_steps)
         return round_
 
     def _warning_pending(self) -> bool:
-        """This rank's watcher has an early warning no checkpoint has answered yet."""
-        return not self._warning_handled and self.watcher is not None and self.watcher.warning is not None
+        """This rank's watcher has an early warning that no checkpoint has answered or is answering."""
+        return (not self._warning_handled and self._warning_save_step is None
+                and self.watcher is not None and self.watcher.warning is not None)
+
+    def _warning_save_started(self, step: int) -> None:
+        """A save of ``step`` started: it answers this rank's warning if it commits."""
+        if self._warning_pending():
+            self._warning_save_step = step
+
+    def _settle_warning(self, round_: NoticeRound) -> None:
+        """Learn from the round whether the save answering this rank's warning committed.
+
+        The master reports the latest step it knows committed; once no rank is busy any more, a
+        save that did not get there failed, and the warning is pending again (a later round retries).
+        """
+        if self._warning_save_step is None:
+            return
+        if round_.committed_step is not None and round_.committed_step >= self._warning_save_step:
+            self._warning_handled, self._warning_save_step = True, None
+        elif not round_.busy:
+            log.warning("the checkpoint of step %d answering an early warning did not commit; it is retried",
+                        self._warning_save_step)
+            self._warning_save_step = None
+
+    def _note_committed(self, step: int) -> None:
+        with self._commit_lock:
+            if self._committed_step is None or step > self._committed_step:
+                self._committed_step = step
 
     def _stop_requested(self) -> bool:
         """The master looks at the store now and then; the collective shares its answer."""
@@ -418,6 +457,7 @@ class TransientImpl:
             self.run.master = new_master
 
         tensors, meta = self._take_snapshot(step, snapshot, metadata)
+        self._warning_save_started(step)
         committed = self.save_now(step, tensors, meta, coordinator=new_master, deadline=deadline,
                                   kind="emergency", share_snapshot=share_snapshot)
         self.run.handled_leavers.update(leaving_hosts)
@@ -482,6 +522,7 @@ class TransientImpl:
         self.events.emit(ev.SaveEnd(step=step, kind=kind, seconds=self.clocks.monotonic() - t0,
                                     bytes=stats.bytes_written if stats and stats.step == step else 0))
         if outcome["ok"]:
+            self._note_committed(step)
             if outcome["already"]:  # this save wrote no commit: say so, not that it committed
                 self.events.emit(ev.SaveSkipped(step=step, reason="already committed"))
             elif rank == coordinator:
@@ -496,30 +537,41 @@ class TransientImpl:
         """Start a background save of ``step`` on every rank (all agreed that no rank is busy).
 
         Never raises: a rank whose snapshot or share fails reports it to the save's gather, so the
-        coordinator abandons the step, and the failure is logged here.
+        coordinator abandons the step, and the failure is logged here; the ranks learn at the next
+        round (through the committed step the master reports) that it did not commit.
         """
         rank, size = self.comm.rank(), self.comm.size()
         master = self.run.master
         t0 = time.perf_counter()
         def done(manifest: Any, error: BaseException | None) -> None:
-            if isinstance(error, CommitConflictError):
-                # After a rollback the ring replays steps; this one is already durable.
-                self.events.emit(ev.SaveSkipped(step=step, reason="already committed"))
-            elif error is not None:
-                self.events.emit(ev.SaveFailed(step=step, kind=kind, error=f"{type(error).__name__}: {error}"))
-            elif manifest is not None:  # the coordinator
-                self.events.emit(ev.Commit(step=step, kind=kind, size=size, bytes=manifest.nbytes,
-                                           lease_generation=manifest.lease_generation))
+            try:
+                if isinstance(error, CommitConflictError):
+                    # After a rollback the ring replays steps; this one is already durable.
+                    self._note_committed(step)
+                    self.events.emit(ev.SaveSkipped(step=step, reason="already committed"))
+                elif error is not None:
+                    self.events.emit(ev.SaveFailed(step=step, kind=kind, error=f"{type(error).__name__}: {error}"))
+                elif manifest is not None:  # the coordinator
+                    self._note_committed(step)
+                    self.events.emit(ev.Commit(step=step, kind=kind, size=size, bytes=manifest.nbytes,
+                                               lease_generation=manifest.lease_generation))
+            finally:
+                self._async_outcome_pending = False
 
         tensors, meta = self._take_snapshot(step, snapshot, metadata)
+        self._warning_save_started(step)
+        self._async_outcome_pending = True
         try:
             started = self.manager.save_async(
                 step, tensors, meta, rank=rank, world_size=size, coordinator=master,
                 lease=self.lease if rank == master else None, if_busy="wait",  # not busy: agreed above
                 on_done=done, snapshot=share_snapshot)
         except Exception as exc:  # this rank's share failed; the save's gather has its error record
+            self._async_outcome_pending = False
             self.events.emit(ev.SaveFailed(step=step, kind=kind, error=f"{type(exc).__name__}: {exc}"))
             return
+        if not started:
+            self._async_outcome_pending = False
         if started:
             self.events.emit(ev.AsyncSave(step=step, stall_ms=(time.perf_counter() - t0) * 1e3, size=size,
                                           kind=None if kind == "periodic" else kind))

@@ -347,6 +347,60 @@ def test_ranks_of_one_vm_publish_one_record_with_that_vms_deadline() -> None:
     assert [round_.deadline_of(r) for r in range(4)] == [100.0, 100.0, None, 90.0]
 
 
+# ------------------------------------------------------------------ early warnings
+
+def warning() -> Notice:
+    return Notice("aws", "vm", time.time(), time.time() + 120, "rebalance-recommendation", early=True)
+
+
+def test_a_warning_and_a_notice_in_one_round_take_only_the_emergency_save() -> None:
+    group, impls, url = make_ranks()
+    impls[1].watcher.warning = warning()
+    impls[2].watcher.notice = notice()
+    assert all(o.committed for o in step_all(group, impls, 1))
+    for step in range(2, 5):  # the leaving rank is no writer of an early save
+        step_all(group, impls, step)
+    wait_all(impls)
+    assert CheckpointManager(url).all_steps() == [1]
+    assert [(e["step"], e["kind"]) for e in events(impls[0], "commit")] == [(1, "emergency")]
+    # the ring re-forms without h2: the emergency checkpoint answered h1's warning, no early save
+    group2 = ThreadGroup(2, timeout_s=10)
+    survivors = impls[:2]
+    for rank, impl in enumerate(survivors):
+        impl.comm = FakeCollectives(group2, rank)
+    group2.run(lambda r: survivors[r].begin(5))
+    for step in range(6, 9):
+        step_all(group2, survivors, step)
+    wait_all(survivors)
+    assert CheckpointManager(url).all_steps() == [1]
+
+
+def test_a_failed_early_save_is_retried_at_a_later_round() -> None:
+    group, impls, url = make_ranks()
+    impls[1].watcher.warning = warning()
+    fail = {"armed": True}
+
+    def share(r: int) -> Any:
+        def take(plan: Any, rank: int) -> Any:
+            if fail["armed"]:
+                fail["armed"] = False
+                raise OSError("device busy")
+            from ckpt_service.manager import prepare_share
+            return [flat for _, flat in prepare_share(plan, rank, STATE)]
+        return take if r == 2 else None
+
+    step_all(group, impls, 1, share=share)  # the early save starts, and fails on rank 2
+    wait_all(impls)
+    assert CheckpointManager(url).all_steps() == []
+    for step in range(2, 6):
+        step_all(group, impls, step, share=share)
+        wait_all(impls)
+    # round 2 shows that step 1 did not commit (no rank busy, the master knows no commit): the
+    # warning is pending again, and round 3 takes the checkpoint again; then it is answered
+    assert CheckpointManager(url).all_steps() == [3]
+    assert [(e["step"], e["kind"]) for e in events(impls[0], "commit")] == [(3, "early")]  # then answered
+
+
 # ------------------------------------------------------------------ lifetime
 
 def test_close_closes_the_manager_it_made_only() -> None:
