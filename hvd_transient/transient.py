@@ -7,9 +7,10 @@ the in-process fakes of the unit tests.
 
 Per step boundary, on every rank, in the same order:
 
-1. about once per ``check_interval_s`` (the step count adapts to the step rate all
-   ranks measured; or every ``check_every_steps`` steps if set), one tiny allreduce
-   tells all ranks which ranks are under preemption notice and the earliest deadline;
+1. about once per ``check_interval_s`` (the step count adapts to the step times all
+   ranks measured, see :func:`~hvd_transient.election.steps_until_next_check` for the
+   time bound it promises; or every ``check_every_steps`` steps if set), one tiny
+   allreduce tells all ranks which ranks are under preemption notice and their deadlines;
 2. if some rank newly got a notice: wait (bounded) for an in-flight background
    save; elect the master (lowest rank not leaving) and move the store lease to
    it; write the **emergency sharded checkpoint** with every rank writing its
@@ -43,7 +44,14 @@ from ckpt_service.manager import CheckpointManager, CommitConflictError, ShareSn
 from ckpt_service.manifest import checked_metadata
 from hvd_transient import event_schema as ev
 from hvd_transient.control import STOP_POLL_S, stop_requested
-from hvd_transient.election import NoticeRound, decode_notice, elect_master, encode_notice, steps_until_next_check
+from hvd_transient.election import (
+    SLOWDOWN_ALLOWANCE,
+    NoticeRound,
+    decode_notice,
+    elect_master,
+    encode_notice,
+    steps_until_next_check,
+)
 from hvd_transient.events import EventLog
 from hvd_transient.membership import prune_leaving, publish_leaving
 
@@ -101,6 +109,9 @@ class TransientConfig:
     check_every_steps: int | None = None
     check_interval_s: float = 1.0
     max_check_every_steps: int = 1000
+    #: adaptive cadence: rounds are at most this many check intervals apart at the slowest
+    #: step seen on the ring (see :func:`hvd_transient.election.steps_until_next_check`)
+    check_slowdown_allowance: float = SLOWDOWN_ALLOWANCE
     #: how long a notice gives when the notice itself carries no deadline; None: what the VM is
     #: configured with (GCE: ``cluster up --preemption-notice-duration``, else 30 s)
     notice_window_s: float | None = None
@@ -121,6 +132,9 @@ class TransientConfig:
             raise ValueError(f"check_interval_s must be positive, not {self.check_interval_s}")
         if self.max_check_every_steps < 1:
             raise ValueError(f"max_check_every_steps must be at least 1, not {self.max_check_every_steps}")
+        if not self.check_slowdown_allowance >= 1.0:
+            raise ValueError(f"check_slowdown_allowance must be at least 1 (check intervals), "
+                             f"not {self.check_slowdown_allowance}")
 
 
 @dataclass(frozen=True)
@@ -145,6 +159,9 @@ class _RunState:
     next_check_step: int = 0            # adaptive cadence: the next step with a notice round
     last_round_step: int = 0
     last_round_at: float = 0.0          # time.monotonic() of this rank's previous round
+    step_done_at: float | None = None   # time.monotonic() when this rank last went back to training
+    slowest_step_s: float = 0.0         # this rank's longest step since its previous round
+    ring_slowest_step_s: float = 0.0    # the longest step any rank took on this ring (agreed)
 
 
 def default_host() -> str:
@@ -295,8 +312,23 @@ class TransientImpl:
         ``snapshot()`` only needs to give shapes and dtypes (e.g. TensorSpecs). ``samples``: the
         global sample offset after this step, if the input pipeline tracks one (logged with progress).
         """
-        self.run.last_step, self.run.last_step_at = step, self.clocks.wall()
+        now = self.clocks.monotonic()
         first_after_begin = self.run.begun_at_step is not None and step == self.run.begun_at_step + 1
+        if first_after_begin:
+            # the first step of a ring also pays for its set-up: it says nothing about the step time
+            self.run.slowest_step_s = self.run.ring_slowest_step_s = 0.0
+        elif self.run.step_done_at is not None:
+            self.run.slowest_step_s = max(self.run.slowest_step_s, now - self.run.step_done_at)
+        try:
+            return self._after_step(step, snapshot, metadata, share_snapshot, samples, first_after_begin)
+        finally:
+            # a step is timed from here: the protocol's own work (rounds, saves) is not the step's
+            self.run.step_done_at = self.clocks.monotonic()
+
+    def _after_step(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
+                    metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None,
+                    samples: int | None, first_after_begin: bool) -> StepOutcome:
+        self.run.last_step, self.run.last_step_at = step, self.clocks.wall()
         if first_after_begin:
             self.events.emit(ev.FirstStep(step=step, size=self.comm.size(), samples=samples))
         elif self.config.progress_every_steps and step % self.config.progress_every_steps == 0:
@@ -332,6 +364,7 @@ class TransientImpl:
     def _notice_round(self, step: int) -> NoticeRound:
         now = self.clocks.monotonic()
         elapsed, steps = now - self.run.last_round_at, step - self.run.last_round_step
+        slowest, self.run.slowest_step_s = self.run.slowest_step_s, 0.0
         self.run.last_round_step, self.run.last_round_at = step, now
         notice = self.watcher.notice if self.watcher is not None else None
         rank, size = self.comm.rank(), self.comm.size()
@@ -354,13 +387,16 @@ class TransientImpl:
         committed = self._committed_step if rank == self.run.master else None
         summed = self.comm.allreduce_sum(
             encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
-                          committed_step=committed), name="notice")
+                          slowest_step_s=slowest, committed_step=committed), name="notice")
         round_ = decode_notice(summed, size, self.run.hosts if len(self.run.hosts) == size else None)
         self.notice_rounds += 1
         self._settle_warning(round_)
         # Every rank got the same sum, so every rank picks the same next check step.
+        self.run.ring_slowest_step_s = max(self.run.ring_slowest_step_s, round_.slowest_step_s)
         self.run.next_check_step = step + steps_until_next_check(
-            round_.elapsed_s, steps, self.config.check_interval_s, self.config.max_check_every_steps)
+            round_.elapsed_s, steps, self.config.check_interval_s, self.config.max_check_every_steps,
+            slowest_step_s=round_.slowest_step_s, ring_slowest_step_s=self.run.ring_slowest_step_s,
+            allowance=self.config.check_slowdown_allowance)
         return round_
 
     def _warning_pending(self) -> bool:

@@ -22,7 +22,7 @@ from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
 from hvd_transient.control import STOP_POLL_S, request_stop
-from hvd_transient.election import decode_notice, encode_notice
+from hvd_transient.election import decode_notice, encode_notice, steps_until_next_check
 from hvd_transient.membership import read_leaving
 from hvd_transient.transient import Clocks, TransientConfig, TransientImpl
 from hvd_transient.watchers import Notice
@@ -399,6 +399,90 @@ def test_a_failed_early_save_is_retried_at_a_later_round() -> None:
     # warning is pending again, and round 3 takes the checkpoint again; then it is answered
     assert CheckpointManager(url).all_steps() == [3]
     assert [(e["step"], e["kind"]) for e in events(impls[0], "commit")] == [(3, "early")]  # then answered
+
+
+# ------------------------------------------------------------------ the check cadence's time bound
+
+def run_clocked(group: ThreadGroup, impls: list[TransientImpl], now: dict[str, float], step: int,
+                step_s: float) -> Any:
+    now["t"] += step_s
+    return step_all(group, impls, step)
+
+
+def test_a_notice_after_steps_slow_down_is_handled_within_seconds() -> None:
+    """Steps of 10 ms, then of 1 s starting just before a round; a 30 s notice right after it."""
+    now = {"t": 0.0}
+    group, impls, _ = make_ranks(check_every_steps=None, check_interval_s=1.0,
+                                 clocks=Clocks(monotonic=lambda: now["t"]))
+    step = 0
+    while step < 300 or impls[0].run.next_check_step - step != 2:
+        step += 1
+        run_clocked(group, impls, now, step, 0.01)
+    assert impls[0].run.next_check_step - step == 2  # a round of 10 ms steps is two steps away
+    for _ in range(2):  # the slowdown starts: two 1 s steps, the second one with the round
+        step += 1
+        run_clocked(group, impls, now, step, 1.0)
+    impls[1].watcher.notice = notice()
+    noticed_at = now["t"]
+    while True:
+        step += 1
+        outcomes = run_clocked(group, impls, now, step, 1.0)
+        if outcomes[0].emergency_step is not None:
+            break
+        assert now["t"] - noticed_at < 30, "the notice was not handled in its window"
+    assert now["t"] - noticed_at <= 2.0
+    assert all(o.committed for o in outcomes)
+
+
+def test_a_ring_that_was_slow_before_checks_within_the_allowance_when_it_slows_again() -> None:
+    now = {"t": 0.0}
+    group, impls, _ = make_ranks(check_every_steps=None, check_interval_s=1.0, check_slowdown_allowance=4.0,
+                                 clocks=Clocks(monotonic=lambda: now["t"]))
+    step = 0
+    for _ in range(3):  # a slow phase: 1 s steps
+        step += 1
+        run_clocked(group, impls, now, step, 1.0)
+    for _ in range(400):  # fast again: rounds grow apart, but no further than 4 s of 1 s steps
+        step += 1
+        run_clocked(group, impls, now, step, 0.01)
+        assert impls[0].run.next_check_step - impls[0].run.last_round_step <= 4
+    while impls[0].run.next_check_step != step + 1:
+        step += 1
+        run_clocked(group, impls, now, step, 0.01)
+    step += 1
+    run_clocked(group, impls, now, step, 0.01)  # a round, right before the slowdown
+    impls[2].watcher.notice = notice()
+    noticed_at = now["t"]
+    while True:
+        step += 1
+        if run_clocked(group, impls, now, step, 1.0)[0].emergency_step is not None:
+            break
+    assert now["t"] - noticed_at <= 4.0
+
+
+@pytest.mark.parametrize("slowest,ring,expected", [
+    (0.0, 0.0, 100),   # only the mean rate: 10 ms steps
+    (1.0, 1.0, 1),     # one slow step in the interval: every step
+    (0.02, 0.5, 20),   # the ring was slow once: at most 10 intervals at that speed
+])
+def test_steps_until_next_check_takes_the_slowest_step(slowest: float, ring: float, expected: int) -> None:
+    assert steps_until_next_check(1.0, 100, 1.0, 1000, slowest_step_s=slowest, ring_slowest_step_s=ring) == expected
+
+
+def test_a_slowdown_allowance_below_one_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match="check_slowdown_allowance must be at least 1"):
+        TransientConfig(store="memory://x", check_slowdown_allowance=0.5)
+
+
+def test_the_first_step_of_a_ring_does_not_count_as_slow() -> None:
+    """The first step after begin also pays for the ring's set-up (state sync, tracing)."""
+    now = {"t": 0.0}
+    group, impls, _ = make_ranks(check_every_steps=None, check_interval_s=1.0,
+                                 clocks=Clocks(monotonic=lambda: now["t"]))
+    run_clocked(group, impls, now, 1, 5.0)
+    for step in range(2, 30):
+        run_clocked(group, impls, now, step, 0.01)
+    assert impls[0].run.ring_slowest_step_s == pytest.approx(0.01)
 
 
 # ------------------------------------------------------------------ lifetime

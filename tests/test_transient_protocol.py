@@ -270,9 +270,9 @@ def test_adaptive_cadence_is_agreed_and_still_catches_a_notice() -> None:
             checked_at.append(step)
         assert len({i.run.next_check_step for i in impls}) == 1
         assert len({i.notice_rounds for i in impls}) == 1
-    # first step of the ring, then every ~1 s of steps (mean step 0.1167 s -> 8 steps)
-    assert checked_at[0] == 1 and len(checked_at) < 6
-    assert all(b - a == 8 for a, b in zip(checked_at[1:], checked_at[2:]))
+    # first step of the ring, then every ~1 s of steps at the slowest rank's step (0.15 s -> 6 steps)
+    assert checked_at[0] == 1 and len(checked_at) < 8
+    assert all(b - a == 6 for a, b in zip(checked_at[1:], checked_at[2:]))
     impls[1].watcher.notice = notice()
     emergency = None
     for step in range(31, 60):
