@@ -275,7 +275,10 @@ class TransientImpl:
             self.events.close()
         finally:
             if self._owns_manager:
-                self.manager.close()
+                try:
+                    self.manager.close()  # waits for the background save, and re-raises its error
+                except Exception as exc:  # end() has reported it; closing must not fail
+                    log.warning("the last background checkpoint did not complete: %s", exc)
 
     def final_save_needed(self, step: int) -> bool:
         """Every rank: whether a final save of ``step`` is needed; the master's view of the store decides.
