@@ -501,3 +501,23 @@ def test_close_closes_the_manager_it_made_only() -> None:
         own.manager.save(1, STATE)
     given.save(1, STATE)
     assert CheckpointManager(url).all_steps() == [1]
+
+
+class LeaseBreakingStore(DelegatingStore):
+    """Refuses any write of the checkpoint-master lease with an error that is no CheckpointError."""
+
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        if key == layout.LEASE_KEY:
+            raise OSError("disk full (injected)")
+        return super().put(key, data, if_generation_match=if_generation_match)
+
+
+def test_a_lease_hand_over_failing_on_the_new_master_fails_the_save_on_every_rank() -> None:
+    memory = MemoryStore.named(uuid.uuid4().hex)
+    group, impls, url = make_ranks(stores=[memory, LeaseBreakingStore(memory), memory])
+    impls[0].watcher.notice = notice()  # rank 1 becomes the master, and cannot take the lease
+    outcomes = step_all(group, impls, 3)
+    assert [o.committed for o in outcomes] == [False, False, False]
+    assert CheckpointManager(url).all_steps() == []
+    assert [e["error"] for e in events(impls[1], "lease_error")] == ["disk full (injected)"]
+    step_all(group, impls, 4)  # the ring goes on together
