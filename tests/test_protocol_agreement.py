@@ -32,7 +32,7 @@ STATE = {"w": np.arange(3000, dtype=np.float32), "b": np.ones(7, dtype=np.float6
 
 
 class PausingStore(DelegatingStore):
-    """Puts of piece data wait until ``resume`` is set (a rank whose background save is stuck)."""
+    """Puts of a step's files wait until ``resume`` is set (a rank whose background save is stuck)."""
 
     def __init__(self, inner: ObjectStore) -> None:
         super().__init__(inner)
@@ -40,7 +40,7 @@ class PausingStore(DelegatingStore):
         self.paused = threading.Event()  # set once a put is held
 
     def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
-        if key.startswith(layout.STEPS_PREFIX) and "/shards/" not in key and key.endswith(("c/0", "zarr.json")):
+        if key.startswith(layout.STEPS_PREFIX):
             self.paused.set()
             self.resume.wait(30)
         return super().put(key, data, if_generation_match=if_generation_match)
