@@ -35,7 +35,7 @@ from ckpt_service.errors import CheckpointError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager, CommitConflictError, ShareSnapshot
 from hvd_transient import event_schema as ev
-from hvd_transient.control import STOP_POLL_S, stop_requested
+from hvd_transient.control import StopPoller
 from hvd_transient.election import NoticeRound, decode_notice, elect_master, encode_notice, steps_until_next_check
 from hvd_transient.events import EventLog
 from hvd_transient.membership import prune_leaving, publish_leaving
@@ -166,12 +166,11 @@ class TransientImpl:
         self.lease = Lease(self.manager.store, f"{self.host}:{os.getpid()}")
         self.watcher: NoticeSource | None = watcher if watcher is not None else _make_watcher(config, self.host)
         self.run = _RunState()
-        self._stop_checked_at = float("-inf")
+        self.stop_poller = StopPoller(self.manager.store)
         self.notice_rounds = 0  # notice collectives run so far (benchmarks count them)
         self._notice_logged = False
         self._warning_logged = False
         self._warning_handled = False  # a checkpoint answered this rank's early warning
-        self._stop_seen = False
         if self.watcher is not None:
             self.watcher.start()
 
@@ -230,6 +229,7 @@ class TransientImpl:
         self.events.emit(ev.TrainEnd(step=step))
 
     def close(self) -> None:
+        self.stop_poller.close()
         if self.watcher is not None:
             self.watcher.stop()
         self.events.close()
@@ -314,17 +314,8 @@ class TransientImpl:
         return not self._warning_handled and self.watcher is not None and self.watcher.warning is not None
 
     def _stop_requested(self) -> bool:
-        """The master looks at the store now and then; the collective shares its answer."""
-        if self.comm.rank() != self.run.master:
-            return False
-        now = self.clocks.monotonic()
-        if now - self._stop_checked_at >= STOP_POLL_S:
-            self._stop_checked_at = now
-            try:
-                self._stop_seen = stop_requested(self.manager.store)
-            except Exception as exc:  # an unreachable store must not stop training
-                log.warning("could not check for a stop request: %s", exc)
-        return self._stop_seen
+        """The master looks at the store in the background; the collective shares its latest answer."""
+        return self.comm.rank() == self.run.master and self.stop_poller.requested
 
     def _emergency(self, step: int, round_: NoticeRound, snapshot: Callable[[], Mapping[str, Any]],
                    metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None) -> StepOutcome:
