@@ -43,7 +43,7 @@ from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager, CommitConflictError, ShareSnapshot
 from ckpt_service.manifest import checked_metadata
 from hvd_transient import event_schema as ev
-from hvd_transient.control import STOP_POLL_S, stop_requested
+from hvd_transient.control import StopPoller
 from hvd_transient.election import (
     SLOWDOWN_ALLOWANCE,
     NoticeRound,
@@ -194,13 +194,12 @@ class TransientImpl:
         self.lease = Lease(self.manager.store, f"{self.host}:{os.getpid()}")
         self.watcher: NoticeSource | None = watcher if watcher is not None else _make_watcher(config, self.host)
         self.run = _RunState()
-        self._stop_checked_at = float("-inf")
+        self.stop_poller = StopPoller(self.manager.store)
         self.notice_rounds = 0  # notice collectives run so far (benchmarks count them)
         self._notice_logged = False
         self._warning_logged = False
         self._warning_handled = False  # a committed checkpoint answered this rank's early warning
         self._warning_save_step: int | None = None  # a save started after the warning, outcome not yet known
-        self._stop_seen = False
         self._closed = False
         # The latest step this rank knows committed (the coordinator learns a background save's
         # commit on its thread); the master shares it in the notice round.
@@ -265,10 +264,12 @@ class TransientImpl:
         self.events.emit(ev.TrainEnd(step=step))
 
     def close(self) -> None:
-        """Stop the watcher, flush the event log, and close the manager if this object made it."""
+        """Stop the watcher and the stop poller, flush the event log, and close the manager if this
+        object made it."""
         if self._closed:
             return
         self._closed = True
+        self.stop_poller.close()
         try:
             if self.watcher is not None:
                 self.watcher.stop()
@@ -433,17 +434,8 @@ class TransientImpl:
                 self._committed_step = step
 
     def _stop_requested(self) -> bool:
-        """The master looks at the store now and then; the collective shares its answer."""
-        if self.comm.rank() != self.run.master:
-            return False
-        now = self.clocks.monotonic()
-        if now - self._stop_checked_at >= STOP_POLL_S:
-            self._stop_checked_at = now
-            try:
-                self._stop_seen = stop_requested(self.manager.store)
-            except Exception as exc:  # an unreachable store must not stop training
-                log.warning("could not check for a stop request: %s", exc)
-        return self._stop_seen
+        """The master looks at the store in the background; the collective shares its latest answer."""
+        return self.comm.rank() == self.run.master and self.stop_poller.requested
 
     def _take_snapshot(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
                        metadata: Callable[[], dict[str, Any]]) -> tuple[Mapping[str, Any], dict[str, Any]]:

@@ -21,7 +21,7 @@ from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
-from hvd_transient.control import STOP_POLL_S, request_stop
+from hvd_transient.control import request_stop
 from hvd_transient.election import decode_notice, encode_notice, steps_until_next_check
 from hvd_transient.membership import read_leaving
 from hvd_transient.transient import Clocks, TransientConfig, TransientImpl
@@ -273,9 +273,16 @@ def test_a_stop_request_only_the_master_sees_stops_every_rank() -> None:
     now = {"t": 0.0}
     group, impls, _ = make_ranks(stores=[memory, BlindStore(memory), BlindStore(memory)],
                                  clocks=Clocks(monotonic=lambda: now["t"]))
-    assert not any(o.stop for o in step_all(group, impls, 1))
+    poller = impls[0].stop_poller
+    poller.interval_s = 0.02
+    assert not any(o.stop for o in step_all(group, impls, 1))  # the master's first round starts its poller
     request_stop(memory)
-    now["t"] += STOP_POLL_S  # the master looks again
+    for _ in range(100):  # the master's background look finds it (the blind ranks never can)
+        poller.polled.clear()
+        if poller.requested:
+            break
+        assert poller.polled.wait(10)
+    now["t"] += 1.0
     outcomes = step_all(group, impls, 2)
     assert [o.stop for o in outcomes] == [True, True, True]
     for impl in impls:
