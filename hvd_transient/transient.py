@@ -120,9 +120,16 @@ LEASE_MOVE_TIMEOUT_S = 30.0
 FINAL_SAVE_CHECK_TIMEOUT_S = 30.0
 #: housekeeping in the background (pruning expired leaving records) gives up after this long
 HOUSEKEEPING_TIMEOUT_S = 60.0
+#: a leaving rank's last copy of its events, as Horovod resets it away, takes at most this long
+#: (and never past its VM's deadline)
+LEAVE_FLUSH_MAX_S = 10.0
 #: inside a notice, a durable event waits for its write at most this share of the time left
 #: before the save's deadline (and never longer than the event log's own bound)
 NOTICE_EVENT_SHARE = 0.05
+#: a leaving rank's ``leave_published`` waits for its write at most this long: every rank waits
+#: for the leaving one in the next collective, and it copies its events once more as Horovod
+#: resets it out of the ring (:meth:`TransientImpl.before_leaving`)
+LEAVE_EVENT_WAIT_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -237,6 +244,7 @@ class TransientImpl:
         self._stopping = threading.Event()  # close(): background retries end
         self.pruning: Future[None] | None = None  # the latest pruning of expired leaving records
         self._leaving_record: _LeavingRecord | None = None
+        self._leaving_until: float | None = None  # when this rank's VM is gone (epoch seconds)
         if self.watcher is not None:
             self.watcher.start()
 
@@ -565,7 +573,8 @@ class TransientImpl:
         self.run.departure_pending = True
         if rank in new:
             self.run.leaving = True
-            wait_s = self._notice_event_wait_s(own_deadline if own_deadline is not None else deadline)
+            self._leaving_until = own_deadline if own_deadline is not None else now + window
+            wait_s = min(LEAVE_EVENT_WAIT_S, self._notice_event_wait_s(self._leaving_until))
             if self._leaving_record is not None and writes_record:
                 self._leaving_record.left(wait_s)
             else:  # another rank of this VM writes its record
@@ -573,6 +582,19 @@ class TransientImpl:
                                  wait_s=wait_s)
         return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
                            departure_pending=True)
+
+    def before_leaving(self) -> threading.Thread:
+        """This leaving rank is being reset out of the ring: the process ends inside Horovod soon
+        after, with no Python after it, and its events must get out first. The event log's
+        writer may be stuck on a slow write, so they are also copied in one write of their own
+        (:meth:`EventLog.write_final`, bounded by ``LEAVE_FLUSH_MAX_S`` and the VM's deadline).
+        Nothing here waits: Horovod resets the survivors only once this rank has reset too."""
+        until = self._leaving_until if self._leaving_until is not None else self.clocks.wall()
+        timeout = max(0.0, min(LEAVE_FLUSH_MAX_S, until - self.clocks.wall() - 0.5))
+        writer = threading.Thread(target=self.events.write_final, args=(timeout,), name="hvdt-last-events",
+                                  daemon=True)  # the process may end before it does
+        writer.start()
+        return writer
 
     def _notice_event_wait_s(self, until: float) -> float:
         """How long a durable event inside a notice may wait for its write: a small share of the
