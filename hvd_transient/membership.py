@@ -167,13 +167,15 @@ def publish_leaving_until(store: ObjectStore, host: str, *, until: float, reason
 
 
 class _StopBefore(stop_base):
-    """Stop retrying once too little time is left before ``until`` for another call."""
+    """Stop retrying once too little time would be left before ``until`` for another call, after
+    the backoff about to be slept."""
 
     def __init__(self, until: float, clock: Callable[[], float]) -> None:
         self.until, self.clock = until, clock
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-        return self.until - self.clock() < MIN_PUBLISH_CALL_S
+        backoff = getattr(retry_state, "upcoming_sleep", 0.0) or 0.0
+        return self.until - self.clock() - backoff < MIN_PUBLISH_CALL_S
 
 
 def clear_leaving(store: ObjectStore, host: str) -> None:

@@ -244,6 +244,7 @@ class TransientImpl:
         self._stopping = threading.Event()  # close(): background retries end
         self.pruning: Future[None] | None = None  # the latest pruning of expired leaving records
         self._leaving_record: _LeavingRecord | None = None
+        self.publishing: Future[None] | None = None  # the background write of this VM's leaving record
         self._leaving_until: float | None = None  # when this rank's VM is gone (epoch seconds)
         if self.watcher is not None:
             self.watcher.start()
@@ -625,7 +626,7 @@ class TransientImpl:
                 return
             record.landed()
 
-        self._submit(publish)
+        self.publishing = self._submit(publish)
 
     def _move_lease(self, master: int, *, until: float | None = None) -> None:
         """Release the lease unless this rank is ``master``, which takes it (all ranks agreed).
