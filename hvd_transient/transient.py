@@ -439,8 +439,11 @@ class TransientImpl:
         if notice is not None and self.host not in self.run.handled_leavers:
             if not self.run.leaving and not self._notice_logged:
                 self._notice_logged = True
+                # inside the notice already: its write waits only a share of the window (best effort)
                 self.events.emit(ev.Notice(source=notice.source, reason=notice.reason,
-                                           detected_at=notice.detected_at, deadline=notice.deadline))
+                                           detected_at=notice.detected_at, deadline=notice.deadline),
+                                 wait_s=None if notice.deadline is None else self._notice_event_wait_s(
+                                     notice.deadline - self.config.leave_margin_s))
         deadline = notice.deadline if notice is not None else None
         warned = self._warning_pending()
         if warned and not self._warning_logged:
