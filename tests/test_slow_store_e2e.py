@@ -14,7 +14,7 @@ What a user would check, from the run's own event log through the report's analy
   back 0 steps and went on within 1 s of the ring's reset, whether or not the emergency save
   committed. From the leaving rank's last step to that reset, Horovod's own reset runs
   (shutdown, the driver's barrier, the rendezvous): 0.3 s on an idle machine, up to about
-  2 s on a loaded 2-core one, with a healthy store as with a faulty one; 3 s are allowed for it.
+  2 s on a loaded 2-core one, with a healthy store as with a faulty one; 4 s are allowed for it.
 
 The event log goes through the same proxy, so events arrive late; they are read once the
 proxy is healed.
@@ -44,7 +44,7 @@ STEP_S = 0.1         # each step sleeps this long on top of its (tiny) compute: 
 PHASE_S = 10.0       # training healthy, then under the fault before the notice (about 9 progress points each)
 TOLERANCE = 1.10     # the faulty phase's median step time against the healthy one's
 RESUME_MS = 1000.0   # the survivors' reset -> their first step on the new ring
-HOROVOD_RESET_MS = 3000.0  # the leaving rank's last step -> the survivors' reset (Horovod's)
+HOROVOD_RESET_MS = 4000.0  # the leaving rank's last step -> the survivors' reset (Horovod's)
 
 
 def command(store: str, proxy: FaultProxy) -> tuple[str, ...]:
