@@ -12,7 +12,11 @@ and ``emit`` waits for that write, but only up to ``durable_wait_s``: a slow or
 unreachable store delays the caller (the training thread, inside a notice) by at
 most that bound, and every write is itself bounded by ``write_timeout_s``, so a
 stalled request never holds the log up for the store's whole retry budget.
-The report and the benchmarks read every file back and merge them by time.
+A process about to end with no Python after it (a worker Horovod resets out of
+the ring) copies its last events in one bounded write of their own to segment
+``FINAL_SEQ`` (:meth:`EventLog.write_final`), not waiting behind a slow write.
+The report and the benchmarks read every file back and merge them by time; an
+event found in two segments counts once.
 
 The kinds of event and their fields are declared in :mod:`hvd_transient.event_schema`:
 ``emit`` takes one of its dataclasses (``log.emit(Progress(step=10, size=4))``), and
