@@ -19,7 +19,9 @@ Expired records are deleted by the checkpoint master when a ring begins
 A leaving worker writes its record with :func:`publish_leaving_until`: every call bounded
 by a :class:`~ckpt_service.deadline.Deadline`, failures retried (tenacity) until the VM's
 own notice deadline, so a slow or briefly unreachable store delays the record rather
-than losing it, and nothing waits on the store past the window. The record format (JSON, all times Unix seconds)::
+than losing it, and nothing waits on the store past the window.
+
+The record format (JSON, all times Unix seconds)::
 
     {"host": "w-1", "reason": "preemption-notice", "published_at": 1764000000.0,
      "deadline": 1764000030.0, "instance_id": "4521..." | null}
@@ -139,6 +141,8 @@ def publish_leaving_until(store: ObjectStore, host: str, *, until: float, reason
     written again. Raises the last error when ``until`` passes (or ``stop`` is set) first, and
     :class:`~ckpt_service.errors.BadStoreKeyError` at once for a host name no key can hold.
     """
+    if not call_s > 0:
+        raise ValueError(f"call_s must be positive, not {call_s}")
     key = _key(host)
     record = LeavingRecord(host=host, published_at=clock(), deadline=deadline, reason=reason,
                            instance_id=instance_id)
