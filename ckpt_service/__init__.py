@@ -28,6 +28,7 @@ from ckpt_service.errors import (
     MissingCredentialsError,
     NothingToRestoreError,
     ObjectNotFoundError,
+    OutOfOrderSaveError,
     PreconditionFailedError,
     SaveAbandonedError,
     StoreDeadlineError,
@@ -71,6 +72,6 @@ __all__ = [
     "BadMetadataError", "BadSnapshotError", "BadStoreKeyError", "BadStoreURLError", "BadTensorNameError",
     "CheckpointError", "CommitConflictError", "CorruptCheckpointError", "FormatVersionError",
     "IncompleteShardRecordsError", "LeaseLostError", "MissingCredentialsError", "NothingToRestoreError",
-    "ObjectNotFoundError", "PreconditionFailedError", "SaveAbandonedError", "StoreDeadlineError",
+    "ObjectNotFoundError", "OutOfOrderSaveError", "PreconditionFailedError", "SaveAbandonedError", "StoreDeadlineError",
     "StoreUnavailableError", "StructureMismatchError", "WriterFailedError", *_LAZY,
 ]

@@ -89,6 +89,10 @@ class CommitConflictError(CheckpointError, FileExistsError):
     """This step was already committed (by another master); the earlier commit stands."""
 
 
+class OutOfOrderSaveError(CheckpointError, ValueError):
+    """A save of a step older than the latest committed one, which its commit could not supersede."""
+
+
 class BadMetadataError(CheckpointError, TypeError):
     """Checkpoint metadata must be a JSON-serialisable dict."""
 

