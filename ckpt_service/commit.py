@@ -120,10 +120,17 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
 
 
 def _check_order(store: ObjectStore, step: int, lease: Lease | None) -> None:
-    """Refuse a commit of ``step`` that the committed steps above it would outrank."""
+    """Refuse a commit of ``step`` that the committed steps above it would outrank.
+
+    One listing of ``commits/``; markers are read only when a step above this one is listed
+    (a save in order reads none, which matters under a deadline).
+    """
+    higher = [s for s in (layout.parse_commit_key(k) for k in store.list(layout.COMMITS_PREFIX))
+              if s is not None and s > step]
+    if not higher:
+        return
     if lease is None:
-        listing = list_commits(store)
-        newer = [s for s in listing.committed if s > step]
+        newer = [s for s in list_commits(store).committed if s > step]
         if newer:
             raise OutOfOrderSaveError(
                 f"step {step} is older than step {newer[-1]}, the latest committed in {store.url}: a save without "
@@ -131,9 +138,7 @@ def _check_order(store: ObjectStore, step: int, lease: Lease | None) -> None:
                 "save a step after the latest, or pass the master lease to roll back")
         return
     # Holding the lease, this commit's fence will carry the newest generation of all: it supersedes
-    # every higher step that has one. Only the (few, usually no) markers above the step are read.
-    higher = [s for s in (layout.parse_commit_key(k) for k in store.list(layout.COMMITS_PREFIX))
-              if s is not None and s > step]
+    # every higher step that has one.
     unordered = [s for s, (gone, marker) in ((s, read_marker(store, s)) for s in higher)
                  if not gone and (marker is None or marker.lease_generation is None)]
     if unordered:
