@@ -12,6 +12,11 @@ Roles in a multi-writer save (every rank calls ``save`` with the same state spec
 
 A save that misses its deadline, loses the lease or finds the step already
 committed raises and commits nothing: the previous committed step stays the latest.
+
+Commits are ordered by the lease generation their fence wrote: a committed step that a
+lower step's newer-generation commit supersedes (an old master's marker that landed after
+its successor committed, or the steps above a rollback) is not listed, not restored by
+default, and deleted by retention (:mod:`ckpt_service.reader`, :mod:`ckpt_service.commit`).
 A save's ``deadline`` bounds every store call it makes (see :mod:`ckpt_service.deadline`).
 
 The manager is one front for three parts: :class:`~ckpt_service.writer.CheckpointWriter`
@@ -150,8 +155,13 @@ class CheckpointManager:
 
         Nothing is committed when it raises: SaveAbandonedError (the deadline passed, or the
         store could not do its part before it), WriterFailedError (a writer reported an error),
-        IncompleteShardRecordsError, LeaseLostError, CommitConflictError (the step is already
-        committed), or the error of this rank's own share or writes. The one exception is
+        IncompleteShardRecordsError, LeaseLostError, OutOfOrderSaveError (a save without a lease
+        of a step older than the latest committed one, or a rollback under the lease below a
+        step committed without one), CommitConflictError (a valid commit of the step exists), or
+        the error of this rank's own share or writes. An existing commit of the step that is not
+        valid (superseded, made before this lease holder's tenure, its manifest missing or not
+        matching, or, without a deadline, a piece failing verification; with a deadline, anything
+        but an intact manifest) is replaced instead; see :mod:`ckpt_service.commit`. The one exception is
         WriteOutcomeUnknownError: the commit marker was sent but neither its answer nor reading
         it back came in time, so the step may or may not be committed (list the steps to know).
         """
@@ -203,7 +213,7 @@ class CheckpointManager:
     # ----------------------------------------------------------------- reading
 
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps that no lower step's newer-generation commit supersedes, ascending."""
         return self._reader.all_steps()
 
     def latest_step(self) -> int | None:
@@ -230,7 +240,9 @@ class CheckpointManager:
         can read any writer count). ``expected`` maps names to arrays or ``(shape, dtype)``
         and raises StructureMismatchError on any difference. When the latest step fails
         verification and no step was asked for, the previous committed step is tried, with
-        a warning naming what failed.
+        a warning naming what failed; a step removed or re-committed while being read is
+        gone, not corrupt: the steps are listed again. A superseded step is never restored by
+        default, only when asked for by number (while gc has not removed it).
         """
         return self._reader.restore(step, names=names, partition=partition, expected=expected)
 
@@ -248,11 +260,13 @@ class CheckpointManager:
         return self._collector.collect(protect=step)  # the step just committed stays, superseded or not
 
     def gc(self, keep: int | None = None) -> list[int]:
-        """Apply retention; also remove abandoned uncommitted steps older than the latest.
+        """Apply retention; also remove superseded steps, abandoned uncommitted steps older than
+        the latest, and the files of committed steps that their manifests do not refer to.
 
         Never deletes the latest committed step, nor an uncommitted step that is newer than
-        it or was written to within ``abandoned_after_s`` (it may still be being written).
-        Temp files of writes killed midway (local store) go once that old too.
+        it, nor any file written to within ``abandoned_after_s`` by the store's clock (it may
+        still be being written). Temp files of writes killed midway (local store) go once that
+        old too. Safe to run from several processes at once. Returns the steps removed.
         """
         return self._collector.collect(keep)
 

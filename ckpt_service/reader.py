@@ -179,7 +179,9 @@ class CheckpointReader:
         can read any writer count). ``expected`` maps names to arrays or ``(shape, dtype)``
         and raises StructureMismatchError on any difference. When the latest step fails
         verification and no step was asked for, the previous committed step is tried, with
-        a warning naming what failed.
+        a warning naming what failed. A step whose marker is deleted or replaced while it is
+        read is gone, not corrupt: the steps are listed again (``RELIST_ATTEMPTS`` times).
+        Superseded steps are never candidates; asked for by number, one is read all the same.
         """
         if step is not None:
             return self._load(step, names, partition, expected)
