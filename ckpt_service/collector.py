@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Executor
-from typing import Callable
+from typing import Callable, Iterable
 
 from ckpt_service import layout
 from ckpt_service.errors import CheckpointError
@@ -50,6 +50,9 @@ class StepCollector:
         own (tests pass a function to move it). Commit markers are read in parallel on ``io``."""
         self.store, self.policy, self.clock = store, policy, clock
         self._io = io
+        # step -> (its marker's token, its files) when a pass found every file referenced: the
+        # same files under the same commit need no second look at the manifest
+        self._clean: dict[int, tuple[str, frozenset[str]]] = {}
 
     def now(self) -> float:
         """The time ages are measured against: the store's own unless a clock was given."""
@@ -82,16 +85,17 @@ class StepCollector:
             if step != protect:
                 self.delete(step)
                 doomed.append(step)
-        written = (layout.parse_step_dir(name) for name in self.store.list_dirs(layout.STEPS_PREFIX))
-        unmarked = [s for s in written if s is not None and s not in listing.markers]
+        files = _files_by_step(self.store.list(layout.STEPS_PREFIX))  # one listing for the rest
+        unmarked = [s for s in files if s not in listing.markers]
         for step in uncommitted_before_latest(unmarked, committed):
-            if is_abandoned(self._last_written(layout.step_prefix(step)), now, self.policy.abandoned_after_s):
+            if is_abandoned(self._last_written(files[step]), now, self.policy.abandoned_after_s):
                 self.store.delete_prefix(layout.step_prefix(step))
                 doomed.append(step)
         for step in committed:
             marker = listing.markers[step]
-            if step not in doomed and marker is not None:
-                self._remove_orphans(step, marker, now)
+            if step not in doomed and marker is not None and step in files:
+                self._remove_orphans(step, marker, files[step], now)
+        self._clean = {s: seen for s, seen in self._clean.items() if s in listing.markers and s not in doomed}
         return self._report(doomed)
 
     def _report(self, doomed: list[int]) -> list[int]:
@@ -109,15 +113,18 @@ class StepCollector:
         self.delete(step)
         return True
 
-    def _remove_orphans(self, step: int, marker: CommitMarker, now: float) -> int:
-        """Delete the files of ``step`` its manifest does not refer to, once old; returns how many."""
+    def _remove_orphans(self, step: int, marker: CommitMarker, keys: list[str], now: float) -> int:
+        """Delete the files of ``step`` (``keys``) its manifest does not refer to, once old; returns how many."""
+        listed = frozenset(keys)
+        if self._clean.get(step) == (marker.token, listed):
+            return 0
         manifest = self._manifest(marker)
         if manifest is None:
             return 0  # never guess what an unreadable commit refers to
         prefix = layout.step_prefix(step)
         referenced = {p.key for p in manifest.pieces}
         units: dict[str, list[str]] = {}  # a piece prefix (or a lone object) no manifest refers to -> its keys
-        for key in self.store.list(prefix):
+        for key in keys:
             parts = key[len(prefix):].split("/")
             if parts[0] == "data" and len(parts) > 3:
                 unit = prefix + "/".join(parts[:3]) + "/"  # data/<group>/<index>.<nonce>/
@@ -128,13 +135,19 @@ class StepCollector:
             else:
                 unit = key  # another attempt's manifest, a shard record
             units.setdefault(unit, []).append(key)
-        removed = 0
-        for unit, keys in units.items():
+        if units and read_marker(self.store, step)[1] != marker:
+            return 0  # re-committed since the listing: the files may be the new commit's; look next time
+        removed, pending = 0, False
+        for unit_keys in units.values():
             # a save of this step may still be writing them, a restore of a replaced commit reading them
-            if is_abandoned(self._last_written(keys), now, self.policy.abandoned_after_s):
-                for key in keys:
+            if is_abandoned(self._last_written(unit_keys), now, self.policy.abandoned_after_s):
+                for key in unit_keys:
                     self.store.delete(key)
-                removed += len(keys)
+                removed += len(unit_keys)
+            else:
+                pending = True
+        if not pending:
+            self._clean[step] = (marker.token, listed - {k for u in units.values() for k in u})
         if removed:
             log.info("removed %d files of step %d that its commit does not refer to", removed, step)
         return removed
@@ -149,8 +162,17 @@ class StepCollector:
         except (KeyError, CheckpointError):
             return None
 
-    def _last_written(self, keys: str | list[str]) -> float | None:
-        """When the newest of some files (a prefix's, or a list) was written (None if none is left)."""
-        listed = list(self.store.list(keys)) if isinstance(keys, str) else keys
-        infos = [i for i in (self.store.stat(k) for k in listed) if i is not None]
+    def _last_written(self, keys: list[str]) -> float | None:
+        """When the newest of some files was written (None if none is left)."""
+        infos = [i for i in (self.store.stat(k) for k in keys) if i is not None]
         return max(i.mtime for i in infos) if infos else None
+
+
+def _files_by_step(keys: Iterable[str]) -> dict[int, list[str]]:
+    """Pure: the keys of a listing of ``steps/``, by step."""
+    files: dict[int, list[str]] = {}
+    for key in keys:
+        step = layout.parse_step_dir(key[len(layout.STEPS_PREFIX):].split("/", 1)[0])
+        if step is not None:
+            files.setdefault(step, []).append(key)
+    return files
