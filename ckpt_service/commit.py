@@ -20,11 +20,11 @@ Re-committing a step whose marker exists. The existing marker is replaced, by a
 compare-and-swap on its object generation, when it does not stand for a valid commit: it is
 unreadable, superseded, made before this lease holder's tenure began (an older master's), or
 its manifest is missing or does not match its checksum, or, for a save without a deadline,
-a piece fails verification (the whole step is read). A save with a deadline cannot afford
-to read the step back: its own commit is known complete, so it takes the existing one's
-place unless the cheap checks show that one valid. Otherwise CommitConflictError: a genuine
-commit of the step stands. The replaced commit's files are left to gc (a restore may be
-reading them).
+a piece fails verification (the whole step is read). Otherwise CommitConflictError: a
+genuine commit of the step stands. A save with a deadline (an emergency save) cannot afford
+to read the step back, and reporting "already committed" for a step that may be corrupt
+would lose it; its own commit is complete and fenced, so it always takes the existing one's
+place. The replaced commit's files are left to gc (a restore may be reading them).
 """
 from __future__ import annotations
 

@@ -160,8 +160,8 @@ class CheckpointManager:
         step committed without one), CommitConflictError (a valid commit of the step exists), or
         the error of this rank's own share or writes. An existing commit of the step that is not
         valid (superseded, made before this lease holder's tenure, its manifest missing or not
-        matching, or, without a deadline, a piece failing verification; with a deadline, anything
-        but an intact manifest) is replaced instead; see :mod:`ckpt_service.commit`. The one exception is
+        matching, or a piece failing verification) is replaced instead; a save with a deadline,
+        which has no time to verify it, always replaces it. See :mod:`ckpt_service.commit`. The one exception is
         WriteOutcomeUnknownError: the commit marker was sent but neither its answer nor reading
         it back came in time, so the step may or may not be committed (list the steps to know).
         """
