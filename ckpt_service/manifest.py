@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import google_crc32c
 import numpy as np
@@ -162,12 +162,6 @@ def superseded_steps(generations: Mapping[int, int | None]) -> frozenset[int]:
             superseded.add(step)
         newest = generation if newest is None else max(newest, generation)
     return frozenset(superseded)
-
-
-def would_supersede(generation: int | None, step: int, higher: Iterable[tuple[int, int | None]]) -> bool:
-    """Pure: whether a commit of ``step`` under lease ``generation`` supersedes every one of
-    ``higher`` (pairs of a committed step above ``step`` and its marker's generation)."""
-    return generation is not None and all(g is not None and g < generation for s, g in higher if s > step)
 
 
 def checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

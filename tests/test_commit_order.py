@@ -9,11 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from ckpt_helpers import BACKENDS, assert_same_state, flip_one_byte_of_a_chunk, make_backend_store, sample_state
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ckpt_service import layout
 from ckpt_service.errors import CheckpointError, CommitConflictError, OutOfOrderSaveError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager
+from ckpt_service.manifest import superseded_steps
 from ckpt_service.reader import list_commits
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
@@ -245,3 +248,21 @@ def test_restore_overlapping_retention_reads_the_newer_step(store: ObjectStore) 
         ckpt = restoring.result(timeout=WAIT_S)
         assert ckpt.step == 2
         assert_same_state(ckpt.tensors, state(2))
+
+
+# ---- the ordering rule (pure) ---------------------------------------------------------------------
+
+
+def test_superseded_steps_examples() -> None:
+    assert superseded_steps({10: 5, 20: 3, 11: 9}) == {20}  # the old master's late marker
+    assert superseded_steps({10: 2, 20: 3, 30: 4, 15: 9}) == {20, 30}  # a rollback to 15
+    assert superseded_steps({10: None, 20: 1, 5: 7}) == {20}  # a step without a generation is skipped
+    assert superseded_steps({10: 9, 20: None}) == frozenset()  # ... and never superseded
+    assert superseded_steps({}) == frozenset()
+
+
+@given(st.dictionaries(st.integers(0, 50), st.one_of(st.none(), st.integers(1, 20)), max_size=12))
+def test_superseded_steps_is_the_definition(generations: dict[int, int | None]) -> None:
+    expected = {s for s, g in generations.items() if g is not None and any(
+        t < s and h is not None and h > g for t, h in generations.items())}
+    assert superseded_steps(generations) == expected
