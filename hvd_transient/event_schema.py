@@ -214,7 +214,8 @@ class EarlyWarning(EventBody):
 @_declare("notice_agreed", durable=True)
 @dataclass(frozen=True)
 class NoticeAgreed(EventBody):
-    """(every rank) The step at which all ranks acted on a notice; ``deadline``: the commit deadline."""
+    """(every rank) The step at which all ranks acted on a notice; ``leaving``: the hosts newly under
+    notice in this round (not those handled in an earlier one); ``deadline``: the commit deadline."""
 
     step: int
     leaving: tuple[str, ...]
