@@ -562,6 +562,37 @@ def test_lose_never_answers_even_after_it_ends(emu):
     assert outcome["at"] > snap.fault_until + 1.0  # type: ignore[operator]
 
 
+def test_a_fault_hits_a_long_poll_already_waiting(emu):
+    """As a restarting server fails what it holds: an error at once, a lost reply, a late one."""
+    path = "computeMetadata/v1/instance/preempted"
+    etags = {i: gce(emu, i, "instance/preempted").headers["ETag"] for i in "abc"}
+    outcome: dict[str, object] = {}
+
+    def long_poll(inst: str) -> None:
+        try:
+            reply = gce(emu, inst, "instance/preempted", wait_for_change="true", last_etag=etags[inst],
+                        timeout_sec=60, timeout=2.0)
+            outcome[inst] = (reply.status_code, reply.text, time.time())
+        except requests.ReadTimeout:
+            outcome[inst] = "lost"
+
+    threads = [threading.Thread(target=long_poll, args=(i,)) for i in "abc"]
+    for t in threads:
+        t.start()
+    assert emu.wait_for(lambda s: all(s[i].path_hits.get("/" + path) == 2 for i in "abc"), timeout=AT_ONCE)
+    emu.set_fault("a", "503")
+    emu.set_fault("b", "lose", duration=0.2)
+    hang = emu.set_fault("c", "hang", duration=0.5)
+    emu.preempt("c", window=30)  # a change during the hang is answered only once it is over
+    for t in threads:
+        t.join(AT_ONCE)
+    assert outcome["a"][:2] == (503, "injected fault: service unavailable\n")  # type: ignore[index]
+    assert outcome["b"] == "lost"  # not answered when the fault ended either
+    status, text, at = outcome["c"]  # type: ignore[misc]
+    assert (status, text) == (200, "TRUE") and at >= hang.fault_until
+    assert [emu.instance(i).fault_hits for i in "ab"] == [{"503": 1}, {"lose": 1}]
+
+
 def test_a_fault_without_a_duration_lasts_until_cleared(emu):
     for endless in (float("inf"), float("nan")):
         with pytest.raises(InvalidRequestError, match="duration"):

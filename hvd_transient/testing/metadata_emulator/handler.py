@@ -30,7 +30,8 @@ Without ``duration`` it lasts until another mode is set; with one it ends by its
 many seconds (``fault_until`` in the instance's state). ``500``/``503``: that error at once
 (GCE's carry ``Metadata-Flavor: Google``); ``garbage``: 200 with a nonsense body; ``hang``: no
 answer until the fault ends, then the answer of that moment; ``lose``: no answer ever, even after
-the fault ends (the request is held until its client hangs up or the emulator stops).
+the fault ends (the request is held until its client hangs up or the emulator stops). A GCE
+long-poll already waiting when a fault begins is hit by it too, as by a restarting server.
     POST /control/instances/<inst>/reset      a fresh VM under the same name
 """
 from __future__ import annotations
@@ -139,11 +140,18 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
         try:
             q = parse_gce_query(query, path)
             if q.wait_for_change:
-                found = self.registry.gce_wait_for_change(name, path, q.last_etag, q.timeout_sec,
-                                                          recursive=q.recursive, alt=q.alt)
-                if found is None:  # stopping
+                waited = self.registry.gce_wait_for_change(name, path, q.last_etag, q.timeout_sec,
+                                                           recursive=q.recursive, alt=q.alt)
+                if waited is None:  # stopping
                     self.close_connection = True
                     return
+                if isinstance(waited, Fault):  # a fault began while it waited
+                    if waited is Fault.LOSE:
+                        self._never_answer()
+                    else:
+                        self._fault_reply(waited, gce=True)
+                    return
+                found = waited
             else:
                 found = self.registry.gce_read(name, path, recursive=q.recursive, alt=q.alt)
         except UnknownKeyError:

@@ -201,18 +201,36 @@ class Registry:
             return self._gce_value(self._get(name), path, recursive, alt)
 
     def gce_wait_for_change(self, name: str, path: str, last_etag: str | None, timeout: float | None, *,
-                            recursive: bool = False, alt: str | None = None) -> tuple[Reply, str] | None:
+                            recursive: bool = False,
+                            alt: str | None = None) -> tuple[Reply, str] | Fault | None:
         """GCE ``wait_for_change``: return when the reply's ETag differs from ``last_etag``
         (at once if it already does) or, without one, from the ETag at call time; return the
         unchanged reply after ``timeout``. For a directory, a change anywhere under it counts.
-        None when the server is stopping."""
+        None when the server is stopping.
+
+        A fault that begins while the long-poll waits hits it too, as a restarting server fails
+        the requests it holds: the fault is returned at once (to answer with, or to lose the
+        request); a ``hang`` holds the reply, changed or not, until the hang ends."""
         with self._cond:
             inst = self._get(name)
             _, start_etag = self._gce_value(inst, path, recursive, alt)
             baseline = last_etag if last_etag else start_etag
+
+            def failing() -> bool:
+                return inst.fault not in (Fault.OK, Fault.HANG)
+
             self._cond.wait_for(
-                lambda: self._stopping or self._gce_value(inst, path, recursive, alt)[1] != baseline, timeout)
-            return None if self._stopping else self._gce_value(inst, path, recursive, alt)
+                lambda: self._stopping or failing() or (
+                    inst.fault is Fault.OK and self._gce_value(inst, path, recursive, alt)[1] != baseline),
+                timeout)
+            self._cond.wait_for(lambda: self._stopping or inst.fault is not Fault.HANG)
+            if self._stopping:
+                return None
+            if failing():
+                inst.fault_hits[inst.fault.value] = inst.fault_hits.get(inst.fault.value, 0) + 1
+                self._cond.notify_all()
+                return inst.fault
+            return self._gce_value(inst, path, recursive, alt)
 
     def aws_issue_token(self, name: str, ttl_s: int) -> str:
         if not 1 <= ttl_s <= AWS_TOKEN_TTL_MAX_S:
