@@ -34,6 +34,9 @@ DEFAULT_INSTANCES = ("instance-1",)
 class _EmulatorHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog of 5 drops connections when many clients poll at once (each
+    # lost or hung request holds one); a dropped SYN costs a client a 1 s retransmission
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], registry: Registry) -> None:
         self.registry = registry
