@@ -214,15 +214,18 @@ def test_watcher_survives_a_broken_server_and_detects_after_it_heals(emu, watche
 # ---- a failing or hanging metadata server never blinds a watcher for long ----------------------------
 SEEN_WITHIN_S = 2.0  # from the notice's appearance; a GCE Spot VM has 30 s in all
 # (kind, emulator fault, seconds): the fault begins while the watcher watches, the notice appears
-# as it ends. "lose": requests (the GCE long-poll in flight included) are never answered.
+# as it ends. "lose": requests (the GCE long-poll in flight included) are never answered; "hang":
+# they are answered only when the fault ends.
 SPELLS = [
     ("gce", "503", 25.0),   # measured on the old 30 s backoff: the notice was seen 7.7 s late
     ("gce", "lose", 8.0),
     ("gce", "hang", 8.0),
     ("aws", "503", 10.0),
     ("aws", "lose", 10.0),
+    ("aws", "hang", 10.0),
     ("azure", "503", 8.0),
     ("azure", "lose", 8.0),
+    ("azure", "hang", 8.0),
 ]
 POLLERS = {"gce": 2, "aws": 2, "azure": 1}
 FIRST_POLLS = {"gce": (PREEMPTED, MAINTENANCE), "aws": (AWS_ACTION, AWS_REBALANCE), "azure": (AZURE_EVENTS,)}
