@@ -278,7 +278,7 @@ class _FailureLog:
     def recovered(self) -> None:
         if self.count:
             log.info("%s: the metadata server answers again after %d failed request(s) in %.1f s",
-                        self.what, self.count, time.monotonic() - self.first)
+                     self.what, self.count, time.monotonic() - self.first)
         self.count = 0
 
 
