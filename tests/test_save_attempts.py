@@ -82,15 +82,18 @@ def test_a_replay_does_not_pick_up_the_records_of_an_abandoned_attempt(store) ->
 
 def test_a_replay_commits_only_its_own_attempts_data(store) -> None:
     """The abandoned attempt's record stays in the store while the replay's coordinator polls; the
-    replay's own rank 1 reports late (after the coordinator's first listing): only 2.0 is committed."""
+    replay's own rank 1 reports late (once the coordinator has read what its first listing found):
+    only 2.0 is committed."""
     listed = threading.Event()
+    listings = []
 
-    class Watching(DelegatingStore):  # the coordinator's view: says when it has listed records
+    class Watching(DelegatingStore):  # the coordinator's view: says when it lists records a second time
         def list(self, prefix: str = ""):
-            keys = list(self.inner.list(prefix))
             if "/records/" in prefix:
-                listed.set()
-            return iter(keys)
+                listings.append(prefix)
+                if len(listings) == 2:
+                    listed.set()
+            return self.inner.list(prefix)
 
     with CheckpointManager(store, max_to_keep=None) as old, \
             CheckpointManager(Watching(store), max_to_keep=None, gather_timeout_s=60) as rank0, \
@@ -98,7 +101,7 @@ def test_a_replay_commits_only_its_own_attempts_data(store) -> None:
         old.save(5, filled(1.0), rank=1, world_size=2, attempt="ring-a-5-0")
 
         def late_rank1() -> object:
-            assert listed.wait(60)
+            assert listed.wait(20), "the coordinator never looked for records twice"
             return rank1.save(5, filled(2.0), rank=1, world_size=2, attempt="ring-b-5-0")
 
         manifest, other = run_ranks(lambda: rank0.save(5, filled(2.0), rank=0, world_size=2, attempt="ring-b-5-0"),
