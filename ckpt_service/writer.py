@@ -79,16 +79,15 @@ class CheckpointWriter:
     def plan(self, specs: Iterable[TensorSpec] | TensorSpecs, world_size: int = 1) -> SavePlan:
         return self.plans.plan(specs, world_size)
 
-    def _plan_and_share(self, tensors: Mapping[str, Any], rank: int, world_size: int,
-                        snapshot: ShareSnapshot | None) -> tuple[SavePlan, Share]:
-        plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
+    def _take_share(self, plan: SavePlan, tensors: Mapping[str, Any], rank: int,
+                    snapshot: ShareSnapshot | None) -> Share:
         if snapshot is None:
-            return plan, prepare_share(plan, rank, tensors)
+            return prepare_share(plan, rank, tensors)
         taken = snapshot(plan, rank)
         if isinstance(taken, DeferredShare):
             deferred = taken
-            return plan, lambda: checked_share(plan, rank, deferred.assemble())
-        return plan, checked_share(plan, rank, taken)
+            return lambda: checked_share(plan, rank, deferred.assemble())
+        return checked_share(plan, rank, taken)
 
     def save(
         self,
@@ -109,10 +108,12 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         _check_attempt(step, attempt, world_size, gather)
         bound = Deadline(deadline) if deadline is not None else None
+        plan: SavePlan | None = None
         try:
-            plan, share = self._plan_and_share(tensors, rank, world_size, snapshot)
+            plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
+            share = self._take_share(plan, tensors, rank, snapshot)
         except Exception as exc:
-            self._report_failed_share(step, rank, world_size, gather, coordinator, bound, attempt, exc)
+            self._report_failed_share(step, rank, world_size, gather, coordinator, bound, attempt, plan, exc)
             raise
         return self._save_planned(step, plan, share, checked_metadata(metadata), rank, gather,
                                   coordinator, lease, bound, attempt=attempt, stall_start=t0)
@@ -148,11 +149,13 @@ class CheckpointWriter:
             self._log_background_error()
         t0 = time.perf_counter()
         # The snapshot is exactly this rank's pieces, in contiguous host buffers.
+        plan: SavePlan | None = None
         try:
-            plan, share = self._plan_and_share(tensors, rank, world_size, snapshot)
+            plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
+            share = self._take_share(plan, tensors, rank, snapshot)
         except Exception as exc:
             # the other ranks' background saves gather through the store; tell the coordinator
-            self._report_failed_share(step, rank, world_size, gather, coordinator, None, attempt, exc)
+            self._report_failed_share(step, rank, world_size, gather, coordinator, None, attempt, plan, exc)
             raise
         stall = time.perf_counter() - t0
         meta = checked_metadata(metadata)
@@ -210,7 +213,7 @@ class CheckpointWriter:
 
     def _report_failed_share(self, step: int, rank: int, world_size: int, gather: Gather | None,
                              coordinator: int, deadline: Deadline | None, attempt: str | None,
-                             exc: BaseException) -> None:
+                             plan: SavePlan | None, exc: BaseException) -> None:
         """A rank that could not build its share still reaches the gather with an error record.
 
         Otherwise the other ranks would wait on it (a collective gather: forever; the store
@@ -222,8 +225,10 @@ class CheckpointWriter:
             if rank == coordinator:
                 return  # the others post their records to the store and do not wait for this rank
             gather = self._store_gather(step, rank, world_size, attempt, coordinator, deadline)
-        try:  # no plan: its digest is unknown, the step and attempt say which save failed
-            gather(ShardRecord.failed(rank, exc, step=step, attempt=attempt, plan=None).to_json())
+        # a rank that could not even plan has no digest: the step and attempt say which save failed
+        digest = plan.digest if plan is not None else None
+        try:
+            gather(ShardRecord.failed(rank, exc, step=step, attempt=attempt, plan=digest).to_json())
         except Exception as gather_exc:  # the caller needs the original error, not this one
             log.warning("could not report the failed share of step %d to the other ranks: %s", step, gather_exc)
 

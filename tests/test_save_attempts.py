@@ -6,6 +6,7 @@ commit nothing; a multi-writer save through the store must say which attempt it 
 """
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any, Callable
 
@@ -120,6 +121,9 @@ def test_a_failed_record_of_an_abandoned_attempt_does_not_abandon_the_replay(sto
             mgr.save(5, filled(1.0), rank=1, world_size=2, snapshot=broken, attempt="ring-a-5-0")
         failed = [k for k in store.list(layout.step_prefix(5) + "records/")]
         assert failed == [layout.record_key(5, "ring-a-5-0", 1)]  # the error record the replay must ignore
+        body = json.loads(store.get(failed[0]))  # it names its save: step, attempt and plan
+        assert (body["step"], body["attempt"], body["error"]) == (5, "ring-a-5-0", "RuntimeError: device lost")
+        assert body["plan"] == mgr.plan(specs_of(filled(1.0)), 2).digest
         manifest, other = run_ranks(lambda: mgr.save(5, filled(2.0), rank=0, world_size=2, attempt="ring-b-5-0"),
                                     lambda: peer.save(5, filled(2.0), rank=1, world_size=2, attempt="ring-b-5-0"))
         assert manifest is not None and other is None
