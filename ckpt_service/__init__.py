@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ckpt_service.errors import (
+    BadAttemptError,
     BadMetadataError,
     BadSnapshotError,
     BadStoreKeyError,
@@ -25,6 +26,7 @@ from ckpt_service.errors import (
     FormatVersionError,
     IncompleteShardRecordsError,
     LeaseLostError,
+    MismatchedShardRecordsError,
     MissingCredentialsError,
     NothingToRestoreError,
     ObjectNotFoundError,
@@ -69,9 +71,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BadMetadataError", "BadSnapshotError", "BadStoreKeyError", "BadStoreURLError", "BadTensorNameError",
-    "CheckpointError", "CommitConflictError", "CorruptCheckpointError", "FormatVersionError",
-    "IncompleteShardRecordsError", "LeaseLostError", "MissingCredentialsError", "NothingToRestoreError",
-    "ObjectNotFoundError", "OutOfOrderSaveError", "PreconditionFailedError", "SaveAbandonedError", "StoreDeadlineError",
-    "StoreUnavailableError", "StructureMismatchError", "WriterFailedError", *_LAZY,
+    "BadAttemptError", "BadMetadataError", "BadSnapshotError", "BadStoreKeyError", "BadStoreURLError",
+    "BadTensorNameError", "CheckpointError", "CommitConflictError", "CorruptCheckpointError", "FormatVersionError",
+    "IncompleteShardRecordsError", "LeaseLostError", "MismatchedShardRecordsError", "MissingCredentialsError",
+    "NothingToRestoreError", "ObjectNotFoundError", "OutOfOrderSaveError", "PreconditionFailedError",
+    "SaveAbandonedError", "StoreDeadlineError", "StoreUnavailableError", "StructureMismatchError",
+    "WriterFailedError", *_LAZY,
 ]

@@ -60,31 +60,35 @@ VERIFY_THREADS = 4
 
 
 def build_manifest(step: int, plan: SavePlan, records: Sequence[ShardRecord], metadata: dict[str, Any],
-                   lease_generation: int | None) -> Manifest:
-    """The manifest of ``step`` (pure but for its timestamp); raises unless the records cover the plan."""
+                   lease_generation: int | None, attempt: str | None = None) -> Manifest:
+    """The manifest of ``step`` (pure but for its timestamp); raises unless the records are all of this
+    step, ``attempt`` and plan, and cover the plan."""
     return Manifest(
         step=step,
         world_size=plan.world_size,
         created_at=time.time(),
         tensors=tuple(TensorEntry(p.spec.name, p.spec.shape, p.spec.dtype, p.spec.dtype, p.offset)
                       for p in plan.placements),
-        pieces=pieces_to_commit(step, plan, records),
+        pieces=pieces_to_commit(step, plan, records, attempt=attempt),
         metadata=metadata,
         lease_generation=lease_generation,
     )
 
 
 def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence[ShardRecord],
-                metadata: dict[str, Any], lease: Lease | None, deadline: Deadline | None = None) -> Manifest:
-    """Commit ``step`` from every writer's record; returns its manifest.
+                metadata: dict[str, Any], lease: Lease | None, deadline: Deadline | None = None, *,
+                attempt: str | None = None) -> Manifest:
+    """Commit ``step`` from every writer's record of save ``attempt``; returns its manifest.
 
-    Raises WriterFailedError or IncompleteShardRecordsError (bad records), OutOfOrderSaveError
-    (older than a step it cannot supersede), LeaseLostError (fenced out), SaveAbandonedError
-    (deadline), CommitConflictError (a valid commit of the step exists),
+    Raises WriterFailedError, IncompleteShardRecordsError or its MismatchedShardRecordsError
+    (bad records, or records of another step, attempt or plan), OutOfOrderSaveError (older than
+    a step it cannot supersede), LeaseLostError (fenced out), SaveAbandonedError (deadline),
+    CommitConflictError (a valid commit of the step exists),
     WriteOutcomeUnknownError (the marker write's outcome is unknown). Nothing is committed
     unless it returns, or that last error says the outcome is unknown.
     """
-    manifest = build_manifest(step, plan, records, metadata, lease.generation if lease is not None else None)
+    manifest = build_manifest(step, plan, records, metadata, lease.generation if lease is not None else None,
+                              attempt)
     token = uuid.uuid4().hex
     body = manifest.to_json()
     mkey = layout.manifest_key(step, token)

@@ -85,6 +85,15 @@ class IncompleteShardRecordsError(CheckpointError, ValueError):
     """The writers' shard records are unreadable or do not cover the save plan exactly (nothing was committed)."""
 
 
+class MismatchedShardRecordsError(IncompleteShardRecordsError):
+    """Writers' shard records belong to different saves: another step, save attempt or plan, or pieces
+    outside the step or of another writer (nothing was committed)."""
+
+
+class BadAttemptError(CheckpointError, ValueError):
+    """A save attempt id is missing where one is required, or cannot be used in store keys."""
+
+
 class CommitConflictError(CheckpointError, FileExistsError):
     """This step was already committed (by another master); the earlier commit stands."""
 

@@ -137,6 +137,7 @@ class CheckpointManager:
         lease: Lease | None = None,
         deadline: float | None = None,
         snapshot: ShareSnapshot | None = None,
+        attempt: str | None = None,
     ) -> Manifest | None:
         """Write this rank's share of ``tensors`` and, on the coordinator, commit step ``step``.
 
@@ -153,20 +154,30 @@ class CheckpointManager:
         give up before the deadline instead of after it. Such a save leaves retention to the next
         save without a deadline. Without one, the store's own retry policy applies unchanged.
 
+        ``attempt`` names this save attempt: the same id on every rank of one save, a new one for
+        each save (the same step saved again after a rollback is a new attempt), 1-64 characters
+        of ``[A-Za-z0-9._-]``. Every shard record carries it with the step and the plan's digest,
+        and the coordinator commits only records of its own step, attempt and plan. A multi-writer
+        save without ``gather`` (records gathered through the store) must pass one, or it raises
+        BadAttemptError before writing anything; with a collective ``gather`` it is optional.
+
         Nothing is committed when it raises: SaveAbandonedError (the deadline passed, or the
         store could not do its part before it), WriterFailedError (a writer reported an error),
-        IncompleteShardRecordsError, LeaseLostError, OutOfOrderSaveError (a save without a lease
-        of a step older than the latest committed one, or a rollback under the lease below a
-        step committed without one), CommitConflictError (a valid commit of the step exists), or
-        the error of this rank's own share or writes. An existing commit of the step that is not
-        valid (superseded, made before this lease holder's tenure, its manifest missing or not
-        matching, or a piece failing verification) is replaced instead; a save with a deadline,
-        which has no time to verify it, always replaces it. See :mod:`ckpt_service.commit`. The one exception is
-        WriteOutcomeUnknownError: the commit marker was sent but neither its answer nor reading
-        it back came in time, so the step may or may not be committed (list the steps to know).
+        IncompleteShardRecordsError (or MismatchedShardRecordsError: a record of another step,
+        attempt or plan, or pieces outside the step or of another writer), LeaseLostError,
+        OutOfOrderSaveError (a save without a lease of a step older than the latest committed one,
+        or a rollback under the lease below a step committed without one), CommitConflictError (a
+        valid commit of the step exists), or the error of this rank's own share or writes. An
+        existing commit of the step that is not valid (superseded, made before this lease holder's
+        tenure, its manifest missing or not matching, or a piece failing verification) is replaced
+        instead; a save with a deadline, which has no time to verify it, always replaces it (see
+        :mod:`ckpt_service.commit`). The one exception is WriteOutcomeUnknownError: the commit
+        marker was sent but neither its answer nor reading it back came in time, so the step may
+        or may not be committed (list the steps to know).
         """
         return self._writer.save(step, tensors, metadata, rank=rank, world_size=world_size, gather=gather,
-                                 coordinator=coordinator, lease=lease, deadline=deadline, snapshot=snapshot)
+                                 coordinator=coordinator, lease=lease, deadline=deadline, snapshot=snapshot,
+                                 attempt=attempt)
 
     def save_async(
         self,
@@ -182,6 +193,7 @@ class CheckpointManager:
         if_busy: str = "skip",
         on_done: Callable[[Manifest | None, BaseException | None], None] | None = None,
         snapshot: ShareSnapshot | None = None,
+        attempt: str | None = None,
     ) -> bool:
         """Snapshot this rank's share into host memory, then persist and commit in the background.
 
@@ -189,7 +201,8 @@ class CheckpointManager:
         memory stays bounded by one snapshot of this rank's share: if one is still running,
         ``if_busy="skip"`` drops this request (returns False) and ``"wait"`` blocks until the
         previous one finishes. A multi-writer background save gathers records through the
-        store unless ``gather`` is given (it then runs on the background thread).
+        store unless ``gather`` is given (it then runs on the background thread), and so needs
+        an ``attempt`` id (see :meth:`save`).
         ``on_done(manifest, error)`` is called on the background thread when it ends.
         ``snapshot`` supplies the share instead of ``tensors``, as in :meth:`save`; if it
         raises or returns arrays that do not fit the plan, nothing is started. A
@@ -200,7 +213,7 @@ class CheckpointManager:
         """
         return self._writer.save_async(step, tensors, metadata, rank=rank, world_size=world_size, gather=gather,
                                        coordinator=coordinator, lease=lease, if_busy=if_busy, on_done=on_done,
-                                       snapshot=snapshot)
+                                       snapshot=snapshot, attempt=attempt)
 
     def wait(self, timeout: float | None = None) -> Manifest | None:
         """Block until the in-flight async save is done; re-raise its error. TimeoutError if not done."""
