@@ -87,8 +87,10 @@ def list_commits(store: ObjectStore, io: Executor | None = None) -> CommitListin
     between the listing and its read is left out: that step is gone."""
     steps = sorted(s for s in (layout.parse_commit_key(k) for k in store.list(layout.COMMITS_PREFIX))
                    if s is not None)
-    read = [read_marker(store, s) for s in steps] if io is None or len(steps) < 2 else \
-        list(io.map(lambda s: read_marker(store, s), steps))
+    if io is None or len(steps) < 2:
+        read = [read_marker(store, s) for s in steps]
+    else:
+        read = list(io.map(lambda s: read_marker(store, s), steps))
     markers = {s: marker for s, (gone, marker) in zip(steps, read) if not gone}
     superseded = superseded_steps({s: m.lease_generation if m is not None else None for s, m in markers.items()})
     if superseded:
