@@ -84,10 +84,13 @@ class FaultStore(DelegatingStore):
         if key.startswith("commits/") and self.hold_marker is not None:
             self.marker_reached.set()
             assert self.hold_marker.wait(WAIT_S), "the paused master was never released"
-        generation = self._call(lambda: self.inner.put(key, data, if_generation_match=if_generation_match))
-        if key.startswith("commits/"):
-            self._note_marker(data)
-        return int(generation)
+        def put() -> int:
+            generation = self.inner.put(key, data, if_generation_match=if_generation_match)
+            if key.startswith("commits/"):  # noted even when the process dies before the reply
+                self._note_marker(data)
+            return generation
+
+        return int(self._call(put))
 
     def _note_marker(self, data: bytes) -> None:
         marker = json.loads(data)
@@ -340,7 +343,7 @@ def _run(make_store: Callable[[], ObjectStore], examples: int, steps: int, gathe
 
 
 def test_interleavings_memory_store() -> None:
-    _run(lambda: MemoryStore(uuid.uuid4().hex), examples=60, steps=12)
+    _run(lambda: MemoryStore(uuid.uuid4().hex), examples=100, steps=15)
 
 
 def test_interleavings_local_store(tmp_path: Path) -> None:
