@@ -7,6 +7,7 @@ import pytest
 
 from ckpt_service.errors import BadMetadataError
 from ckpt_service.manager import CheckpointManager
+from ckpt_service.plan import UnsupportedDtypeError, spec_of
 from ckpt_service.stores import MemoryStore, ObjectStore
 
 STATE = {"a": np.arange(10, dtype=np.float32), "b": np.ones((2, 3), dtype=np.int64), "c": np.zeros(4, np.float64)}
@@ -55,3 +56,18 @@ def test_strict_json_metadata_round_trips(mgr) -> None:
     metadata = {"epoch": 3, "lr": np.float64(0.5), "ok": True, "none": None, "t": (1, 2), "d": {"x": [1.5]}}
     mgr.save(1, STATE, metadata)
     assert mgr.restore().metadata == {"epoch": 3, "lr": 0.5, "ok": True, "none": None, "t": [1, 2], "d": {"x": [1.5]}}
+
+
+# ------------------------------------------------------------------ dtypes
+
+
+@pytest.mark.parametrize("dtype", ["longdouble", "clongdouble"])
+def test_extended_precision_is_an_unsupported_dtype(mgr, store, dtype: str) -> None:
+    array = np.zeros(3, dtype=dtype)
+    if array.dtype in (np.dtype("float64"), np.dtype("complex128")):
+        pytest.skip("long double is double on this platform")
+    with pytest.raises(UnsupportedDtypeError, match="float .16, 32 or 64 bits"):
+        spec_of("x", array)
+    with pytest.raises(UnsupportedDtypeError, match=str(array.dtype)):
+        mgr.save(1, {"x": array})
+    assert written(store) == []
