@@ -2,13 +2,21 @@
 concurrent and failing background saves are reported, and one rank's bad input ends the save at once."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
+from ckpt_helpers import assert_same_state
 
-from ckpt_service.errors import BadMetadataError
+from ckpt_service.cli import main as ckpt_main
+from ckpt_service.errors import (
+    BadMetadataError,
+    BadTensorNameError,
+)
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.plan import UnsupportedDtypeError, spec_of
-from ckpt_service.stores import MemoryStore, ObjectStore
+from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore
 
 STATE = {"a": np.arange(10, dtype=np.float32), "b": np.ones((2, 3), dtype=np.int64), "c": np.zeros(4, np.float64)}
 
@@ -71,3 +79,29 @@ def test_extended_precision_is_an_unsupported_dtype(mgr, store, dtype: str) -> N
     with pytest.raises(UnsupportedDtypeError, match=str(array.dtype)):
         mgr.save(1, {"x": array})
     assert written(store) == []
+
+
+# ------------------------------------------------------------------ export
+
+
+def test_export_of_a_tensor_named_file(tmp_path: Path, capsys) -> None:
+    state = {"file": np.arange(3.0), "a/b:0": np.ones(2, np.int8), "x.npy": np.zeros(1)}
+    with CheckpointManager(LocalStore(tmp_path / "store"), max_to_keep=None) as mgr:
+        mgr.save(4, state, {"epoch": 1})
+    out = tmp_path / "out"  # .npz is appended, as np.savez does
+    assert ckpt_main(["export", str(tmp_path / "store"), "--step", "4", str(out)]) == 0
+    assert str(out) + ".npz" in capsys.readouterr().out
+    with np.load(str(out) + ".npz", allow_pickle=False) as data:
+        assert_same_state({k: data[k] for k in data.files if k != "__metadata__"}, state)
+        assert json.loads(str(data["__metadata__"])) == {"epoch": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.npz", "store"]
+
+
+def test_export_of_a_tensor_named_like_the_metadata_entry_is_refused(tmp_path: Path, capsys) -> None:
+    with CheckpointManager(LocalStore(tmp_path / "store"), max_to_keep=None) as mgr:
+        mgr.save(4, {"__metadata__": np.arange(3.0), "w": np.ones(2)})
+    out = tmp_path / "out.npz"
+    assert ckpt_main(["export", str(tmp_path / "store"), "--step", "4", str(out)]) != 0
+    assert "'__metadata__'" in capsys.readouterr().err
+    assert not out.exists()
+    assert issubclass(BadTensorNameError, ValueError)
