@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_service.errors import (
     BadMetadataError,
+    BadPartitionError,
+    BadRankError,
     BadSnapshotError,
+    BadStepError,
     BadStoreKeyError,
     BadStoreURLError,
     BadTensorNameError,
@@ -68,7 +71,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BadMetadataError", "BadSnapshotError", "BadStoreKeyError", "BadStoreURLError", "BadTensorNameError",
+    "BadMetadataError", "BadPartitionError", "BadRankError", "BadSnapshotError", "BadStepError",
+    "BadStoreKeyError", "BadStoreURLError", "BadTensorNameError",
     "CheckpointError", "CommitConflictError", "CorruptCheckpointError", "FormatVersionError",
     "IncompleteShardRecordsError", "LeaseLostError", "MissingCredentialsError", "NothingToRestoreError",
     "ObjectNotFoundError", "PreconditionFailedError", "SaveAbandonedError", "StoreDeadlineError",

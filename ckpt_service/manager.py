@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
 
+from ckpt_service.arguments import checked_step
 from ckpt_service.collector import StepCollector
 from ckpt_service.errors import BadMetadataError, BadSnapshotError, CommitConflictError
 from ckpt_service.gather import Gather
@@ -31,6 +32,7 @@ from ckpt_service.lease import Lease
 from ckpt_service.manifest import CommitMarker, Manifest
 from ckpt_service.plan import DEFAULT_CHUNK_BYTES, SavePlan, TensorSpec, TensorSpecs
 from ckpt_service.plan_cache import PLAN_CACHE_SIZE, PlanCache
+from ckpt_service.read_plan import checked_partition
 from ckpt_service.reader import Checkpoint, CheckpointReader, VerifyReport
 from ckpt_service.retention import RetentionPolicy
 from ckpt_service.share import DeferredShare, ShareSnapshot, prepare_share
@@ -175,7 +177,9 @@ class CheckpointManager:
         The caller is blocked only while the snapshot is taken. At most one save is in flight, so
         memory stays bounded by one snapshot of this rank's share: if one is still running,
         ``if_busy="skip"`` drops this request (returns False) and ``"wait"`` blocks until the
-        previous one finishes. A multi-writer background save gathers records through the
+        previous one finishes; if that one failed, its error is logged (not raised here) and
+        this save starts. Concurrent callers are served one at a time: two can never both
+        start a save. A multi-writer background save gathers records through the
         store unless ``gather`` is given (it then runs on the background thread).
         ``on_done(manifest, error)`` is called on the background thread when it ends.
         ``snapshot`` supplies the share instead of ``tensors``, as in :meth:`save`; if it
@@ -225,10 +229,16 @@ class CheckpointManager:
         ``names`` restricts the tensors read; ``partition=(rank, world_size)`` makes each of
         ``world_size`` readers read a byte-balanced share of whole tensors (any reader count
         can read any writer count). ``expected`` maps names to arrays or ``(shape, dtype)``
-        and raises StructureMismatchError on any difference. When the latest step fails
+        and raises StructureMismatchError on any difference from the tensors restored (with
+        ``names``, those; otherwise all stored ones). When the latest step fails
         verification and no step was asked for, the previous committed step is tried, with
-        a warning naming what failed.
+        a warning naming what failed. A step that is not a non-negative integer raises
+        BadStepError; a partition that is not ``(reader, readers)`` with
+        ``0 <= reader < readers``, BadPartitionError.
         """
+        step = None if step is None else checked_step(step)
+        partition = None if partition is None else checked_partition(partition)
+        names = None if names is None else list(names)  # read once, however many steps are tried
         return self._reader.restore(step, names=names, partition=partition, expected=expected)
 
     def verify(self, step: int) -> VerifyReport:
@@ -239,7 +249,7 @@ class CheckpointManager:
 
     def delete(self, step: int) -> None:
         """Delete a step: the commit marker first, so it is never visible half-deleted."""
-        self._collector.delete(step)
+        self._collector.delete(checked_step(step))
 
     def gc(self, keep: int | None = None) -> list[int]:
         """Apply retention; also remove abandoned uncommitted steps older than the latest.

@@ -132,8 +132,9 @@ class CheckpointReader:
               expected: Mapping[str, Any] | None) -> Checkpoint:
         manifest = self.manifest(step)
         entries = {t.name: t for t in manifest.tensors}
+        names = None if names is None else list(names)
         if expected is not None:
-            check_expected(entries, expected, step)
+            check_expected(entries, expected, step, names)
         wanted = select_tensors(entries, names, partition, step)
         reads = piece_reads(manifest.pieces, entries, wanted)
         out = empty_tensors(entries, wanted)
