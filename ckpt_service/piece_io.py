@@ -153,8 +153,8 @@ def decode_piece(objects: Mapping[str, bytes | None], *, where: str, start: int 
     plain = _plain_layout(metadata)
     if plain is None:
         decoded = _zarr_decode(objects, where=where, start=start, stop=stop)
-        if out is None or out.shape != decoded.shape:
-            return decoded
+        if out is None or out.shape != decoded.shape or out.dtype != decoded.dtype:
+            return decoded  # not cast into ``out``: the caller sees that it is not what it asked for
         out[:] = decoded
         return out
     return _decode_plain(plain, objects.get, None, where=where, start=start, stop=stop, out=out)

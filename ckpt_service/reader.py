@@ -167,6 +167,10 @@ class CheckpointReader:
                        for key in chunk_keys(piece.stop - piece.start, piece.chunk_elements, lo, hi)}
             flat = decode_piece(objects, where=where, start=lo, stop=hi, out=out)  # verifies each chunk's crc32c
         whole = (start, stop) == (piece.start, piece.stop)
+        if flat.dtype.name != piece.group or (out is not None and flat is not out):
+            raise CorruptCheckpointError(
+                f"{where}: its zarr metadata describes {flat.dtype.name} elements or another shape, but the "
+                f"manifest records {hi - lo} elements of group {piece.group}")
         if flat.size != hi - lo or (whole and crc32c(flat) != piece.crc32c):
             raise CorruptCheckpointError(
                 f"{where} (group {piece.group}, elements {piece.start}-{piece.stop}) does not match its "

@@ -2,6 +2,7 @@
 fast path and the generic one; compressed or not) raises on a lost or corrupt chunk."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -112,3 +113,18 @@ def test_decoding_a_range_without_one_of_its_chunks_raises(compression: str) -> 
     del objects["c/1"]
     with pytest.raises(CorruptCheckpointError, match="c/1"):
         decode_piece(objects, where="piece", start=0, stop=3000)
+
+
+@pytest.mark.parametrize("spoil", ["dtype", "chunks"])
+def test_a_piece_whose_zarr_metadata_disagrees_with_the_manifest_fails_partial_reads(mgr: CheckpointManager,
+                                                                                     spoil: str) -> None:
+    piece_key = chunk_of(mgr, "a").rsplit("c/", 1)[0]
+    meta = json.loads(mgr.store.get(piece_key + "zarr.json"))
+    if spoil == "dtype":  # the chunks still pass their own checksums: only the manifest tells
+        meta["data_type"] = "int32"
+    else:
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [512]
+    mgr.store.put(piece_key + "zarr.json", json.dumps(meta).encode())
+    with pytest.raises(CorruptCheckpointError):
+        mgr.restore(1, names=["a"])
+    assert not mgr.verify(1).ok
