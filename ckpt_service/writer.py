@@ -141,7 +141,11 @@ class CheckpointWriter:
         rank, world_size, coordinator = checked_ranks(rank, world_size, coordinator)
         # One caller at a time gets from the busy check to the submit, so two threads can
         # never both start a save, nor one replace the other's before its outcome is reported.
-        with self._start_lock:
+        # A caller that would skip a busy save does not queue behind another's start either.
+        if not self._start_lock.acquire(blocking=if_busy == "wait"):
+            log.info("checkpoint of step %d skipped: another save is being started", step)
+            return False
+        try:
             with self._inflight_lock:
                 previous = self._inflight
             if previous is not None and not previous.done():
@@ -167,6 +171,8 @@ class CheckpointWriter:
             )
             with self._inflight_lock:
                 self._inflight = future
+        finally:
+            self._start_lock.release()
         if on_done is not None:
             done = on_done
             future.add_done_callback(lambda f: done(None if f.exception() else f.result(), f.exception()))

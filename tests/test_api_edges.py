@@ -100,35 +100,55 @@ def test_ranks_outside_the_world_are_refused_before_anything_is_written(mgr, sto
 # ------------------------------------------------------------------ concurrent and failing background saves
 
 
-def test_two_threads_calling_save_async_at_once_start_one_save(store) -> None:
-    gated = GatedStore(store)
-    arrived = threading.Event()  # the second caller is about to call save_async
-    entered = threading.Event()  # the first caller is taking its snapshot
+def test_a_save_async_call_while_another_is_starting_one_does_not_start_a_second(store) -> None:
+    gated = GatedStore(store)  # keeps the started save in flight until the gate opens
+    entered, release = threading.Event(), threading.Event()
     results: dict[int, bool] = {}
 
     def snapshot(plan: SavePlan, rank: int) -> list[np.ndarray]:
         entered.set()
-        assert arrived.wait(60)  # hold the first save between its busy check and its start
+        assert release.wait(60)  # holds the first call between its busy check and its start
         return [flat for _item, flat in prepare_share(plan, rank, STATE)]
-
-    def call(step: int) -> None:
-        results[step] = mgr.save_async(step, STATE, snapshot=snapshot)
 
     mgr = CheckpointManager(gated, max_to_keep=None)
     try:
-        first = threading.Thread(target=call, args=(1,))
+        first = threading.Thread(target=lambda: results.update({1: mgr.save_async(1, STATE, snapshot=snapshot)}))
         first.start()
         assert entered.wait(60)
-        second = threading.Thread(target=lambda: (arrived.set(), call(2)))
-        second.start()
+        assert mgr.save_async(2, STATE) is False  # at once: neither a second save nor a wait behind the first
+        release.set()
         first.join(60)
-        second.join(60)
-        assert sorted(results.values()) == [False, True], results  # at most one save in flight
-        assert mgr.save_in_flight
+        assert results == {1: True} and mgr.save_in_flight
+        assert mgr.save_async(3, STATE) is False
         gated.gate.set()
-        manifest = mgr.wait(timeout=60)
-        started = next(step for step, ok in results.items() if ok)
-        assert manifest is not None and mgr.all_steps() == [started]
+        assert mgr.wait(timeout=60) is not None
+        assert mgr.all_steps() == [1]
+    finally:
+        release.set()
+        gated.gate.set()
+        mgr.close()
+
+
+def test_two_threads_calling_save_async_at_once_start_one_save(store) -> None:
+    gated = GatedStore(store)
+    barrier = threading.Barrier(2)
+    results: dict[int, bool] = {}
+
+    def call(step: int) -> None:
+        barrier.wait(60)
+        results[step] = mgr.save_async(step, STATE)
+
+    mgr = CheckpointManager(gated, max_to_keep=None)
+    try:
+        threads = [threading.Thread(target=call, args=(step,)) for step in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(results.values()) == [False, True], results  # at most one save in flight
+        gated.gate.set()
+        assert mgr.wait(timeout=60) is not None
+        assert mgr.all_steps() == [next(step for step, ok in results.items() if ok)]
     finally:
         gated.gate.set()
         mgr.close()
