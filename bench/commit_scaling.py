@@ -79,7 +79,8 @@ def one_save(store: CountingStore, managers: list[CheckpointManager], lease: Lea
     start, gathered = threading.Barrier(n), dict[str, float]()
 
     def rank_main(rank: int) -> None:
-        inner = StoreGather(store, step, rank, n, timeout_s=300.0, read_threads=read_threads)
+        inner = StoreGather(store, step, rank, n, attempt=f"scaling-{step}", timeout_s=300.0,
+                            read_threads=read_threads)
 
         def gather(record: RecordJSON) -> list[RecordJSON] | None:
             t0 = time.perf_counter()

@@ -85,8 +85,21 @@ class IncompleteShardRecordsError(CheckpointError, ValueError):
     """The writers' shard records are unreadable or do not cover the save plan exactly (nothing was committed)."""
 
 
+class MismatchedShardRecordsError(IncompleteShardRecordsError):
+    """Writers' shard records belong to different saves: another step, save attempt or plan, or pieces
+    outside the step or of another writer (nothing was committed)."""
+
+
+class BadAttemptError(CheckpointError, ValueError):
+    """A save attempt id is missing where one is required, or cannot be used in store keys."""
+
+
 class CommitConflictError(CheckpointError, FileExistsError):
     """This step was already committed (by another master); the earlier commit stands."""
+
+
+class OutOfOrderSaveError(CheckpointError, ValueError):
+    """A save of a step older than the latest committed one, which its commit could not supersede."""
 
 
 class BadMetadataError(CheckpointError, TypeError):

@@ -2,6 +2,13 @@
 
 A step exists for readers only if ``COMMIT`` parses, names a manifest, and that
 manifest's crc32c matches the one recorded in the marker.
+
+A marker's ``lease_generation`` is the generation of the master lease its commit fenced.
+Every write of the lease gets a strictly larger generation, so these numbers order commits
+by their fences: a committed step is *superseded* when a lower committed step carries a
+newer lease generation (a successor committed after it was fenced, or a master rolled
+back). Markers without a generation (saves without a lease) neither supersede nor are
+superseded. See :func:`superseded_steps`.
 """
 from __future__ import annotations
 
@@ -140,6 +147,22 @@ class CommitMarker:
             return cls(**body)
         except TypeError as exc:
             raise CorruptCheckpointError(f"{where} is malformed: {exc}") from exc
+
+
+def superseded_steps(generations: Mapping[int, int | None]) -> frozenset[int]:
+    """Pure: the steps of ``generations`` (step -> its marker's lease generation) that a lower
+    step with a newer lease generation supersedes. A step without a generation is never in it
+    and never supersedes another."""
+    superseded: set[int] = set()
+    newest: int | None = None  # the newest generation among the lower steps seen so far
+    for step in sorted(generations):
+        generation = generations[step]
+        if generation is None:
+            continue
+        if newest is not None and newest > generation:
+            superseded.add(step)
+        newest = generation if newest is None else max(newest, generation)
+    return frozenset(superseded)
 
 
 def checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -23,10 +23,12 @@ the plan does not depend on the order in which tensors are given.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import heapq
+import json
 import math
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import astuple, dataclass
+from functools import cached_property, lru_cache
 from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -113,6 +115,18 @@ class SavePlan:
     @property
     def total_bytes(self) -> int:
         return sum(p.spec.nbytes for p in self.placements)
+
+    @cached_property
+    def digest(self) -> str:
+        """sha256 of the plan's canonical JSON: writers of one save show they planned alike by it.
+
+        Computed once per plan (plans are cached and immutable; cached_property writes the
+        instance's ``__dict__``, which a frozen dataclass allows).
+        """
+        body = {"world_size": self.world_size, "piece_bytes": self.piece_bytes,
+                "placements": [[p.spec.name, list(p.spec.shape), p.spec.dtype, p.offset] for p in self.placements],
+                "items": [astuple(i) for i in self.items]}
+        return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
     def group_sizes(self) -> dict[str, int]:
         sizes: dict[str, int] = {}

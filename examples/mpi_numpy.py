@@ -115,15 +115,11 @@ def main() -> int:
             log.warning("the emergency checkpoint of step %d did not commit: a relaunch resumes from an "
                         "earlier one", step)
         impl.end(step)  # lets a background save finish
-        if outcome.emergency_step is None:
-            # a final checkpoint, unless this step is committed already (the master's view decides)
-            master = impl.run.master
-            needed = impl.manager.latest_step() != step if rank == master else None
-            if impl.comm.broadcast_json(needed, master):
-                impl.save_now(step, state, {"loss": loss}, coordinator=master, deadline=None, kind="final")
+        # a final checkpoint, unless this step is committed already (the master's view decides)
+        if outcome.emergency_step is None and impl.final_save_needed(step):
+            impl.save_now(step, state, {"loss": loss}, coordinator=impl.run.master, deadline=None, kind="final")
     finally:
-        impl.close()
-        impl.manager.close()
+        impl.close()  # closes the manager it made too
 
     preempted = outcome.emergency_step is not None
     if rank == 0:

@@ -22,28 +22,46 @@ class NoticeRound:
     busy: bool = False      # some rank is still persisting a background save
     elapsed_s: float = 0.0  # mean over ranks of the seconds since each one's previous round
     early_warning: bool = False  # some rank got an early warning: checkpoint now, nobody leaves
+    #: per rank: the deadline of its own VM's notice (the earliest its ranks were given), None if not leaving
+    vm_deadlines: tuple[float | None, ...] = ()
+    slowest_step_s: float = 0.0  # the longest single step any rank took since its previous round
+    committed_step: int | None = None  # the latest step the master knows committed
 
     @property
     def any(self) -> bool:
         return bool(self.leaving)
 
+    def deadline_of(self, rank: int) -> float | None:
+        """The deadline of ``rank``'s own VM, as its watcher (or its VM's) gave it."""
+        return self.vm_deadlines[rank] if rank < len(self.vm_deadlines) else None
+
+
+#: scalar slots after the three per-rank blocks
+_STOP, _BUSY, _ELAPSED, _WARNING, _COMMITTED = range(5)
+
 
 def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = False,
-                  busy: bool = False, elapsed_s: float = 0.0, early_warning: bool = False) -> np.ndarray[Any, Any]:
+                  busy: bool = False, elapsed_s: float = 0.0, early_warning: bool = False, *,
+                  slowest_step_s: float = 0.0, committed_step: int | None = None) -> np.ndarray[Any, Any]:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
-    Layout: ``[leaving flag per rank | deadline per rank | stop | busy | elapsed us | early warning]``.
-    The elapsed time travels in whole microseconds, so the sum is exact and every rank
-    derives the same next check step from it.
+    Layout: ``[leaving flag per rank | deadline per rank | slowest step us per rank | stop | busy |
+    elapsed us | early warning | committed step + 1]``. Times travel in whole microseconds and steps
+    as integers, so the sum is exact and every rank derives the same decisions from it. Only the
+    master gives ``committed_step``; per-rank slots keep what a sum would lose (the earliest deadline,
+    the slowest step).
     """
-    vec = np.zeros(2 * size + 4, dtype=np.float64)
+    vec = np.zeros(3 * size + 5, dtype=np.float64)
     if deadline is not None:
         vec[rank] = 1.0
         vec[size + rank] = deadline
-    vec[2 * size] = 1.0 if stop else 0.0
-    vec[2 * size + 1] = 1.0 if busy else 0.0
-    vec[2 * size + 2] = float(round(max(0.0, elapsed_s) * 1e6))
-    vec[2 * size + 3] = 1.0 if early_warning else 0.0
+    vec[2 * size + rank] = float(round(max(0.0, slowest_step_s) * 1e6))
+    base = 3 * size
+    vec[base + _STOP] = 1.0 if stop else 0.0
+    vec[base + _BUSY] = 1.0 if busy else 0.0
+    vec[base + _ELAPSED] = float(round(max(0.0, elapsed_s) * 1e6))
+    vec[base + _WARNING] = 1.0 if early_warning else 0.0
+    vec[base + _COMMITTED] = float(committed_step + 1) if committed_step is not None else 0.0
     return vec
 
 
@@ -52,30 +70,62 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
 
     ``hosts``: each rank's VM. A notice to one rank of a VM puts all its ranks under notice: a
     revoked VM takes all its ranks with it, and one watcher may speak for all of them (under MPI,
-    one rank per VM polls the metadata server). The round's deadline is the earliest given.
+    one rank per VM polls the metadata server). The round's deadline is the earliest given; each
+    leaving rank's own VM deadline is the earliest given to a rank of that VM.
     """
+    if summed.shape != (3 * size + 5,):
+        raise ValueError(f"a notice vector of {size} ranks has {3 * size + 5} values, not {summed.shape}")
     noticed = [int(i) for i in np.flatnonzero(summed[:size] > 0.5)]
     deadline = min((float(summed[size + i]) for i in noticed), default=None)
-    if hosts is not None and noticed:
-        revoked = {hosts[i] for i in noticed}
-        leaving = tuple(r for r in range(size) if hosts[r] in revoked)
-    else:
-        leaving = tuple(noticed)
-    return NoticeRound(leaving, deadline, bool(summed[2 * size] > 0.5), bool(summed[2 * size + 1] > 0.5),
-                       float(summed[2 * size + 2]) / 1e6 / size, bool(summed[2 * size + 3] > 0.5))
+    vm_of = list(hosts) if hosts is not None else [str(r) for r in range(size)]
+    vm_deadline: dict[str, float] = {}
+    for i in noticed:
+        vm_deadline[vm_of[i]] = min(vm_deadline.get(vm_of[i], float("inf")), float(summed[size + i]))
+    leaving = tuple(r for r in range(size) if vm_of[r] in vm_deadline)
+    base = 3 * size
+    committed = int(round(summed[base + _COMMITTED]))
+    return NoticeRound(leaving, deadline, bool(summed[base + _STOP] > 0.5), bool(summed[base + _BUSY] > 0.5),
+                       float(summed[base + _ELAPSED]) / 1e6 / size, bool(summed[base + _WARNING] > 0.5),
+                       vm_deadlines=tuple(vm_deadline.get(vm_of[r]) for r in range(size)),
+                       slowest_step_s=float(np.max(summed[2 * size:3 * size])) / 1e6,
+                       committed_step=committed - 1 if committed > 0 else None)
 
 
-def steps_until_next_check(elapsed_s: float, steps: int, interval_s: float, max_steps: int) -> int:
+#: default for how many check intervals a round may be apart when steps are as slow as the
+#: slowest one seen on the ring (see :func:`steps_until_next_check`)
+SLOWDOWN_ALLOWANCE = 10.0
+
+
+def steps_until_next_check(elapsed_s: float, steps: int, interval_s: float, max_steps: int, *,
+                           slowest_step_s: float = 0.0, ring_slowest_step_s: float = 0.0,
+                           allowance: float = SLOWDOWN_ALLOWANCE) -> int:
     """How many steps to train before the next notice collective (pure; same on every rank).
 
-    Aims at one collective per ``interval_s`` at the recent step rate: frequent enough that a
-    notice costs at most about ``interval_s`` of its window, rare enough that the collective's
-    fixed cost (a few ms on a loaded ring) stays a small share of the step time.
+    Aims at one collective per ``interval_s``: frequent enough that a notice costs at most about
+    ``interval_s`` of its window, rare enough that the collective's fixed cost (a few ms on a
+    loaded ring) stays a small share of the step time. The count is the smallest of:
+
+    * ``max_steps``;
+    * ``interval_s`` at the mean step rate since the previous round (``steps`` in ``elapsed_s``);
+    * ``interval_s`` at ``slowest_step_s``, the longest single step any rank took since the
+      previous round: one slow step lowers the count at once, however many fast ones it followed;
+    * ``allowance x interval_s`` at ``ring_slowest_step_s``, the longest step seen since the ring
+      began: a ring that has been slow before keeps a bound should it become that slow again.
+
+    What this promises (at least one step always runs): if none of the next steps is longer than
+    ``slowest_step_s``, the next round comes within ``interval_s`` of steps; if none is longer than
+    ``ring_slowest_step_s``, within ``allowance x interval_s``. A step longer than anything seen
+    stretches the wait by the ratio: the ranks can only take a decision they all agree on without a
+    collective, so the step count is fixed at the round and no rank's clock can shorten it.
     """
     if steps <= 0 or elapsed_s <= 0.0:
         return 1
-    per_interval = interval_s * steps / elapsed_s + 1e-9  # + 1e-9: 1.0 / 0.1 must give 10
-    return int(max(1, min(max_steps, per_interval)))
+    limit = min(float(max_steps), interval_s * steps / elapsed_s)
+    if slowest_step_s > 0.0:
+        limit = min(limit, interval_s / slowest_step_s)
+    if ring_slowest_step_s > 0.0:
+        limit = min(limit, allowance * interval_s / ring_slowest_step_s)
+    return int(max(1, limit + 1e-9))  # + 1e-9: 1.0 / 0.1 must give 10
 
 
 def elect_master(size: int, leaving: Collection[int]) -> int:

@@ -6,8 +6,12 @@ and a segment that holds ``segment_events`` events is sealed once written and
 dropped from memory, so neither memory nor the bytes of a flush grow with the
 length of the run. A background thread
 does the writing, rate limited (GCS allows about one write per second per
-object) except for the events others follow while the job runs; the few that
-matter when a machine is about to disappear are written before ``emit`` returns.
+object) except for the events others follow while the job runs. The few that
+matter when a machine is about to disappear (durable kinds) are written at once,
+and ``emit`` waits for that write, but only up to ``durable_wait_s``: a slow or
+unreachable store delays the caller (the training thread, inside a notice) by at
+most that bound, and every write is itself bounded by ``write_timeout_s``, so a
+stalled request never holds the log up for the store's whole retry budget.
 The report and the benchmarks read every file back and merge them by time.
 
 The kinds of event and their fields are declared in :mod:`hvd_transient.event_schema`:
@@ -27,14 +31,15 @@ import threading
 import time
 from typing import Any, Iterable, Iterator, Mapping, TypeVar
 
+from ckpt_service.deadline import Deadline
 from ckpt_service.layout import EVENTS_PREFIX, events_key, is_events_key
 from ckpt_service.stores.base import ObjectStore
 from hvd_transient.event_schema import KINDS, EventBody, Record, from_json_dict, to_json_dict
 
 log = logging.getLogger(__name__)
 
-#: written to the store before emit() returns: the process may vanish right after these
-#: (a leaving worker is aborted by Horovod once the ring is reset without it)
+#: written at once, emit() waiting (boundedly) for the write: the process may vanish right
+#: after these (a leaving worker is aborted by Horovod once the ring is reset without it)
 DURABLE = frozenset(name for name, cls in KINDS.items() if cls.durable)
 #: written at once by the background writer, bypassing the rate limit (the report and the
 #: benchmarks follow these while the job runs)
@@ -43,19 +48,35 @@ URGENT = frozenset(name for name, cls in KINDS.items() if cls.urgent)
 B = TypeVar("B", bound=EventBody)
 
 
+#: how long emit() waits for a durable event's write by default
+DURABLE_WAIT_S = 1.0
+#: the longest one write of the log may take, retries included
+WRITE_TIMEOUT_S = 10.0
+#: after a failed write, the background writer tries again this much later
+RETRY_AFTER_S = 1.0
+
+
 class EventLog:
-    """Events of one process; a background thread writes them so ``emit`` never waits on the store."""
+    """Events of one process; a background thread writes them, so ``emit`` waits on the store
+    only for a durable event, and then at most ``durable_wait_s``."""
 
     def __init__(self, store: ObjectStore | None, host: str, *, min_flush_interval_s: float = 2.0,
-                 segment_events: int = 1000) -> None:
+                 segment_events: int = 1000, durable_wait_s: float = DURABLE_WAIT_S,
+                 write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
         if segment_events < 1:
             raise ValueError(f"segment_events must be at least 1, not {segment_events}")
+        if durable_wait_s < 0 or write_timeout_s <= 0:
+            raise ValueError(f"durable_wait_s must be >= 0 and write_timeout_s > 0, not {durable_wait_s} "
+                             f"and {write_timeout_s}")
         self.store, self.host = store, host
         self.min_flush_interval_s = min_flush_interval_s
         self.segment_events = segment_events
+        self.durable_wait_s, self.write_timeout_s = durable_wait_s, write_timeout_s
         self._seq = 0
         self._events: list[dict[str, Any]] = []  # the current segment's, not yet sealed
-        self._lock = threading.Lock()        # guards the list and the flags
+        self._emitted = 0  # events emitted so far, and how many of them are in the store
+        self._stored = 0
+        self._lock = threading.Condition()   # guards the list, the counts and the flags
         self._write_lock = threading.Lock()  # one store write at a time, in order
         self._last_flush = -math.inf  # the first write is never held back
         self._dirty = False
@@ -65,49 +86,74 @@ class EventLog:
         self._writer: threading.Thread | None = None
         atexit.register(self.flush)  # rate-limited events must still reach the store
 
-    def emit(self, body: B) -> Record[B]:
-        """Log one event (a dataclass of :mod:`hvd_transient.event_schema`) and return it as logged."""
+    def emit(self, body: B, *, wait_s: float | None = None) -> Record[B]:
+        """Log one event (a dataclass of :mod:`hvd_transient.event_schema`) and return it as logged.
+
+        A durable event is written at once; the call waits for that write up to ``wait_s``
+        (default ``durable_wait_s``), and returns whether or not it is done by then.
+        """
         if not isinstance(body, EventBody) or KINDS.get(body.event) is not type(body):
             raise TypeError(f"not a declared event kind: {body!r}")
         record = Record(time.time(), self.host, os.getpid(), body)
         event = to_json_dict(record)
         with self._lock:
             self._events.append(event)
+            self._emitted += 1
+            mine = self._emitted
             self._dirty = True
-            self._urgent |= body.urgent
+            self._urgent |= body.urgent or body.durable
         log.info("event %s", body)
-        if body.durable or self._closed.is_set():
+        if self._closed.is_set():
             self.flush()
-        else:
-            self._start_writer()
-            self._wake.set()
+            return record
+        self._start_writer()
+        self._wake.set()
+        if body.durable:
+            self.wait_stored(mine, self.durable_wait_s if wait_s is None else wait_s)
         return record
 
-    def flush(self) -> None:
-        """Write every event so far to the store now (on the calling thread)."""
+    def wait_stored(self, count: int, timeout_s: float) -> bool:
+        """Wait until the first ``count`` events emitted are in the store, at most ``timeout_s``."""
         if self.store is None:
-            return
+            return True
+        with self._lock:
+            done = self._lock.wait_for(lambda: self._stored >= count, timeout=max(0.0, timeout_s))
+        if not done:
+            log.warning("the event log's write to %s is taking longer than %.1f s; training goes on",
+                        self.store.url, timeout_s)
+        return done
+
+    def flush(self) -> bool:
+        """Write every event so far to the store now (on the calling thread), within ``write_timeout_s``;
+        returns whether the store has them all."""
+        if self.store is None:
+            return True
         with self._write_lock:
             with self._lock:
                 if not self._dirty:
-                    return
+                    return True
                 written = list(self._events)
+                upto = self._emitted
                 key = self.key
                 self._dirty = self._urgent = False
                 self._last_flush = time.monotonic()
             body = "".join(json.dumps(e, default=str) + "\n" for e in written).encode()
             try:
-                self.store.put(key, body)
+                self.store.within(Deadline(time.time() + self.write_timeout_s, margin_s=0.0)).put(key, body)
             except Exception as exc:  # the log must never break training
                 log.warning("could not write the event log to %s: %s", self.store.url, exc)
                 with self._lock:
                     self._dirty = True
-                return
-            if len(written) >= self.segment_events:
-                with self._lock:  # sealed: what came after the snapshot opens the next segment
+                return False
+            with self._lock:
+                self._stored = max(self._stored, upto)
+                self._lock.notify_all()
+                if len(written) >= self.segment_events:
+                    # sealed: what came after the snapshot opens the next segment
                     self._events = self._events[len(written):]
                     self._seq += 1
                     self._dirty = self._dirty or bool(self._events)
+        return True
 
     @property
     def key(self) -> str:
@@ -145,7 +191,8 @@ class EventLog:
                 # event arriving meanwhile cuts the wait short
                 if self._wake.wait(wait):
                     continue  # re-evaluate with the newer state; _wake stays set so no event is missed
-            self.flush()
+            if not self.flush() and not self._closed.wait(RETRY_AFTER_S):
+                self._wake.set()  # the store failed: try again soon, not only at the next event
 
     @property
     def events(self) -> list[dict[str, Any]]:

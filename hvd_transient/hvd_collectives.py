@@ -1,7 +1,8 @@
 """The Collectives the protocol needs, on Horovod (TensorFlow binding).
 
 Small objects travel as JSON bytes, never pickles: a record from another
-process must not be able to run code here.
+process must not be able to run code here. Each call's ``name`` becomes its Horovod tensor
+name (``hvdt.<name>...``): Horovod matches a collective across ranks by that name.
 """
 from __future__ import annotations
 
@@ -25,31 +26,31 @@ class HorovodCollectives:
     def size(self) -> int:
         return int(self.hvd.size())
 
-    def allreduce_sum(self, values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    def allreduce_sum(self, values: np.ndarray[Any, Any], *, name: str = "notice") -> np.ndarray[Any, Any]:
         import tensorflow as tf
 
-        out = self.hvd.allreduce(tf.constant(values), op=self.hvd.Sum, name="hvdt.notice")
+        out = self.hvd.allreduce(tf.constant(values), op=self.hvd.Sum, name=f"hvdt.{name}")
         return np.asarray(out)
 
-    def allgather_json(self, obj: Any) -> list[Any]:
+    def allgather_json(self, obj: Any, *, name: str = "gather") -> list[Any]:
         import tensorflow as tf
 
         payload = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
-        sizes = np.asarray(self.hvd.allgather(tf.constant([payload.size], dtype=tf.int64), name="hvdt.sizes"))
-        data = np.asarray(self.hvd.allgather(tf.constant(payload), name="hvdt.gather")).tobytes()
+        sizes = np.asarray(self.hvd.allgather(tf.constant([payload.size], dtype=tf.int64), name=f"hvdt.{name}.sizes"))
+        data = np.asarray(self.hvd.allgather(tf.constant(payload), name=f"hvdt.{name}")).tobytes()
         out, offset = [], 0
         for size in sizes.tolist():
             out.append(json.loads(data[offset:offset + size]))
             offset += size
         return out
 
-    def broadcast_json(self, obj: Any, root: int) -> Any:
+    def broadcast_json(self, obj: Any, root: int, *, name: str = "bcast") -> Any:
         import tensorflow as tf
 
         payload = json.dumps(obj).encode() if self.rank() == root else b""
         size = int(np.asarray(self.hvd.broadcast(tf.constant([len(payload)], dtype=tf.int64), root,
-                                                 name="hvdt.bsize"))[0])
+                                                 name=f"hvdt.{name}.size"))[0])
         buf = np.zeros(size, dtype=np.uint8)
         buf[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-        data = np.asarray(self.hvd.broadcast(tf.constant(buf), root, name="hvdt.bcast")).tobytes()
+        data = np.asarray(self.hvd.broadcast(tf.constant(buf), root, name=f"hvdt.{name}")).tobytes()
         return json.loads(data)

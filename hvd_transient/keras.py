@@ -31,6 +31,7 @@ stops ``fit``; the relaunch resumes through :func:`restore_model`.
 from __future__ import annotations
 
 import logging
+import weakref
 from functools import partial
 from typing import Any, Mapping
 
@@ -285,6 +286,7 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         self.save_on_train_end = save_on_train_end
         self.resume_position = state is not None if resume_position is None else resume_position
         self.impl: TransientImpl | None = None
+        self._closer: "weakref.finalize[[], TransientCallback] | None" = None
         self.last_outcome = StepOutcome()
         self._fused: FusedSnapshot | None = None
         self._fused_checked: tuple[int, int] | None = None  # (fit, optimizer variable count) last checked
@@ -367,6 +369,7 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         self._fits += 1  # the model's variables may differ from the previous fit's
         if self.impl is None:
             self.impl = TransientImpl(self.config, HorovodCollectives())
+            self._closer = weakref.finalize(self, self.impl.close)  # at exit at the latest
             restored = getattr(self.state, "hvdt_restored", None)
             self.impl.events.emit(ev.Start(step=self._step(), rank=self.impl.comm.rank(),
                                            size=self.impl.comm.size(), crc=weights_crc(self.model),
@@ -403,6 +406,14 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         if outcome.departure_pending and self.state is not None:
             # Every rank agreed on the departure, so every rank calls this collective here; it raises
             # HostsUpdatedInterrupt as soon as discovery has dropped the leaving host.
+            #
+            # The leaving worker trains on until that reset and then exits inside Horovod: the new
+            # ring's rendezvous answers it with rank -1, which Horovod's background thread raises as a
+            # C++ exception ("removed from elastic job"), so the process aborts (code 134) in hvd.init()
+            # before any Python code can run. It cannot exit 0 earlier: Horovod 0.28's driver takes a
+            # worker that exits 0 while it still holds a rank as the job's success and stops every
+            # worker; only the exit of a host it no longer assigns is ignored, and the worker learns
+            # that it is no longer assigned only from the rendezvous that aborts it.
             self.state.check_host_updates()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
@@ -412,15 +423,23 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
             return
         step = self._step()
         self.impl.end(step)  # lets an in-flight background save finish first
-        if self.save_on_train_end:
-            # Only the master's view of the store decides, so every rank takes the same branch.
-            master = self.impl.run.master
-            needed = self.impl.manager.latest_step() != step if self.impl.comm.rank() == master else None
-            if self.impl.comm.broadcast_json(needed, master):
-                self.impl.save_now(step, self._snapshot(), self._metadata(step), coordinator=master,
-                                   deadline=None, kind="final", share_snapshot=self._share_snapshot)
+        # The master's view of the store decides, one broadcast tells every rank (a failure to
+        # read it included), so every rank takes the same branch.
+        if self.save_on_train_end and self.impl.final_save_needed(step):
+            self.impl.save_now(step, self._snapshot(), self._metadata(step), coordinator=self.impl.run.master,
+                               deadline=None, kind="final", share_snapshot=self._share_snapshot)
         self.impl.events.emit(ev.Weights(step=step, crc=weights_crc(self.model), size=self.impl.comm.size(),
                                          rank=self.impl.comm.rank()))
+
+    def close(self) -> None:
+        """Stop the notice watcher, flush the event log and close the checkpoint manager.
+
+        Done at the latest when the process exits (or the callback is collected). Not at the end
+        of ``fit``: a script may call ``fit`` again, and the run's state (who left, the event
+        log's segments) carries over from one ``fit`` to the next.
+        """
+        if self._closer is not None:
+            self._closer()
 
     def _on_reset(self) -> None:
         if self.impl is not None:

@@ -122,17 +122,18 @@ class MPICollectives:
     def size(self) -> int:
         return self._size
 
-    def allreduce_sum(self, values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # ``name`` labels the call for the Collectives protocol; MPI matches collectives by order alone.
+    def allreduce_sum(self, values: np.ndarray[Any, Any], *, name: str = "notice") -> np.ndarray[Any, Any]:
         """Elementwise sum over ranks, as float64."""
         send = np.ascontiguousarray(values, dtype=np.float64)
         summed = np.empty_like(send)
         self.comm.Allreduce(send, summed, op=MPI.SUM)
         return summed
 
-    def allgather_json(self, obj: Any) -> list[Any]:
+    def allgather_json(self, obj: Any, *, name: str = "gather") -> list[Any]:
         return _allgather_json(self.comm, obj)
 
-    def broadcast_json(self, obj: Any, root: int) -> Any:
+    def broadcast_json(self, obj: Any, root: int, *, name: str = "bcast") -> Any:
         payload = _encode(obj) if self._rank == root else np.empty(0, dtype=np.uint8)
         size = np.array([payload.size], dtype=np.int64)
         self.comm.Bcast(size, root=root)
@@ -151,7 +152,9 @@ class MPICollectives:
         """
         self._gathers += 1
         tag = 1 + self._gathers % (self._tag_ub - 1)
-        return _MPIGather(self, tag, coordinator, deadline if deadline is not None else time.time() + timeout_s)
+        # the wall-clock deadline becomes a monotonic one once, here: a clock step must not move it
+        left_s = deadline - time.time() if deadline is not None else timeout_s
+        return _MPIGather(self, tag, coordinator, time.monotonic() + left_s)
 
     def _drain(self) -> None:
         """Receive and drop records that arrived after their gather was abandoned; forget sent records."""
@@ -166,6 +169,8 @@ class MPICollectives:
 
 
 class _MPIGather:
+    """One save's gather; ``deadline`` is on the :func:`time.monotonic` clock."""
+
     def __init__(self, owner: MPICollectives, tag: int, coordinator: int, deadline: float) -> None:
         self.owner, self.tag, self.coordinator, self.deadline = owner, tag, coordinator, deadline
 
@@ -191,7 +196,7 @@ class _MPIGather:
                 records[status.Get_source()] = _decode(data)
                 missing.discard(status.Get_source())
                 continue
-            now = time.time()
+            now = time.monotonic()
             if now >= self.deadline:
                 with owner._lock:
                     owner._stale.update((source, self.tag) for source in missing)

@@ -7,36 +7,54 @@ the in-process fakes of the unit tests.
 
 Per step boundary, on every rank, in the same order:
 
-1. about once per ``check_interval_s`` (the step count adapts to the step rate all
-   ranks measured; or every ``check_every_steps`` steps if set), one tiny allreduce
-   tells all ranks which ranks are under preemption notice and the earliest deadline;
+1. about once per ``check_interval_s`` (the step count adapts to the step times all
+   ranks measured, see :func:`~hvd_transient.election.steps_until_next_check` for the
+   time bound it promises; or every ``check_every_steps`` steps if set), one tiny
+   allreduce tells all ranks which ranks are under preemption notice and their deadlines;
 2. if some rank newly got a notice: wait (bounded) for an in-flight background
    save; elect the master (lowest rank not leaving) and move the store lease to
    it; write the **emergency sharded checkpoint** with every rank writing its
    share (records gathered by collective, commit by the master before the
-   deadline, or abandoned cleanly); broadcast the outcome; the leaving ranks
-   publish themselves as leaving, so host discovery drops them and Horovod
-   shrinks the ring with no rollback;
+   deadline, or abandoned cleanly); broadcast the outcome; each newly leaving VM
+   publishes its leaving record once, with its own notice's deadline, so host
+   discovery drops it and Horovod shrinks the ring with no rollback;
 3. otherwise, every ``save_every_steps`` steps, start a periodic asynchronous
    sharded checkpoint (the caller only pays for the host-memory snapshot).
+
+No rank raises between two collectives: a failure on one rank (its snapshot, its share,
+the master's look at the store) becomes an outcome that every rank learns from the next
+collective (a failed save in the outcome broadcast, an error in a broadcast answer), so
+the other ranks never wait on it until the transport's timeout.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
 
 import numpy as np
 
-from ckpt_service.errors import CheckpointError
+from ckpt_service.errors import BadSnapshotError, CheckpointError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager, CommitConflictError, ShareSnapshot
+from ckpt_service.manifest import checked_metadata
 from hvd_transient import event_schema as ev
-from hvd_transient.control import STOP_POLL_S, stop_requested
-from hvd_transient.election import NoticeRound, decode_notice, elect_master, encode_notice, steps_until_next_check
+from hvd_transient.control import StopPoller
+from hvd_transient.election import (
+    SLOWDOWN_ALLOWANCE,
+    NoticeRound,
+    decode_notice,
+    elect_master,
+    encode_notice,
+    steps_until_next_check,
+)
 from hvd_transient.events import EventLog
 from hvd_transient.membership import prune_leaving, publish_leaving
 
@@ -66,17 +84,20 @@ class NoticeSource(Protocol):
 
 
 class Collectives(Protocol):
-    """The few collectives the protocol needs; every rank calls each one in the same order."""
+    """The few collectives the protocol needs; every rank calls each one in the same order.
+
+    ``name`` tells the calls apart (Horovod matches a collective across ranks by its name).
+    """
 
     def rank(self) -> int: ...
 
     def size(self) -> int: ...
 
-    def allreduce_sum(self, values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]: ...
+    def allreduce_sum(self, values: np.ndarray[Any, Any], *, name: str = ...) -> np.ndarray[Any, Any]: ...
 
-    def allgather_json(self, obj: Any) -> list[Any]: ...
+    def allgather_json(self, obj: Any, *, name: str = ...) -> list[Any]: ...
 
-    def broadcast_json(self, obj: Any, root: int) -> Any: ...
+    def broadcast_json(self, obj: Any, root: int, *, name: str = ...) -> Any: ...
 
 
 #: the shortest notice a cloud gives (GCE Spot default), for a notice without a deadline
@@ -91,6 +112,9 @@ class TransientConfig:
     check_every_steps: int | None = None
     check_interval_s: float = 1.0
     max_check_every_steps: int = 1000
+    #: adaptive cadence: rounds are at most this many check intervals apart at the slowest
+    #: step seen on the ring (see :func:`hvd_transient.election.steps_until_next_check`)
+    check_slowdown_allowance: float = SLOWDOWN_ALLOWANCE
     #: how long a notice gives when the notice itself carries no deadline; None: what the VM is
     #: configured with (GCE: ``cluster up --preemption-notice-duration``, else 30 s)
     notice_window_s: float | None = None
@@ -111,6 +135,9 @@ class TransientConfig:
             raise ValueError(f"check_interval_s must be positive, not {self.check_interval_s}")
         if self.max_check_every_steps < 1:
             raise ValueError(f"max_check_every_steps must be at least 1, not {self.max_check_every_steps}")
+        if not self.check_slowdown_allowance >= 1.0:
+            raise ValueError(f"check_slowdown_allowance must be at least 1 (check intervals), "
+                             f"not {self.check_slowdown_allowance}")
 
 
 @dataclass(frozen=True)
@@ -135,6 +162,11 @@ class _RunState:
     next_check_step: int = 0            # adaptive cadence: the next step with a notice round
     last_round_step: int = 0
     last_round_at: float = 0.0          # time.monotonic() of this rank's previous round
+    step_done_at: float | None = None   # time.monotonic() when this rank last went back to training
+    slowest_step_s: float = 0.0         # this rank's longest step since its previous round
+    ring_slowest_step_s: float = 0.0    # the longest step any rank took on this ring (agreed)
+    ring_id: str = "ring"               # the same on every rank of this ring, new at each begin()
+    saves_started: int = 0              # saves this ring started: part of each save's attempt id
 
 
 def default_host() -> str:
@@ -159,6 +191,7 @@ class TransientImpl:
         self.clocks = clocks
         self.comm = collectives
         self.host = host or default_host()
+        self._owns_manager = manager is None  # close() closes only a manager made here
         self.manager = manager or CheckpointManager(
             config.store, max_to_keep=config.max_to_keep, keep_every_n_steps=config.keep_every_n_steps,
             gather_timeout_s=config.async_gather_timeout_s)
@@ -166,12 +199,18 @@ class TransientImpl:
         self.lease = Lease(self.manager.store, f"{self.host}:{os.getpid()}")
         self.watcher: NoticeSource | None = watcher if watcher is not None else _make_watcher(config, self.host)
         self.run = _RunState()
-        self._stop_checked_at = float("-inf")
+        self.stop_poller = StopPoller(self.manager.store)
         self.notice_rounds = 0  # notice collectives run so far (benchmarks count them)
         self._notice_logged = False
         self._warning_logged = False
-        self._warning_handled = False  # a checkpoint answered this rank's early warning
-        self._stop_seen = False
+        self._warning_handled = False  # a committed checkpoint answered this rank's early warning
+        self._warning_save_step: int | None = None  # a save started after the warning, outcome not yet known
+        self._closed = False
+        # The latest step this rank knows committed (the coordinator learns a background save's
+        # commit on its thread); the master shares it in the notice round.
+        self._commit_lock = threading.Lock()
+        self._committed_step: int | None = None
+        self._async_outcome_pending = False  # a background save's on_done has not run yet
         if self.watcher is not None:
             self.watcher.start()
 
@@ -183,9 +222,13 @@ class TransientImpl:
         # Each member says itself whether it is leaving: a VM that left and came back under the same
         # name runs a new process that is not, whatever the survivors remember, and every rank must
         # take the same view (it decides the master and which steps run a collective).
-        members = self.comm.allgather_json([self.host, self.run.leaving])
-        self.run.hosts = [str(h) for h, _ in members]
-        leaving = [r for r, (_, is_leaving) in enumerate(members) if is_leaving]
+        # A fresh token per member and begin() makes the ring's id new even when the same hosts
+        # replay the same steps after a reset or a relaunch: its saves get attempt ids of their own.
+        members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8)])
+        self.run.hosts = [str(m[0]) for m in members]
+        leaving = [r for r, m in enumerate(members) if m[1]]
+        self.run.ring_id = ring_id([(str(m[0]), str(m[2])) for m in members])
+        self.run.saves_started = 0
         self.run.handled_leavers = ({h for h in self.run.handled_leavers if h not in self.run.hosts}
                                     | {self.run.hosts[r] for r in leaving})
         previous_master = self.run.master if self.run.begun_at_step is not None else None
@@ -201,7 +244,14 @@ class TransientImpl:
             self._prune_leaving()
         self.events.emit(ev.Ring(step=step, rank=rank, size=size, master=self.run.master,
                                  master_host=self.run.hosts[self.run.master], previous_master=previous_master,
-                                 lease_generation=self.lease.generation if rank == self.run.master else None))
+                                 lease_generation=self.lease.generation if rank == self.run.master else None,
+                                 ring=self.run.ring_id))
+
+    def _next_attempt(self, step: int) -> str:
+        """The attempt id of the next save this ring starts: every rank starts the same saves in the
+        same order, so every rank computes the same id without communicating."""
+        n, self.run.saves_started = self.run.saves_started, self.run.saves_started + 1
+        return f"{self.run.ring_id}-{step}-{n}"
 
     def _prune_leaving(self) -> None:
         """Delete leaving records whose VM is gone by now (discovery already ignores them)."""
@@ -230,9 +280,44 @@ class TransientImpl:
         self.events.emit(ev.TrainEnd(step=step))
 
     def close(self) -> None:
-        if self.watcher is not None:
-            self.watcher.stop()
-        self.events.close()
+        """Stop the watcher and the stop poller, flush the event log, and close the manager if this
+        object made it."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop_poller.close()
+        try:
+            if self.watcher is not None:
+                self.watcher.stop()
+            self.events.close()
+        finally:
+            if self._owns_manager:
+                try:
+                    self.manager.close()  # waits for the background save, and re-raises its error
+                except Exception as exc:  # end() has reported it; closing must not fail
+                    log.warning("the last background checkpoint did not complete: %s", exc)
+
+    def final_save_needed(self, step: int) -> bool:
+        """Every rank: whether a final save of ``step`` is needed; the master's view of the store decides.
+
+        Only the master reads the store, and every rank gets its answer from one broadcast, so
+        every rank takes the same branch. If the master cannot read the store, the error is
+        broadcast instead and every rank answers True: a save of a step that is already
+        committed is reported as skipped, and one the store refuses fails cleanly on every rank.
+        """
+        master = self.run.master
+        answer: dict[str, Any] | None = None
+        if self.comm.rank() == master:
+            try:
+                answer = {"needed": self.manager.latest_step() != step, "error": None}
+            except Exception as exc:  # shared below, not raised: the other ranks are in the broadcast
+                answer = {"needed": True, "error": f"{type(exc).__name__}: {exc}"}
+        answer = self.comm.broadcast_json(answer, master, name="final-save")
+        assert answer is not None
+        if answer["error"] is not None:
+            log.warning("the master could not read the latest committed step (%s); saving step %d anyway",
+                        answer["error"], step)
+        return bool(answer["needed"])
 
     # ------------------------------------------------------------ step boundary
 
@@ -247,8 +332,23 @@ class TransientImpl:
         ``snapshot()`` only needs to give shapes and dtypes (e.g. TensorSpecs). ``samples``: the
         global sample offset after this step, if the input pipeline tracks one (logged with progress).
         """
-        self.run.last_step, self.run.last_step_at = step, self.clocks.wall()
+        now = self.clocks.monotonic()
         first_after_begin = self.run.begun_at_step is not None and step == self.run.begun_at_step + 1
+        if first_after_begin:
+            # the first step of a ring also pays for its set-up: it says nothing about the step time
+            self.run.slowest_step_s = self.run.ring_slowest_step_s = 0.0
+        elif self.run.step_done_at is not None:
+            self.run.slowest_step_s = max(self.run.slowest_step_s, now - self.run.step_done_at)
+        try:
+            return self._after_step(step, snapshot, metadata, share_snapshot, samples, first_after_begin)
+        finally:
+            # a step is timed from here: the protocol's own work (rounds, saves) is not the step's
+            self.run.step_done_at = self.clocks.monotonic()
+
+    def _after_step(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
+                    metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None,
+                    samples: int | None, first_after_begin: bool) -> StepOutcome:
+        self.run.last_step, self.run.last_step_at = step, self.clocks.wall()
         if first_after_begin:
             self.events.emit(ev.FirstStep(step=step, size=self.comm.size(), samples=samples))
         elif self.config.progress_every_steps and step % self.config.progress_every_steps == 0:
@@ -263,15 +363,15 @@ class TransientImpl:
             round_ = self._notice_round(step)
             new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
             if new:
-                return self._emergency(step, round_, snapshot, metadata, share_snapshot)
+                return self._emergency(step, round_, new, snapshot, metadata, share_snapshot)
             if round_.stop:
                 self.events.emit(ev.StopRequested(step=step))
                 return StepOutcome(stop=True, departure_pending=self.run.departure_pending)
-            if round_.early_warning and not round_.busy:
+            if round_.early_warning and not round_.busy and not self.run.departure_pending:
                 # Some VM is at elevated risk: every rank takes a checkpoint now (in the
                 # background, as a periodic one) so a notice that follows finds a recent one.
+                # Not while a rank is leaving: it would be a writer, and the ring re-forms soon.
                 self._periodic_save(step, snapshot, metadata, share_snapshot, kind="early")
-                self._warning_handled = self._warning_handled or self._warning_pending()
                 return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending)
             # Every rank takes the same decision: a save starts only if no rank is still busy,
             # so the writers of one step always meet in its gather.
@@ -284,6 +384,7 @@ class TransientImpl:
     def _notice_round(self, step: int) -> NoticeRound:
         now = self.clocks.monotonic()
         elapsed, steps = now - self.run.last_round_at, step - self.run.last_round_step
+        slowest, self.run.slowest_step_s = self.run.slowest_step_s, 0.0
         self.run.last_round_step, self.run.last_round_at = step, now
         notice = self.watcher.notice if self.watcher is not None else None
         rank, size = self.comm.rank(), self.comm.size()
@@ -300,38 +401,86 @@ class TransientImpl:
             if warning is not None:
                 self.events.emit(ev.EarlyWarning(source=warning.source, reason=warning.reason,
                                                  detected_at=warning.detected_at))
-        summed = self.comm.allreduce_sum(encode_notice(rank, size, deadline, self._stop_requested(),
-                                                       self.manager.save_in_flight, elapsed, warned))
+        # busy before the committed step: once a background save's outcome is in, busy reads
+        # False only after the step it committed was recorded
+        busy = self.manager.save_in_flight or self._async_outcome_pending
+        committed = self._committed_step if rank == self.run.master else None
+        summed = self.comm.allreduce_sum(
+            encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
+                          slowest_step_s=slowest, committed_step=committed), name="notice")
         round_ = decode_notice(summed, size, self.run.hosts if len(self.run.hosts) == size else None)
         self.notice_rounds += 1
+        self._settle_warning(round_)
         # Every rank got the same sum, so every rank picks the same next check step.
+        self.run.ring_slowest_step_s = max(self.run.ring_slowest_step_s, round_.slowest_step_s)
         self.run.next_check_step = step + steps_until_next_check(
-            round_.elapsed_s, steps, self.config.check_interval_s, self.config.max_check_every_steps)
+            round_.elapsed_s, steps, self.config.check_interval_s, self.config.max_check_every_steps,
+            slowest_step_s=round_.slowest_step_s, ring_slowest_step_s=self.run.ring_slowest_step_s,
+            allowance=self.config.check_slowdown_allowance)
         return round_
 
     def _warning_pending(self) -> bool:
-        """This rank's watcher has an early warning no checkpoint has answered yet."""
-        return not self._warning_handled and self.watcher is not None and self.watcher.warning is not None
+        """This rank's watcher has an early warning that no checkpoint has answered or is answering."""
+        return (not self._warning_handled and self._warning_save_step is None
+                and self.watcher is not None and self.watcher.warning is not None)
+
+    def _warning_save_started(self, step: int) -> None:
+        """A save of ``step`` started: it answers this rank's warning if it commits."""
+        if self._warning_pending():
+            self._warning_save_step = step
+
+    def _settle_warning(self, round_: NoticeRound) -> None:
+        """Learn from the round whether the save answering this rank's warning committed.
+
+        The master reports the latest step it knows committed; once no rank is busy any more, a
+        save that did not get there failed, and the warning is pending again (a later round retries).
+        """
+        if self._warning_save_step is None:
+            return
+        if round_.committed_step is not None and round_.committed_step >= self._warning_save_step:
+            self._warning_handled, self._warning_save_step = True, None
+        elif not round_.busy:
+            log.warning("the checkpoint of step %d answering an early warning did not commit; it is retried",
+                        self._warning_save_step)
+            self._warning_save_step = None
+
+    def _note_committed(self, step: int) -> None:
+        with self._commit_lock:
+            if self._committed_step is None or step > self._committed_step:
+                self._committed_step = step
 
     def _stop_requested(self) -> bool:
-        """The master looks at the store now and then; the collective shares its answer."""
-        if self.comm.rank() != self.run.master:
-            return False
-        now = self.clocks.monotonic()
-        if now - self._stop_checked_at >= STOP_POLL_S:
-            self._stop_checked_at = now
-            try:
-                self._stop_seen = stop_requested(self.manager.store)
-            except Exception as exc:  # an unreachable store must not stop training
-                log.warning("could not check for a stop request: %s", exc)
-        return self._stop_seen
+        """The master looks at the store in the background; the collective shares its latest answer."""
+        return self.comm.rank() == self.run.master and self.stop_poller.requested
 
-    def _emergency(self, step: int, round_: NoticeRound, snapshot: Callable[[], Mapping[str, Any]],
-                   metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None) -> StepOutcome:
+    def _take_snapshot(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
+                       metadata: Callable[[], dict[str, Any]]) -> tuple[Mapping[str, Any], dict[str, Any]]:
+        """This rank's tensors and metadata for a save; never raises.
+
+        A failure gives tensors that raise BadSnapshotError when the save reads them, so the save
+        still reaches its gather with a failed share record and fails on every rank together.
+        """
+        try:
+            tensors, meta = snapshot(), metadata()
+            checked_metadata(meta)  # bad metadata fails here, before the save's gather, not after it
+            return tensors, meta
+        except Exception as exc:
+            log.error("could not take the snapshot of step %d: %s", step, exc)
+            return _FailedSnapshot(BadSnapshotError(
+                f"rank {self.comm.rank()} could not take its snapshot of step {step} "
+                f"({type(exc).__name__}: {exc}); the save fails on every rank and the previous checkpoint "
+                "stays the latest")), {}
+
+    def _emergency(self, step: int, round_: NoticeRound, new: list[int],
+                   snapshot: Callable[[], Mapping[str, Any]], metadata: Callable[[], dict[str, Any]],
+                   share_snapshot: ShareSnapshot | None) -> StepOutcome:
+        """``new``: the ranks whose notice no earlier round handled."""
         rank, size = self.comm.rank(), self.comm.size()
         window = self.config.notice_window_s or DEFAULT_NOTICE_WINDOW_S
+        # Every rank still in the ring writes a share, earlier leavers too: the save must end
+        # before the first of them is gone.
         deadline = (round_.deadline or self.clocks.wall() + window) - self.config.leave_margin_s
-        leaving_hosts = [self.run.hosts[r] for r in round_.leaving]
+        leaving_hosts = [self.run.hosts[r] for r in new]
         self.events.emit(ev.NoticeAgreed(step=step, leaving=tuple(leaving_hosts), deadline=deadline, size=size))
 
         # A background save still in flight gets part of the window; its commit (if it still
@@ -354,17 +503,30 @@ class TransientImpl:
                                          lease_generation=self.lease.generation if rank == new_master else None))
             self.run.master = new_master
 
-        committed = self.save_now(step, snapshot(), metadata(), coordinator=new_master, deadline=deadline,
-                                   kind="emergency", share_snapshot=share_snapshot)
+        tensors, meta = self._take_snapshot(step, snapshot, metadata)
+        self._warning_save_started(step)
+        committed = self.save_now(step, tensors, meta, coordinator=new_master, deadline=deadline,
+                                  kind="emergency", share_snapshot=share_snapshot)
         self.run.handled_leavers.update(leaving_hosts)
         self.run.departure_pending = True
-        if rank in round_.leaving:
+        if rank in new:
             self.run.leaving = True
-            publish_leaving(self.manager.store, self.host, deadline=round_.deadline,
-                            instance_id=self.watcher.instance_id if self.watcher is not None else None)
-            self.events.emit(ev.LeavePublished(step=step, deadline=round_.deadline, was_master=was_master))
+            # One record per VM, written once, by its lowest rank, with its own notice's deadline
+            # (not another VM's, nor one written again when a later notice comes in).
+            own_deadline = round_.deadline_of(rank)
+            if rank == min(r for r in new if self.run.hosts[r] == self.host):
+                self._publish_leaving(own_deadline)
+            self.events.emit(ev.LeavePublished(step=step, deadline=own_deadline, was_master=was_master))
         return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
                            departure_pending=True)
+
+    def _publish_leaving(self, deadline: float | None) -> None:
+        """Write this VM's leaving record; a failure is logged (discovery then keeps the host until it is gone)."""
+        try:
+            publish_leaving(self.manager.store, self.host, deadline=deadline,
+                            instance_id=self.watcher.instance_id if self.watcher is not None else None)
+        except Exception as exc:  # every rank already agreed on the departure; this one must not raise
+            log.error("could not publish %s as leaving: %s", self.host, exc)
 
     def _move_lease(self, master: int) -> None:
         """Release the lease unless this rank is ``master``, which takes it (all ranks agreed).
@@ -378,32 +540,40 @@ class TransientImpl:
                     self.lease.acquire(steal=True)
             elif self.lease.held:
                 self.lease.release()
-        except CheckpointError as exc:
+        except Exception as exc:  # whatever the store raised: every rank goes on to the same collectives
             log.error("checkpoint-master lease hand-over failed: %s", exc)
             self.events.emit(ev.LeaseError(error=str(exc)))
 
     def save_now(self, step: int, tensors: Mapping[str, Any], meta: dict[str, Any], *, coordinator: int,
                   deadline: float | None, kind: str, share_snapshot: ShareSnapshot | None = None) -> bool:
-        """Synchronous sharded save on every rank; returns (on every rank) whether it committed."""
+        """Synchronous sharded save on every rank; returns (on every rank) whether the step is committed.
+
+        A step that an earlier save already committed counts as committed (reported as skipped).
+        """
         rank, size = self.comm.rank(), self.comm.size()
+        attempt = self._next_attempt(step)
         self.events.emit(ev.SaveStart(step=step, kind=kind, size=size))
         t0 = self.clocks.monotonic()
-        error = None
+        error, already = None, False
         try:
             self.manager.save(step, tensors, meta, rank=rank, world_size=size,
                               gather=self.comm.allgather_json, coordinator=coordinator,
                               lease=self.lease if rank == coordinator else None, deadline=deadline,
-                              snapshot=share_snapshot)
+                              snapshot=share_snapshot, attempt=attempt)
         except CommitConflictError:
-            pass  # the step is already durable (a periodic save of the same step got there first)
+            already = True  # the step is already durable (a periodic save of the same step got there first)
         except Exception as exc:  # reported below; training goes on either way
             error = f"{type(exc).__name__}: {exc}"
         stats = self.manager.last_stats
-        outcome = self.comm.broadcast_json({"ok": error is None, "error": error}, coordinator)
+        outcome = self.comm.broadcast_json({"ok": error is None, "error": error, "already": already},
+                                           coordinator, name="save-outcome")
         self.events.emit(ev.SaveEnd(step=step, kind=kind, seconds=self.clocks.monotonic() - t0,
                                     bytes=stats.bytes_written if stats and stats.step == step else 0))
         if outcome["ok"]:
-            if rank == coordinator:
+            self._note_committed(step)
+            if outcome["already"]:  # this save wrote no commit: say so, not that it committed
+                self.events.emit(ev.SaveSkipped(step=step, reason="already committed"))
+            elif rank == coordinator:
                 self.events.emit(ev.Commit(step=step, kind=kind, size=size, lease_generation=self.lease.generation))
         else:
             self.events.emit(ev.SaveFailed(step=step, kind=kind, error=outcome["error"]))
@@ -412,26 +582,53 @@ class TransientImpl:
     def _periodic_save(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
                        metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None,
                        kind: str = "periodic") -> None:
+        """Start a background save of ``step`` on every rank (all agreed that no rank is busy).
+
+        Never raises: a rank whose snapshot or share fails reports it to the save's gather, so the
+        coordinator abandons the step, and the failure is logged here; the ranks learn at the next
+        round (through the committed step the master reports) that it did not commit.
+        """
         rank, size = self.comm.rank(), self.comm.size()
         master = self.run.master
+        attempt = self._next_attempt(step)
         t0 = time.perf_counter()
         def done(manifest: Any, error: BaseException | None) -> None:
-            if isinstance(error, CommitConflictError):
-                # After a rollback the ring replays steps; this one is already durable.
-                self.events.emit(ev.SaveSkipped(step=step, reason="already committed"))
-            elif error is not None:
-                self.events.emit(ev.SaveFailed(step=step, kind=kind, error=f"{type(error).__name__}: {error}"))
-            elif manifest is not None:  # the coordinator
-                self.events.emit(ev.Commit(step=step, kind=kind, size=size, bytes=manifest.nbytes,
-                                           lease_generation=manifest.lease_generation))
+            try:
+                if isinstance(error, CommitConflictError):
+                    # After a rollback the ring replays steps; this one is already durable.
+                    self._note_committed(step)
+                    self.events.emit(ev.SaveSkipped(step=step, reason="already committed"))
+                elif error is not None:
+                    self.events.emit(ev.SaveFailed(step=step, kind=kind, error=f"{type(error).__name__}: {error}"))
+                elif manifest is not None:  # the coordinator
+                    self._note_committed(step)
+                    self.events.emit(ev.Commit(step=step, kind=kind, size=size, bytes=manifest.nbytes,
+                                               lease_generation=manifest.lease_generation))
+            finally:
+                self._async_outcome_pending = False
 
-        started = self.manager.save_async(
-            step, snapshot(), metadata(), rank=rank, world_size=size, coordinator=master,
-            lease=self.lease if rank == master else None, if_busy="wait",  # not busy: agreed above
-            on_done=done, snapshot=share_snapshot)
+        tensors, meta = self._take_snapshot(step, snapshot, metadata)
+        self._warning_save_started(step)
+        self._async_outcome_pending = True
+        try:
+            started = self.manager.save_async(
+                step, tensors, meta, rank=rank, world_size=size, coordinator=master,
+                lease=self.lease if rank == master else None, if_busy="wait",  # not busy: agreed above
+                on_done=done, snapshot=share_snapshot, attempt=attempt)
+        except Exception as exc:  # this rank's share failed; the save's gather has its error record
+            self._async_outcome_pending = False
+            self.events.emit(ev.SaveFailed(step=step, kind=kind, error=f"{type(exc).__name__}: {exc}"))
+            return
+        if not started:
+            self._async_outcome_pending = False
         if started:
             self.events.emit(ev.AsyncSave(step=step, stall_ms=(time.perf_counter() - t0) * 1e3, size=size,
                                           kind=None if kind == "periodic" else kind))
+
+
+def ring_id(members: list[tuple[str, str]]) -> str:
+    """A short id of a ring from its members' ``(host, token)`` in rank order (pure)."""
+    return hashlib.sha256(json.dumps(members).encode()).hexdigest()[:12]
 
 
 def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
@@ -459,3 +656,23 @@ def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
 
 __all__ = ["CheckpointError", "Clocks", "Collectives", "NoticeSource", "StepOutcome", "TransientConfig",
            "TransientImpl", "default_host"]
+
+
+class _FailedSnapshot(Mapping[str, Any]):
+    """The tensors of a rank whose snapshot failed: reading them raises the failure.
+
+    Handed to the save like any tensors, so the save reaches its gather with this rank's
+    failed share record and the coordinator abandons the step for every rank.
+    """
+
+    def __init__(self, error: BadSnapshotError) -> None:
+        self.error = error
+
+    def __getitem__(self, name: str) -> Any:
+        raise self.error
+
+    def __iter__(self) -> Iterator[str]:
+        raise self.error
+
+    def __len__(self) -> int:
+        raise self.error

@@ -67,6 +67,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -82,6 +83,8 @@ MAX_MESSAGE = 1 << 20  # a whole environment fits; SEQPACKET delivers one messag
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STDIO = (0, 1, 2)
 HANDOFF_READ_TIMEOUT_S = 10.0  # a peer that connects must send its handoff at once
+#: a standby answers a handoff within milliseconds; one that has not after this long is stuck
+HANDOFF_ACCEPT_TIMEOUT_S = 30.0
 _MAX_SOCKET_PATH = 107  # sun_path, less its terminating NUL
 
 
@@ -241,11 +244,13 @@ def _noted(signum: int, frame: FrameType | None) -> None:
 
 
 def hand_off(path: Path, script: str, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-             cwd: str | None = None) -> ExitStatus | None:
+             cwd: str | None = None, accept_timeout_s: float = HANDOFF_ACCEPT_TIMEOUT_S) -> ExitStatus | None:
     """Give the job to the standby listening at ``path`` and wait for its worker to end.
 
-    None when no standby took it (none listening, a refusal, or it went away before accepting):
-    the caller then runs the script itself.
+    None when no standby took it (none listening, a refusal, it went away before accepting, or
+    it did not answer within ``accept_timeout_s``): the caller then runs the script itself.
+    Giving up closes the connection, which makes a standby that wakes up later kill the worker
+    it may have started, so the slot never runs the job twice.
     """
     env = dict(os.environ if env is None else env)
     cwd = os.getcwd() if cwd is None else cwd
@@ -263,13 +268,18 @@ def hand_off(path: Path, script: str, args: Sequence[str], *, env: Mapping[str, 
         selector.register(sock, selectors.EVENT_READ)
         selector.register(wakeup.reader, selectors.EVENT_READ)
         accepted = False
+        give_up_at = time.monotonic() + accept_timeout_s
         try:
             send_message(sock, msg, fds)
         except OSError:
             reply: dict[str, Any] | None = None
         else:
             while True:
-                ready = {key.fileobj for key, _ in selector.select()}
+                timeout = None if accepted else max(0.0, give_up_at - time.monotonic())
+                ready = {key.fileobj for key, _ in selector.select(timeout)}
+                if not accepted and not ready and time.monotonic() >= give_up_at:
+                    reply = {"reason": f"no answer in {accept_timeout_s:g} s"}
+                    break
                 if wakeup.reader in ready:
                     pending += wakeup.take()
                     if accepted:
@@ -522,7 +532,13 @@ class _Supervisor:
         self._stop_listening()  # one job per standby
         self.launcher = conn
         self.selector.register(conn, selectors.EVENT_READ, self._from_launcher)
-        send_message(conn, {"type": "accepted", "pid": self.worker})
+        try:
+            send_message(conn, {"type": "accepted", "pid": self.worker})
+        except OSError:
+            # the launcher gave up waiting and runs the job itself: this worker must not
+            log.warning("the launcher left before the handoff was accepted; killing the worker")
+            self._signal(signal.SIGKILL)
+            return
         log.info("took the job of launcher pid %s", msg.get("pid") if msg else None)
 
     def _from_worker(self) -> None:

@@ -219,7 +219,7 @@ def test_bad_metadata_on_one_rank_ends_the_save_of_every_rank_at_once(asynchrono
 
     def coordinator() -> None:
         try:
-            managers[0].save(2, STATE, {"epoch": 1}, rank=0, world_size=2)
+            managers[0].save(2, STATE, {"epoch": 1}, rank=0, world_size=2, attempt="a1")
             outcome["rank0"] = None
         except BaseException as exc:  # noqa: BLE001 - checked below
             outcome["rank0"] = exc
@@ -229,9 +229,9 @@ def test_bad_metadata_on_one_rank_ends_the_save_of_every_rank_at_once(asynchrono
         thread.start()
         with pytest.raises(BadMetadataError, match="float32"):
             if asynchronous:
-                managers[1].save_async(2, STATE, {"lr": np.float32(0.1)}, rank=1, world_size=2)
+                managers[1].save_async(2, STATE, {"lr": np.float32(0.1)}, rank=1, world_size=2, attempt="a1")
             else:
-                managers[1].save(2, STATE, {"lr": np.float32(0.1)}, rank=1, world_size=2)
+                managers[1].save(2, STATE, {"lr": np.float32(0.1)}, rank=1, world_size=2, attempt="a1")
         thread.join(timeout=120)  # a hang guard only: without the error record it would wait an hour
         assert not thread.is_alive()
         assert isinstance(outcome["rank0"], WriterFailedError)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +54,38 @@ def test_durable_events_are_in_the_store_when_emit_returns() -> None:
     log.close()
 
 
+def test_a_durable_event_waits_for_a_stuck_store_only_up_to_its_bound() -> None:
+    store = GatedStore()
+    store.gate.clear()                     # the store hangs (a slow GCS inside a notice)
+    log = EventLog(store, "h1", min_flush_interval_s=60.0, durable_wait_s=0.3)
+    t0 = time.monotonic()
+    log.emit(ev.Notice(source="gce", reason="preempted", detected_at=1.0, deadline=31.0))
+    log.emit(ev.NoticeAgreed(step=5, leaving=("h1",), deadline=26.0, size=2), wait_s=0.1)
+    waited = time.monotonic() - t0
+    assert 0.4 - 0.05 <= waited < 3.0      # each emit waited its own bound, then training went on
+    assert store.puts == []
+    store.gate.set()                       # the store recovers: both are written without another emit
+    assert store.wait_for_put(lambda events: events == ["notice", "notice_agreed"])
+    log.close()
+
+
+def test_a_failed_write_is_retried_without_waiting_for_another_event() -> None:
+    class Flaky(MemoryStore):
+        fails = 2
+
+        def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+            if self.fails:
+                self.fails -= 1
+                raise OSError("store unreachable")
+            return super().put(key, data, if_generation_match=if_generation_match)
+
+    store = Flaky("flaky")
+    log = EventLog(store, "h1", min_flush_interval_s=0.0, durable_wait_s=5.0)
+    log.emit(ev.LeavePublished(step=1, deadline=None))   # waits through two failed writes and the retries
+    assert [e["event"] for e in read_events(store)] == ["leave_published"]
+    log.close()
+
+
 def test_emit_does_not_wait_for_a_slow_store() -> None:
     store = GatedStore()
     store.gate.clear()                     # every write hangs until the gate opens
@@ -95,9 +128,9 @@ def test_a_failing_store_never_raises_into_training() -> None:
         def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
             raise OSError("store unreachable")
 
-    log = EventLog(Broken("broken"), "h1", min_flush_interval_s=0.0)
-    log.emit(ev.LeavePublished(step=1, deadline=None))   # synchronous path
-    log.emit(ev.Progress(step=2, size=2))                         # background path
+    log = EventLog(Broken("broken"), "h1", min_flush_interval_s=0.0, durable_wait_s=0.2)
+    log.emit(ev.LeavePublished(step=1, deadline=None))   # durable: waits its bound, never raises
+    log.emit(ev.Progress(step=2, size=2))
     log.close()
     assert [e["event"] for e in log.events] == ["leave_published", "progress"]
 

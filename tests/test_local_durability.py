@@ -60,8 +60,8 @@ def test_pieces_and_manifest_are_durable_before_the_commit_marker(tmp_path: Path
     managers = [CheckpointManager(LocalStore(root), max_to_keep=None, chunk_bytes=4096) for _ in range(world_size)]
     try:
         syscalls = SyscallLog(monkeypatch)
-        threads = [threading.Thread(target=m.save, args=(3, state), kwargs={"rank": r, "world_size": world_size})
-                   for r, m in enumerate(managers)]
+        ranks = [{"rank": r, "world_size": world_size, "attempt": "a1"} for r in range(world_size)]
+        threads = [threading.Thread(target=m.save, args=(3, state), kwargs=kw) for m, kw in zip(managers, ranks)]
         for t in threads:
             t.start()
         for t in threads:

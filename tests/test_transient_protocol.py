@@ -168,7 +168,10 @@ def test_saves_take_the_share_from_a_share_snapshot(ranks) -> None:
 def test_stop_request_is_agreed_at_one_step(ranks) -> None:
     group, impls, url = ranks
     request_stop(impls[0].manager.store)
-    outcomes = step_all(group, impls, 1)
+    outcomes = step_all(group, impls, 1)  # the master's first round starts its background look
+    assert impls[0].stop_poller.polled.wait(10)
+    if not outcomes[0].stop:
+        outcomes = step_all(group, impls, 2)
     assert [o.stop for o in outcomes] == [True, True, True]
 
 
@@ -270,9 +273,9 @@ def test_adaptive_cadence_is_agreed_and_still_catches_a_notice() -> None:
             checked_at.append(step)
         assert len({i.run.next_check_step for i in impls}) == 1
         assert len({i.notice_rounds for i in impls}) == 1
-    # first step of the ring, then every ~1 s of steps (mean step 0.1167 s -> 8 steps)
-    assert checked_at[0] == 1 and len(checked_at) < 6
-    assert all(b - a == 8 for a, b in zip(checked_at[1:], checked_at[2:]))
+    # first step of the ring, then every ~1 s of steps at the slowest rank's step (0.15 s -> 6 steps)
+    assert checked_at[0] == 1 and len(checked_at) < 8
+    assert all(b - a == 6 for a, b in zip(checked_at[1:], checked_at[2:]))
     impls[1].watcher.notice = notice()
     emergency = None
     for step in range(31, 60):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -387,3 +388,16 @@ def test_a_standby_that_becomes_rank_0_restores_the_checkpoint_at_the_handoff(
     assert int(fresh.optimizer.iterations.numpy()) == 3 and state.samples == 12
     assert state._saved_state["samples"] == 12  # noqa: SLF001 - what a rollback or sync would use
     assert hvdt.weights_crc(fresh) == hvdt.weights_crc(trained)
+
+
+def test_the_launcher_gives_up_on_a_standby_that_never_answers(tmp_path: Path) -> None:
+    path = tmp_path / "stuck.sock"
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # listens, never accepts: a stuck standby
+    stuck.bind(os.fspath(path))
+    stuck.listen(1)
+    try:
+        t0 = time.monotonic()
+        assert worker.hand_off(path, "job.py", [], env={}, cwd=str(tmp_path), accept_timeout_s=0.5) is None
+        assert 0.5 <= time.monotonic() - t0 < 10
+    finally:
+        stuck.close()

@@ -10,6 +10,11 @@ file per store, held only for the rename. The generation is the file's
 ``st_mtime_ns``, forced to increase under that lock. A store bounded by a
 deadline (:meth:`LocalStore.within`) waits for that lock no longer than the
 deadline allows; the disk itself is not bounded.
+
+Several processes (two gcs, a gc and a save) may list, stat, sweep and delete in one
+directory at once: a file or folder another one removed meanwhile is simply gone, never an
+error. Ages (the sweep's) are measured on the file system's own clock: the mtime of a probe
+file written in the root, as the files themselves get theirs (a network mount's server).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -188,10 +194,30 @@ class LocalStore(ObjectStore):
                     keys.append(key)
         yield from sorted(keys)
 
+    def store_time(self) -> float:
+        """The mtime of a probe file just written in the root: the clock the files' mtimes come from."""
+        if not self.root.is_dir():
+            return time.time()  # nothing stored yet, so nothing to age
+        try:
+            fd, name = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}clock.", dir=self.root)
+        except FileNotFoundError:
+            return time.time()  # the root went meanwhile
+        except PermissionError as exc:
+            raise StoreUnavailableError(f"cannot write in {self.root}: {exc}; check the store path") from exc
+        try:
+            return os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+
     def sweep_temporary(self, older_than_s: float, *, now: float | None = None) -> int:
         """Delete temp files (a write killed before its rename) and then-empty folders older than
-        ``older_than_s``; younger ones may belong to a write in progress."""
-        cutoff = (time.time() if now is None else now) - older_than_s
+        ``older_than_s`` by the store's clock (``now`` overrides it); younger ones may belong to a
+        write in progress. What another sweep removes meanwhile is skipped."""
+        if not self.root.is_dir():
+            return 0
+        cutoff = (self.store_time() if now is None else now) - older_than_s
         removed = 0
         emptied: set[Path] = set()  # folders this sweep took something from (their mtime is now)
         for dirpath, _dirs, files in os.walk(self.root, topdown=False):
@@ -204,7 +230,7 @@ class LocalStore(ObjectStore):
                         removed += 1
                         emptied.add(here)
             # an empty folder may be one a writer just made for its next file: only old ones go
-            if here != self.root and not any(here.iterdir()) and (here in emptied or _mtime(here) < cutoff):
+            if here != self.root and _is_empty(here) and (here in emptied or _mtime(here) < cutoff):
                 with contextlib.suppress(OSError):
                     here.rmdir()
                     emptied.add(here.parent)
@@ -230,10 +256,19 @@ def _lock_by(fh: IO[bytes], deadline: Deadline, root: Path) -> None:
                                  attempted=False) from exc
 
 
+def _is_empty(path: Path) -> bool:
+    """Whether a folder is empty; one another process removed meanwhile is not (nothing to do)."""
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return float("inf")  # gone already: nothing to remove
 
 
