@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, Any
 from ckpt_service.errors import (
     BadAttemptError,
     BadMetadataError,
+    BadPartitionError,
+    BadRankError,
     BadSnapshotError,
+    BadStepError,
     BadStoreKeyError,
     BadStoreURLError,
     BadTensorNameError,
@@ -71,8 +74,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BadAttemptError", "BadMetadataError", "BadSnapshotError", "BadStoreKeyError", "BadStoreURLError",
-    "BadTensorNameError", "CheckpointError", "CommitConflictError", "CorruptCheckpointError", "FormatVersionError",
+    "BadAttemptError", "BadMetadataError", "BadPartitionError", "BadRankError", "BadSnapshotError", "BadStepError",
+    "BadStoreKeyError", "BadStoreURLError", "BadTensorNameError", "CheckpointError", "CommitConflictError",
+    "CorruptCheckpointError", "FormatVersionError",
     "IncompleteShardRecordsError", "LeaseLostError", "MismatchedShardRecordsError", "MissingCredentialsError",
     "NothingToRestoreError", "ObjectNotFoundError", "OutOfOrderSaveError", "PreconditionFailedError",
     "SaveAbandonedError", "StoreDeadlineError", "StoreUnavailableError", "StructureMismatchError",

@@ -108,3 +108,15 @@ class BadMetadataError(CheckpointError, TypeError):
 
 class BadSnapshotError(CheckpointError, ValueError):
     """A share snapshot does not match this rank's pieces of the plan, or a tensor has no data."""
+
+
+class BadStepError(CheckpointError, ValueError, TypeError):
+    """A step is not a non-negative integer (bool, float and str are refused, numpy integers are taken)."""
+
+
+class BadRankError(CheckpointError, ValueError):
+    """A save's rank or coordinator is outside [0, world_size), or world_size is not a positive integer."""
+
+
+class BadPartitionError(CheckpointError, ValueError):
+    """A restore's ``partition`` is not ``(reader, readers)`` with integers 0 <= reader < readers."""

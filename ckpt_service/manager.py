@@ -28,6 +28,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
 
+from ckpt_service.arguments import checked_step
 from ckpt_service.collector import StepCollector
 from ckpt_service.errors import BadMetadataError, BadSnapshotError, CommitConflictError
 from ckpt_service.gather import Gather
@@ -35,6 +36,7 @@ from ckpt_service.lease import Lease
 from ckpt_service.manifest import CommitMarker, Manifest
 from ckpt_service.plan import DEFAULT_CHUNK_BYTES, SavePlan, TensorSpec, TensorSpecs
 from ckpt_service.plan_cache import PLAN_CACHE_SIZE, PlanCache
+from ckpt_service.read_plan import checked_partition
 from ckpt_service.reader import Checkpoint, CheckpointReader, VerifyReport
 from ckpt_service.retention import RetentionPolicy
 from ckpt_service.share import DeferredShare, ShareSnapshot, prepare_share
@@ -200,7 +202,9 @@ class CheckpointManager:
         The caller is blocked only while the snapshot is taken. At most one save is in flight, so
         memory stays bounded by one snapshot of this rank's share: if one is still running,
         ``if_busy="skip"`` drops this request (returns False) and ``"wait"`` blocks until the
-        previous one finishes. A multi-writer background save gathers records through the
+        previous one finishes; if that one failed, its error is logged (not raised here) and
+        this save starts. Concurrent callers are served one at a time: two can never both
+        start a save. A multi-writer background save gathers records through the
         store unless ``gather`` is given (it then runs on the background thread), and so needs
         an ``attempt`` id (see :meth:`save`).
         ``on_done(manifest, error)`` is called on the background thread when it ends.
@@ -251,12 +255,18 @@ class CheckpointManager:
         ``names`` restricts the tensors read; ``partition=(rank, world_size)`` makes each of
         ``world_size`` readers read a byte-balanced share of whole tensors (any reader count
         can read any writer count). ``expected`` maps names to arrays or ``(shape, dtype)``
-        and raises StructureMismatchError on any difference. When the latest step fails
+        and raises StructureMismatchError on any difference from the tensors restored (with
+        ``names``, those; otherwise all stored ones). When the latest step fails
         verification and no step was asked for, the previous committed step is tried, with
         a warning naming what failed; a step removed or re-committed while being read is
         gone, not corrupt: the steps are listed again. A superseded step is never restored by
-        default, only when asked for by number (while gc has not removed it).
+        default, only when asked for by number (while gc has not removed it). A step that is
+        not a non-negative integer raises BadStepError; a partition that is not
+        ``(reader, readers)`` with ``0 <= reader < readers``, BadPartitionError.
         """
+        step = None if step is None else checked_step(step)
+        partition = None if partition is None else checked_partition(partition)
+        names = None if names is None else list(names)  # read once, however many steps are tried
         return self._reader.restore(step, names=names, partition=partition, expected=expected)
 
     def verify(self, step: int) -> VerifyReport:
@@ -267,7 +277,7 @@ class CheckpointManager:
 
     def delete(self, step: int) -> None:
         """Delete a step: the commit marker first, so it is never visible half-deleted."""
-        self._collector.delete(step)
+        self._collector.delete(checked_step(step))
 
     def _collect_after(self, step: int) -> list[int]:
         return self._collector.collect(protect=step)  # the step just committed stays, superseded or not

@@ -231,8 +231,9 @@ class CheckpointReader:
               expected: Mapping[str, Any] | None) -> Checkpoint:
         manifest = self.manifest(step)
         entries = {t.name: t for t in manifest.tensors}
+        names = None if names is None else list(names)
         if expected is not None:
-            check_expected(entries, expected, step)
+            check_expected(entries, expected, step, names)
         wanted = select_tensors(entries, names, partition, step)
         reads = piece_reads(manifest.pieces, entries, wanted)
         out = empty_tensors(entries, wanted)
@@ -265,6 +266,10 @@ class CheckpointReader:
                        for key in chunk_keys(piece.stop - piece.start, piece.chunk_elements, lo, hi)}
             flat = decode_piece(objects, where=where, start=lo, stop=hi, out=out)  # verifies each chunk's crc32c
         whole = (start, stop) == (piece.start, piece.stop)
+        if flat.dtype.name != piece.group or (out is not None and flat is not out):
+            raise CorruptCheckpointError(
+                f"{where}: its zarr metadata describes {flat.dtype.name} elements or another shape, but the "
+                f"manifest records {hi - lo} elements of group {piece.group}")
         if flat.size != hi - lo or (whole and crc32c(flat) != piece.crc32c):
             raise CorruptCheckpointError(
                 f"{where} (group {piece.group}, elements {piece.start}-{piece.stop}) does not match its "

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from ckpt_service import layout
+from ckpt_service.arguments import checked_ranks, checked_step
 from ckpt_service.commit import commit_step
 from ckpt_service.deadline import Deadline
 from ckpt_service.errors import BadAttemptError, CheckpointError, SaveAbandonedError, StoreDeadlineError
@@ -72,6 +73,7 @@ class CheckpointWriter:
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         self._inflight: Future[Manifest | None] | None = None
         self._inflight_lock = threading.Lock()
+        self._start_lock = threading.Lock()  # held by save_async from its busy check to its submit
 
     @property
     def url(self) -> str:
@@ -106,6 +108,8 @@ class CheckpointWriter:
         attempt: str | None = None,
     ) -> Manifest | None:
         """See :meth:`ckpt_service.manager.CheckpointManager.save`."""
+        step = checked_step(step)
+        rank, world_size, coordinator = checked_ranks(rank, world_size, coordinator)
         t0 = time.perf_counter()
         _check_attempt(step, attempt, world_size, gather)
         bound = Deadline(deadline) if deadline is not None else None
@@ -113,11 +117,12 @@ class CheckpointWriter:
         try:
             plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
             share = self._take_share(plan, tensors, rank, snapshot)
+            meta = checked_metadata(metadata)
         except Exception as exc:
             self._report_failed_share(step, rank, world_size, gather, coordinator, bound, attempt, plan, exc)
             raise
-        return self._save_planned(step, plan, share, checked_metadata(metadata), rank, gather,
-                                  coordinator, lease, bound, attempt=attempt, stall_start=t0)
+        return self._save_planned(step, plan, share, meta, rank, gather, coordinator, lease, bound, attempt=attempt,
+                                  stall_start=t0)
 
     def save_async(
         self,
@@ -138,34 +143,45 @@ class CheckpointWriter:
         """See :meth:`ckpt_service.manager.CheckpointManager.save_async`."""
         if if_busy not in ("skip", "wait"):
             raise ValueError(f"if_busy must be 'skip' or 'wait', not {if_busy!r}")
+        step = checked_step(step)
+        rank, world_size, coordinator = checked_ranks(rank, world_size, coordinator)
         _check_attempt(step, attempt, world_size, gather)
-        with self._inflight_lock:
-            busy = self._inflight is not None and not self._inflight.done()
-        if busy:
-            if if_busy == "skip":
-                log.info("checkpoint of step %d skipped: the previous save is still being persisted", step)
-                return False
-            self.wait()
-        else:
-            self._log_background_error()
-        t0 = time.perf_counter()
-        # The snapshot is exactly this rank's pieces, in contiguous host buffers.
-        plan: SavePlan | None = None
+        # One caller at a time gets from the busy check to the submit, so two threads can
+        # never both start a save, nor one replace the other's before its outcome is reported.
+        # A caller that would skip a busy save does not queue behind another's start either.
+        if not self._start_lock.acquire(blocking=if_busy == "wait"):
+            log.info("checkpoint of step %d skipped: another save is being started", step)
+            return False
         try:
-            plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
-            share = self._take_share(plan, tensors, rank, snapshot)
-        except Exception as exc:
-            # the other ranks' background saves gather through the store; tell the coordinator
-            self._report_failed_share(step, rank, world_size, gather, coordinator, None, attempt, plan, exc)
-            raise
-        stall = time.perf_counter() - t0
-        meta = checked_metadata(metadata)
-        with self._inflight_lock:
+            with self._inflight_lock:
+                previous = self._inflight
+            if previous is not None and not previous.done():
+                if if_busy == "skip":
+                    log.info("checkpoint of step %d skipped: the previous save is still being persisted", step)
+                    return False
+                log.info("checkpoint of step %d waits for the previous save to be persisted", step)
+                wait_futures([previous])  # its error is logged below; it is no reason to drop this save
+            self._log_background_error()
+            t0 = time.perf_counter()
+            # The snapshot is exactly this rank's pieces, in contiguous host buffers.
+            plan: SavePlan | None = None
+            try:
+                plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
+                share = self._take_share(plan, tensors, rank, snapshot)
+                meta = checked_metadata(metadata)
+            except Exception as exc:
+                # the other ranks' background saves gather through the store; tell the coordinator
+                self._report_failed_share(step, rank, world_size, gather, coordinator, None, attempt, plan, exc)
+                raise
+            stall = time.perf_counter() - t0
             future = self._bg.submit(
                 self._save_planned, step, plan, share, meta, rank, gather, coordinator, lease, None,
                 attempt=attempt, stall_s=stall,
             )
-            self._inflight = future
+            with self._inflight_lock:
+                self._inflight = future
+        finally:
+            self._start_lock.release()
         if on_done is not None:
             done = on_done
             future.add_done_callback(lambda f: done(None if f.exception() else f.result(), f.exception()))
