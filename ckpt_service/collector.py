@@ -12,8 +12,9 @@ What one pass removes:
 * committed steps beyond the policy, marker first, so a step is never visible half-deleted;
 * uncommitted steps older than the latest committed one, once untouched for ``abandoned_after_s``;
 * inside each kept committed step, the files no manifest refers to (the pieces of attempts
-  killed before a later attempt committed the step, other attempts' manifests, shard records)
-  once untouched for ``abandoned_after_s``: a save of that step may still be writing them,
+  killed before a later attempt committed the step, other attempts' manifests and shard
+  records; the committed attempt's records stay with the step) once untouched for
+  ``abandoned_after_s``: a save of that step may still be writing them,
   and a restore may still be reading a commit that a re-commit replaced.
 
 Never removed: the latest committed step, nor the step a save just committed (``protect``).
@@ -123,6 +124,8 @@ class StepCollector:
             return 0  # never guess what an unreadable commit refers to
         prefix = layout.step_prefix(step)
         referenced = {p.key for p in manifest.pieces}
+        # the committed attempt's shard records go with the step: no age to look up for each
+        records = layout.records_prefix(step, manifest.attempt) if manifest.attempt else None
         units: dict[str, list[str]] = {}  # a piece prefix (or a lone object) no manifest refers to -> its keys
         for key in keys:
             parts = key[len(prefix):].split("/")
@@ -130,7 +133,7 @@ class StepCollector:
                 unit = prefix + "/".join(parts[:3]) + "/"  # data/<group>/<index>.<nonce>/
                 if unit in referenced:
                     continue
-            elif key == marker.manifest_key:
+            elif key == marker.manifest_key or (records is not None and key.startswith(records)):
                 continue
             else:
                 unit = key  # another attempt's manifest, a shard record

@@ -72,6 +72,7 @@ def build_manifest(step: int, plan: SavePlan, records: Sequence[ShardRecord], me
         pieces=pieces_to_commit(step, plan, records, attempt=attempt),
         metadata=metadata,
         lease_generation=lease_generation,
+        attempt=attempt,
     )
 
 

@@ -81,6 +81,7 @@ class Manifest:
     pieces: tuple[PieceRecord, ...]
     metadata: dict[str, Any] = field(default_factory=dict)
     lease_generation: int | None = None
+    attempt: str | None = None  # the save attempt whose writers' records the commit took
     format_version: int = FORMAT_VERSION
 
     @property
@@ -121,6 +122,7 @@ class Manifest:
                 pieces=tuple(PieceRecord(**p) for p in body["pieces"]),
                 metadata=dict(body.get("metadata") or {}),
                 lease_generation=body.get("lease_generation"),
+                attempt=body.get("attempt"),
                 format_version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
