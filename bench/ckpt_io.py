@@ -151,13 +151,15 @@ def save(rank: int, url: str, step: int, world: int, state: StateRef, io_threads
     """(barrier, end, bytes written, seconds the call blocked) of this rank's share of one save."""
     mgr, arrays, meta = manager(url, io_threads), state_arrays(state), {"bench": "ckpt_io"}
     records = QueueGather(rank, world, step) if gather == "queue" and world > 1 else None
+    attempt = f"bench-{step}"  # each timed save has a step of its own
     start = bc.sync(world)
     if asynchronous:
-        if not mgr.save_async(step, arrays, meta, rank=rank, world_size=world, if_busy="wait"):
+        if not mgr.save_async(step, arrays, meta, rank=rank, world_size=world, if_busy="wait", attempt=attempt):
             raise bc.BenchError(f"save_async of step {step} was skipped")
         blocked = time.perf_counter() - start
         mgr.wait()
-    elif mgr.save(step, arrays, meta, rank=rank, world_size=world, gather=records) is None and rank == 0:
+    elif mgr.save(step, arrays, meta, rank=rank, world_size=world, gather=records,
+                  attempt=attempt) is None and rank == 0:
         raise bc.BenchError(f"step {step} did not commit")
     end = time.perf_counter()
     return start, end, mgr.last_stats.bytes_written, blocked if asynchronous else end - start

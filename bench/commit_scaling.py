@@ -77,9 +77,11 @@ def one_save(store: CountingStore, managers: list[CheckpointManager], lease: Lea
     n = len(managers)
     tensors = {"w": np.full(n * 16384, step, np.float32)}  # 64 KiB per rank: one piece each
     start, gathered = threading.Barrier(n), dict[str, float]()
+    attempt = f"scaling-{step}"
 
     def rank_main(rank: int) -> None:
-        inner = StoreGather(store, step, rank, n, timeout_s=300.0, read_threads=read_threads)
+        inner = StoreGather(store, step, rank, n, attempt=attempt, timeout_s=300.0,
+                            read_threads=read_threads)
 
         def gather(record: RecordJSON) -> list[RecordJSON] | None:
             t0 = time.perf_counter()
@@ -89,7 +91,8 @@ def one_save(store: CountingStore, managers: list[CheckpointManager], lease: Lea
             return out
 
         start.wait()
-        managers[rank].save(step, tensors, rank=rank, world_size=n, gather=gather, lease=lease if rank == 0 else None)
+        managers[rank].save(step, tensors, rank=rank, world_size=n, gather=gather, attempt=attempt,
+                            lease=lease if rank == 0 else None)
 
     store.reset()
     with ThreadPoolExecutor(n) as pool:  # one thread per rank

@@ -14,8 +14,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ckpt_service.errors import (
+    BadAttemptError,
     BadMetadataError,
+    BadPartitionError,
+    BadRankError,
     BadSnapshotError,
+    BadStepError,
     BadStoreKeyError,
     BadStoreURLError,
     BadTensorNameError,
@@ -25,9 +29,11 @@ from ckpt_service.errors import (
     FormatVersionError,
     IncompleteShardRecordsError,
     LeaseLostError,
+    MismatchedShardRecordsError,
     MissingCredentialsError,
     NothingToRestoreError,
     ObjectNotFoundError,
+    OutOfOrderSaveError,
     PreconditionFailedError,
     SaveAbandonedError,
     StoreDeadlineError,
@@ -68,9 +74,11 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BadMetadataError", "BadSnapshotError", "BadStoreKeyError", "BadStoreURLError", "BadTensorNameError",
-    "CheckpointError", "CommitConflictError", "CorruptCheckpointError", "FormatVersionError",
-    "IncompleteShardRecordsError", "LeaseLostError", "MissingCredentialsError", "NothingToRestoreError",
-    "ObjectNotFoundError", "PreconditionFailedError", "SaveAbandonedError", "StoreDeadlineError",
-    "StoreUnavailableError", "StructureMismatchError", "WriterFailedError", *_LAZY,
+    "BadAttemptError", "BadMetadataError", "BadPartitionError", "BadRankError", "BadSnapshotError", "BadStepError",
+    "BadStoreKeyError", "BadStoreURLError", "BadTensorNameError", "CheckpointError", "CommitConflictError",
+    "CorruptCheckpointError", "FormatVersionError",
+    "IncompleteShardRecordsError", "LeaseLostError", "MismatchedShardRecordsError", "MissingCredentialsError",
+    "NothingToRestoreError", "ObjectNotFoundError", "OutOfOrderSaveError", "PreconditionFailedError",
+    "SaveAbandonedError", "StoreDeadlineError", "StoreUnavailableError", "StructureMismatchError",
+    "WriterFailedError", *_LAZY,
 ]

@@ -9,14 +9,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import zipfile
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
+from numpy.lib.format import write_array
+from numpy.typing import NDArray
 
-from ckpt_service.errors import CheckpointError, NothingToRestoreError
+from ckpt_service.errors import BadTensorNameError, CheckpointError, NothingToRestoreError
 from hvd_transient.cli import ArgumentParser, command, existing_store_url, non_negative_int, output_file, positive_int
 
 if TYPE_CHECKING:
@@ -109,12 +114,42 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the .npz entry holding the step's metadata (JSON text); no tensor may have this name
+METADATA_ENTRY = "__metadata__"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    ckpt = _manager(args.url).restore(step=args.step)
-    # Tensor names are the .npz keys; names were validated (relative, no '..') at save time.
-    np.savez(args.out, **ckpt.tensors, __metadata__=np.array(json.dumps(ckpt.metadata)))
-    print(f"exported step {ckpt.step} ({len(ckpt.tensors)} tensors) to {args.out}")
+    mgr = _manager(args.url)
+    names = [t.name for t in mgr.manifest(args.step).tensors]
+    if METADATA_ENTRY in names:  # refused before anything is read or written
+        raise BadTensorNameError(
+            f"step {args.step} has a tensor named {METADATA_ENTRY!r}, the .npz entry that holds the metadata, "
+            "so it cannot be exported to .npz; restore it with CheckpointManager.restore() instead")
+    ckpt = mgr.restore(step=args.step)
+    out = write_npz(args.out, {**ckpt.tensors, METADATA_ENTRY: np.array(json.dumps(ckpt.metadata))})
+    print(f"exported step {ckpt.step} ({len(ckpt.tensors)} tensors) to {out}")
     return 0
+
+
+def write_npz(path: str, arrays: Mapping[str, NDArray[Any]]) -> str:
+    """Write ``arrays`` as ``np.savez`` does (``<name>.npy`` entries, no pickles), published whole by a
+    rename; returns the file's path (``.npz`` appended if missing, as np.savez does).
+
+    Any key works, unlike ``np.savez(path, **arrays)``, whose own parameter ``file`` a tensor named
+    'file' would collide with; tensor names were validated (relative, no '..') at save time.
+    """
+    out = path if path.endswith(".npz") else path + ".npz"
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for name, array in arrays.items():
+                with archive.open(name + ".npy", "w", force_zip64=True) as entry:
+                    write_array(entry, np.asanyarray(array), allow_pickle=False)  # type: ignore[no-untyped-call]
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

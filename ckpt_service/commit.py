@@ -8,56 +8,94 @@ running out of time means nothing was committed (SaveAbandonedError). Once it is
 answer decides, or if none came, reading the marker back: this attempt's marker is there
 (committed), it is not (SaveAbandonedError), or the read-back failed too, and then the
 outcome is unknown and is reported as such (WriteOutcomeUnknownError), never as a failure.
+
+Ordering. The marker records the lease generation its fence wrote; a lower step with a newer
+generation supersedes it (:mod:`ckpt_service.manifest`). A save without a lease of a step
+older than the latest committed one is refused before its manifest (OutOfOrderSaveError):
+nothing could order it after the newer step, which would stay the latest and whose retention
+would delete it. A save with a lease of a lower step is a rollback and supersedes the higher
+steps, unless one of them was committed without a lease (refused too).
+
+Re-committing a step whose marker exists. The existing marker is replaced, by a
+compare-and-swap on its object generation, when it does not stand for a valid commit: it is
+unreadable, superseded, made before this lease holder's tenure began (an older master's), or
+its manifest is missing or does not match its checksum, or, for a save without a deadline,
+a piece fails verification (the whole step is read). Otherwise CommitConflictError: a
+genuine commit of the step stands. A save with a deadline (an emergency save) cannot afford
+to read the step back, and reporting "already committed" for a step that may be corrupt
+would lose it; its own commit is complete and fenced, so it always takes the existing one's
+place. The replaced commit's files are left to gc (a restore may be reading them).
 """
 from __future__ import annotations
 
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from ckpt_service import layout
 from ckpt_service.deadline import Deadline
-from ckpt_service.errors import CommitConflictError, SaveAbandonedError, StoreDeadlineError
+from ckpt_service.errors import (
+    CommitConflictError,
+    CorruptCheckpointError,
+    OutOfOrderSaveError,
+    PreconditionFailedError,
+    SaveAbandonedError,
+    StoreDeadlineError,
+)
 from ckpt_service.lease import Lease
 from ckpt_service.manifest import CommitMarker, Manifest, TensorEntry, crc32c
 from ckpt_service.plan import SavePlan
+from ckpt_service.reader import CheckpointReader, list_commits, read_marker
 from ckpt_service.shard_records import ShardRecord, pieces_to_commit
 from ckpt_service.stores.base import ObjectStore, WriteOutcomeUnknownError
 
 log = logging.getLogger(__name__)
 
+#: how often a commit looks at an existing marker again when it changed under the compare-and-swap
+MARKER_ATTEMPTS = 4
+#: threads that read an existing step back to verify it on a conflict
+VERIFY_THREADS = 4
+
 
 def build_manifest(step: int, plan: SavePlan, records: Sequence[ShardRecord], metadata: dict[str, Any],
-                   lease_generation: int | None) -> Manifest:
-    """The manifest of ``step`` (pure but for its timestamp); raises unless the records cover the plan."""
+                   lease_generation: int | None, attempt: str | None = None) -> Manifest:
+    """The manifest of ``step`` (pure but for its timestamp); raises unless the records are all of this
+    step, ``attempt`` and plan, and cover the plan."""
     return Manifest(
         step=step,
         world_size=plan.world_size,
         created_at=time.time(),
         tensors=tuple(TensorEntry(p.spec.name, p.spec.shape, p.spec.dtype, p.spec.dtype, p.offset)
                       for p in plan.placements),
-        pieces=pieces_to_commit(step, plan, records),
+        pieces=pieces_to_commit(step, plan, records, attempt=attempt),
         metadata=metadata,
         lease_generation=lease_generation,
+        attempt=attempt,
     )
 
 
 def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence[ShardRecord],
-                metadata: dict[str, Any], lease: Lease | None, deadline: Deadline | None = None) -> Manifest:
-    """Commit ``step`` from every writer's record; returns its manifest.
+                metadata: dict[str, Any], lease: Lease | None, deadline: Deadline | None = None, *,
+                attempt: str | None = None) -> Manifest:
+    """Commit ``step`` from every writer's record of save ``attempt``; returns its manifest.
 
-    Raises WriterFailedError or IncompleteShardRecordsError (bad records), LeaseLostError
-    (fenced out), SaveAbandonedError (deadline), CommitConflictError (already committed),
+    Raises WriterFailedError, IncompleteShardRecordsError or its MismatchedShardRecordsError
+    (bad records, or records of another step, attempt or plan), OutOfOrderSaveError (older than
+    a step it cannot supersede), LeaseLostError (fenced out), SaveAbandonedError (deadline),
+    CommitConflictError (a valid commit of the step exists),
     WriteOutcomeUnknownError (the marker write's outcome is unknown). Nothing is committed
     unless it returns, or that last error says the outcome is unknown.
     """
-    manifest = build_manifest(step, plan, records, metadata, lease.generation if lease is not None else None)
+    manifest = build_manifest(step, plan, records, metadata, lease.generation if lease is not None else None,
+                              attempt)
     token = uuid.uuid4().hex
     body = manifest.to_json()
     mkey = layout.manifest_key(step, token)
     bounded = store if deadline is None else store.within(deadline)
     try:
+        _check_order(bounded, step, lease)
         bounded.put(mkey, body)
         generation = lease.fence(deadline=deadline) if lease is not None else None
     except (StoreDeadlineError, WriteOutcomeUnknownError) as exc:
@@ -72,7 +110,7 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
     # A lost reply is resolved by reading the marker back (its token is this attempt's):
     # applied is committed, not applied raises the store's error, unknown says so.
     try:
-        created = bounded.create_exclusive(layout.commit_key(step), marker.to_json())
+        _write_marker(store, bounded, marker, lease, deadline)
     except WriteOutcomeUnknownError as exc:
         when = " before the deadline" if deadline is not None else ""
         raise WriteOutcomeUnknownError(
@@ -82,10 +120,87 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
     except StoreDeadlineError as exc:  # not sent, or sent and read back as not applied
         raise SaveAbandonedError(f"step {step}: the commit marker could not be written before the deadline, and "
                                  f"it is not in the store; nothing was committed ({exc})") from exc
-    if not created:
-        raise CommitConflictError(f"step {step} is already committed in {store.url}; the existing commit stands")
     log.info("committed step %d (%d bytes, %d writers) to %s", step, manifest.nbytes, plan.world_size, store.url)
     return manifest
+
+
+def _check_order(store: ObjectStore, step: int, lease: Lease | None) -> None:
+    """Refuse a commit of ``step`` that the committed steps above it would outrank.
+
+    One listing of ``commits/``; markers are read only when a step above this one is listed
+    (a save in order reads none, which matters under a deadline).
+    """
+    higher = [s for s in (layout.parse_commit_key(k) for k in store.list(layout.COMMITS_PREFIX))
+              if s is not None and s > step]
+    if not higher:
+        return
+    if lease is None:
+        newer = [s for s in list_commits(store).committed if s > step]
+        if newer:
+            raise OutOfOrderSaveError(
+                f"step {step} is older than step {newer[-1]}, the latest committed in {store.url}: a save without "
+                "a lease cannot be ordered after it, so it would never be restored and retention would delete it; "
+                "save a step after the latest, or pass the master lease to roll back")
+        return
+    # Holding the lease, this commit's fence will carry the newest generation of all: it supersedes
+    # every higher step that has one.
+    unordered = [s for s, (gone, marker) in ((s, read_marker(store, s)) for s in higher)
+                 if not gone and (marker is None or marker.lease_generation is None)]
+    if unordered:
+        raise OutOfOrderSaveError(
+            f"step {step} is older than step(s) {unordered} of {store.url}, committed without a lease: a rollback "
+            "cannot supersede them; delete them first or save a step after them")
+
+
+def _write_marker(store: ObjectStore, bounded: ObjectStore, marker: CommitMarker, lease: Lease | None,
+                  deadline: Deadline | None) -> None:
+    """Create the marker, or replace an existing one that is not a valid commit; CommitConflictError else."""
+    step, key, data = marker.step, layout.commit_key(marker.step), marker.to_json()
+    for _ in range(MARKER_ATTEMPTS):
+        if bounded.create_exclusive(key, data):
+            return
+        existing = bounded.get_versioned(key)
+        if existing is None:
+            continue  # deleted since (gc of a superseded step): create it again
+        reason = _why_replaceable(store, bounded, step, existing[0], lease, deadline)
+        if reason is None:
+            raise CommitConflictError(f"step {step} is already committed in {store.url}; the existing commit stands")
+        try:
+            bounded.put_resolved(key, data, if_generation_match=existing[1])
+        except PreconditionFailedError:
+            continue  # another writer moved it meanwhile: look at what is there now
+        log.warning("step %d: replaced its existing commit marker in %s: %s", step, store.url, reason)
+        return
+    raise CommitConflictError(f"step {step}: its commit marker in {store.url} kept changing under this commit "
+                              f"({MARKER_ATTEMPTS} tries); another master is committing it")
+
+
+def _why_replaceable(store: ObjectStore, bounded: ObjectStore, step: int, existing: bytes, lease: Lease | None,
+                     deadline: Deadline | None) -> str | None:
+    """Why the existing marker ``existing`` of ``step`` is no valid commit (None: it is one)."""
+    where = f"{store.url}/{layout.commit_key(step)}"
+    try:
+        marker = CommitMarker.from_json(existing, where=where)
+    except CorruptCheckpointError as exc:
+        return f"it is unreadable ({exc})"
+    made, tenure = marker.lease_generation, lease.acquired_generation if lease is not None else None
+    if isinstance(made, int) and tenure is not None and made < tenure:
+        return f"it was made under lease generation {made}, before this holder's tenure (generation {tenure})"
+    try:
+        body = bounded.get(marker.manifest_key)
+    except KeyError:
+        return f"its manifest {marker.manifest_key} is missing"
+    if crc32c(body) != marker.manifest_crc32c:
+        return f"its manifest {marker.manifest_key} does not match the checksum in the marker"
+    if deadline is not None:
+        return "it cannot be verified in the time the deadline leaves, and this commit is complete"
+    if step in list_commits(bounded).superseded:
+        return "it is superseded by a lower step committed under a newer lease generation"
+    with ThreadPoolExecutor(max_workers=VERIFY_THREADS, thread_name_prefix="ckpt-verify") as io:
+        report = CheckpointReader(store, io).verify(step)
+    if not report.ok:
+        return "it fails verification: " + "; ".join(report.problems)
+    return None
 
 
 def _out_of_time(exc: BaseException) -> bool:

@@ -85,8 +85,21 @@ class IncompleteShardRecordsError(CheckpointError, ValueError):
     """The writers' shard records are unreadable or do not cover the save plan exactly (nothing was committed)."""
 
 
+class MismatchedShardRecordsError(IncompleteShardRecordsError):
+    """Writers' shard records belong to different saves: another step, save attempt or plan, or pieces
+    outside the step or of another writer (nothing was committed)."""
+
+
+class BadAttemptError(CheckpointError, ValueError):
+    """A save attempt id is missing where one is required, or cannot be used in store keys."""
+
+
 class CommitConflictError(CheckpointError, FileExistsError):
     """This step was already committed (by another master); the earlier commit stands."""
+
+
+class OutOfOrderSaveError(CheckpointError, ValueError):
+    """A save of a step older than the latest committed one, which its commit could not supersede."""
 
 
 class BadMetadataError(CheckpointError, TypeError):
@@ -95,3 +108,15 @@ class BadMetadataError(CheckpointError, TypeError):
 
 class BadSnapshotError(CheckpointError, ValueError):
     """A share snapshot does not match this rank's pieces of the plan, or a tensor has no data."""
+
+
+class BadStepError(CheckpointError, ValueError, TypeError):
+    """A step is not a non-negative integer (bool, float and str are refused, numpy integers are taken)."""
+
+
+class BadRankError(CheckpointError, ValueError):
+    """A save's rank or coordinator is outside [0, world_size), or world_size is not a positive integer."""
+
+
+class BadPartitionError(CheckpointError, ValueError):
+    """A restore's ``partition`` is not ``(reader, readers)`` with integers 0 <= reader < readers."""

@@ -20,7 +20,7 @@ import tenacity
 
 from ckpt_service.deadline import Deadline
 from ckpt_service.errors import SaveAbandonedError, StoreDeadlineError
-from ckpt_service.layout import record_key
+from ckpt_service.layout import check_attempt, record_key, records_prefix
 from ckpt_service.shard_records import RecordJSON
 from ckpt_service.stores.base import ObjectStore
 
@@ -34,7 +34,11 @@ def single_rank_gather(record: RecordJSON) -> list[RecordJSON]:
 
 
 class StoreGather:
-    """Each rank writes ``records/rank-N.json``; the coordinator polls until all W are there.
+    """Each rank writes ``records/<attempt>/rank-N.json``; the coordinator polls until all W are there.
+
+    ``attempt`` is the save attempt every rank of this save agreed on: the coordinator lists
+    and reads only that attempt's records, never those an earlier attempt of the same step
+    left behind (a coordinator that died, then a rollback that saves the step again).
 
     Polling is the only way to wait on an object store; the interval grows to
     ``max_interval_s`` so a slow writer does not cost a request storm. Each poll is one
@@ -46,10 +50,11 @@ class StoreGather:
     Either way, running out of time raises SaveAbandonedError.
     """
 
-    def __init__(self, store: ObjectStore, step: int, rank: int, world_size: int, *,
+    def __init__(self, store: ObjectStore, step: int, rank: int, world_size: int, *, attempt: str,
                  coordinator: int = 0, deadline: float | Deadline | None = None, timeout_s: float = 600.0,
                  max_interval_s: float = 0.5, read_threads: int = 16) -> None:
         self.step, self.rank, self.world_size = step, rank, world_size
+        self.attempt = check_attempt(attempt)
         self.coordinator = coordinator
         bound = Deadline(deadline) if isinstance(deadline, (int, float)) else deadline
         self.store = store if bound is None else store.within(bound)
@@ -66,15 +71,15 @@ class StoreGather:
                 "the save was abandoned and the previous checkpoint stays the latest") from exc
 
     def _gather(self, record: RecordJSON) -> list[RecordJSON] | None:
-        self.store.put(record_key(self.step, self.rank), json.dumps(record).encode())
+        self.store.put(record_key(self.step, self.attempt, self.rank), json.dumps(record).encode())
         if self.rank != self.coordinator:
             return None
         records: dict[int, RecordJSON] = {self.rank: record}  # its own needs no read-back
-        listed = record_key(self.step, 0).rsplit("/", 1)[0] + "/rank-"
+        listed = records_prefix(self.step, self.attempt) + "rank-"
 
         def read(rank: int) -> RecordJSON | None:
             try:
-                body: RecordJSON = json.loads(self.store.get(record_key(self.step, rank)))
+                body: RecordJSON = json.loads(self.store.get(record_key(self.step, self.attempt, rank)))
                 return body
             except KeyError:
                 return None

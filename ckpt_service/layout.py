@@ -3,7 +3,7 @@
 Checkpoints (written by :mod:`ckpt_service`)::
 
     steps/000000000120/data/float32/00003.<nonce>/...   zarr v3 array, one piece
-    steps/000000000120/records/rank-00001.json          a writer's shard record (store gather)
+    steps/000000000120/records/<attempt>/rank-00001.json  a writer's shard record (store gather)
     steps/000000000120/manifest.<token>.json            the manifest
     commits/000000000120.json                           create-only commit marker
     lease/master.json                                   checkpoint-master lease
@@ -17,8 +17,16 @@ The training side (:mod:`hvd_transient`) keeps its own objects in the same store
 
 Commit markers live in their own small directory so that finding the committed
 steps is one short listing, however many data objects the steps hold.
+
+Shard records live under the save *attempt* that wrote them (an id every writer of one
+save agrees on): a coordinator lists and reads only its own attempt's records, so the
+records an abandoned attempt of the same step left behind can never be mixed into its commit.
 """
 from __future__ import annotations
+
+import re
+
+from ckpt_service.errors import BadAttemptError
 
 # ---- checkpoints --------------------------------------------------------------------------------
 
@@ -48,8 +56,26 @@ def manifest_key(step: int, token: str) -> str:
     return step_prefix(step) + f"manifest.{token}.json"
 
 
-def record_key(step: int, rank: int) -> str:
-    return step_prefix(step) + f"records/rank-{rank:05d}.json"
+#: what a save attempt id may be: one plain key segment (not '.' or '..'), short enough for any store
+ATTEMPT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_attempt(attempt: str) -> str:
+    """``attempt`` if it can name a save attempt in keys; BadAttemptError otherwise."""
+    if not isinstance(attempt, str) or ATTEMPT_PATTERN.fullmatch(attempt) is None:
+        raise BadAttemptError(
+            f"save attempt id {attempt!r} is not usable in store keys: use 1 to 64 characters of "
+            "letters, digits, '.', '_' and '-', starting with a letter or digit (e.g. 'ring3f2a-120-0')")
+    return attempt
+
+
+def records_prefix(step: int, attempt: str) -> str:
+    """The directory of one save attempt's shard records."""
+    return step_prefix(step) + f"records/{check_attempt(attempt)}/"
+
+
+def record_key(step: int, attempt: str, rank: int) -> str:
+    return records_prefix(step, attempt) + f"rank-{rank:05d}.json"
 
 
 def piece_prefix(step: int, group: str, index: int, nonce: str) -> str:

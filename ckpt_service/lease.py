@@ -17,6 +17,11 @@ unknown (:class:`WriteOutcomeUnknownError`) and the generation held is kept; if
 the next compare-and-swap is refused, finding that write's record stored means
 it landed, and the renewal is made on top of it.
 
+Every write of the lease (acquire, steal, fence, release) is a conditional write that
+moves the object to a new generation, and every store makes generations of one object
+strictly increase; so the generation a commit marker records orders commits by their
+fences (:func:`ckpt_service.manifest.superseded_steps`).
+
 ``fence(deadline=...)`` (the fence inside a save that has a deadline) makes every
 request of the renewal, read-backs included, end by that deadline.
 """
@@ -57,6 +62,9 @@ class Lease:
                  clock: Callable[[], float] = time.time) -> None:
         self.store, self.holder, self.ttl_s, self.key, self.clock = store, holder, ttl_s, key, clock
         self.generation: int | None = None
+        #: the generation this holder's acquire (or steal) wrote: commit markers older than it
+        #: were made before this tenure began
+        self.acquired_generation: int | None = None
         # The bytes of this holder's last write whose outcome stayed unknown: if a later
         # compare-and-swap is refused, finding them stored means that write landed after all.
         self._unresolved: bytes | None = None
@@ -95,7 +103,8 @@ class Lease:
                     "expire or elect a new master"
                 )
             try:
-                taken = self.generation = self._write(self.store, generation, released=False)
+                taken = self.generation = self.acquired_generation = self._write(self.store, generation,
+                                                                                 released=False)
                 break
             except PreconditionFailedError:
                 if attempt == attempts - 1:

@@ -12,6 +12,11 @@ Roles in a multi-writer save (every rank calls ``save`` with the same state spec
 
 A save that misses its deadline, loses the lease or finds the step already
 committed raises and commits nothing: the previous committed step stays the latest.
+
+Commits are ordered by the lease generation their fence wrote: a committed step that a
+lower step's newer-generation commit supersedes (an old master's marker that landed after
+its successor committed, or the steps above a rollback) is not listed, not restored by
+default, and deleted by retention (:mod:`ckpt_service.reader`, :mod:`ckpt_service.commit`).
 A save's ``deadline`` bounds every store call it makes (see :mod:`ckpt_service.deadline`).
 
 The manager is one front for three parts: :class:`~ckpt_service.writer.CheckpointWriter`
@@ -20,10 +25,10 @@ The manager is one front for three parts: :class:`~ckpt_service.writer.Checkpoin
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
 
+from ckpt_service.arguments import checked_step
 from ckpt_service.collector import StepCollector
 from ckpt_service.errors import BadMetadataError, BadSnapshotError, CommitConflictError
 from ckpt_service.gather import Gather
@@ -31,6 +36,7 @@ from ckpt_service.lease import Lease
 from ckpt_service.manifest import CommitMarker, Manifest
 from ckpt_service.plan import DEFAULT_CHUNK_BYTES, SavePlan, TensorSpec, TensorSpecs
 from ckpt_service.plan_cache import PLAN_CACHE_SIZE, PlanCache
+from ckpt_service.read_plan import checked_partition
 from ckpt_service.reader import Checkpoint, CheckpointReader, VerifyReport
 from ckpt_service.retention import RetentionPolicy
 from ckpt_service.share import DeferredShare, ShareSnapshot, prepare_share
@@ -57,18 +63,21 @@ class CheckpointManager:
         io_threads: int = 8,
         abandoned_after_s: float = 600.0,
         gather_timeout_s: float = 600.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
-        """``abandoned_after_s``: how long an uncommitted step's files, or a temp file of a write
-        killed midway, stay untouched before gc takes them for abandoned (younger ones may belong to
-        a save in flight). ``clock`` gives wall-clock seconds for those ages (tests move it)."""
+        """``abandoned_after_s``: how long an uncommitted step's files, the files of a committed step
+        its manifest does not refer to, or a temp file of a write killed midway, stay untouched
+        before gc takes them for abandoned (younger ones may belong to a save in flight). Those ages
+        are measured on the store's own clock (the one its mtimes come from), so a manager whose
+        clock is off cannot take another process's save in flight for abandoned; ``clock`` replaces
+        it (tests move it)."""
         self.store = open_store(store) if isinstance(store, str) else store
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ckpt-io")
         self._collector = StepCollector(
-            self.store, RetentionPolicy(max_to_keep, keep_every_n_steps, abandoned_after_s), clock=clock)
+            self.store, RetentionPolicy(max_to_keep, keep_every_n_steps, abandoned_after_s), clock=clock, io=self._io)
         self._reader = CheckpointReader(self.store, self._io)
         self._writer = CheckpointWriter(self.store, self._io, PlanCache(chunk_bytes), compression=compression,
-                                        gather_timeout_s=gather_timeout_s, after_commit=self._collector.collect)
+                                        gather_timeout_s=gather_timeout_s, after_commit=self._collect_after)
 
     # ------------------------------------------------------------------ settings
 
@@ -89,7 +98,8 @@ class CheckpointManager:
         return self._collector.policy.abandoned_after_s
 
     @property
-    def clock(self) -> Callable[[], float]:
+    def clock(self) -> Callable[[], float] | None:
+        """The clock ages are measured against; None: the store's own."""
         return self._collector.clock
 
     @property
@@ -129,6 +139,7 @@ class CheckpointManager:
         lease: Lease | None = None,
         deadline: float | None = None,
         snapshot: ShareSnapshot | None = None,
+        attempt: str | None = None,
     ) -> Manifest | None:
         """Write this rank's share of ``tensors`` and, on the coordinator, commit step ``step``.
 
@@ -145,15 +156,30 @@ class CheckpointManager:
         give up before the deadline instead of after it. Such a save leaves retention to the next
         save without a deadline. Without one, the store's own retry policy applies unchanged.
 
+        ``attempt`` names this save attempt: the same id on every rank of one save, a new one for
+        each save (the same step saved again after a rollback is a new attempt), 1-64 characters
+        of ``[A-Za-z0-9._-]``. Every shard record carries it with the step and the plan's digest,
+        and the coordinator commits only records of its own step, attempt and plan. A multi-writer
+        save without ``gather`` (records gathered through the store) must pass one, or it raises
+        BadAttemptError before writing anything; with a collective ``gather`` it is optional.
+
         Nothing is committed when it raises: SaveAbandonedError (the deadline passed, or the
         store could not do its part before it), WriterFailedError (a writer reported an error),
-        IncompleteShardRecordsError, LeaseLostError, CommitConflictError (the step is already
-        committed), or the error of this rank's own share or writes. The one exception is
-        WriteOutcomeUnknownError: the commit marker was sent but neither its answer nor reading
-        it back came in time, so the step may or may not be committed (list the steps to know).
+        IncompleteShardRecordsError (or MismatchedShardRecordsError: a record of another step,
+        attempt or plan, or pieces outside the step or of another writer), LeaseLostError,
+        OutOfOrderSaveError (a save without a lease of a step older than the latest committed one,
+        or a rollback under the lease below a step committed without one), CommitConflictError (a
+        valid commit of the step exists), or the error of this rank's own share or writes. An
+        existing commit of the step that is not valid (superseded, made before this lease holder's
+        tenure, its manifest missing or not matching, or a piece failing verification) is replaced
+        instead; a save with a deadline, which has no time to verify it, always replaces it (see
+        :mod:`ckpt_service.commit`). The one exception is WriteOutcomeUnknownError: the commit
+        marker was sent but neither its answer nor reading it back came in time, so the step may
+        or may not be committed (list the steps to know).
         """
         return self._writer.save(step, tensors, metadata, rank=rank, world_size=world_size, gather=gather,
-                                 coordinator=coordinator, lease=lease, deadline=deadline, snapshot=snapshot)
+                                 coordinator=coordinator, lease=lease, deadline=deadline, snapshot=snapshot,
+                                 attempt=attempt)
 
     def save_async(
         self,
@@ -169,14 +195,18 @@ class CheckpointManager:
         if_busy: str = "skip",
         on_done: Callable[[Manifest | None, BaseException | None], None] | None = None,
         snapshot: ShareSnapshot | None = None,
+        attempt: str | None = None,
     ) -> bool:
         """Snapshot this rank's share into host memory, then persist and commit in the background.
 
         The caller is blocked only while the snapshot is taken. At most one save is in flight, so
         memory stays bounded by one snapshot of this rank's share: if one is still running,
         ``if_busy="skip"`` drops this request (returns False) and ``"wait"`` blocks until the
-        previous one finishes. A multi-writer background save gathers records through the
-        store unless ``gather`` is given (it then runs on the background thread).
+        previous one finishes; if that one failed, its error is logged (not raised here) and
+        this save starts. Concurrent callers are served one at a time: two can never both
+        start a save. A multi-writer background save gathers records through the
+        store unless ``gather`` is given (it then runs on the background thread), and so needs
+        an ``attempt`` id (see :meth:`save`).
         ``on_done(manifest, error)`` is called on the background thread when it ends.
         ``snapshot`` supplies the share instead of ``tensors``, as in :meth:`save`; if it
         raises or returns arrays that do not fit the plan, nothing is started. A
@@ -187,7 +217,7 @@ class CheckpointManager:
         """
         return self._writer.save_async(step, tensors, metadata, rank=rank, world_size=world_size, gather=gather,
                                        coordinator=coordinator, lease=lease, if_busy=if_busy, on_done=on_done,
-                                       snapshot=snapshot)
+                                       snapshot=snapshot, attempt=attempt)
 
     def wait(self, timeout: float | None = None) -> Manifest | None:
         """Block until the in-flight async save is done; re-raise its error. TimeoutError if not done."""
@@ -200,7 +230,7 @@ class CheckpointManager:
     # ----------------------------------------------------------------- reading
 
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps that no lower step's newer-generation commit supersedes, ascending."""
         return self._reader.all_steps()
 
     def latest_step(self) -> int | None:
@@ -225,10 +255,18 @@ class CheckpointManager:
         ``names`` restricts the tensors read; ``partition=(rank, world_size)`` makes each of
         ``world_size`` readers read a byte-balanced share of whole tensors (any reader count
         can read any writer count). ``expected`` maps names to arrays or ``(shape, dtype)``
-        and raises StructureMismatchError on any difference. When the latest step fails
+        and raises StructureMismatchError on any difference from the tensors restored (with
+        ``names``, those; otherwise all stored ones). When the latest step fails
         verification and no step was asked for, the previous committed step is tried, with
-        a warning naming what failed.
+        a warning naming what failed; a step removed or re-committed while being read is
+        gone, not corrupt: the steps are listed again. A superseded step is never restored by
+        default, only when asked for by number (while gc has not removed it). A step that is
+        not a non-negative integer raises BadStepError; a partition that is not
+        ``(reader, readers)`` with ``0 <= reader < readers``, BadPartitionError.
         """
+        step = None if step is None else checked_step(step)
+        partition = None if partition is None else checked_partition(partition)
+        names = None if names is None else list(names)  # read once, however many steps are tried
         return self._reader.restore(step, names=names, partition=partition, expected=expected)
 
     def verify(self, step: int) -> VerifyReport:
@@ -239,14 +277,19 @@ class CheckpointManager:
 
     def delete(self, step: int) -> None:
         """Delete a step: the commit marker first, so it is never visible half-deleted."""
-        self._collector.delete(step)
+        self._collector.delete(checked_step(step))
+
+    def _collect_after(self, step: int) -> list[int]:
+        return self._collector.collect(protect=step)  # the step just committed stays, superseded or not
 
     def gc(self, keep: int | None = None) -> list[int]:
-        """Apply retention; also remove abandoned uncommitted steps older than the latest.
+        """Apply retention; also remove superseded steps, abandoned uncommitted steps older than
+        the latest, and the files of committed steps that their manifests do not refer to.
 
         Never deletes the latest committed step, nor an uncommitted step that is newer than
-        it or was written to within ``abandoned_after_s`` (it may still be being written).
-        Temp files of writes killed midway (local store) go once that old too.
+        it, nor any file written to within ``abandoned_after_s`` by the store's clock (it may
+        still be being written). Temp files of writes killed midway (local store) go once that
+        old too. Safe to run from several processes at once. Returns the steps removed.
         """
         return self._collector.collect(keep)
 

@@ -2,10 +2,18 @@
 
 A step exists for readers only if ``COMMIT`` parses, names a manifest, and that
 manifest's crc32c matches the one recorded in the marker.
+
+A marker's ``lease_generation`` is the generation of the master lease its commit fenced.
+Every write of the lease gets a strictly larger generation, so these numbers order commits
+by their fences: a committed step is *superseded* when a lower committed step carries a
+newer lease generation (a successor committed after it was fenced, or a master rolled
+back). Markers without a generation (saves without a lease) neither supersede nor are
+superseded. See :func:`superseded_steps`.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -73,6 +81,7 @@ class Manifest:
     pieces: tuple[PieceRecord, ...]
     metadata: dict[str, Any] = field(default_factory=dict)
     lease_generation: int | None = None
+    attempt: str | None = None  # the save attempt whose writers' records the commit took
     format_version: int = FORMAT_VERSION
 
     @property
@@ -113,6 +122,7 @@ class Manifest:
                 pieces=tuple(PieceRecord(**p) for p in body["pieces"]),
                 metadata=dict(body.get("metadata") or {}),
                 lease_generation=body.get("lease_generation"),
+                attempt=body.get("attempt"),
                 format_version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -141,19 +151,69 @@ class CommitMarker:
             raise CorruptCheckpointError(f"{where} is malformed: {exc}") from exc
 
 
+def superseded_steps(generations: Mapping[int, int | None]) -> frozenset[int]:
+    """Pure: the steps of ``generations`` (step -> its marker's lease generation) that a lower
+    step with a newer lease generation supersedes. A step without a generation is never in it
+    and never supersedes another."""
+    superseded: set[int] = set()
+    newest: int | None = None  # the newest generation among the lower steps seen so far
+    for step in sorted(generations):
+        generation = generations[step]
+        if generation is None:
+            continue
+        if newest is not None and newest > generation:
+            superseded.add(step)
+        newest = generation if newest is None else max(newest, generation)
+    return frozenset(superseded)
+
+
 def checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A copy of ``metadata`` as the manifest will hold it (a JSON round trip), or BadMetadataError."""
+    """A copy of ``metadata`` as the manifest will hold it (a JSON round trip), or BadMetadataError.
+
+    Strict JSON only, so that every reader (``inspect --json`` included) parses it back to the
+    same value: string keys (json.dumps would turn ``1`` into ``"1"``, silently merging it with a
+    ``"1"`` key), finite numbers (NaN and infinity are not JSON), and lists, dicts, strings,
+    numbers, booleans and None. The error names the offending entry.
+    """
     if metadata is None:
         return {}
     if not isinstance(metadata, Mapping):
         raise BadMetadataError(f"metadata must be a dict, got {type(metadata).__name__}")
+    _check_json_value(metadata, "metadata", set())
     try:
-        copied: dict[str, Any] = json.loads(json.dumps(dict(metadata)))
-    except (TypeError, ValueError) as exc:
-        raise BadMetadataError(
-            f"checkpoint metadata must be JSON-serialisable ({exc}); convert numpy scalars with "
-            "int()/float() and arrays with .tolist(), or save arrays as tensors") from exc
+        copied: dict[str, Any] = json.loads(json.dumps(dict(metadata), allow_nan=False))
+    except (TypeError, ValueError) as exc:  # not expected after the walk; kept as a last line
+        raise BadMetadataError(f"checkpoint metadata must be strict JSON ({exc})") from exc
     return copied
+
+
+def _check_json_value(value: Any, where: str, open_containers: set[int]) -> None:
+    """Raise BadMetadataError naming the first entry under ``where`` that is not strict JSON."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise BadMetadataError(f"{where} is {value!r}, which JSON cannot hold; store a finite number, "
+                                   "None or a string such as 'nan' instead")
+        return
+    if not isinstance(value, (Mapping, list, tuple)):
+        raise BadMetadataError(
+            f"{where} is of type {type(value).__name__}, which is not JSON-serialisable; convert numpy scalars with "
+            "int()/float() and arrays with .tolist(), or save arrays as tensors")
+    if id(value) in open_containers:
+        raise BadMetadataError(f"{where} contains itself; metadata must be a tree of plain values")
+    open_containers.add(id(value))
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise BadMetadataError(
+                    f"{where} has the key {key!r} of type {type(key).__name__}; metadata keys must be strings "
+                    "(JSON would turn it into a string and could merge it with another key)")
+            _check_json_value(item, f"{where}[{key!r}]", open_containers)
+    else:
+        for i, item in enumerate(value):
+            _check_json_value(item, f"{where}[{i}]", open_containers)
+    open_containers.discard(id(value))
 
 
 def _load_json(data: bytes, where: str) -> dict[str, Any]:

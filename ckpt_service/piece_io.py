@@ -153,8 +153,8 @@ def decode_piece(objects: Mapping[str, bytes | None], *, where: str, start: int 
     plain = _plain_layout(metadata)
     if plain is None:
         decoded = _zarr_decode(objects, where=where, start=start, stop=stop)
-        if out is None or out.shape != decoded.shape:
-            return decoded
+        if out is None or out.shape != decoded.shape or out.dtype != decoded.dtype:
+            return decoded  # not cast into ``out``: the caller sees that it is not what it asked for
         out[:] = decoded
         return out
     return _decode_plain(plain, objects.get, None, where=where, start=start, stop=stop, out=out)
@@ -210,7 +210,25 @@ def _zarr_decode(objects: Mapping[str, bytes | None], *, where: str, start: int,
     staging = {k: proto.buffer.from_bytes(v) for k, v in objects.items() if v is not None}
     try:
         array = zarr.open_array(store=MemoryStore(staging), mode="r")
-        return np.asarray(array[start:stop])
+        # zarr reads an absent chunk as the fill value; every chunk of a piece is written
+        # (write_empty_chunks), so an absent one is a lost object, never zeros
+        missing = _absent_chunks(staging, array, start, stop)
+        if not missing:
+            return np.asarray(array[start:stop])
     except Exception as exc:  # zarr raises many types for corrupt metadata or codecs
         raise CorruptCheckpointError(
             f"{where}: a chunk fails its crc32c or cannot be decoded ({exc})") from exc
+    raise CorruptCheckpointError(
+        f"{where}: chunk{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+        f"{'are' if len(missing) > 1 else 'is'} missing; the piece cannot be read (restore an earlier step)")
+
+
+def _absent_chunks(staging: Mapping[str, Buffer], array: zarr.Array[Any], start: int,
+                   stop: int | None) -> list[str]:
+    """Keys of the chunks holding elements [start, stop) of a 1-D ``array`` that ``staging`` lacks."""
+    if len(array.shape) != 1:
+        raise ValueError(f"a piece is a 1-D array, this one has shape {array.shape}")
+    size, chunk = array.shape[0], array.chunks[0]
+    stop = size if stop is None else min(stop, size)
+    needed = range(start // chunk, (stop - 1) // chunk + 1) if stop > start else range(0)
+    return [key for i in needed if (key := array.metadata.encode_chunk_key((i,))) not in staging]

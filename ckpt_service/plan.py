@@ -23,10 +23,12 @@ the plan does not depend on the order in which tensors are given.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import heapq
+import json
 import math
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import astuple, dataclass
+from functools import cached_property, lru_cache
 from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -114,6 +116,18 @@ class SavePlan:
     def total_bytes(self) -> int:
         return sum(p.spec.nbytes for p in self.placements)
 
+    @cached_property
+    def digest(self) -> str:
+        """sha256 of the plan's canonical JSON: writers of one save show they planned alike by it.
+
+        Computed once per plan (plans are cached and immutable; cached_property writes the
+        instance's ``__dict__``, which a frozen dataclass allows).
+        """
+        body = {"world_size": self.world_size, "piece_bytes": self.piece_bytes,
+                "placements": [[p.spec.name, list(p.spec.shape), p.spec.dtype, p.offset] for p in self.placements],
+                "items": [astuple(i) for i in self.items]}
+        return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
+
     def group_sizes(self) -> dict[str, int]:
         sizes: dict[str, int] = {}
         for p in self.placements:
@@ -150,12 +164,23 @@ def spec_of(name: str, array: Any) -> TensorSpec:
     if not hasattr(array, "shape") or not hasattr(array, "dtype"):
         array = np.asarray(array)
     dtype = np.dtype(getattr(array.dtype, "as_numpy_dtype", array.dtype))
-    if dtype.kind not in "biufc" or dtype.fields is not None:
+    if not _storable(dtype):
         raise UnsupportedDtypeError(
-            f"tensor {name!r} has dtype {dtype}; only bool, integer, float and complex arrays can be "
-            "checkpointed (convert it to a numeric array first)"
+            f"tensor {name!r} has dtype {dtype}; only bool, integer (8 to 64 bits), float (16, 32 or 64 bits) "
+            "and complex (64 or 128 bits) arrays can be checkpointed (convert it to one of those numeric dtypes "
+            "first)"
         )
     return TensorSpec(validate_tensor_name(name), tuple(int(d) for d in array.shape), dtype.newbyteorder("<").name)
+
+
+#: the dtypes zarr v3 stores (little-endian names); extended precision (float128, complex256) is not one
+STORABLE_DTYPES = frozenset(
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
+     "float64", "complex64", "complex128"])
+
+
+def _storable(dtype: np.dtype[Any]) -> bool:
+    return dtype.fields is None and dtype.kind in "biufc" and dtype.newbyteorder("<").name in STORABLE_DTYPES
 
 
 def specs_of(tensors: Mapping[str, Any]) -> list[TensorSpec]:
@@ -183,7 +208,7 @@ def is_storable_dtype_name(dtype: str) -> bool:
         np_dtype = np.dtype(dtype)
     except TypeError:
         return False
-    return np_dtype.kind in "biufc" and np_dtype.fields is None and np_dtype.newbyteorder("<").name == dtype
+    return _storable(np_dtype) and np_dtype.newbyteorder("<").name == dtype
 
 
 class TensorSpecs(Mapping[str, TensorSpec]):

@@ -13,7 +13,8 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 from numpy.typing import NDArray
 
-from ckpt_service.errors import StructureMismatchError
+from ckpt_service.arguments import exact_int
+from ckpt_service.errors import BadPartitionError, StructureMismatchError
 from ckpt_service.manifest import PieceRecord, TensorEntry
 from ckpt_service.plan import plan_reads
 
@@ -41,10 +42,21 @@ def select_tensors(entries: Mapping[str, TensorEntry], names: Iterable[str] | No
     if missing:
         raise StructureMismatchError(f"step {step} has no tensors named {missing}")
     if partition is not None:
-        reader, readers = partition
+        reader, readers = checked_partition(partition)
         share = set(plan_reads([entries[n].placement for n in wanted], readers)[reader])
         wanted = [n for n in wanted if n in share]
     return wanted
+
+
+def checked_partition(partition: Any) -> tuple[int, int]:
+    """``partition`` as ``(reader, readers)`` ints with 0 <= reader < readers, or BadPartitionError."""
+    pair = tuple(partition) if isinstance(partition, (tuple, list)) and len(partition) == 2 else (None, None)
+    reader, readers = exact_int(pair[0]), exact_int(pair[1])
+    if reader is None or readers is None or not 0 <= reader < readers:
+        raise BadPartitionError(
+            f"partition {partition!r} is not (reader, readers): two integers with 0 <= reader < readers, "
+            "e.g. (hvd.rank(), hvd.size()); or pass partition=None to read every tensor")
+    return reader, readers
 
 
 def piece_reads(pieces: Iterable[PieceRecord], entries: Mapping[str, TensorEntry],
@@ -87,13 +99,18 @@ def destination(out: Mapping[str, NDArray[Any]], entries: Mapping[str, TensorEnt
     return None
 
 
-def check_expected(entries: Mapping[str, TensorEntry], expected: Mapping[str, Any], step: int) -> None:
-    """Raise StructureMismatchError unless the stored tensors are exactly ``expected`` (names to arrays
-    or ``(shape, dtype)``)."""
+def check_expected(entries: Mapping[str, TensorEntry], expected: Mapping[str, Any], step: int,
+                   names: Iterable[str] | None = None) -> None:
+    """Raise StructureMismatchError unless the tensors restored (``names``, default: every stored one)
+    are exactly ``expected`` (names to arrays or ``(shape, dtype)``)."""
+    restored = set(entries) if names is None else set(names)
     problems = []
     for name, want in expected.items():
         if name not in entries:
             problems.append(f"{name}: missing from the checkpoint")
+            continue
+        if name not in restored:
+            problems.append(f"{name}: expected but not among the names restored")
             continue
         if isinstance(want, tuple) and len(want) == 2 and not isinstance(want[0], int):
             shape, dtype = tuple(want[0]), np.dtype(want[1])
@@ -104,8 +121,8 @@ def check_expected(entries: Mapping[str, TensorEntry], expected: Mapping[str, An
         # byte order is normalised to little-endian on save, so it is not a mismatch
         if tuple(entry.shape) != tuple(shape) or np.dtype(entry.dtype) != dtype.newbyteorder("<"):
             problems.append(f"{name}: stored {entry.shape} {entry.dtype}, expected {tuple(shape)} {dtype}")
-    extra = sorted(set(entries) - set(expected))
+    extra = sorted(restored & set(entries) - set(expected))
     if extra:
-        problems.append(f"not expected but stored: {extra}")
+        problems.append(f"not expected but {'stored' if names is None else 'restored'}: {extra}")
     if problems:
         raise StructureMismatchError(f"step {step} does not match the expected structure: " + "; ".join(problems))

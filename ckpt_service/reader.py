@@ -2,6 +2,17 @@
 
 A step exists for readers only once its commit marker does; every byte read is checked
 against the checksums the manifest and its chunks carry.
+
+Committed steps are those with a marker that no lower step's marker supersedes (see
+:mod:`ckpt_service.manifest`): once a successor master has committed, a marker the old master
+writes afterwards carries an older lease generation than the successor's and is never listed,
+never the latest, and never restored by default. Asked for by number (``restore(step=N)``),
+a superseded step is still read while its files exist (gc removes it), so an operator can
+recover it deliberately. The markers of a listing are read in parallel.
+
+A restore that overlaps retention or a re-commit may find the marker of the step it is
+reading deleted or replaced; that step is gone, not corrupt: the steps are listed again and
+the newest one is read.
 """
 from __future__ import annotations
 
@@ -14,7 +25,7 @@ from numpy.typing import NDArray
 
 from ckpt_service import layout
 from ckpt_service.errors import CorruptCheckpointError, NothingToRestoreError
-from ckpt_service.manifest import CommitMarker, Manifest, PieceRecord, crc32c
+from ckpt_service.manifest import CommitMarker, Manifest, PieceRecord, crc32c, superseded_steps
 from ckpt_service.piece_io import METADATA_KEY, chunk_keys, decode_piece, read_plain
 from ckpt_service.read_plan import (
     PieceRead,
@@ -30,6 +41,10 @@ from ckpt_service.stores.base import ObjectStore
 from ckpt_service.stores.local import LocalStore
 
 log = logging.getLogger(__name__)
+
+#: how many times a restore lists the steps again when the marker of the step it reads vanished
+#: or was replaced under it (retention or a re-commit running at the same time)
+RELIST_ATTEMPTS = 8
 
 
 @dataclass(frozen=True)
@@ -48,10 +63,63 @@ class VerifyReport:
     bytes_checked: int
 
 
-def committed_steps(store: ObjectStore) -> list[int]:
-    """The steps committed in ``store``, ascending."""
-    steps = (layout.parse_commit_key(k) for k in store.list(layout.COMMITS_PREFIX))
-    return sorted(s for s in steps if s is not None)
+@dataclass(frozen=True)
+class CommitListing:
+    """The commit markers one listing of ``commits/`` found, read, and which of them are superseded."""
+
+    #: step -> its marker, or None when the marker is unreadable (it is listed, and then fails
+    #: verification on restore, but it cannot supersede nor be superseded)
+    markers: Mapping[int, CommitMarker | None]
+    superseded: frozenset[int]
+
+    @property
+    def committed(self) -> list[int]:
+        """The committed steps that are not superseded, ascending."""
+        return sorted(s for s in self.markers if s not in self.superseded)
+
+    def generation(self, step: int) -> int | None:
+        marker = self.markers.get(step)
+        return None if marker is None else marker.lease_generation
+
+
+def list_commits(store: ObjectStore, io: Executor | None = None) -> CommitListing:
+    """List ``commits/`` and read every marker (in parallel on ``io`` if given). A marker deleted
+    between the listing and its read is left out: that step is gone."""
+    steps = sorted(s for s in (layout.parse_commit_key(k) for k in store.list(layout.COMMITS_PREFIX))
+                   if s is not None)
+    if io is None or len(steps) < 2:
+        read = [read_marker(store, s) for s in steps]
+    else:
+        read = list(io.map(lambda s: read_marker(store, s), steps))
+    markers = {s: marker for s, (gone, marker) in zip(steps, read) if not gone}
+    superseded = superseded_steps({s: m.lease_generation if m is not None else None for s, m in markers.items()})
+    if superseded:
+        log.debug("superseded commits in %s (a lower step has a newer lease generation): %s",
+                  store.url, sorted(superseded))
+    return CommitListing(markers, superseded)
+
+
+def read_marker(store: ObjectStore, step: int) -> tuple[bool, CommitMarker | None]:
+    """(gone, marker): gone if it no longer exists; marker None if it exists but is unreadable."""
+    key = layout.commit_key(step)
+    try:
+        data = store.get(key)
+    except KeyError:
+        return True, None
+    try:
+        marker = CommitMarker.from_json(data, where=f"{store.url}/{key}")
+    except CorruptCheckpointError as exc:
+        log.warning("unreadable commit marker: %s", exc)
+        return False, None
+    if marker.lease_generation is not None and not isinstance(marker.lease_generation, int):
+        log.warning("%s/%s has a lease generation that is not an integer; ignoring it", store.url, key)
+        return False, None
+    return False, marker
+
+
+def committed_steps(store: ObjectStore, io: Executor | None = None) -> list[int]:
+    """The steps committed in ``store`` and not superseded, ascending."""
+    return list_commits(store, io).committed
 
 
 class CheckpointReader:
@@ -65,9 +133,13 @@ class CheckpointReader:
     def url(self) -> str:
         return self.store.url
 
+    def list_commits(self) -> CommitListing:
+        """Every commit marker, read in parallel, and which steps are superseded."""
+        return list_commits(self.store, self._io)
+
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return committed_steps(self.store)
+        """Committed steps that are not superseded, ascending."""
+        return self.list_commits().committed
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -109,31 +181,59 @@ class CheckpointReader:
         can read any writer count). ``expected`` maps names to arrays or ``(shape, dtype)``
         and raises StructureMismatchError on any difference. When the latest step fails
         verification and no step was asked for, the previous committed step is tried, with
-        a warning naming what failed.
+        a warning naming what failed. A step whose marker is deleted or replaced while it is
+        read is gone, not corrupt: the steps are listed again (``RELIST_ATTEMPTS`` times).
+        Superseded steps are never candidates; asked for by number, one is read all the same.
         """
-        candidates = [step] if step is not None else list(reversed(self.all_steps()))
-        if not candidates:
-            raise NothingToRestoreError(
-                f"no committed checkpoint in {self.url}: nothing to restore (start from scratch, or check "
-                "the URL)")
+        if step is not None:
+            return self._load(step, names, partition, expected)
         failures: list[str] = []
-        for candidate in candidates:
-            try:
-                return self._load(candidate, names, partition, expected)
-            except CorruptCheckpointError as exc:
-                if step is not None:
-                    raise
-                failures.append(f"step {candidate}: {exc}")
-                log.warning("checkpoint step %d failed verification (%s); falling back to the previous "
-                            "committed step", candidate, exc)
+        failed: set[tuple[int, int]] = set()  # (step, marker generation) that failed verification
+        for _ in range(RELIST_ATTEMPTS):
+            candidates = list(reversed(self.all_steps()))
+            if not candidates and not failures:
+                raise NothingToRestoreError(
+                    f"no committed checkpoint in {self.url}: nothing to restore (start from scratch, or check "
+                    "the URL)")
+            changed = False
+            for candidate in candidates:
+                before = self.store.stat(layout.commit_key(candidate))
+                if before is None:
+                    changed = True  # deleted since the listing
+                    break
+                if (candidate, before.generation) in failed:
+                    continue
+                try:
+                    return self._load(candidate, names, partition, expected)
+                except (CorruptCheckpointError, NothingToRestoreError) as exc:
+                    after = self.store.stat(layout.commit_key(candidate))
+                    if after is None or after.generation != before.generation:
+                        # deleted (retention) or replaced (a re-commit) while being read: gone, not corrupt
+                        log.info("step %d was removed or re-committed while being restored (%s); listing the "
+                                 "steps again", candidate, exc)
+                        changed = True
+                        break
+                    if isinstance(exc, NothingToRestoreError):
+                        raise
+                    failed.add((candidate, before.generation))
+                    failures.append(f"step {candidate}: {exc}")
+                    log.warning("checkpoint step %d failed verification (%s); falling back to the previous "
+                                "committed step", candidate, exc)
+            if not changed:
+                break
+        if not failures:
+            raise NothingToRestoreError(
+                f"the committed steps of {self.url} kept being removed or replaced while being restored "
+                f"({RELIST_ATTEMPTS} listings); try again once retention is done")
         raise CorruptCheckpointError("every committed step failed verification: " + "; ".join(failures))
 
     def _load(self, step: int, names: Iterable[str] | None, partition: tuple[int, int] | None,
               expected: Mapping[str, Any] | None) -> Checkpoint:
         manifest = self.manifest(step)
         entries = {t.name: t for t in manifest.tensors}
+        names = None if names is None else list(names)
         if expected is not None:
-            check_expected(entries, expected, step)
+            check_expected(entries, expected, step, names)
         wanted = select_tensors(entries, names, partition, step)
         reads = piece_reads(manifest.pieces, entries, wanted)
         out = empty_tensors(entries, wanted)
@@ -166,6 +266,10 @@ class CheckpointReader:
                        for key in chunk_keys(piece.stop - piece.start, piece.chunk_elements, lo, hi)}
             flat = decode_piece(objects, where=where, start=lo, stop=hi, out=out)  # verifies each chunk's crc32c
         whole = (start, stop) == (piece.start, piece.stop)
+        if flat.dtype.name != piece.group or (out is not None and flat is not out):
+            raise CorruptCheckpointError(
+                f"{where}: its zarr metadata describes {flat.dtype.name} elements or another shape, but the "
+                f"manifest records {hi - lo} elements of group {piece.group}")
         if flat.size != hi - lo or (whole and crc32c(flat) != piece.crc32c):
             raise CorruptCheckpointError(
                 f"{where} (group {piece.group}, elements {piece.start}-{piece.stop}) does not match its "

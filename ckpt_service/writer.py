@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from ckpt_service import layout
+from ckpt_service.arguments import checked_ranks, checked_step
 from ckpt_service.commit import commit_step
 from ckpt_service.deadline import Deadline
-from ckpt_service.errors import CheckpointError, SaveAbandonedError, StoreDeadlineError
+from ckpt_service.errors import BadAttemptError, CheckpointError, SaveAbandonedError, StoreDeadlineError
 from ckpt_service.gather import Gather, StoreGather, single_rank_gather
 from ckpt_service.lease import Lease
 from ckpt_service.manifest import Manifest, PieceRecord, checked_metadata, crc32c
@@ -55,12 +56,13 @@ class SaveStats:
 class CheckpointWriter:
     """Saves numbered steps to one store; piece uploads run in parallel on ``io``.
 
-    ``after_commit`` runs on the coordinator after each commit of a save without a deadline
-    (retention); a CheckpointError from it is logged, never raised: the commit stands.
+    ``after_commit(step)`` runs on the coordinator after each commit of a save without a deadline
+    (retention, which must keep ``step``); a CheckpointError from it is logged, never raised: the
+    commit stands.
     """
 
     def __init__(self, store: ObjectStore, io: Executor, plans: PlanCache, *, compression: str = "none",
-                 gather_timeout_s: float = 600.0, after_commit: Callable[[], object] | None = None) -> None:
+                 gather_timeout_s: float = 600.0, after_commit: Callable[[int], object] | None = None) -> None:
         self.store = store
         self.plans = plans
         self.compression = compression
@@ -71,6 +73,7 @@ class CheckpointWriter:
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         self._inflight: Future[Manifest | None] | None = None
         self._inflight_lock = threading.Lock()
+        self._start_lock = threading.Lock()  # held by save_async from its busy check to its submit
 
     @property
     def url(self) -> str:
@@ -79,16 +82,15 @@ class CheckpointWriter:
     def plan(self, specs: Iterable[TensorSpec] | TensorSpecs, world_size: int = 1) -> SavePlan:
         return self.plans.plan(specs, world_size)
 
-    def _plan_and_share(self, tensors: Mapping[str, Any], rank: int, world_size: int,
-                        snapshot: ShareSnapshot | None) -> tuple[SavePlan, Share]:
-        plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
+    def _take_share(self, plan: SavePlan, tensors: Mapping[str, Any], rank: int,
+                    snapshot: ShareSnapshot | None) -> Share:
         if snapshot is None:
-            return plan, prepare_share(plan, rank, tensors)
+            return prepare_share(plan, rank, tensors)
         taken = snapshot(plan, rank)
         if isinstance(taken, DeferredShare):
             deferred = taken
-            return plan, lambda: checked_share(plan, rank, deferred.assemble())
-        return plan, checked_share(plan, rank, taken)
+            return lambda: checked_share(plan, rank, deferred.assemble())
+        return checked_share(plan, rank, taken)
 
     def save(
         self,
@@ -103,17 +105,24 @@ class CheckpointWriter:
         lease: Lease | None = None,
         deadline: float | None = None,
         snapshot: ShareSnapshot | None = None,
+        attempt: str | None = None,
     ) -> Manifest | None:
         """See :meth:`ckpt_service.manager.CheckpointManager.save`."""
+        step = checked_step(step)
+        rank, world_size, coordinator = checked_ranks(rank, world_size, coordinator)
         t0 = time.perf_counter()
+        _check_attempt(step, attempt, world_size, gather)
         bound = Deadline(deadline) if deadline is not None else None
+        plan: SavePlan | None = None
         try:
-            plan, share = self._plan_and_share(tensors, rank, world_size, snapshot)
+            plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
+            share = self._take_share(plan, tensors, rank, snapshot)
+            meta = checked_metadata(metadata)
         except Exception as exc:
-            self._report_failed_share(step, rank, world_size, gather, coordinator, bound, exc)
+            self._report_failed_share(step, rank, world_size, gather, coordinator, bound, attempt, plan, exc)
             raise
-        return self._save_planned(step, plan, share, checked_metadata(metadata), rank, gather,
-                                  coordinator, lease, bound, stall_start=t0)
+        return self._save_planned(step, plan, share, meta, rank, gather, coordinator, lease, bound, attempt=attempt,
+                                  stall_start=t0)
 
     def save_async(
         self,
@@ -129,35 +138,50 @@ class CheckpointWriter:
         if_busy: str = "skip",
         on_done: Callable[[Manifest | None, BaseException | None], None] | None = None,
         snapshot: ShareSnapshot | None = None,
+        attempt: str | None = None,
     ) -> bool:
         """See :meth:`ckpt_service.manager.CheckpointManager.save_async`."""
         if if_busy not in ("skip", "wait"):
             raise ValueError(f"if_busy must be 'skip' or 'wait', not {if_busy!r}")
-        with self._inflight_lock:
-            busy = self._inflight is not None and not self._inflight.done()
-        if busy:
-            if if_busy == "skip":
-                log.info("checkpoint of step %d skipped: the previous save is still being persisted", step)
-                return False
-            self.wait()
-        else:
-            self._log_background_error()
-        t0 = time.perf_counter()
-        # The snapshot is exactly this rank's pieces, in contiguous host buffers.
+        step = checked_step(step)
+        rank, world_size, coordinator = checked_ranks(rank, world_size, coordinator)
+        _check_attempt(step, attempt, world_size, gather)
+        # One caller at a time gets from the busy check to the submit, so two threads can
+        # never both start a save, nor one replace the other's before its outcome is reported.
+        # A caller that would skip a busy save does not queue behind another's start either.
+        if not self._start_lock.acquire(blocking=if_busy == "wait"):
+            log.info("checkpoint of step %d skipped: another save is being started", step)
+            return False
         try:
-            plan, share = self._plan_and_share(tensors, rank, world_size, snapshot)
-        except Exception as exc:
-            # the other ranks' background saves gather through the store; tell the coordinator
-            self._report_failed_share(step, rank, world_size, gather, coordinator, None, exc)
-            raise
-        stall = time.perf_counter() - t0
-        meta = checked_metadata(metadata)
-        with self._inflight_lock:
+            with self._inflight_lock:
+                previous = self._inflight
+            if previous is not None and not previous.done():
+                if if_busy == "skip":
+                    log.info("checkpoint of step %d skipped: the previous save is still being persisted", step)
+                    return False
+                log.info("checkpoint of step %d waits for the previous save to be persisted", step)
+                wait_futures([previous])  # its error is logged below; it is no reason to drop this save
+            self._log_background_error()
+            t0 = time.perf_counter()
+            # The snapshot is exactly this rank's pieces, in contiguous host buffers.
+            plan: SavePlan | None = None
+            try:
+                plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
+                share = self._take_share(plan, tensors, rank, snapshot)
+                meta = checked_metadata(metadata)
+            except Exception as exc:
+                # the other ranks' background saves gather through the store; tell the coordinator
+                self._report_failed_share(step, rank, world_size, gather, coordinator, None, attempt, plan, exc)
+                raise
+            stall = time.perf_counter() - t0
             future = self._bg.submit(
                 self._save_planned, step, plan, share, meta, rank, gather, coordinator, lease, None,
-                stall_s=stall,
+                attempt=attempt, stall_s=stall,
             )
-            self._inflight = future
+            with self._inflight_lock:
+                self._inflight = future
+        finally:
+            self._start_lock.release()
         if on_done is not None:
             done = on_done
             future.add_done_callback(lambda f: done(None if f.exception() else f.result(), f.exception()))
@@ -205,7 +229,8 @@ class CheckpointWriter:
             self._bg.shutdown(wait=True)
 
     def _report_failed_share(self, step: int, rank: int, world_size: int, gather: Gather | None,
-                             coordinator: int, deadline: Deadline | None, exc: BaseException) -> None:
+                             coordinator: int, deadline: Deadline | None, attempt: str | None,
+                             plan: SavePlan | None, exc: BaseException) -> None:
         """A rank that could not build its share still reaches the gather with an error record.
 
         Otherwise the other ranks would wait on it (a collective gather: forever; the store
@@ -216,10 +241,11 @@ class CheckpointWriter:
         if gather is None:
             if rank == coordinator:
                 return  # the others post their records to the store and do not wait for this rank
-            gather = StoreGather(self.store, step, rank, world_size, coordinator=coordinator, deadline=deadline,
-                                 timeout_s=self.gather_timeout_s)
+            gather = self._store_gather(step, rank, world_size, attempt, coordinator, deadline)
+        # a rank that could not even plan has no digest: the step and attempt say which save failed
+        digest = plan.digest if plan is not None else None
         try:
-            gather(ShardRecord.failed(rank, exc).to_json())
+            gather(ShardRecord.failed(rank, exc, step=step, attempt=attempt, plan=digest).to_json())
         except Exception as gather_exc:  # the caller needs the original error, not this one
             log.warning("could not report the failed share of step %d to the other ranks: %s", step, gather_exc)
 
@@ -235,6 +261,7 @@ class CheckpointWriter:
         lease: Lease | None,
         deadline: Deadline | None,
         *,
+        attempt: str | None = None,
         stall_start: float | None = None,
         stall_s: float | None = None,
     ) -> Manifest | None:
@@ -245,17 +272,16 @@ class CheckpointWriter:
         # the share writes and the gather leave the commit its reserve
         writes = deadline.before_commit(time.time()) if deadline is not None else None
         if gather is None:
-            gather = single_rank_gather if world_size == 1 else StoreGather(
-                self.store, step, rank, world_size, coordinator=coordinator, deadline=writes,
-                timeout_s=self.gather_timeout_s)
+            gather = single_rank_gather if world_size == 1 else self._store_gather(
+                step, rank, world_size, attempt, coordinator, writes)
         try:
             pieces = share() if callable(share) else share  # a deferred share is assembled here
-            record = self._write_share(step, rank, pieces, writes, deadline)
+            record = self._write_share(step, rank, pieces, writes, deadline, attempt, plan.digest)
         except Exception as exc:
             # Every rank must still reach the gather, or the others would wait on it forever;
             # the coordinator sees the error record and abandons the step.
             try:
-                gather(ShardRecord.failed(rank, exc).to_json())
+                gather(ShardRecord.failed(rank, exc, step=step, attempt=attempt, plan=plan.digest).to_json())
             except Exception as gather_exc:  # the caller needs the original error, not this one
                 log.warning("could not report the failed write of step %d to the other ranks: %s", step, gather_exc)
             raise
@@ -266,7 +292,7 @@ class CheckpointWriter:
             if gathered is None:
                 raise CheckpointError("the gather returned no records on the coordinator")
             records = [ShardRecord.from_json(r) for r in gathered]
-            manifest = commit_step(self.store, step, plan, records, metadata, lease, deadline)
+            manifest = commit_step(self.store, step, plan, records, metadata, lease, deadline, attempt=attempt)
             if deadline is None:
                 self._apply_retention(step)
             else:
@@ -279,12 +305,19 @@ class CheckpointWriter:
         if self.after_commit is None:
             return
         try:
-            self.after_commit()
+            self.after_commit(step)
         except CheckpointError as exc:  # retention is housekeeping: never fail a commit for it
             log.warning("retention after step %d failed: %s", step, exc)
 
+    def _store_gather(self, step: int, rank: int, world_size: int, attempt: str | None, coordinator: int,
+                      deadline: Deadline | None) -> StoreGather:
+        if attempt is None:  # _check_attempt refused such a save before it wrote anything
+            raise _attempt_required(step)
+        return StoreGather(self.store, step, rank, world_size, attempt=attempt, coordinator=coordinator,
+                           deadline=deadline, timeout_s=self.gather_timeout_s)
+
     def _write_share(self, step: int, rank: int, share: list[Piece], writes: Deadline | None,
-                     deadline: Deadline | None) -> ShardRecord:
+                     deadline: Deadline | None, attempt: str | None, plan_digest: str) -> ShardRecord:
         """Upload this rank's pieces under keys unique to this attempt; returns its shard record.
 
         Each upload ends by ``writes``; waiting for them ends at ``deadline`` at the latest (a
@@ -305,7 +338,7 @@ class CheckpointWriter:
             pieces.append(PieceRecord(item.group, item.index, item.start, item.stop, item.chunk_elements,
                                       prefix, crc32c(flat), item.nbytes, rank))
         self._await_uploads(step, rank, uploads, deadline)
-        return ShardRecord(rank, tuple(pieces), nonce)
+        return ShardRecord(rank, tuple(pieces), nonce, step=step, attempt=attempt, plan=plan_digest)
 
     @staticmethod
     def _await_uploads(step: int, rank: int, uploads: list[Future[int]], deadline: Deadline | None) -> None:
@@ -339,3 +372,20 @@ def _cancel(futures: Iterable[Future[int]]) -> None:
 def _abandoned(step: int, what: str) -> SaveAbandonedError:
     return SaveAbandonedError(f"step {step}: {what}; nothing was committed and the previous checkpoint stays "
                               "the latest")
+
+
+def _check_attempt(step: int, attempt: str | None, world_size: int, gather: Gather | None) -> None:
+    """Refuse, before anything is written, an attempt id unusable in keys, or a multi-writer save
+    through the store without one: its coordinator could not tell its writers' records from
+    those an earlier attempt of the same step left behind."""
+    if attempt is not None:
+        layout.check_attempt(attempt)
+    elif world_size > 1 and gather is None:
+        raise _attempt_required(step)
+
+
+def _attempt_required(step: int) -> BadAttemptError:
+    return BadAttemptError(
+        f"step {step}: a multi-writer save that gathers its shard records through the store needs "
+        "attempt=<id>, the same on every rank of this save and new for each save (e.g. derived from "
+        "the ring's membership, the step and a save counter); nothing was written")

@@ -38,6 +38,9 @@ def main() -> None:
     p.add_argument("--cifar10-npz", help="real CIFAR-10 (.npz with x_train, y_train); synthetic if absent")
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="extra time per step, to stretch a tiny run over a preemption schedule")
+    p.add_argument("--print-saved-crc", action="store_true",
+                   help="every rank prints the checksum of its replicated state at each periodic save step "
+                        "(to check that a checkpoint holds one attempt's state)")
     args = p.parse_args()
 
     hvd.init()
@@ -54,6 +57,14 @@ def main() -> None:
         hvdt.TransientCallback(state, store=args.store, base_lr=args.base_lr,  # hvd-transient
                                save_every_steps=args.save_every, notice_window_s=args.notice_window),
     ]
+    if args.print_saved_crc:
+        def print_crc(batch: int, logs: object) -> None:
+            step = int(model.optimizer.iterations.numpy())
+            if step % args.save_every == 0:  # the state the periodic save of this step took
+                print(f"saved-state step {step} size {hvd.size()} rank {hvd.rank()} crc {hvdt.weights_crc(model)}",
+                      flush=True)
+
+        callbacks.append(tf.keras.callbacks.LambdaCallback(on_train_batch_end=print_crc))
     if args.step_seconds:
         callbacks.append(tf.keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs: time.sleep(args.step_seconds)))

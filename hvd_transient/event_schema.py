@@ -96,7 +96,8 @@ class Start(EventBody):
 class Ring(EventBody):
     """(every rank) Training (re)started on a ring. ``master_host`` may be None on ranks that do
     not know the master's host name (the plain-Horovod baseline names it on rank 0 only);
-    ``lease_generation`` is set on the master only."""
+    ``lease_generation`` is set on the master only; ``ring`` is unique to this start of training
+    on this ring."""
 
     step: int
     rank: int
@@ -105,6 +106,8 @@ class Ring(EventBody):
     master_host: str | None
     previous_master: int | None = None
     lease_generation: int | None = None
+    #: the ring's id, the same on every rank (its saves' attempt ids start with it); None in older logs
+    ring: str | None = field(default=None, metadata=OMIT_NONE)
 
 
 @_declare("lr")
@@ -214,7 +217,8 @@ class EarlyWarning(EventBody):
 @_declare("notice_agreed", durable=True)
 @dataclass(frozen=True)
 class NoticeAgreed(EventBody):
-    """(every rank) The step at which all ranks acted on a notice; ``deadline``: the commit deadline."""
+    """(every rank) The step at which all ranks acted on a notice; ``leaving``: the hosts newly under
+    notice in this round (not those handled in an earlier one); ``deadline``: the commit deadline."""
 
     step: int
     leaving: tuple[str, ...]

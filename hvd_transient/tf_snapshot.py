@@ -20,7 +20,7 @@ What the function returns depends on where the variables live:
 It is a :data:`ckpt_service.manager.ShareSnapshot`::
 
     fused = FusedSnapshot(state_variables(model))
-    manager.save_async(step, fused.specs, meta, rank=r, world_size=w, snapshot=fused)
+    manager.save_async(step, fused.specs, meta, rank=r, world_size=w, snapshot=fused, attempt=attempt)
 
 In host memory the call runs its kernels on the calling thread (the single-threaded executor,
 chosen with ``tf.experimental.function_executor_type``) instead of handing each read to

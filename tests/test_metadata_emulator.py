@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from hvd_transient.testing.metadata_emulator import MetadataEmulator
+from hvd_transient.testing.metadata_emulator import InvalidRequestError, MetadataEmulator
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -459,9 +459,10 @@ def test_hang_answers_nothing_until_cleared(emu):
     assert result["r"].status_code == 200 and result["r"].text == "a"
 
 
-def test_stop_releases_hung_and_long_polling_requests():
-    emu = MetadataEmulator(instances=["a", "b"]).start()
+def test_stop_releases_hung_lost_and_long_polling_requests():
+    emu = MetadataEmulator(instances=["a", "b", "c"]).start()
     emu.set_fault("a", "hang")
+    emu.set_fault("c", "lose")
     errors: list[BaseException] = []
 
     def call(inst: str, **params: str) -> None:
@@ -471,15 +472,135 @@ def test_stop_releases_hung_and_long_polling_requests():
             errors.append(exc)
 
     threads = [threading.Thread(target=call, args=("a",)),
-               threading.Thread(target=call, args=("b",), kwargs={"wait_for_change": "true"})]
+               threading.Thread(target=call, args=("b",), kwargs={"wait_for_change": "true"}),
+               threading.Thread(target=call, args=("c",))]
     for t in threads:
         t.start()
-    assert emu.wait_for(lambda s: s["a"].requests == 1 and s["b"].requests == 1, timeout=10)
+    assert emu.wait_for(lambda s: all(s[i].requests == 1 for i in "abc"), timeout=10)
     emu.stop()
     for t in threads:
         t.join(AT_ONCE)
         assert not t.is_alive()
-    assert len(errors) == 2  # dropped unanswered, so the clients see a closed connection
+    assert len(errors) == 3  # dropped unanswered, so the clients see a closed connection
+
+
+# Every cloud's metadata API of one instance, as (method, path, headers, params) under its root.
+EVERY_API = [
+    ("GET", "/computeMetadata/v1/instance/preempted", FLAVOR, {}),
+    ("GET", "/computeMetadata/v1/instance/preempted", FLAVOR,
+     {"wait_for_change": "true", "last_etag": "stale", "timeout_sec": "60"}),  # answers at once
+    ("PUT", "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "60"}, {}),
+    ("GET", "/latest/meta-data/spot/instance-action", {}, {}),  # no token: a 401 when healthy
+    ("GET", "/metadata/scheduledevents", {"Metadata": "true"}, {"api-version": "2020-07-01"}),
+]
+
+
+HEALTHY = [200, 200, 200, 401, 200]
+
+
+def every_api(emu: MetadataEmulator, inst: str, timeout: float = AT_ONCE) -> list[int]:
+    return [requests.request(method, emu.root_url(inst) + path, headers=headers, params=params,
+                             timeout=timeout).status_code for method, path, headers, params in EVERY_API]
+
+
+def test_503_for_a_given_time_on_every_api_of_one_instance(emu):
+    snap = emu.set_fault("a", "503", duration=1.0)
+    assert snap.fault == "503" and snap.fault_until == pytest.approx(time.time() + 1.0, abs=0.5)
+    emu.preempt("a", at=snap.fault_until, window=30)  # the notice appears as the errors end
+    assert every_api(emu, "a") == [503] * len(EVERY_API)  # the long-poll too, at once
+    gce_503 = gce(emu, "a", "instance/preempted")
+    assert gce_503.headers["Metadata-Flavor"] == "Google"  # as the real server's errors
+    assert every_api(emu, "b") == HEALTHY  # other instances are not affected
+
+    assert emu.wait_for(lambda s: s["a"].fault == "ok", timeout=AT_ONCE)  # it ends by itself...
+    assert time.time() >= snap.fault_until  # ...not before its time
+    after = emu.instance("a")
+    assert after.fault_until is None and after.fault_hits == {"503": len(EVERY_API) + 1}
+    assert after.preempted and after.notice_at >= snap.fault_until
+    assert gce(emu, "a", "instance/preempted").text == "TRUE"  # the first answer shows the notice
+
+
+def test_timed_hang_answers_when_it_ends(emu):
+    snap = emu.set_fault("a", "hang", duration=1.0)
+    answered: dict[str, float] = {}
+
+    def call(i: int, method: str, path: str, headers: dict[str, str], params: dict[str, str]) -> None:
+        reply = requests.request(method, emu.root_url("a") + path, headers=headers, params=params, timeout=60)
+        if reply.status_code in (200, 401):
+            answered[str(i)] = time.time()
+
+    threads = [threading.Thread(target=call, args=(i, *api)) for i, api in enumerate(EVERY_API[::2])]
+    for t in threads:
+        t.start()
+    assert emu.wait_for(lambda s: s["a"].fault_hits.get("hang") == len(threads), timeout=AT_ONCE)
+    assert every_api(emu, "b") == HEALTHY
+    for t in threads:
+        t.join(AT_ONCE)
+    assert len(answered) == len(threads)  # every held request was answered...
+    assert min(answered.values()) >= snap.fault_until  # ...once the hang was over
+
+
+def test_lose_never_answers_even_after_it_ends(emu):
+    snap = emu.set_fault("a", "lose", duration=0.5)
+    outcome: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            outcome["reply"] = gce(emu, "a", "instance/preempted", timeout=2.0)
+        except requests.ReadTimeout as exc:
+            outcome["error"] = exc
+            outcome["at"] = time.time()
+
+    lost = threading.Thread(target=call)
+    lost.start()
+    assert emu.wait_for(lambda s: s["a"].fault_hits.get("lose") == 1, timeout=AT_ONCE)
+    assert emu.wait_for(lambda s: s["a"].fault == "ok", timeout=AT_ONCE)
+    assert gce(emu, "a", "instance/preempted").text == "FALSE"  # new requests are answered again
+    lost.join(AT_ONCE)
+    # the lost request got nothing, though the fault ended 1.5 s before its client gave up
+    assert "reply" not in outcome and isinstance(outcome["error"], requests.ReadTimeout)
+    assert outcome["at"] > snap.fault_until + 1.0  # type: ignore[operator]
+
+
+def test_a_fault_hits_a_long_poll_already_waiting(emu):
+    """As a restarting server fails what it holds: an error at once, a lost reply, a late one."""
+    path = "computeMetadata/v1/instance/preempted"
+    etags = {i: gce(emu, i, "instance/preempted").headers["ETag"] for i in "abc"}
+    outcome: dict[str, object] = {}
+
+    def long_poll(inst: str) -> None:
+        try:
+            reply = gce(emu, inst, "instance/preempted", wait_for_change="true", last_etag=etags[inst],
+                        timeout_sec=60, timeout=2.0)
+            outcome[inst] = (reply.status_code, reply.text, time.time())
+        except requests.ReadTimeout:
+            outcome[inst] = "lost"
+
+    threads = [threading.Thread(target=long_poll, args=(i,)) for i in "abc"]
+    for t in threads:
+        t.start()
+    assert emu.wait_for(lambda s: all(s[i].path_hits.get("/" + path) == 2 for i in "abc"), timeout=AT_ONCE)
+    emu.set_fault("a", "503")
+    emu.set_fault("b", "lose", duration=0.2)
+    hang = emu.set_fault("c", "hang", duration=0.5)
+    emu.preempt("c", window=30)  # a change during the hang is answered only once it is over
+    for t in threads:
+        t.join(AT_ONCE)
+    assert outcome["a"][:2] == (503, "injected fault: service unavailable\n")  # type: ignore[index]
+    assert outcome["b"] == "lost"  # not answered when the fault ended either
+    status, text, at = outcome["c"]  # type: ignore[misc]
+    assert (status, text) == (200, "TRUE") and at >= hang.fault_until
+    assert [emu.instance(i).fault_hits for i in "ab"] == [{"503": 1}, {"lose": 1}]
+
+
+def test_a_fault_without_a_duration_lasts_until_cleared(emu):
+    for endless in (float("inf"), float("nan")):
+        with pytest.raises(InvalidRequestError, match="duration"):
+            emu.set_fault("a", "503", duration=endless)
+    assert emu.set_fault("a", "503").fault_until is None
+    assert every_api(emu, "a")[0] == 503
+    assert emu.set_fault("a", "ok").fault == "ok"
+    assert gce(emu, "a", "instance/preempted").status_code == 200
 
 
 # ---- control API over HTTP -----------------------------------------------------------------
@@ -503,6 +624,13 @@ def test_control_api_over_http(emu):
     assert requests.post(f"{ctl}/a/maintenance", json={"event": "REBOOT"}, timeout=AT_ONCE).status_code == 400
     assert requests.post(f"{ctl}/a/fault", json={"mode": "slow"}, timeout=AT_ONCE).status_code == 400
     assert requests.post(f"{ctl}/a/fault", json={"mode": "500"}, timeout=AT_ONCE).json()["fault"] == "500"
+    timed = requests.post(f"{ctl}/b/fault", json={"mode": "503", "duration": 60}, timeout=AT_ONCE).json()
+    assert timed["fault"] == "503" and timed["fault_until"] == pytest.approx(time.time() + 60, abs=10)
+    for bad in ({"mode": "503", "duration": -1}, {"mode": "503", "duration": "soon"},
+                {"mode": "503", "duration": 0}, {"mode": "ok", "duration": 5}):
+        refused = requests.post(f"{ctl}/c/fault", json=bad, timeout=AT_ONCE)
+        assert refused.status_code == 400 and "duration" in refused.json()["error"], bad
+    assert requests.post(f"{ctl}/b/fault", json={"mode": "ok"}, timeout=AT_ONCE).json()["fault_until"] is None
     assert requests.post(f"{ctl}/nope/preempt", json={}, timeout=AT_ONCE).status_code == 404
     assert requests.post(f"{ctl}/a/preempt", data=b"{not json", timeout=AT_ONCE).status_code == 400
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -208,6 +209,82 @@ def test_watcher_survives_a_broken_server_and_detects_after_it_heals(emu, watche
     emu.preempt("a", window=60)
     notice = w.wait(WAIT)
     assert notice is not None and notice.source == kind and notice.instance == "a"
+
+
+# ---- a failing or hanging metadata server never blinds a watcher for long ----------------------------
+SEEN_WITHIN_S = 2.0  # from the notice's appearance; a GCE Spot VM has 30 s in all
+# (kind, emulator fault, seconds): the fault begins while the watcher watches, the notice appears
+# as it ends. "lose": requests (the GCE long-poll in flight included) are never answered; "hang":
+# they are answered only when the fault ends.
+SPELLS = [
+    ("gce", "503", 25.0),   # measured on the old 30 s backoff: the notice was seen 7.7 s late
+    ("gce", "lose", 8.0),
+    ("gce", "hang", 8.0),
+    ("aws", "503", 10.0),
+    ("aws", "lose", 10.0),
+    ("aws", "hang", 10.0),
+    ("azure", "503", 8.0),
+    ("azure", "lose", 8.0),
+    ("azure", "hang", 8.0),
+]
+POLLERS = {"gce": 2, "aws": 2, "azure": 1}
+FIRST_POLLS = {"gce": (PREEMPTED, MAINTENANCE), "aws": (AWS_ACTION, AWS_REBALANCE), "azure": (AZURE_EVENTS,)}
+HEALTHY_PAUSE = {"gce": 0.0, "aws": 5.0, "azure": 2.0}  # the default interval after a quiet answer
+
+
+def default_watcher(kind: str, emu: MetadataEmulator, inst: str) -> Watcher:
+    """A watcher with its default timeouts, intervals and backoff: those are what is tested."""
+    if kind == "gce":
+        return GceWatcher(emu.gce_base_url(inst))
+    return (AwsWatcher if kind == "aws" else AzureWatcher)(emu.root_url(inst))
+
+
+def test_a_notice_after_errors_or_hangs_is_seen_within_2_s(watchers, caplog):
+    """Every watcher polls about once a second while the server fails, and bounds each request,
+    so a notice that appears as a spell of 503s, lost or late replies ends is seen at once.
+    The spells run side by side, one instance each, to keep the test as long as the longest."""
+    caplog.set_level(logging.INFO, logger="hvd_transient.watchers")
+    names = [f"{kind}-{mode}" for kind, mode, _ in SPELLS]
+    with MetadataEmulator(instances=names) as emu:
+        for (kind, _, _), name in zip(SPELLS, names):
+            watchers.append(default_watcher(kind, emu, name).start())
+        for (kind, _, _), name in zip(SPELLS, names):  # each is watching: the GCE long-polls are parked
+            for path in FIRST_POLLS[kind]:
+                assert hits(emu, name, path, 2 if kind == "gce" else 1)
+        spells = {}
+        for (kind, mode, seconds), name in zip(SPELLS, names):
+            spells[name] = emu.set_fault(name, mode, duration=seconds)
+            emu.preempt(name, at=spells[name].fault_until, window=120)
+        report, late = [], []
+        for (kind, mode, seconds), name, w in zip(SPELLS, names, watchers):
+            notice = w.wait(seconds + WAIT)
+            state = emu.instance(name)
+            assert notice is not None and state.notice_at is not None, name
+            assert state.notice_at >= spells[name].fault_until
+            seen_after = notice.detected_at - state.notice_at
+            failed = sum(state.fault_hits.values())  # requests met by the fault
+            # about one request a second per poller while the fault lasts (once it reached the poller)
+            expected = POLLERS[kind] * int(0.8 * (seconds - HEALTHY_PAUSE[kind]))
+            report.append(f"{name}: seen {seen_after:.2f} s after it appeared; {failed} requests failed")
+            if not 0 <= seen_after <= SEEN_WITHIN_S or failed < expected:
+                late.append(f"{name} (wanted at least {expected} requests)")
+    print("\n".join(report))
+    assert not late, "; ".join(report)
+    # a failing server is reported, not a line per retry: the first failure of each poller's run
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "failed request" in r.getMessage()]
+    assert 1 <= len(warned) <= sum(POLLERS[kind] for kind, _, _ in SPELLS), [r.getMessage() for r in warned]
+
+
+def test_gce_watcher_started_during_errors_still_learns_the_vms_window(emu, watchers):
+    """A 5xx is no answer: the configured notice is asked again, not assumed to be 30 s."""
+    emu.set_attribute("c", NOTICE_ATTRIBUTE, "120")
+    spell = emu.set_fault("c", "503", duration=1.0)
+    w = default_watcher("gce", emu, "c")
+    watchers.append(w.start())
+    emu.preempt("c", at=spell.fault_until, window=120)
+    notice = w.wait(WAIT)
+    assert notice is not None and emu.instance("c").fault_hits["503"] >= 2
+    assert w.window == 120 and notice.deadline == pytest.approx(notice.detected_at + 120)
 
 
 def test_watcher_on_a_dead_server_reports_nothing_and_never_raises(watchers):

@@ -20,6 +20,7 @@ import builtins
 import enum
 import logging
 import posixpath
+import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -27,6 +28,9 @@ from ckpt_service.deadline import Deadline
 from ckpt_service.errors import BadStoreKeyError, PreconditionFailedError, StoreDeadlineError, StoreUnavailableError
 
 log = logging.getLogger(__name__)
+
+#: where :meth:`ObjectStore.store_time` writes its short-lived probe objects
+CLOCK_PROBE_PREFIX = "clock-probe/"
 
 
 @dataclass(frozen=True)
@@ -182,10 +186,28 @@ class ObjectStore(abc.ABC):
         except PreconditionFailedError:
             return False
 
+    def store_time(self) -> float:
+        """The store's own current time (epoch seconds), on the clock its objects' mtimes come from.
+
+        Ages of objects are measured against it, never against the caller's clock, which may be
+        off by any amount on another VM. This default writes a probe object, reads its mtime
+        back and deletes it (one round trip each on a network store).
+        """
+        key = f"{CLOCK_PROBE_PREFIX}{uuid.uuid4().hex}"
+        self.put(key, b"")
+        try:
+            info = self.stat(key)
+        finally:
+            self.delete(key)
+        if info is None:
+            raise StoreUnavailableError(f"{self!r}: the clock probe {key} vanished before it could be read")
+        return info.mtime
+
     def sweep_temporary(self, older_than_s: float, *, now: float | None = None) -> int:
         """Remove what writes killed midway left behind, untouched for ``older_than_s``; returns how many.
 
-        Object stores write each object in one request and leave nothing behind: a no-op.
+        ``now`` is on the store's clock (:meth:`store_time`, the default). Object stores write
+        each object in one request and leave nothing behind: a no-op.
         """
         return 0
 

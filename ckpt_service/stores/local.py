@@ -2,11 +2,19 @@
 
 Writes go to a temporary file in the same directory and are published with
 ``os.replace``, so a reader never sees a partial object and a crash leaves at
-most a stray temporary file. Conditional writes take an ``flock`` on one lock
+most a stray temporary file. With ``fsync`` (the default) a write is durable when
+``put`` returns: the file is synced before its rename, its folder (and the parent of
+any folder made for it) after, so a commit marker never survives a power loss that
+its manifest or pieces do not. Conditional writes take an ``flock`` on one lock
 file per store, held only for the rename. The generation is the file's
 ``st_mtime_ns``, forced to increase under that lock. A store bounded by a
 deadline (:meth:`LocalStore.within`) waits for that lock no longer than the
 deadline allows; the disk itself is not bounded.
+
+Several processes (two gcs, a gc and a save) may list, stat, sweep and delete in one
+directory at once: a file or folder another one removed meanwhile is simply gone, never an
+error. Ages (the sweep's) are measured on the file system's own clock: the mtime of a probe
+file written in the root, as the files themselves get theirs (a network mount's server).
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -97,11 +106,14 @@ class LocalStore(ObjectStore):
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
-    def _write_tmp(self, path: Path, data: Sequence[bytes | memoryview]) -> Path:
+    def _write_tmp(self, path: Path, data: Sequence[bytes | memoryview]) -> tuple[Path, set[Path]]:
+        """Write ``data`` to a durable temp file beside ``path``: (its path, the folders whose
+        entries must be synced once it is renamed into place)."""
         tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
+        to_sync = {path.parent}
         for attempt in range(3):
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                to_sync |= {made.parent for made in _make_dirs(path.parent)}
                 fh = open(tmp, "wb")
                 break
             except FileNotFoundError:
@@ -117,7 +129,7 @@ class LocalStore(ObjectStore):
             if self.fsync:
                 fh.flush()
                 os.fsync(fh.fileno())
-        return tmp
+        return tmp, to_sync
 
     def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
         return self.put_parts(key, (data,), if_generation_match=if_generation_match)
@@ -126,7 +138,7 @@ class LocalStore(ObjectStore):
                   if_generation_match: int | None = None) -> int:
         """:meth:`put` of the concatenation of ``parts``, written without joining them."""
         path = self._path(key)
-        tmp = self._write_tmp(path, parts)
+        tmp, folders = self._write_tmp(path, parts)
         try:
             # Every write, conditional or not, publishes under the lock with a strictly
             # larger generation, so a stale compare-and-swap can never succeed.
@@ -141,8 +153,12 @@ class LocalStore(ObjectStore):
                 new_gen = max(os.stat(tmp).st_mtime_ns, have + 1)
                 os.utime(tmp, ns=(new_gen, new_gen))
                 os.replace(tmp, path)
-            if self.fsync and if_generation_match is not None:
-                _fsync_dir(path.parent)  # commit markers and the lease must survive a crash
+            if self.fsync:
+                # Durable once put returns, every object: a commit marker must never outlive the
+                # manifest or pieces it names. The rename and any folder made for it are entries
+                # of folders, which only a sync of those folders makes survive a power loss.
+                for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+                    _fsync_dir(folder)
             return new_gen
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -178,10 +194,30 @@ class LocalStore(ObjectStore):
                     keys.append(key)
         yield from sorted(keys)
 
+    def store_time(self) -> float:
+        """The mtime of a probe file just written in the root: the clock the files' mtimes come from."""
+        if not self.root.is_dir():
+            return time.time()  # nothing stored yet, so nothing to age
+        try:
+            fd, name = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}clock.", dir=self.root)
+        except FileNotFoundError:
+            return time.time()  # the root went meanwhile
+        except PermissionError as exc:
+            raise StoreUnavailableError(f"cannot write in {self.root}: {exc}; check the store path") from exc
+        try:
+            return os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+
     def sweep_temporary(self, older_than_s: float, *, now: float | None = None) -> int:
         """Delete temp files (a write killed before its rename) and then-empty folders older than
-        ``older_than_s``; younger ones may belong to a write in progress."""
-        cutoff = (time.time() if now is None else now) - older_than_s
+        ``older_than_s`` by the store's clock (``now`` overrides it); younger ones may belong to a
+        write in progress. What another sweep removes meanwhile is skipped."""
+        if not self.root.is_dir():
+            return 0
+        cutoff = (self.store_time() if now is None else now) - older_than_s
         removed = 0
         emptied: set[Path] = set()  # folders this sweep took something from (their mtime is now)
         for dirpath, _dirs, files in os.walk(self.root, topdown=False):
@@ -194,7 +230,7 @@ class LocalStore(ObjectStore):
                         removed += 1
                         emptied.add(here)
             # an empty folder may be one a writer just made for its next file: only old ones go
-            if here != self.root and not any(here.iterdir()) and (here in emptied or _mtime(here) < cutoff):
+            if here != self.root and _is_empty(here) and (here in emptied or _mtime(here) < cutoff):
                 with contextlib.suppress(OSError):
                     here.rmdir()
                     emptied.add(here.parent)
@@ -220,11 +256,36 @@ def _lock_by(fh: IO[bytes], deadline: Deadline, root: Path) -> None:
                                  attempted=False) from exc
 
 
+def _is_empty(path: Path) -> bool:
+    """Whether a folder is empty; one another process removed meanwhile is not (nothing to do)."""
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return float("inf")  # gone already: nothing to remove
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """``mkdir -p path``: the folders this call created, outermost first."""
+    missing: list[Path] = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    made = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+            made.append(folder)
+        except FileExistsError:  # a concurrent writer made it (and syncs its entry itself)
+            pass
+    return made
 
 
 def _fsync_dir(path: Path) -> None:

@@ -62,6 +62,9 @@ class MemoryStore(ObjectStore):
         with self._lock:
             self._objects.pop(check_key(key), None)
 
+    def store_time(self) -> float:
+        return time.time()  # mtimes come from this process's clock
+
     def list(self, prefix: str = "") -> Iterator[str]:
         with self._lock:
             keys = sorted(k for k in self._objects if k.startswith(prefix))

@@ -36,5 +36,8 @@ class DelegatingStore(ObjectStore):
     def list(self, prefix: str = "") -> Iterator[str]:
         return self.inner.list(prefix)
 
+    def store_time(self) -> float:
+        return self.inner.store_time()
+
     def sweep_temporary(self, older_than_s: float, *, now: float | None = None) -> int:
         return self.inner.sweep_temporary(older_than_s, now=now)

@@ -92,6 +92,24 @@ class StoreConformance:
         assert gens == sorted(gens) and len(set(gens)) == len(gens), gens
         assert stat_of(store, "k").generation == gens[-1]
 
+    def test_every_kind_of_write_moves_the_generation_up(self, store: ObjectStore) -> None:
+        """The lease's generations order commits (a marker records the one its fence wrote): create,
+        compare-and-swap and plain writes of one object must each give a strictly larger one."""
+        gens = [store.put("lease", b"a", if_generation_match=0)]
+        gens.append(store.put("lease", b"b", if_generation_match=gens[-1]))
+        gens.append(store.put("lease", b"c"))
+        gens.append(store.put_resolved("lease", b"d", if_generation_match=gens[-1]))
+        gens.append(store.put("lease", b"e", if_generation_match=gens[-1]))
+        assert all(x < y for x, y in zip(gens, gens[1:])), gens
+
+    def test_store_time_is_on_the_clock_of_mtimes_and_leaves_nothing(self, store: ObjectStore) -> None:
+        before = store.store_time()
+        store.put("k", b"abc")
+        after = store.store_time()
+        info = stat_of(store, "k")
+        assert before - 1.0 <= info.mtime <= after + 1.0, (before, info.mtime, after)
+        assert list(store.list()) == ["k"], "the clock probe was left behind"
+
     def test_keys_with_spaces_and_unicode(self, store: ObjectStore) -> None:
         key = "run one/tensör #1/part=0.bin"
         store.put(key, b"data")

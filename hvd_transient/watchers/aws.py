@@ -5,6 +5,9 @@
 about two minutes ahead; AWS suggests polling every 5 s.
 ``events/recommendations/rebalance`` (``{"noticeTime": "..."}``) appears earlier,
 when the instance is at elevated risk of interruption: an early warning.
+Every request times out after ``request_timeout`` (1 s), and failures are
+retried about once a second (base.py), so neither errors nor a hung IMDS
+delay a notice by more than about that once the service answers again.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any, Sequence
 
 import requests
 
-from .base import Notice, NoticeCallback, Poller, Watcher
+from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
 from .errors import MetadataGarbageError, WatcherConfigError
 from .metadata_http import expect_status, json_object, new_session, printable_text
 
@@ -44,9 +47,9 @@ class AwsWatcher(Watcher):
     source = "aws"
 
     def __init__(self, endpoint: str | None = None, *, interval: float = 5.0,
-                 request_timeout: float = 2.0, window: float = 120.0,
+                 request_timeout: float = 1.0, window: float = 120.0,
                  instance: str | None = None, on_notice: NoticeCallback | None = None,
-                 initial_backoff: float = 0.5, max_backoff: float = 30.0) -> None:
+                 initial_backoff: float = INITIAL_BACKOFF_S, max_backoff: float = MAX_BACKOFF_S) -> None:
         # ``window`` is only used when a notice carries no usable ``time``.
         super().__init__(window=window, instance=instance, on_notice=on_notice,
                          initial_backoff=initial_backoff, max_backoff=max_backoff)

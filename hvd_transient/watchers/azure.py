@@ -1,6 +1,9 @@
 """Azure Spot eviction watcher: poll Scheduled Events for a ``Preempt`` naming this VM.
 
 The deadline is the event's ``NotBefore`` (RFC 1123, at least 30 s ahead).
+Every request times out after ``request_timeout`` (1 s), and failures are
+retried about once a second (base.py), so neither errors nor a hung IMDS
+delay a notice by more than about that once the service answers again.
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import os
 import time
 from typing import Sequence
 
-from .base import Notice, NoticeCallback, Poller, Watcher
+from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
 from .errors import MetadataGarbageError, WatcherConfigError
 from .metadata_http import expect_status, json_object, new_session, printable_text
 
@@ -39,10 +42,10 @@ class AzureWatcher(Watcher):
     source = "azure"
 
     def __init__(self, endpoint: str | None = None, *, interval: float = 2.0,
-                 request_timeout: float = 2.0, window: float = 30.0,
+                 request_timeout: float = 1.0, window: float = 30.0,
                  event_types: Sequence[str] = ("Preempt",), instance: str | None = None,
-                 on_notice: NoticeCallback | None = None, initial_backoff: float = 0.5,
-                 max_backoff: float = 30.0) -> None:
+                 on_notice: NoticeCallback | None = None, initial_backoff: float = INITIAL_BACKOFF_S,
+                 max_backoff: float = MAX_BACKOFF_S) -> None:
         # ``instance`` is the VM name the events must list; asked from IMDS if not given.
         # ``window`` is only used for an event with an empty NotBefore.
         super().__init__(window=window, instance=instance, on_notice=on_notice,

@@ -2,8 +2,13 @@
 
 A watcher runs one daemon thread per *poller* (GCE watches two keys at once).
 Each poller's ``poll()`` makes one request (a long-poll may block for a while)
-and returns a ``Notice`` or None, or raises. Errors are logged and retried with
-a capped, jittered exponential backoff (tenacity); a stop interrupts the
+and returns a ``Notice`` or None, or raises. Errors are retried with a jittered
+exponential backoff (tenacity) capped at ``MAX_BACKOFF_S`` (1 s) and counted
+from the start of the failed request, so while the metadata server errors a
+poller still asks it about once a second: the server is on the VM, asking is
+cheap, and a notice that appears after a burst of errors must not be seen a
+Spot window late. (Each cloud's watcher bounds its requests' timeouts for the
+same reason: a hung request must not blind it either.) A stop interrupts the
 backoff at once. The first notice from any poller wins, is kept, sets the
 event behind ``wait()``, and runs ``on_notice`` on the watcher's thread.
 An *early warning* (``Notice.early``: AWS's rebalance recommendation) is kept
@@ -22,6 +27,14 @@ from typing import Callable, ClassVar, Sequence
 import tenacity
 
 log = logging.getLogger(__name__)
+
+#: Longest wait between the starts of two requests of a poller while they fail (the default
+#: ``max_backoff``): a notice is never missed for longer than this plus one request's timeout.
+MAX_BACKOFF_S = 1.0
+#: First wait after a failure (it doubles, with up to as much jitter, up to ``max_backoff``).
+INITIAL_BACKOFF_S = 0.25
+#: While requests keep failing, their warning is repeated at most this often (the rest is DEBUG).
+FAILURE_LOG_EVERY_S = 30.0
 
 NoticeCallback = Callable[["Notice"], None]
 
@@ -68,8 +81,8 @@ class Watcher(abc.ABC):
     source: ClassVar[str] = "?"
 
     def __init__(self, *, window: float = 30.0, instance: str | None = None,
-                 on_notice: NoticeCallback | None = None, initial_backoff: float = 0.5,
-                 max_backoff: float = 30.0) -> None:
+                 on_notice: NoticeCallback | None = None, initial_backoff: float = INITIAL_BACKOFF_S,
+                 max_backoff: float = MAX_BACKOFF_S) -> None:
         self.window = float(window)
         self.instance = instance
         #: the cloud's id of this VM where the watcher learns it (leaving records carry it, so a
@@ -173,25 +186,27 @@ class Watcher(abc.ABC):
 
     # ---- the loop -------------------------------------------------------------------------
     def _run(self, poller: Poller) -> None:
+        attempt = _TimedAttempt(poller)
+        failures = _FailureLog(f"{self.source} watcher ({poller.name})")
+        backoff = tenacity.wait_exponential_jitter(initial=self._initial_backoff, max=self._max_backoff,
+                                                   jitter=self._initial_backoff)
         retrying = tenacity.Retrying(
-            wait=tenacity.wait_exponential_jitter(initial=self._initial_backoff, max=self._max_backoff,
-                                                  jitter=self._initial_backoff),
+            # A request that failed after t seconds (a timeout) has already waited t of the backoff.
+            wait=lambda state: max(0.0, backoff(state) - attempt.elapsed()),
             stop=tenacity.stop_when_event_set(self._done),
             sleep=lambda seconds: None if self._done.wait(seconds) else None,  # stop() cuts a backoff short
-            before_sleep=lambda state: log.warning(
-                "%s watcher (%s): %s; retry %d in %.1f s", self.source, poller.name,
-                _describe(state.outcome.exception() if state.outcome else None),
-                state.attempt_number, state.upcoming_sleep),
+            before_sleep=failures.failed,
         )
         while not self._done.is_set():
             try:
-                notice = retrying(poller.poll)
+                notice = retrying(attempt)
             except tenacity.RetryError:  # stopped while failing
                 return
             except Exception:  # should not happen; never let the thread die silently
                 log.exception("%s watcher (%s): unexpected error", self.source, poller.name)
                 self._done.wait(self._max_backoff)
                 continue
+            failures.recovered()
             if notice is not None:
                 self._report(notice)
                 return  # a notice ends the watch; a warning ends this poller only
@@ -221,6 +236,50 @@ class Watcher(abc.ABC):
                 self.on_notice(notice)
             except Exception:
                 log.exception("%s watcher: on_notice callback failed", self.source)
+
+
+class _TimedAttempt:
+    """``poller.poll`` as tenacity's callable, remembering when the latest call started."""
+
+    def __init__(self, poller: Poller) -> None:
+        self.poller = poller
+        self.started = time.monotonic()
+
+    def __call__(self) -> Notice | None:
+        self.started = time.monotonic()
+        return self.poller.poll()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+
+class _FailureLog:
+    """Logs a run of failed requests without a line a second: the first failure and then one
+    every ``FAILURE_LOG_EVERY_S`` as warnings (the rest at DEBUG), and the recovery."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.count = 0
+        self.first = self.last_warned = 0.0
+
+    def failed(self, state: tenacity.RetryCallState) -> None:
+        now = time.monotonic()
+        if self.count == 0:
+            self.first = now
+        self.count += 1
+        error = _describe(state.outcome.exception() if state.outcome else None)
+        if self.count == 1 or now - self.last_warned >= FAILURE_LOG_EVERY_S:
+            self.last_warned = now
+            log.warning("%s: %s (%d failed request(s) in %.0f s); next try in %.2f s",
+                        self.what, error, self.count, now - self.first, state.upcoming_sleep)
+        else:
+            log.debug("%s: %s; retry %d in %.2f s", self.what, error, self.count, state.upcoming_sleep)
+
+    def recovered(self) -> None:
+        if self.count:
+            log.info("%s: the metadata server answers again after %d failed request(s) in %.1f s",
+                     self.what, self.count, time.monotonic() - self.first)
+        self.count = 0
 
 
 def _describe(exc: BaseException | None) -> str:

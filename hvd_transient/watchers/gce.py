@@ -3,9 +3,17 @@
 Each key is long-polled ETag-aware on its own thread: a plain GET first (the
 notice may already be there, and it yields the ETag), then
 ``?wait_for_change=true&last_etag=E&timeout_sec=S``, which the server answers
-the moment the value changes (or at once if E is already stale). A request's
-read timeout is the long-poll timeout plus a margin, so a server that hangs
-costs at most that much before the watcher backs off and retries.
+the moment the value changes (or at once if E is already stale).
+
+A long-poll that hangs looks exactly like one that is waiting for a change, so
+the only bound on how long a hung one blinds the watcher is its own timeout:
+hence long-polls of ``long_poll_timeout=1`` s (read timeout 1.5 s with the
+margin), not minutes; the server is on the VM, so one request a second per key
+costs nothing, and a change still comes back the moment it happens. After a
+failed request the poller reads the key plainly (``request_timeout``, 1 s)
+until the server answers again, retrying about once a second (``base.py``).
+Every request's timeouts are bounded, so a notice is seen within about 2 s of
+its appearance even when the request in flight at that moment is never answered.
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ from typing import Callable, Mapping, Sequence
 
 import requests
 
-from .base import Notice, NoticeCallback, Poller, Watcher
+from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
 from .errors import MetadataGarbageError, WatcherConfigError
 from .metadata_http import expect_status, new_session, printable_text
 
@@ -53,10 +61,12 @@ class GceWatcher(Watcher):
     source = "gce"
 
     def __init__(self, base_url: str | None = None, *, window: float | None = None,
-                 long_poll_timeout: int = 60, request_margin: float = 5.0,
-                 connect_timeout: float = 2.0, watch_maintenance: bool = True,
+                 long_poll_timeout: int = 1, request_margin: float = 0.5, request_timeout: float = 1.0,
+                 connect_timeout: float = 0.5, watch_maintenance: bool = True,
                  instance: str | None = None, on_notice: NoticeCallback | None = None,
-                 initial_backoff: float = 0.5, max_backoff: float = 30.0) -> None:
+                 initial_backoff: float = INITIAL_BACKOFF_S, max_backoff: float = MAX_BACKOFF_S) -> None:
+        # long_poll_timeout (whole seconds) + request_margin: a long-poll's read timeout, the most
+        # a hung long-poll can blind the watcher; request_timeout: the read timeout of plain reads
         # window None: the VM's configured notice (read once, with the instance name), else 30 s
         super().__init__(window=DEFAULT_WINDOW_S if window is None else window, instance=instance,
                          on_notice=on_notice, initial_backoff=initial_backoff, max_backoff=max_backoff)
@@ -65,6 +75,7 @@ class GceWatcher(Watcher):
         # GCE takes whole seconds for timeout_sec.
         self.long_poll_timeout = max(1, int(round(long_poll_timeout)))
         self.read_timeout = self.long_poll_timeout + float(request_margin)
+        self.request_timeout = float(request_timeout)
         self.connect_timeout = float(connect_timeout)
         self.watch_maintenance = watch_maintenance
 
@@ -95,8 +106,9 @@ class GceWatcher(Watcher):
 
     def _configured_window(self, session: requests.Session) -> float:
         reply = self._get(session, f"instance/attributes/{NOTICE_ATTRIBUTE}")
-        if reply.status_code != 200:
+        if reply.status_code == 404:
             return DEFAULT_WINDOW_S
+        expect_status(reply, 200)  # a failing server says nothing about the window: ask again
         text = printable_text(reply, NOTICE_ATTRIBUTE)
         try:
             seconds = float(text)
@@ -111,8 +123,9 @@ class GceWatcher(Watcher):
 
     def _get(self, session: requests.Session, key: str, params: dict[str, str] | None = None,
              read_timeout: float | None = None) -> requests.Response:
+        """GET ``key``; the read timeout is ``request_timeout`` unless given (a long-poll's)."""
         return session.get(self.base_url + key, headers=HEADERS, params=params,
-                           timeout=(self.connect_timeout, read_timeout or self.read_timeout))
+                           timeout=(self.connect_timeout, read_timeout or self.request_timeout))
 
 
 class _KeyPoller(Poller):
@@ -123,6 +136,15 @@ class _KeyPoller(Poller):
         self.etag: str | None = None
 
     def poll(self) -> Notice | None:
+        try:
+            return self._poll()
+        except Exception:
+            # Read plainly until the server answers again: a failing long-poll would cost its
+            # whole read timeout each time, a plain read only ``request_timeout``.
+            self.etag = None
+            raise
+
+    def _poll(self) -> Notice | None:
         w = self.watcher
         instance = w.resolve_instance(self.session)
         if self.etag is None:
@@ -130,7 +152,7 @@ class _KeyPoller(Poller):
         else:
             reply = w._get(self.session, self.key, params={
                 "wait_for_change": "true", "last_etag": self.etag,
-                "timeout_sec": str(w.long_poll_timeout)})
+                "timeout_sec": str(w.long_poll_timeout)}, read_timeout=w.read_timeout)
         detected_at = time.time()
         expect_status(reply, 200)
         if reply.headers.get("Metadata-Flavor") != "Google":

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from .base import Notice, NoticeCallback, Poller, Watcher
+from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ class LocalWatcher(Watcher):
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, handle_sigterm: bool = False,
                  interval: float = 0.5, window: float = 30.0, instance: str | None = None,
-                 on_notice: NoticeCallback | None = None, initial_backoff: float = 0.5,
-                 max_backoff: float = 30.0) -> None:
+                 on_notice: NoticeCallback | None = None, initial_backoff: float = INITIAL_BACKOFF_S,
+                 max_backoff: float = MAX_BACKOFF_S) -> None:
         super().__init__(window=window, instance=instance or socket.gethostname(), on_notice=on_notice,
                          initial_backoff=initial_backoff, max_backoff=max_backoff)
         path = path if path is not None else os.environ.get(NOTICE_FILE_ENV)

@@ -22,13 +22,23 @@ Paths::
     POST /control/instances/<inst>/preempt    {"at"? | "delay"?, "window"?, "kill_pid"?, "signal"?}
     POST /control/instances/<inst>/maintenance {"event": "TERMINATE_ON_HOST_MAINTENANCE"}
     POST /control/instances/<inst>/rebalance  AWS rebalance recommendation now
-    POST /control/instances/<inst>/fault      {"mode": "hang" | "500" | "garbage" | "ok"}
+    POST /control/instances/<inst>/fault      {"mode": "hang" | "lose" | "500" | "503" | "garbage" | "ok",
+                                               "duration"?: seconds}
+
+A fault applies to every metadata path of the instance (GCE, AWS, Azure; not ``/control``).
+Without ``duration`` it lasts until another mode is set; with one it ends by itself after that
+many seconds (``fault_until`` in the instance's state). ``500``/``503``: that error at once
+(GCE's carry ``Metadata-Flavor: Google``); ``garbage``: 200 with a nonsense body; ``hang``: no
+answer until the fault ends, then the answer of that moment; ``lose``: no answer ever, even after
+the fault ends (the request is held until its client hangs up or the emulator stops). A GCE
+long-poll already waiting when a fault begins is hit by it too, as by a restarting server.
     POST /control/instances/<inst>/reset      a fresh VM under the same name
 """
 from __future__ import annotations
 
 import json
 import logging
+import select
 import time
 import uuid
 from dataclasses import dataclass
@@ -54,6 +64,8 @@ AWS_META_PREFIX = "/latest/meta-data/"
 AZURE_EVENTS_PATH = "/metadata/scheduledevents"
 AZURE_NAME_PATH = "/metadata/instance/compute/name"
 MAX_BODY = 1 << 20
+#: how often a lost request's handler looks whether its client has hung up or the emulator stops
+LOST_CHECK_S = 0.2
 
 
 class MetadataRequestHandler(BaseHTTPRequestHandler):
@@ -94,6 +106,9 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
             if fault is None:  # stopping: drop the connection unanswered
                 self.close_connection = True
                 return
+            if fault is Fault.LOSE:
+                self._never_answer()
+                return
             if _is_gce_path(rest):
                 self._gce(method, name, rest[1:], query, fault)
             elif rest == AWS_TOKEN_PATH or rest.startswith(AWS_META_PREFIX):
@@ -125,11 +140,18 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
         try:
             q = parse_gce_query(query, path)
             if q.wait_for_change:
-                found = self.registry.gce_wait_for_change(name, path, q.last_etag, q.timeout_sec,
-                                                          recursive=q.recursive, alt=q.alt)
-                if found is None:  # stopping
+                waited = self.registry.gce_wait_for_change(name, path, q.last_etag, q.timeout_sec,
+                                                           recursive=q.recursive, alt=q.alt)
+                if waited is None:  # stopping
                     self.close_connection = True
                     return
+                if isinstance(waited, Fault):  # a fault began while it waited
+                    if waited is Fault.LOSE:
+                        self._never_answer()
+                    else:
+                        self._fault_reply(waited, gce=True)
+                    return
+                found = waited
             else:
                 found = self.registry.gce_read(name, path, recursive=q.recursive, alt=q.alt)
         except UnknownKeyError:
@@ -244,7 +266,7 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
         elif action == "rebalance":
             snap = reg.recommend_rebalance(name)
         elif action == "fault":
-            snap = reg.set_fault(name, str(body.get("mode", "")))
+            snap = reg.set_fault(name, str(body.get("mode", "")), duration=_opt_float(body, "duration"))
         elif action == "reset":
             snap = reg.reset(name)
         else:
@@ -269,10 +291,26 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
         return body
 
     # ---- replies ----------------------------------------------------------------------
+    def _never_answer(self) -> None:
+        """A lost request: hold the connection unanswered until the client hangs up or the
+        emulator stops. (The request is already read, so anything readable is its end.)"""
+        self.close_connection = True
+        sock = self.connection
+        while not self.registry.wait_stopping(0.0):
+            readable, _, _ = select.select([sock], [], [], LOST_CHECK_S)
+            if readable:
+                try:
+                    if not sock.recv(4096):  # the client closed its side
+                        return
+                except OSError:  # reset by the client
+                    return
+
     def _fault_reply(self, fault: Fault, *, gce: bool) -> None:
         headers = {"Metadata-Flavor": "Google", "ETag": uuid.uuid4().hex[:16]} if gce else {}
         if fault is Fault.ERROR_500:
             self._reply(500, "injected fault: internal server error\n", headers=headers)
+        elif fault is Fault.ERROR_503:
+            self._reply(503, "injected fault: service unavailable\n", headers=headers)
         else:  # GARBAGE (HANG has already been waited out by the registry)
             self._reply(200, GARBAGE_BODY, content_type="text/html", headers=headers)
 

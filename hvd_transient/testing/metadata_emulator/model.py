@@ -4,6 +4,11 @@ Pure logic, no I/O and no locks: ``registry.py`` serialises access and
 ``handler.py`` turns these values into HTTP replies. Keeping the cloud
 semantics here means they can be read (and tested) without a server.
 
+Faults (``Fault``) model a metadata server that misbehaves: every reply of one instance, on
+every cloud's API, is an error, garbage, late (``hang``: held until the fault ends, then
+answered) or never sent (``lose``). A fault lasts until it is cleared, or ends by itself at
+``fault_until`` when it was set for a given time.
+
 Timeline of a preemption (all times are epoch seconds)::
 
     scheduled_at          notice_at = scheduled_at          deadline = notice_at + window
@@ -17,6 +22,7 @@ import email.utils
 import enum
 import hashlib
 import json
+import math
 import signal
 import uuid
 from dataclasses import dataclass, field
@@ -64,11 +70,15 @@ class InvalidRequestError(EmulatorError, ValueError):
 
 
 class Fault(str, enum.Enum):
-    """A failure injected into every metadata reply of one instance."""
+    """A failure injected into every metadata reply of one instance (GCE, AWS and Azure alike)."""
 
     OK = "ok"            # no fault
-    HANG = "hang"        # never answer until the fault is cleared (or the server stops)
+    HANG = "hang"        # hold each request unanswered until the fault ends (or the server
+                         # stops), then answer it with the state of that moment
+    LOSE = "lose"        # accept and read each request, never answer it, not even after the
+                         # fault ends: it is held until its client hangs up or the server stops
     ERROR_500 = "500"    # 500 Internal Server Error
+    ERROR_503 = "503"    # 503 Service Unavailable (a metadata server that is restarting)
     GARBAGE = "garbage"  # 200 with a nonsense body
 
     @classmethod
@@ -118,6 +128,7 @@ class InstanceSnapshot:
     preempted: bool
     maintenance_event: str
     fault: str
+    fault_until: float | None  # when a fault set for a given time ends by itself
     window: float | None
     scheduled_at: float | None
     notice_at: float | None
@@ -146,6 +157,7 @@ class InstanceState:
     project_number: int = DEFAULT_PROJECT_NUMBER
     maintenance_event: str = "NONE"
     fault: Fault = Fault.OK
+    fault_until: float | None = None
     window: float | None = None
     scheduled_at: float | None = None
     notice_at: float | None = None
@@ -197,16 +209,35 @@ class InstanceState:
 
     def next_due(self) -> float | None:
         """The next time the scheduler must act for this instance, if any."""
+        dues = [self.fault_until]
         if self.scheduled_at is not None and not self.preempted:
-            return self.scheduled_at
-        if self.kill_pid is not None and self.killed_at is None and self.kill_error is None:
-            return self.deadline
-        return None
+            dues.append(self.scheduled_at)
+        elif self.kill_pid is not None and self.killed_at is None and self.kill_error is None:
+            dues.append(self.deadline)
+        return min((d for d in dues if d is not None), default=None)
+
+    # ---- faults -------------------------------------------------------------------
+    def set_fault(self, fault: Fault, *, now: float, duration: float | None = None) -> None:
+        """Apply ``fault`` until cleared or, with ``duration``, for that many seconds from ``now``."""
+        if duration is not None:
+            if fault is Fault.OK:
+                raise InvalidRequestError("a duration needs a fault mode other than 'ok'")
+            if not math.isfinite(duration) or duration <= 0:
+                raise InvalidRequestError(f"fault duration must be a positive number of seconds, got {duration}")
+        self.fault = fault
+        self.fault_until = None if duration is None else now + duration
+
+    def end_fault_if_due(self, now: float) -> bool:
+        """Clear a fault set for a given time once that time is over."""
+        if self.fault_until is None or now < self.fault_until:
+            return False
+        self.fault, self.fault_until = Fault.OK, None
+        return True
 
     def reset(self) -> None:
         """A fresh VM reusing the name: no notice, no maintenance, no fault."""
         changed = self.preempted
-        self.maintenance_event, self.fault = "NONE", Fault.OK
+        self.maintenance_event, self.fault, self.fault_until = "NONE", Fault.OK, None
         self.window = self.scheduled_at = self.notice_at = self.rebalance_at = None
         self.kill_pid = self.kill_signal = self.killed_at = self.kill_error = None
         self.aws_tokens.clear()
@@ -299,7 +330,7 @@ class InstanceState:
         return InstanceSnapshot(
             name=self.name, hostname=self.hostname, zone=self.zone, project_id=self.project_id,
             preempted=self.preempted, maintenance_event=self.maintenance_event,
-            fault=self.fault.value, window=self.window, scheduled_at=self.scheduled_at,
+            fault=self.fault.value, fault_until=self.fault_until, window=self.window, scheduled_at=self.scheduled_at,
             notice_at=self.notice_at, deadline=self.deadline, rebalance_at=self.rebalance_at,
             kill_pid=self.kill_pid,
             kill_signal=self.kill_signal.name if self.kill_signal else None,

@@ -3,7 +3,8 @@
 One ``threading.Condition`` guards every instance. Whatever changes state
 calls ``notify_all``, which wakes long-polls (``wait_for_change``), hung
 requests waiting for their fault to clear, the scheduler (which re-plans its
-next wake-up), and ``wait_for`` callers in tests. Nothing here sleeps.
+next wake-up: scheduled notices, deadlines and the end of a fault set for a
+given time), and ``wait_for`` callers in tests. Nothing here sleeps.
 """
 from __future__ import annotations
 
@@ -124,11 +125,13 @@ class Registry:
             self._cond.notify_all()
             return inst.snapshot()
 
-    def set_fault(self, name: str, mode: str | Fault) -> InstanceSnapshot:
+    def set_fault(self, name: str, mode: str | Fault, *, duration: float | None = None) -> InstanceSnapshot:
+        """Apply fault ``mode`` to every metadata reply of ``name``, until cleared (``ok``) or, with
+        ``duration``, for that many seconds; the scheduler then ends it and releases hung requests."""
         fault = mode if isinstance(mode, Fault) else Fault.parse(mode)
         with self._cond:
             inst = self._get(name)
-            inst.fault = fault
+            inst.set_fault(fault, now=self._clock(), duration=duration)
             self._cond.notify_all()
             return inst.snapshot()
 
@@ -177,6 +180,12 @@ class Registry:
         """
         with self._cond:
             inst = self._get(name)
+            # what is due is due now, even if the scheduler has not woken yet: a request right
+            # after a fault's end must see the notice that was scheduled for that moment
+            now = self._clock()
+            ended = inst.end_fault_if_due(now)
+            if inst.activate_if_due(now) or ended:
+                self._cond.notify_all()
             inst.requests += 1
             inst.path_hits[path] = inst.path_hits.get(path, 0) + 1
             if inst.fault is not Fault.OK:
@@ -192,18 +201,36 @@ class Registry:
             return self._gce_value(self._get(name), path, recursive, alt)
 
     def gce_wait_for_change(self, name: str, path: str, last_etag: str | None, timeout: float | None, *,
-                            recursive: bool = False, alt: str | None = None) -> tuple[Reply, str] | None:
+                            recursive: bool = False,
+                            alt: str | None = None) -> tuple[Reply, str] | Fault | None:
         """GCE ``wait_for_change``: return when the reply's ETag differs from ``last_etag``
         (at once if it already does) or, without one, from the ETag at call time; return the
         unchanged reply after ``timeout``. For a directory, a change anywhere under it counts.
-        None when the server is stopping."""
+        None when the server is stopping.
+
+        A fault that begins while the long-poll waits hits it too, as a restarting server fails
+        the requests it holds: the fault is returned at once (to answer with, or to lose the
+        request); a ``hang`` holds the reply, changed or not, until the hang ends."""
         with self._cond:
             inst = self._get(name)
             _, start_etag = self._gce_value(inst, path, recursive, alt)
             baseline = last_etag if last_etag else start_etag
+
+            def failing() -> bool:
+                return inst.fault not in (Fault.OK, Fault.HANG)
+
             self._cond.wait_for(
-                lambda: self._stopping or self._gce_value(inst, path, recursive, alt)[1] != baseline, timeout)
-            return None if self._stopping else self._gce_value(inst, path, recursive, alt)
+                lambda: self._stopping or failing() or (
+                    inst.fault is Fault.OK and self._gce_value(inst, path, recursive, alt)[1] != baseline),
+                timeout)
+            self._cond.wait_for(lambda: self._stopping or inst.fault is not Fault.HANG)
+            if self._stopping:
+                return None
+            if failing():
+                inst.fault_hits[inst.fault.value] = inst.fault_hits.get(inst.fault.value, 0) + 1
+                self._cond.notify_all()
+                return inst.fault
+            return self._gce_value(inst, path, recursive, alt)
 
     def aws_issue_token(self, name: str, ttl_s: int) -> str:
         if not 1 <= ttl_s <= AWS_TOKEN_TTL_MAX_S:
@@ -239,6 +266,9 @@ class Registry:
                 now = self._clock()
                 changed = False
                 for inst in self._instances.values():
+                    if inst.end_fault_if_due(now):
+                        log.info("instance %s: fault over", inst.name)
+                        changed = True
                     if inst.activate_if_due(now):
                         log.info("instance %s: preemption notice, deadline %.3f", inst.name, inst.deadline)
                         changed = True
@@ -271,6 +301,11 @@ class Registry:
         """Serve again after ``stop`` (a restarted server keeps its instances' state)."""
         with self._cond:
             self._stopping = False
+
+    def wait_stopping(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for ``stop``; True once stopping."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._stopping, timeout)
 
     def stop(self) -> None:
         """Release every waiter (long-polls, hung requests, the scheduler)."""

@@ -5,7 +5,8 @@ Usage::
     with MetadataEmulator(instances=["a", "b"], port=0) as emu:
         os.environ["GCE_METADATA_HOST"] = emu.metadata_host("a")   # 127.0.0.1:PORT/i/a
         emu.preempt("a", delay=1.0, window=30.0, kill_pid=worker.pid)
-        emu.set_fault("b", "hang")
+        emu.set_fault("b", "hang")                      # until set_fault("b", "ok")
+        emu.set_fault("a", "503", duration=25.0)        # 25 s of 503s on every API of a
 
 Every control method also exists over HTTP under ``/control/`` (see handler.py),
 so processes that did not start the emulator can drive it.
@@ -33,6 +34,9 @@ DEFAULT_INSTANCES = ("instance-1",)
 class _EmulatorHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog of 5 drops connections when many clients poll at once (each
+    # lost or hung request holds one); a dropped SYN costs a client a 1 s retransmission
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], registry: Registry) -> None:
         self.registry = registry
@@ -140,8 +144,11 @@ class MetadataEmulator:
     def set_maintenance(self, instance: str, event: str) -> InstanceSnapshot:
         return self.registry.set_maintenance(instance, event)
 
-    def set_fault(self, instance: str, mode: str | Fault) -> InstanceSnapshot:
-        return self.registry.set_fault(instance, mode)
+    def set_fault(self, instance: str, mode: str | Fault, *, duration: float | None = None) -> InstanceSnapshot:
+        """Make every metadata reply of ``instance`` fail as ``mode`` says (``Fault``: ``hang``,
+        ``lose``, ``500``, ``503``, ``garbage``; ``ok`` clears it), until cleared or, with
+        ``duration``, for that many seconds from now."""
+        return self.registry.set_fault(instance, mode, duration=duration)
 
     def reset(self, instance: str) -> InstanceSnapshot:
         return self.registry.reset(instance)

@@ -1,0 +1,357 @@
+"""Stateful property test of the checkpoint service: random interleavings of saves by several writers,
+replays of a step, kills between any two store calls, lease steals, a master paused between its
+fence and its commit marker, gc, and restores with and without partitions.
+
+The invariant after every rule: ``restore()`` returns exactly the data of one attempt of the newest
+step committed under a lease generation no successor has superseded (of the commit markers that
+landed and are still in the store, the one made under the newest lease generation), or raises a
+typed error when nothing is committed; never anything else.
+
+"Processes" are managers and leases over one shared store, each through a :class:`FaultStore` that
+can kill it (a BaseException, so no handler of the service runs, as with a killed process) before
+or after any store call; a killed process is replaced by a fresh one, as a relaunch would.
+Every attempt fills every tensor with its own value, so a restored mix of attempts shows.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+from ckpt_helpers import DelegatingStore
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+from ckpt_service.errors import CheckpointError, NothingToRestoreError
+from ckpt_service.lease import Lease
+from ckpt_service.manager import CheckpointManager
+from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore
+
+PROCESSES = 3
+STEPS = st.integers(1, 6)
+WAIT_S = 20.0  # a bound on every wait of the test itself: hitting it is a hang, a failure
+
+
+class Killed(BaseException):
+    """The process died here (not an Exception: nothing in the service may handle it)."""
+
+
+@dataclass
+class Ledger:
+    """What really landed: every commit-marker write the store applied, by marker bytes."""
+
+    markers: dict[bytes, tuple[int, int | None, float]] = field(default_factory=dict)  # -> step, gen, fill
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class FaultStore(DelegatingStore):
+    """One process's view of the shared store: it can die at its N-th call, and its commit-marker
+    writes can be held (a GC or VM pause between the lease fence and the marker)."""
+
+    def __init__(self, inner: ObjectStore, ledger: Ledger) -> None:
+        super().__init__(inner)
+        self.ledger = ledger
+        self.kill_at: int | None = None  # calls left before dying
+        self.kill_after_call = False  # die after the call was applied (its reply lost with the process)
+        self.hold_marker: threading.Event | None = None
+        self.marker_reached = threading.Event()
+        self._lock = threading.Lock()
+
+    def arm(self, kill_at: int | None, after: bool) -> None:
+        with self._lock:
+            self.kill_at, self.kill_after_call = kill_at, after
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            die = self.kill_at == 0
+            if self.kill_at is not None:
+                self.kill_at -= 1
+            after = self.kill_after_call
+        if die and not after:
+            raise Killed()
+        result = fn()
+        if die:
+            raise Killed()
+        return result
+
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        if key.startswith("commits/") and self.hold_marker is not None:
+            self.marker_reached.set()
+            assert self.hold_marker.wait(WAIT_S), "the paused master was never released"
+        def put() -> int:
+            generation = self.inner.put(key, data, if_generation_match=if_generation_match)
+            if key.startswith("commits/"):  # noted even when the process dies before the reply
+                self._note_marker(data)
+            return generation
+
+        return int(self._call(put))
+
+    def _note_marker(self, data: bytes) -> None:
+        marker = json.loads(data)
+        manifest = json.loads(self.inner.get(marker["manifest_key"]))
+        with self.ledger.lock:
+            self.ledger.markers[bytes(data)] = (marker["step"], marker.get("lease_generation"),
+                                                manifest["metadata"]["fill"])
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._call(lambda: self.inner.get(key)))
+
+    def get_versioned(self, key: str) -> tuple[bytes, int] | None:
+        result: tuple[bytes, int] | None = self._call(lambda: self.inner.get_versioned(key))
+        return result
+
+    def stat(self, key: str) -> Any:
+        return self._call(lambda: self.inner.stat(key))
+
+    def delete(self, key: str) -> None:
+        self._call(lambda: self.inner.delete(key))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return iter(self._call(lambda: list(self.inner.list(prefix))))
+
+
+@dataclass
+class Process:
+    store: FaultStore
+    manager: CheckpointManager
+    lease: Lease
+
+
+def state(fill: float) -> dict[str, np.ndarray]:
+    """Several tensors and dtypes, small chunks: every save has several pieces per writer."""
+    return {
+        "a": np.full(37, fill, np.float32),
+        "b": np.full((5, 3), fill, np.float64),
+        "c": np.full(11, int(fill), np.int32),
+        "d": np.full(23, fill, np.float32),
+    }
+
+
+class CheckpointInterleavings(RuleBasedStateMachine):
+    #: set by each test: makes the shared store the processes write to
+    make_store: Callable[[], ObjectStore] = staticmethod(lambda: MemoryStore(uuid.uuid4().hex))
+    #: how long a coordinator waits for the other writers' records (a killed writer's never come)
+    gather_timeout_s = 0.3
+
+    @initialize()
+    def start(self) -> None:
+        self.inner = self.make_store()
+        self.ledger = Ledger()
+        self.procs = [self._spawn(p) for p in range(PROCESSES)]
+        self.master = 0
+        self.procs[0].lease.acquire(steal=True)
+        self.attempts = 0
+
+    def _spawn(self, p: int) -> Process:
+        store = FaultStore(self.inner, self.ledger)
+        manager = CheckpointManager(store, max_to_keep=2, chunk_bytes=64, gather_timeout_s=self.gather_timeout_s,
+                                    abandoned_after_s=3600.0, io_threads=2)
+        return Process(store, manager, Lease(store, f"p{p}-{uuid.uuid4().hex[:6]}"))
+
+    def _restart(self, p: int) -> None:
+        """A killed process is relaunched; a relaunched master takes the lease again (as a new ring does)."""
+        old = self.procs[p]
+        old.store.arm(None, False)
+        try:
+            old.manager.close()
+        except BaseException:  # noqa: BLE001  (the dead process's last save failed; nothing to report)
+            pass
+        self.procs[p] = self._spawn(p)
+        if p == self.master:
+            self._take_lease(p)
+
+    def _take_lease(self, p: int) -> None:
+        try:
+            self.procs[p].lease.acquire(steal=True)
+        except CheckpointError:
+            pass  # no master this time: the next saves are refused (LeaseLostError), never torn
+        self.master = p
+
+    def teardown(self) -> None:
+        for proc in getattr(self, "procs", []):
+            proc.store.arm(None, False)
+            proc.store.hold_marker = None
+            try:
+                proc.manager.close()
+            except BaseException:  # noqa: BLE001
+                pass
+
+    def _next_fill(self) -> float:
+        self.attempts += 1
+        return float(self.attempts)
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(step=STEPS, world=st.integers(1, PROCESSES), background=st.booleans(),
+          kill=st.none() | st.tuples(st.integers(0, PROCESSES - 1), st.integers(0, 25), st.booleans()))
+    def save(self, step: int, world: int, background: bool, kill: tuple[int, int, bool] | None) -> None:
+        """A save of ``step`` by the first ``world`` processes, the master coordinating (when it is
+        among them), possibly replaying a step, with one process possibly killed at its N-th call."""
+        writers = list(range(world))
+        coordinator = self.master if self.master in writers else 0
+        fill = self._next_fill()
+        attempt = f"a{self.attempts}"
+        if kill is not None and kill[0] in writers:
+            self.procs[kill[0]].store.arm(kill[1], kill[2])
+        outcomes: dict[int, BaseException | None] = {}
+
+        def run(rank: int) -> None:
+            proc = self.procs[rank]
+            try:
+                kwargs: dict[str, Any] = dict(rank=rank, world_size=world, coordinator=coordinator,
+                                              lease=proc.lease if rank == coordinator else None, attempt=attempt)
+                if background:
+                    proc.manager.save_async(step, state(fill), {"fill": fill}, if_busy="wait", **kwargs)
+                    proc.manager.wait(timeout=WAIT_S)
+                else:
+                    proc.manager.save(step, state(fill), {"fill": fill}, **kwargs)
+                outcomes[rank] = None
+            except BaseException as exc:  # noqa: BLE001  (judged below)
+                outcomes[rank] = exc
+
+        # The coordinator starts first and polls for records while the others write: it must never
+        # take another attempt's records for this one's.
+        thread = threading.Thread(target=run, args=(coordinator,))
+        thread.start()
+        for rank in writers:
+            if rank != coordinator:
+                run(rank)
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), "the coordinator's save hung"
+        for rank in writers:
+            self.procs[rank].store.arm(None, False)
+        for rank, exc in outcomes.items():
+            if isinstance(exc, Killed):
+                self._restart(rank)
+            elif exc is not None and not isinstance(exc, CheckpointError):
+                raise AssertionError(f"rank {rank} failed with an untyped error: {exc!r}") from exc
+
+    @rule(new=st.integers(0, PROCESSES - 1))
+    def steal(self, new: int) -> None:
+        """The ranks elect another master, which steals the lease; the old one keeps its stale lease."""
+        self._take_lease(new)
+
+    @rule(old_step=STEPS, new_step=STEPS, new=st.integers(0, PROCESSES - 1))
+    def paused_master(self, old_step: int, new_step: int, new: int) -> None:
+        """The master fences, then pauses before its marker; meanwhile a successor steals and commits."""
+        old = self.master
+        if new == old:
+            new = (old + 1) % PROCESSES
+        proc = self.procs[old]
+        proc.store.hold_marker = threading.Event()
+        proc.store.marker_reached.clear()
+        old_fill = self._next_fill()
+        errors: list[BaseException] = []
+
+        def old_save() -> None:
+            try:
+                proc.manager.save(old_step, state(old_fill), {"fill": old_fill}, lease=proc.lease,
+                                  attempt=f"a{self.attempts}")
+            except CheckpointError:
+                pass
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+            finally:
+                proc.store.marker_reached.set()  # also when it never got as far as its marker
+
+        thread = threading.Thread(target=old_save)
+        thread.start()
+        try:
+            assert proc.store.marker_reached.wait(WAIT_S), "the master's save hung before its marker"
+            if thread.is_alive():  # it fenced and now pauses; the ranks elect a successor, which commits
+                self._take_lease(new)
+                fill = self._next_fill()
+                try:
+                    self.procs[new].manager.save(new_step, state(fill), {"fill": fill},
+                                                 lease=self.procs[new].lease, attempt=f"a{self.attempts}")
+                except CheckpointError:
+                    pass
+        finally:
+            assert proc.store.hold_marker is not None
+            proc.store.hold_marker.set()
+            thread.join(WAIT_S)
+            proc.store.hold_marker = None
+        assert not thread.is_alive(), "the paused master's save hung"
+        assert not errors, f"the paused master failed with an untyped error: {errors[0]!r}"
+
+    @rule(p=st.integers(0, PROCESSES - 1), kill=st.none() | st.integers(0, 15))
+    def gc(self, p: int, kill: int | None) -> None:
+        proc = self.procs[p]
+        proc.store.arm(kill, False)
+        try:
+            proc.manager.gc()
+        except Killed:
+            self._restart(p)
+        except CheckpointError:
+            pass
+        finally:
+            self.procs[p].store.arm(None, False)
+
+    # -------------------------------------------------------------- invariant
+
+    def _expected(self) -> tuple[int, float] | None:
+        """Of the markers that landed and are still stored, the step and fill of the newest generation."""
+        live: list[tuple[int, int, float]] = []
+        for data, (step, generation, fill) in self.ledger.markers.items():
+            stored = self.inner.get_versioned(f"commits/{step:012d}.json")
+            if stored is not None and stored[0] == data:
+                live.append((generation if generation is not None else -1, step, fill))
+        if not live:
+            return None
+        _, step, fill = max(live)
+        return step, fill
+
+    @invariant()
+    def restore_returns_one_attempt_of_the_newest_commit(self) -> None:
+        if not hasattr(self, "inner"):
+            return
+        reader = CheckpointManager(self.inner, max_to_keep=None)
+        try:
+            expected = self._expected()
+            if expected is None:
+                with pytest.raises(NothingToRestoreError):
+                    reader.restore()
+                return
+            got = reader.restore()
+            step, fill = expected
+            assert (got.step, got.metadata["fill"]) == (step, fill), (
+                f"restored step {got.step} of attempt fill={got.metadata['fill']}, expected step {step} fill={fill}")
+            for name, want in state(fill).items():
+                np.testing.assert_array_equal(got.tensors[name], want, err_msg=f"{name}: a mix of attempts")
+            readers = 1 + self.attempts % 3
+            parts = [reader.restore(step, partition=(r, readers)) for r in range(readers)]
+            merged = {n: t for part in parts for n, t in part.tensors.items()}
+            assert sorted(merged) == sorted(got.tensors)
+            for name, tensor in merged.items():
+                np.testing.assert_array_equal(tensor, got.tensors[name], err_msg=f"partition read of {name}")
+        finally:
+            reader.close()
+
+
+def _run(make_store: Callable[[], ObjectStore], examples: int, steps: int, gather_timeout_s: float = 0.3) -> None:
+    machine = type("Machine", (CheckpointInterleavings,),
+                   {"make_store": staticmethod(make_store), "gather_timeout_s": gather_timeout_s})
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+def test_interleavings_memory_store() -> None:
+    _run(lambda: MemoryStore(uuid.uuid4().hex), examples=100, steps=15)
+
+
+def test_interleavings_local_store(tmp_path: Path) -> None:
+    _run(lambda: LocalStore(tmp_path / uuid.uuid4().hex, fsync=False), examples=12, steps=8, gather_timeout_s=2.0)
+
+
+def test_interleavings_gcs_emulator(gcs_emulator_session) -> None:
+    from ckpt_service.stores.gcs import GCSStore
+
+    bucket = gcs_emulator_session.new_bucket("interleave")
+    _run(lambda: GCSStore(bucket, f"runs/{uuid.uuid4().hex[:8]}"), examples=5, steps=6, gather_timeout_s=3.0)
