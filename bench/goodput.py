@@ -165,8 +165,10 @@ def play_elastic(variant: str, cfg: Config, plan: TracePlan, store: str, workdir
             elif time.time() < t0 + (action.at_s or 0.0) + plan.options.notice_s:
                 time.sleep(POLL_S)  # its worker is not up yet (a join in progress): the notice waits for it
                 continue
-            else:
-                log.warning("%s: no worker on %s during its window; notice skipped", variant, action.target)
+            else:  # no worker came up on it during its window: the VM is gone all the same
+                log.warning("%s: no worker on %s during its window; the VM goes without one", variant,
+                            action.target)
+                cluster.vm_gone(action.target)
             pending.pop(0)
         _sleep_until(cluster, t0 + plan.duration_s)
         if variant == "ours":
@@ -233,7 +235,8 @@ def play_restart(cfg: Config, plan: TracePlan, store: str, workdir: Path) -> Pla
 def measure(played: Played, plan: TracePlan, rates: dict[int, float], cfg: Config) -> Goodput:
     run = analyze(played.events)
     return goodput(played.variant, run, t0=played.t0, duration_s=plan.duration_s, availability=plan.availability,
-                   rates=rates, batch_size=cfg.batch_size, final=final_step(run, until=played.t0 + plan.duration_s))
+                   rates=rates, batch_size=cfg.batch_size, final=final_step(run, until=played.t0 + plan.duration_s),
+                   notice_windows=[(w.notice_at_s, w.at_s) for w in plan.waves])
 
 
 def run_all(cfg: Config, plan: TracePlan, tmp: Path, plot_dir: Path | None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from test_report import PNG_MAGIC, T0, Log, preempted_worker_log
 from hvd_transient.report.analysis import analyze
 from hvd_transient.report.goodput import (
     Segment,
+    capacity_gap,
     cost_per_m_samples,
     final_step,
     goodput,
@@ -16,6 +17,7 @@ from hvd_transient.report.goodput import (
     lineage,
     on_demand_cost_per_m_samples,
     plot_goodput_timeline,
+    ring_size_at,
     useful_samples,
     vm_seconds,
 )
@@ -106,3 +108,21 @@ def test_timeline_plot_shows_availability_ring_size_steps_and_the_lost_time(tmp_
     assert list(steps_axis.get_lines()[0].get_ydata()) == [1, 10, 30, 31, 60, 100]  # every step point seen
     assert [b.get_width() for b in bottom.patches] == [3.0, 1.5]
     assert [t.get_text() for t in bottom.get_yticklabels()] == list(phases)
+
+
+def test_a_ring_smaller_than_the_vms_available_is_split_by_cause() -> None:
+    run = analyze(preempted_worker_log().events)  # C leaves at 5.5 s (notice at 5.0), the ring of 2 steps at 8.5 s
+    assert [ring_size_at(run, T0 + t) for t in (0.05, 1.0, 8.0, 9.0, 20.1, 25.0)] == [0, 3, 3, 2, 2, 0]
+    # C's VM is gone at 10 s (its notice window: 5-10 s); a new VM is up from 14 s but never joins
+    availability = ((0.0, 3), (10.0, 2), (14.0, 3))
+    rates = {2: 10.0, 3: 15.0}
+    excluded = [(T0 + 5.5, T0 + 8.5)]  # the preemption's own span is counted by its event
+    in_window, elsewhere = capacity_gap(run, t0=T0, duration_s=20.0, availability=availability, rates=rates,
+                                        notice_windows=[(5.0, 10.0)], excluded=excluded)
+    assert in_window == pytest.approx((15 - 10) * 1.5)   # 8.5-10 s: C could have trained to its VM's end
+    assert elsewhere == pytest.approx((15 - 10) * 6.0)   # 14-20 s: a VM up and not in the ring
+    g = goodput("ours", run, t0=T0, duration_s=20.0, availability=availability, rates=rates, batch_size=1,
+                final=100, notice_windows=[(5.0, 10.0)])
+    mean = g.ideal_samples / 20.0
+    assert g.lost_phases_s["left before the VM was gone (notice window unused)"] == pytest.approx(7.5 / mean)
+    assert g.lost_phases_s["VMs up but not in the ring (boot, joining, fixed ring)"] == pytest.approx(30.0 / mean)

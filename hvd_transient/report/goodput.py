@@ -7,10 +7,13 @@
   size; a ring that starts at an earlier step (a rollback, a restore of an older checkpoint) cuts every
   segment after that step off the lineage, so rolled-back and re-run work is not counted. Steps are
   counted up to the final model's step (:func:`final_step`).
-* **Goodput** = useful / ideal. **Lost time** is where the rest went, in seconds of the window, from the
-  run's events: preemptions (departure -> the survivors' next step), joins (the survivors' stall),
-  relaunches (the cluster was down until the first step of a new launch), rolled-back steps (at the ring's
-  rate), and the remainder (smaller rings than available, slower steps, checkpoints).
+* **Goodput** = useful / ideal. **Lost time** is where the rest went, in seconds of the window (samples lost
+  over the window's mean ideal rate), from the run's events: preemptions (departure -> the survivors' next
+  step), joins (the survivors' stall), relaunches (the cluster was down until the first step of a new
+  launch), rolled-back steps (at the ring's rate); outside those spans, a ring smaller than the VMs
+  available, split into the rest of a notice window the leaving VM did not train through and VMs up but
+  not (yet) in the ring (boot, standby, a fixed ring after a relaunch); and the remainder (steps slower
+  than calibrated, checkpoints).
 * **Cost** per million useful samples: the VMs the trace had running are paid at spot prices whatever the
   job did with them; on demand, the same samples come from a ring of the largest size at its full rate.
 """
@@ -87,8 +90,42 @@ def useful_samples(run: RunAnalysis, batch_size: int, final: int) -> int:
     return sum((s.end - s.start) * s.size * batch_size for s in segs)
 
 
-def lost_phases(run: RunAnalysis, t0: float, t_end: float, lost_s: float) -> dict[str, float]:
-    """Seconds of the window lost to each cause (see the module's docstring); ``lost_s`` the total."""
+def ring_size_at(run: RunAnalysis, t: float) -> int:
+    """The size of the ring training at ``t`` (epoch seconds); 0 while none is."""
+    current = None
+    for ring in run.rings:
+        if ring.started_at > t:
+            break
+        current = ring
+    return current.size if current is not None and t < current.ended_at else 0
+
+
+def capacity_gap(run: RunAnalysis, *, t0: float, duration_s: float, availability: Availability,
+                 rates: Mapping[int, float], notice_windows: Sequence[tuple[float, float]],
+                 excluded: Sequence[tuple[float, float]], step_s: float = 0.25) -> tuple[float, float]:
+    """Samples lost to a ring smaller than n(t), outside the ``excluded`` spans (epoch seconds): (inside a
+    notice window, i.e. ``notice_windows`` (from, to) seconds of the window; elsewhere)."""
+    in_window = elsewhere = 0.0
+    avail = list(availability)
+    for i in range(int(duration_s / step_s)):
+        rel = (i + 0.5) * step_s
+        t = t0 + rel
+        if any(a <= t < b for a, b in excluded):
+            continue
+        n = next((c for at, c in reversed(avail) if at <= rel), avail[0][1])
+        size = min(ring_size_at(run, t), n)
+        gap = (rates.get(n, 0.0) - rates.get(size, 0.0)) * step_s if size < n else 0.0
+        if any(a <= rel < b for a, b in notice_windows):
+            in_window += gap
+        else:
+            elsewhere += gap
+    return in_window, elsewhere
+
+
+def lost_phases(run: RunAnalysis, t0: float, t_end: float, lost_s: float, *,
+                gaps_s: tuple[float, float] = (0.0, 0.0)) -> dict[str, float]:
+    """Seconds of the window lost to each cause (see the module's docstring); ``lost_s`` the total,
+    ``gaps_s`` the :func:`capacity_gap` in seconds."""
     inside = [p for p in run.preemptions if t0 <= p.departed_at <= t_end]
     preempt = sum(min(p.resumed_at, t_end) - p.departed_at for p in inside
                   if p.resumed_at is not None and not p.cold_restart)
@@ -104,8 +141,23 @@ def lost_phases(run: RunAnalysis, t0: float, t_end: float, lost_s: float) -> dic
         if p.steps_rolled_back and after is not None and after.steps_per_s:
             rolled += p.steps_rolled_back / after.steps_per_s
     named = {"preemptions (departure -> next step)": preempt, "joins (survivors' stall)": joins,
-             "relaunches (down -> first step)": relaunch, "rolled-back steps": rolled}
-    return {**named, "other (smaller ring, slower steps, checkpoints)": max(0.0, lost_s - sum(named.values()))}
+             "relaunches (down -> first step)": relaunch, "rolled-back steps": rolled,
+             "left before the VM was gone (notice window unused)": gaps_s[0],
+             "VMs up but not in the ring (boot, joining, fixed ring)": gaps_s[1]}
+    return {**named, "other (slower steps, checkpoints)": max(0.0, lost_s - sum(named.values()))}
+
+
+def _excluded_spans(run: RunAnalysis, t0: float, t_end: float) -> list[tuple[float, float]]:
+    """The spans :func:`lost_phases` counts by event: preemptions, join stalls, relaunches (epoch seconds)."""
+    spans = [(p.departed_at, p.resumed_at) for p in run.preemptions
+             if p.resumed_at is not None and t0 <= p.departed_at <= t_end and not p.cold_restart]
+    spans += [(j.stalled_from, j.resumed_at) for j in run.joins
+              if j.stalled_from is not None and j.resumed_at is not None and t0 <= j.t <= t_end]
+    for prev, ring in zip(run.rings, run.rings[1:]):
+        if ring.relaunch and t0 <= ring.started_at <= t_end:
+            first = next((p.t for p in run.progress if p.t >= ring.started_at), ring.started_at)
+            spans.append((min(prev.ended_at, first), first))
+    return spans
 
 
 @dataclass(frozen=True)
@@ -124,16 +176,22 @@ class Goodput:
 
 
 def goodput(variant: str, run: RunAnalysis, *, t0: float, duration_s: float, availability: Availability,
-            rates: Mapping[int, float], batch_size: int, final: int | None = None) -> Goodput:
-    """The figures of one variant's run whose window started at ``t0`` (epoch seconds)."""
+            rates: Mapping[int, float], batch_size: int, final: int | None = None,
+            notice_windows: Sequence[tuple[float, float]] = ()) -> Goodput:
+    """The figures of one variant's run whose window started at ``t0`` (epoch seconds); ``notice_windows``:
+    (notice, VM gone) in seconds of the window, for the lost-time split."""
     ideal = ideal_samples(availability, rates, duration_s)
     step = final_step(run) if final is None else final
     useful = useful_samples(run, batch_size, step)
     mean_rate = ideal / duration_s if duration_s > 0 else 0.0
     lost = (ideal - useful) / mean_rate if mean_rate > 0 else 0.0
     inside = [p for p in run.preemptions if t0 <= p.departed_at <= t0 + duration_s]
+    in_window, elsewhere = capacity_gap(run, t0=t0, duration_s=duration_s, availability=availability, rates=rates,
+                                        notice_windows=notice_windows,
+                                        excluded=_excluded_spans(run, t0, t0 + duration_s))
+    gaps = (in_window / mean_rate, elsewhere / mean_rate) if mean_rate > 0 else (0.0, 0.0)
     return Goodput(variant, useful, ideal, step, max((p.steps_rolled_back for p in inside), default=0),
-                   len(inside), lost_phases(run, t0, t0 + duration_s, max(0.0, lost)))
+                   len(inside), lost_phases(run, t0, t0 + duration_s, max(0.0, lost), gaps_s=gaps))
 
 
 def cost_per_m_samples(useful: int, availability: Availability, duration_s: float,
@@ -196,5 +254,6 @@ def plot_goodput_timeline(path: str | os.PathLike[str], run: RunAnalysis, *, t0:
     return top, bottom
 
 
-__all__ = ["Goodput", "Segment", "cost_per_m_samples", "final_step", "goodput", "ideal_samples", "lineage",
-           "lost_phases", "on_demand_cost_per_m_samples", "plot_goodput_timeline", "useful_samples", "vm_seconds"]
+__all__ = ["Goodput", "Segment", "capacity_gap", "cost_per_m_samples", "final_step", "goodput", "ideal_samples",
+           "lineage", "lost_phases", "on_demand_cost_per_m_samples", "plot_goodput_timeline", "ring_size_at",
+           "useful_samples", "vm_seconds"]
