@@ -15,6 +15,7 @@ from hvd_transient.report.goodput import (
     goodput,
     ideal_samples,
     lineage,
+    lost_phases,
     on_demand_cost_per_m_samples,
     plot_goodput_timeline,
     ring_size_at,
@@ -126,3 +127,22 @@ def test_a_ring_smaller_than_the_vms_available_is_split_by_cause() -> None:
     mean = g.ideal_samples / 20.0
     assert g.lost_phases_s["left before the VM was gone (notice window unused)"] == pytest.approx(7.5 / mean)
     assert g.lost_phases_s["VMs up but not in the ring (boot, joining, fixed ring)"] == pytest.approx(30.0 / mean)
+
+
+def test_a_wave_and_a_multi_host_join_count_their_span_once() -> None:
+    log = Log()
+    log.start(0.0, ["A", "B", "C"])
+    log.ring(0.1, 0, ["A", "B", "C"], "A")
+    log.each(2.0, "first_step", ["A", "B", "C"], step=1, size=3)
+    log.each(4.0, "progress", ["A", "B", "C"], step=20, size=3)  # B and C's last events: killed together
+    log.each(10.0, "reset", ["A"], step=15, rolled_back=7, last_step=22)
+    log.ring(10.1, 15, ["A"], "A")
+    log.each(11.0, "first_step", ["A"], step=16, size=1)
+    log.each(15.0, "progress", ["A"], step=40, size=1)
+    log.each(20.0, "progress", ["A"], step=60, size=1)
+    run = analyze(log.events)
+    assert len(run.preemptions) == 2
+    phases = lost_phases(run, T0, T0 + 30.0, 100.0)
+    assert phases["preemptions (departure -> next step)"] == pytest.approx(7.0, abs=0.01)  # 4.0 -> 11.0, once
+    rate = run.ring_at(T0 + 11.0).steps_per_s  # type: ignore[union-attr]
+    assert rate and phases["rolled-back steps"] == pytest.approx(7 / rate)  # once, though two VMs left

@@ -127,24 +127,46 @@ def lost_phases(run: RunAnalysis, t0: float, t_end: float, lost_s: float, *,
     """Seconds of the window lost to each cause (see the module's docstring); ``lost_s`` the total,
     ``gaps_s`` the :func:`capacity_gap` in seconds."""
     inside = [p for p in run.preemptions if t0 <= p.departed_at <= t_end]
-    preempt = sum(min(p.resumed_at, t_end) - p.departed_at for p in inside
-                  if p.resumed_at is not None and not p.cold_restart)
-    joins = sum(j.stall_s or 0.0 for j in run.joins if t0 <= j.t <= t_end)
-    relaunch = 0.0
-    for prev, ring in zip(run.rings, run.rings[1:]):
-        if ring.relaunch and t0 <= ring.started_at <= t_end:
-            first = next((p.t for p in run.progress if p.t >= ring.started_at), ring.started_at)
-            relaunch += max(0.0, min(first, t_end) - min(prev.ended_at, first))
-    rolled = 0.0
+    # a wave's departures, and several VMs joining one ring, share one span: each second counts once
+    preempt = _union_s([(p.departed_at, min(p.resumed_at, t_end)) for p in inside
+                        if p.resumed_at is not None and not p.cold_restart])
+    joins = _union_s([(j.stalled_from, min(j.resumed_at, t_end)) for j in run.joins if t0 <= j.t <= t_end
+                      and j.stalled_from is not None and j.resumed_at is not None])
+    relaunch = _union_s(_relaunch_spans(run, t0, t_end))
+    redone: dict[float, int] = {}  # one rollback per resumption, however many left in it
     for p in inside:
-        after = run.ring_at(p.resumed_at) if p.resumed_at is not None else None
-        if p.steps_rolled_back and after is not None and after.steps_per_s:
-            rolled += p.steps_rolled_back / after.steps_per_s
+        if p.resumed_at is not None and p.steps_rolled_back:
+            redone[p.resumed_at] = max(redone.get(p.resumed_at, 0), p.steps_rolled_back)
+    rolled = 0.0
+    for resumed_at, steps in redone.items():
+        after = run.ring_at(resumed_at)
+        if after is not None and after.steps_per_s:
+            rolled += steps / after.steps_per_s
     named = {"preemptions (departure -> next step)": preempt, "joins (survivors' stall)": joins,
              "relaunches (down -> first step)": relaunch, "rolled-back steps": rolled,
              "left before the VM was gone (notice window unused)": gaps_s[0],
              "VMs up but not in the ring (boot, joining, fixed ring)": gaps_s[1]}
     return {**named, "other (slower steps, checkpoints)": max(0.0, lost_s - sum(named.values()))}
+
+
+def _union_s(spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by the union of (from, to) spans."""
+    total, reach = 0.0, -float("inf")
+    for a, b in sorted(spans):
+        if b > max(a, reach):
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def _relaunch_spans(run: RunAnalysis, t0: float, t_end: float) -> list[tuple[float, float]]:
+    """From the end of the ring before each relaunch to the relaunched ring's first step (epoch seconds)."""
+    spans = []
+    for prev, ring in zip(run.rings, run.rings[1:]):
+        if ring.relaunch and t0 <= ring.started_at <= t_end:
+            first = next((p.t for p in run.progress if p.t >= ring.started_at), ring.started_at)
+            spans.append((min(prev.ended_at, first), min(first, t_end)))
+    return spans
 
 
 def _excluded_spans(run: RunAnalysis, t0: float, t_end: float) -> list[tuple[float, float]]:
@@ -153,11 +175,7 @@ def _excluded_spans(run: RunAnalysis, t0: float, t_end: float) -> list[tuple[flo
              if p.resumed_at is not None and t0 <= p.departed_at <= t_end and not p.cold_restart]
     spans += [(j.stalled_from, j.resumed_at) for j in run.joins
               if j.stalled_from is not None and j.resumed_at is not None and t0 <= j.t <= t_end]
-    for prev, ring in zip(run.rings, run.rings[1:]):
-        if ring.relaunch and t0 <= ring.started_at <= t_end:
-            first = next((p.t for p in run.progress if p.t >= ring.started_at), ring.started_at)
-            spans.append((min(prev.ended_at, first), first))
-    return spans
+    return spans + _relaunch_spans(run, t0, t_end)
 
 
 @dataclass(frozen=True)
