@@ -299,11 +299,12 @@ def table(out: dict[str, Any], summary: dict[str, Any]) -> str:
         lost = "; ".join(f"{k} {s:.0f} s" for k, s in g.lost_phases_s.items() if s >= 0.5)
         cost = summary["cost_per_m_samples_spot_by_variant"].get(v)
         rows.append([LABELS[v], f"{g.goodput:.3f}", f"{g.useful_samples:,}", f"{g.ideal_samples:,.0f}",
-                     g.final_step, g.steps_rolled_back, out["launches"][v], f"{cost:.3f}" if cost else "-",
-                     lost or "-"])
+                     g.final_step, g.steps_rolled_back, g.steps_redone, out["launches"][v],
+                     f"{cost:.3f}" if cost else "-", lost or "-"])
     od = summary["cost_per_m_samples_on_demand"]
     return (bc.markdown_table(("variant", "goodput", "useful samples", "ideal samples", "final step",
-                               "steps rolled back (max)", "launches", "spot $ / M samples", "lost time"), rows)
+                               "steps rolled back (max)", "steps trained twice", "launches", "spot $ / M samples",
+                               "lost time"), rows)
             + f"\n\nSame work on demand: {od:.3f} $ / M samples ({summary['instance_type']}). r(k) samples/s: "
             + ", ".join(f"{k}: {r:,.1f}" for k, r in out["rates"].items()) + "\n")
 

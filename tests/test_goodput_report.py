@@ -67,6 +67,7 @@ def test_useful_samples_of_a_run_with_a_clean_leave_and_one_with_a_rollback() ->
     assert g.ideal_samples == pytest.approx(10 * 30 + 10 * 20)
     assert g.goodput == pytest.approx(950 / 500)  # a broken calibration shows as goodput > 1
     assert g.steps_rolled_back == 7 and g.preemptions_seen == 1
+    assert g.steps_redone == 22 - 15  # the survivors reset from step 22 (their last progress event said 20)
 
 
 def test_lost_time_phases_add_up_to_the_loss() -> None:
@@ -75,7 +76,7 @@ def test_lost_time_phases_add_up_to_the_loss() -> None:
     g = goodput("ours", run, t0=T0, duration_s=20.0, availability=((0.0, 3), (5.5, 2)),
                 rates={2: 2 * 5.0, 3: 3 * 5.0}, batch_size=1, final=100)
     assert g.useful_samples == 30 * 3 + 70 * 2
-    assert g.steps_rolled_back == 0
+    assert g.steps_rolled_back == 0 and g.steps_redone == 0
     assert g.lost_phases_s["preemptions (departure -> next step)"] == pytest.approx(3.0, abs=0.01)
     lost = (g.ideal_samples - g.useful_samples) / (g.ideal_samples / 20.0)
     assert sum(g.lost_phases_s.values()) == pytest.approx(max(lost, 3.0), abs=0.01)

@@ -122,6 +122,22 @@ def capacity_gap(run: RunAnalysis, *, t0: float, duration_s: float, availability
     return in_window, elsewhere
 
 
+def steps_redone(run: RunAnalysis, until: float) -> int:
+    """Steps trained and then thrown away (a rollback, a restore of an older checkpoint), up to ``until``: for
+    each ring, the highest step it reached (its progress, or the survivors' resets) beyond the step the next
+    ring started from."""
+    rings = sorted(run.rings, key=lambda r: r.started_at)
+    total = 0
+    for ring, following in zip(rings, rings[1:]):
+        if following.started_at > until:
+            break
+        reached = max([ring.step] + [p.step for p in run.progress if ring.started_at <= p.t < following.started_at])
+        reset = max((p.steps_rolled_back for p in run.preemptions
+                     if p.resumed_at is not None and run.ring_at(p.resumed_at) == following), default=0)
+        total += max(reached - following.step, reset, 0)
+    return total
+
+
 def lost_phases(run: RunAnalysis, t0: float, t_end: float, lost_s: float, *,
                 gaps_s: tuple[float, float] = (0.0, 0.0)) -> dict[str, float]:
     """Seconds of the window lost to each cause (see the module's docstring); ``lost_s`` the total,
@@ -184,9 +200,10 @@ class Goodput:
     useful_samples: int
     ideal_samples: float
     final_step: int
-    steps_rolled_back: int
+    steps_rolled_back: int  # the most any resumption rolled back (survivors' resets)
     preemptions_seen: int
     lost_phases_s: Mapping[str, float] = field(default_factory=dict)
+    steps_redone: int = 0  # every step trained twice, relaunches included (:func:`steps_redone`)
 
     @property
     def goodput(self) -> float:
@@ -209,7 +226,8 @@ def goodput(variant: str, run: RunAnalysis, *, t0: float, duration_s: float, ava
                                         excluded=_excluded_spans(run, t0, t0 + duration_s))
     gaps = (in_window / mean_rate, elsewhere / mean_rate) if mean_rate > 0 else (0.0, 0.0)
     return Goodput(variant, useful, ideal, step, max((p.steps_rolled_back for p in inside), default=0),
-                   len(inside), lost_phases(run, t0, t0 + duration_s, max(0.0, lost), gaps_s=gaps))
+                   len(inside), lost_phases(run, t0, t0 + duration_s, max(0.0, lost), gaps_s=gaps),
+                   steps_redone(run, t0 + duration_s))
 
 
 def cost_per_m_samples(useful: int, availability: Availability, duration_s: float,
@@ -274,4 +292,4 @@ def plot_goodput_timeline(path: str | os.PathLike[str], run: RunAnalysis, *, t0:
 
 __all__ = ["Goodput", "Segment", "capacity_gap", "cost_per_m_samples", "final_step", "goodput", "ideal_samples",
            "lineage", "lost_phases", "on_demand_cost_per_m_samples", "plot_goodput_timeline", "ring_size_at",
-           "useful_samples", "vm_seconds"]
+           "steps_redone", "useful_samples", "vm_seconds"]
