@@ -190,8 +190,8 @@ def play_restart(cfg: Config, plan: TracePlan, store: str, workdir: Path) -> Pla
     t0: float | None = None
     launches = 0
     while True:
-        if not up:  # nothing to run on: wait for the next VM
-            if not changes or t0 is None:
+        if not up:  # nothing to run on: wait for the next VM, if it comes within the window
+            if not changes or t0 is None or changes[0][0] >= plan.duration_s:
                 break
             at, d, host = changes.pop(0)
             time.sleep(max(0.0, t0 + at - time.time()))
