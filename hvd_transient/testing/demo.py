@@ -8,6 +8,11 @@ simulator) starts each preempted VM again once its window has ended, and the
 VM rejoins through a standby worker that warmed up before it was offered to
 Horovod, so the survivors barely pause. ``--schedule`` and ``--lifetimes``
 change the preemptions, ``--no-keeper`` and ``--no-standby`` switch those off.
+
+``--trace FILE`` plays a window of a public spot trace instead (:mod:`hvd_transient.traces`:
+``--trace-start``, ``--trace-hours``, ``--time-scale``, ``--max-nodes``, ``--cloud``): the trace
+decides which VMs exist, so the keeper is off; removals are notices with the cloud's window,
+additions are VMs that join through a standby, and training stops when the window ends.
 Ends with the run report (time, cost, keeper, timeline).
 """
 from __future__ import annotations
@@ -23,10 +28,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from hvd_transient.cli import ArgumentParser, command, positive_int, positive_seconds, store_url
+from hvd_transient.cli import ArgumentParser, UsageError, command, positive_int, positive_seconds, store_url
 from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE
 from hvd_transient.testing.local_cluster import HOST_ALIASES, LocalCluster, LocalClusterSpec, of
 from hvd_transient.testing.schedule import Action, default_schedule, lifetime_schedule, load_schedule
+from hvd_transient.traces import TracePlan, add_trace_arguments, load_plan
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-epoch", type=positive_int, default=25)
     p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--save-every", type=positive_int, default=50, help="periodic checkpoint interval (steps)")
-    p.add_argument("--window", type=positive_seconds, default=30.0, help="preemption notice window (s)")
+    p.add_argument("--window", type=positive_seconds, default=None,
+                   help="preemption notice window (s; default 30, with --trace the --cloud's)")
     p.add_argument("--schedule", help="JSON schedule file (see hvd_transient/testing/schedule.py)")
     p.add_argument("--lifetimes", type=int, metavar="SEED",
                    help="draw preemption times from ICAC'19-like VM lifetimes with this seed")
@@ -68,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no keeper: preempted VMs stay down, a new VM joins instead (schedule action join)")
     p.add_argument("--no-standby", dest="standby", action="store_false",
                    help="VMs that join start their worker cold when Horovod asks (stock Horovod's join)")
+    add_trace_arguments(p.add_argument_group("trace", "play a public spot trace (replaces the schedule)"))
     return p
 
 
@@ -83,8 +91,16 @@ def _workers(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     total_steps = args.epochs * args.steps_per_epoch
-    # a ScheduleError is answered as one line by the command wrapper
-    schedule = (load_schedule(args.schedule) if args.schedule else
+    # a ScheduleError (a TraceError too) is answered as one line by the command wrapper
+    plan: TracePlan | None = None
+    if args.trace:
+        if args.schedule or args.lifetimes is not None:
+            raise UsageError("--trace decides the preemptions: give it without --schedule or --lifetimes")
+        plan = load_plan(args, HOST_ALIASES, window_s=args.window)
+        args.window, args.keeper, args.workers = plan.options.notice_s, False, len(plan.hosts)
+        args.epochs = max(args.epochs, 100000)  # the window's end stops training
+    args.window = 30.0 if args.window is None else args.window
+    schedule = (plan.actions if plan is not None else load_schedule(args.schedule) if args.schedule else
                 lifetime_schedule(HOST_ALIASES[:args.workers], seed=args.lifetimes,
                                   run_s=args.timeout, day_s=args.day_seconds)
                 if args.lifetimes is not None else default_schedule(total_steps, join=not args.keeper))
@@ -116,19 +132,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 notice_s=args.window,  # the workers' watchers read it from their VM's metadata
                                 standby=args.standby)
         print(f"hvd-transient demo: {args.workers} VMs ({', '.join(hosts)}), {args.model}, "
-              f"{total_steps} steps, store {store}")
+              + (f"until the trace's window ends ({plan.duration_s:.0f} s)" if plan else f"{total_steps} steps")
+              + f", store {store}")
+        if plan is not None:
+            print(f"trace: {plan.describe()}")
         print("schedule: " + "; ".join(a.describe() for a in schedule))
         print(f"horovodrun log: {run_dir / 'horovodrun.log'}\n")
         cluster = stack.enter_context(LocalCluster(spec))
         if args.keeper:
             stack.callback(_start_keeper(cluster, store, args.workers, args.instance_type or DEFAULT_INSTANCE_TYPE))
-        rc = _play(cluster, schedule, args.window, args.timeout)
+        rc = _play(cluster, schedule, args.window, args.timeout, stop_at_s=plan.duration_s if plan else None)
         print(f"\nhorovodrun exited with {rc}\n")
         return _report(store, args, rc, run_dir)  # while the store (maybe an emulator) is up
 
 
-def _play(cluster: LocalCluster, schedule: Sequence[Action], window: float, timeout: float) -> int:
-    """Run the schedule against the live cluster, printing progress as it goes."""
+def _play(cluster: LocalCluster, schedule: Sequence[Action], window: float, timeout: float,
+          stop_at_s: float | None = None) -> int:
+    """Run the schedule against the live cluster, printing progress as it goes; ``stop_at_s`` seconds
+    after the first step, ask the job to stop (checkpoint and finish)."""
     pending = list(schedule)
     spares = [h for h in HOST_ALIASES if h not in cluster.spec.hosts]
     shown: set[tuple[Any, ...]] = set()  # files flush at different times: events arrive out of order
@@ -147,6 +168,10 @@ def _play(cluster: LocalCluster, schedule: Sequence[Action], window: float, time
             first_step_t = of(events, "first_step")[0]["t"]
         _print_new(events, shown, cluster.started_at)
         elapsed = time.time() - first_step_t if first_step_t else 0.0
+        if stop_at_s is not None and first_step_t is not None and elapsed >= stop_at_s:
+            print(f"  >>> the trace's window ends ({stop_at_s:.0f} s): stop")
+            cluster.request_stop()
+            stop_at_s = None
         for action in list(pending):
             if first_step_t is not None and action.due(state["step"], elapsed):
                 if _fire(cluster, action, state, spares, window):

@@ -313,6 +313,15 @@ class LocalCluster:
             self._timers.append(stop)
         return time.time()
 
+    def vm_gone(self, host: str) -> None:
+        """The VM is gone now, notice or not (a trace removed it before its worker was up): its worker, if
+        any, is killed and discovery lists it no more."""
+        pid = self.worker_pids().get(host)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._vm_stopped(host)
+
     def recommend_rebalance(self, host: str) -> None:
         """AWS: ``host`` is at elevated risk of interruption (an early warning, no notice yet)."""
         self.emulator.recommend_rebalance(host)

@@ -1,0 +1,367 @@
+"""Whole-run goodput on a public spot trace: hvd-transient against plain Horovod elastic and checkpoint-restart.
+
+A window of the trace (:mod:`hvd_transient.traces`) is played on a ``LocalCluster`` (real ``horovodrun``, a
+metadata emulator per host) three times, each from its first training step for the window's length:
+
+* ``ours``: ``examples/keras_elastic.py``; removals are notices with the cloud's window, additions join
+  through a standby; at the window's end the job is asked to stop;
+* ``horovod_elastic``: ``bench/plain_elastic_worker.py`` (no plugin): nobody watches the notice, the worker is
+  killed when its window ends, Horovod rolls back to its last in-memory commit; ``--blacklist-cooldown-range``
+  lets a host name that failed come back when the trace adds a VM under it; the job is killed at the end;
+* ``restart``: checkpoint-restart, as managed spot jobs do by default: ``keras_elastic.py`` with its notice
+  watcher off and periodic checkpoints; any VM's loss ends the job, which is launched again at once on the VMs
+  available then (a VM the trace adds is used from the next launch on) and restores the latest checkpoint.
+
+A calibration first measures r(k), the steady samples/s of a ring of k (plain Horovod, same model and machine)
+for every k the window needs. Goodput, ideal, lost-time phases and costs come from
+:mod:`hvd_transient.report.goodput`; this module only drives the runs and prints.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+import bench.common as bc
+from hvd_transient.report.analysis import analyze
+from hvd_transient.report.goodput import (
+    Goodput,
+    cost_per_m_samples,
+    final_step,
+    goodput,
+    on_demand_cost_per_m_samples,
+    plot_goodput_timeline,
+)
+from hvd_transient.testing.local_cluster import HOST_ALIASES, ClusterError, LocalCluster, LocalClusterSpec
+from hvd_transient.traces import TracePlan, add_trace_arguments, load_plan
+
+log = logging.getLogger(__name__)
+
+OURS_SCRIPT, BASELINE_SCRIPT = bc.REPO / "examples" / "keras_elastic.py", bc.REPO / "bench" / "plain_elastic_worker.py"
+VARIANTS = ("ours", "horovod_elastic", "restart")
+LABELS = {"ours": "hvd-transient", "horovod_elastic": "plain Horovod elastic", "restart": "checkpoint-restart"}
+SUMMARY_KEY = {"ours": "ours_goodput", "horovod_elastic": "horovod_elastic_goodput", "restart": "restart_goodput"}
+BASE_LR, START_TIMEOUT_S, FOREVER_EPOCHS = 0.01, 600.0, 100000
+POLL_S = 0.2
+DEFAULT_TRACE = bc.REPO / "bench" / "traces" / "oobleck-p3-first-2h.csv"
+
+
+@dataclass(frozen=True)
+class Config:  # field names are the command line's
+    model: str
+    batch_size: int
+    steps_per_epoch: int
+    save_every: int
+    batches_per_commit: int
+    step_seconds: float
+    calibration_s: float
+    warmup_steps: int
+    gloo_timeout_seconds: int
+    cooldown: tuple[int, int]
+    variants: tuple[str, ...]
+    instance_type: str | None
+
+
+def worker_command(variant: str, store: str, cfg: Config, window_s: float) -> tuple[str, ...]:
+    shared = ["--model", cfg.model, "--steps-per-epoch", str(cfg.steps_per_epoch), "--batch-size",
+              str(cfg.batch_size), "--batches-per-commit", str(cfg.batches_per_commit), "--step-seconds",
+              str(cfg.step_seconds), "--base-lr", str(BASE_LR), "--epochs", str(FOREVER_EPOCHS)]
+    if variant == "horovod_elastic":
+        return (sys.executable, str(BASELINE_SCRIPT), "--events-store", store, *shared)
+    return (sys.executable, str(OURS_SCRIPT), "--store", store, "--save-every", str(cfg.save_every),
+            "--notice-window", f"{window_s:g}", *shared)
+
+
+def _spec(variant: str, store: str, hosts: Sequence[str], workdir: Path, cfg: Config, plan: TracePlan
+          ) -> LocalClusterSpec:
+    window = plan.options.notice_s
+    common: dict[str, Any] = dict(store=store, hosts=tuple(hosts), workdir=workdir, max_np=len(HOST_ALIASES),
+                                  instances=HOST_ALIASES, notice_s=window, gloo_timeout_s=cfg.gloo_timeout_seconds,
+                                  command=worker_command(variant, store, cfg, window))
+    if variant == "ours":
+        return LocalClusterSpec(**common, standby=True)
+    if variant == "horovod_elastic":
+        lo, hi = cfg.cooldown
+        return LocalClusterSpec(**common, horovodrun_args=("--blacklist-cooldown-range", str(lo), str(hi)))
+    # restart: a fixed ring of the VMs up at launch, nobody listens for notices
+    return LocalClusterSpec(**common | {"max_np": len(hosts)}, min_np=len(hosts),
+                            extra_env=(("HVDT_WATCHER", "local"),))
+
+
+def _first_step(cluster: LocalCluster, after: float = 0.0) -> float:
+    def seen(events: list[dict[str, Any]]) -> float | None:
+        ts = [e["t"] for e in events if e.get("event") == "first_step" and e["t"] >= after]
+        return min(ts) if ts else None
+    return float(cluster.wait_for(seen, START_TIMEOUT_S, "the first training step"))
+
+
+def _sleep_until(cluster: LocalCluster, t: float) -> None:
+    while time.time() < t:
+        if cluster.process is not None and cluster.process.poll() is not None:
+            raise ClusterError(f"horovodrun exited ({cluster.process.returncode}) during the window; log tail:\n"
+                               f"{cluster.log_tail()}")
+        time.sleep(min(POLL_S, max(0.0, t - time.time())))
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+def calibrate(cfg: Config, plan: TracePlan, root: str, tmp: Path) -> dict[int, float]:
+    """r(k), samples/s of a plain Horovod ring of k, for each k > 0 the window's n(t) takes: one launch on the
+    largest ring, measured, then one host killed at a time (each size measured after its own warm-up)."""
+    sizes = sorted({n for _, n in plan.availability if n > 0}, reverse=True)
+    rates: dict[int, float] = {}
+    spec = _spec("horovod_elastic", f"{root}/calibrate", HOST_ALIASES[:sizes[0]], tmp / "calibrate", cfg, plan)
+    with LocalCluster(spec) as cluster:
+        size = sizes[0]
+        for k in sizes:
+            while size > k:  # shrink: the last host goes at once (a kill; Horovod resets the survivors)
+                cluster.preempt(HOST_ALIASES[size - 1], window_s=0.1)
+                size -= 1
+            print(f"calibrating a ring of {k} ...", file=sys.stderr, flush=True)
+            since = time.time()
+            first = cluster.wait_for(lambda ev: [e["step"] for e in ev if e.get("event") == "first_step"
+                                                 and e["size"] == k and e["t"] >= since - 1.0], START_TIMEOUT_S,
+                                     f"a ring of {k}")
+            cluster.wait_for_step(max(first) + cfg.warmup_steps, START_TIMEOUT_S, size=k)
+            begin = time.time()
+            time.sleep(cfg.calibration_s)  # the measurement itself: a fixed span of steady training
+            points = [p for p in analyze(cluster.events()).progress if p.t >= begin and p.size == k]
+            if len(points) < 2 or points[-1].t <= points[0].t:
+                raise bc.BenchError(f"a ring of {k} made too little progress in {cfg.calibration_s:g} s to "
+                                    "measure; raise --calibration-s")
+            steps_per_s = (points[-1].step - points[0].step) / (points[-1].t - points[0].t)
+            rates[k] = steps_per_s * k * cfg.batch_size
+            print(f"r({k}) = {rates[k]:,.1f} samples/s ({steps_per_s:.2f} steps/s)", file=sys.stderr, flush=True)
+    return dict(sorted(rates.items()))
+
+
+# ------------------------------------------------------------------------------------------------- variants
+
+@dataclass
+class Played:
+    variant: str
+    t0: float
+    events: list[dict[str, Any]]
+    launches: int = 1
+
+
+def play_elastic(variant: str, cfg: Config, plan: TracePlan, store: str, workdir: Path) -> Played:
+    """ours / horovod_elastic: one job for the whole window, the trace's notices and joins played into it."""
+    spec = _spec(variant, store, plan.hosts, workdir, cfg, plan)
+    with LocalCluster(spec) as cluster:
+        t0 = _first_step(cluster)
+        pending = list(plan.actions)
+        while pending:
+            action = pending[0]
+            _sleep_until(cluster, t0 + (action.at_s or 0.0))
+            if action.action == "join":
+                cluster.add_host(action.target)
+            elif action.target in cluster.worker_pids():
+                cluster.preempt(action.target, window_s=plan.options.notice_s)
+            elif time.time() < t0 + (action.at_s or 0.0) + plan.options.notice_s:
+                time.sleep(POLL_S)  # its worker is not up yet (a join in progress): the notice waits for it
+                continue
+            else:  # no worker came up on it during its window: the VM is gone all the same
+                log.warning("%s: no worker on %s during its window; the VM goes without one", variant,
+                            action.target)
+                cluster.vm_gone(action.target)
+            pending.pop(0)
+        _sleep_until(cluster, t0 + plan.duration_s)
+        if variant == "ours":
+            cluster.request_stop()
+            cluster.wait(START_TIMEOUT_S)
+        else:
+            cluster.stop()  # plain Horovod keeps its model in memory: the end of the window ends it
+        return Played(variant, t0, cluster.events())
+
+
+def play_restart(cfg: Config, plan: TracePlan, store: str, workdir: Path) -> Played:
+    """Checkpoint-restart: each VM loss ends the job; it is relaunched on the VMs up then, from its checkpoint."""
+    window = plan.options.notice_s
+    # (seconds into the window, +1 a VM is up | -1 it is gone, host): a VM is gone when its notice window ends
+    changes = sorted(((a.at_s or 0.0) + (window if a.action == "notice" else 0.0), 1 if a.action == "join" else -1,
+                      a.target) for a in plan.actions)
+    up = list(plan.hosts)
+    events: list[dict[str, Any]] = []
+    t0: float | None = None
+    launches = 0
+    while True:
+        if not up:  # nothing to run on: wait for the next VM, if it comes within the window
+            if not changes or t0 is None or changes[0][0] >= plan.duration_s:
+                break
+            at, d, host = changes.pop(0)
+            time.sleep(max(0.0, t0 + at - time.time()))
+            (up.append if d > 0 else up.remove)(host)
+            continue
+        launches += 1
+        spec = _spec("restart", store, up, workdir / f"launch-{launches}", cfg, plan)
+        with LocalCluster(spec) as cluster:
+            if t0 is None:
+                t0 = _first_step(cluster)
+            end = t0 + plan.duration_s
+            lost = False
+            while changes and changes[0][0] + t0 < end:
+                at, d, host = changes[0]
+                _sleep_until(cluster, t0 + at)
+                changes.pop(0)
+                if d > 0:
+                    up.append(host)  # used from the next launch on
+                elif host in up:
+                    up.remove(host)
+                    lost = True
+                    # the rest of a correlated wave goes with it
+                    while changes and changes[0][0] == at and changes[0][1] < 0:
+                        gone = changes.pop(0)[2]
+                        if gone in up:
+                            up.remove(gone)
+                    break
+            if not lost:
+                _sleep_until(cluster, end)
+            cluster.stop()  # the VM's loss (or the window's end) ends the job
+            events = cluster.events()
+        if not lost:
+            break
+    if t0 is None:
+        raise bc.BenchError("checkpoint-restart never trained: no VM was up at the window's start")
+    return Played("restart", t0, events, launches)
+
+
+# ------------------------------------------------------------------------------------------------- the bench
+
+def measure(played: Played, plan: TracePlan, rates: dict[int, float], cfg: Config) -> Goodput:
+    run = analyze(played.events)
+    return goodput(played.variant, run, t0=played.t0, duration_s=plan.duration_s, availability=plan.availability,
+                   rates=rates, batch_size=cfg.batch_size, final=final_step(run, until=played.t0 + plan.duration_s),
+                   notice_windows=[(w.notice_at_s, w.at_s) for w in plan.waves])
+
+
+def run_all(cfg: Config, plan: TracePlan, tmp: Path, plot_dir: Path | None) -> dict[str, Any]:
+    with bc.store_root("local", tmp, "goodput") as root:
+        rates = calibrate(cfg, plan, root, tmp)
+        results: dict[str, Goodput] = {}
+        launches: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        for variant in cfg.variants:
+            print(f"run {variant} ...", file=sys.stderr, flush=True)
+            store, workdir = f"{root}/{variant}", tmp / variant
+            try:
+                played = (play_restart(cfg, plan, store, workdir) if variant == "restart"
+                          else play_elastic(variant, cfg, plan, store, workdir))
+            except bc.BenchError:
+                raise
+            except Exception as exc:  # a failed variant is reported, the others still count
+                log.error("run %s failed: %s", variant, exc)
+                errors[variant] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                continue
+            results[variant] = g = measure(played, plan, rates, cfg)
+            launches[variant] = played.launches
+            print(f"run {variant}: goodput {g.goodput:.3f}, {g.useful_samples:,} samples, final step {g.final_step}, "
+                  f"rolled back {g.steps_rolled_back}", file=sys.stderr, flush=True)
+            if plot_dir is not None:
+                plot_dir.mkdir(parents=True, exist_ok=True)
+                plot_goodput_timeline(plot_dir / f"goodput-{variant}.png", analyze(played.events), t0=played.t0,
+                                      duration_s=plan.duration_s, availability=plan.availability,
+                                      title=f"{LABELS[variant]}: goodput {g.goodput:.2f} on {plan.trace}",
+                                      phases=g.lost_phases_s)
+    return {"rates": rates, "results": results, "launches": launches, "errors": errors}
+
+
+def summarize(out: dict[str, Any], plan: TracePlan, cfg: Config) -> dict[str, Any]:
+    from hvd_transient.pricing import load_price_table
+    from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE
+
+    price = load_price_table().price(cfg.instance_type or DEFAULT_INSTANCE_TYPE)
+    results: dict[str, Goodput] = out["results"]
+    spot = {v: cost_per_m_samples(g.useful_samples, plan.availability, plan.duration_s, price.spot_per_hour)
+            for v, g in results.items()}
+    summary: dict[str, Any] = {SUMMARY_KEY[v]: (results[v].goodput if v in results else None) for v in VARIANTS}
+    first = next(iter(results), None)
+    return summary | {
+        "trace": plan.describe(),
+        "ideal_samples": next(iter(results.values())).ideal_samples if results else None,
+        "calibration_samples_per_s": {str(k): r for k, r in out["rates"].items()},
+        "cost_per_m_samples_spot": spot.get("ours", spot.get(first) if first else None),
+        "cost_per_m_samples_spot_by_variant": spot,
+        "cost_per_m_samples_on_demand": on_demand_cost_per_m_samples(out["rates"], price.on_demand_per_hour),
+        "instance_type": price.name,
+        "ours_steps_rolled_back": results["ours"].steps_rolled_back if "ours" in results else None,
+        "preemptions": plan.preemptions, "waves": len(plan.waves), "launches": out["launches"],
+        "errors": out["errors"]}
+
+
+def table(out: dict[str, Any], summary: dict[str, Any]) -> str:
+    rows = []
+    for v, g in out["results"].items():
+        lost = "; ".join(f"{k} {s:.0f} s" for k, s in g.lost_phases_s.items() if s >= 0.5)
+        cost = summary["cost_per_m_samples_spot_by_variant"].get(v)
+        rows.append([LABELS[v], f"{g.goodput:.3f}", f"{g.useful_samples:,}", f"{g.ideal_samples:,.0f}",
+                     g.final_step, g.steps_rolled_back, g.steps_redone, out["launches"][v],
+                     f"{cost:.3f}" if cost else "-", lost or "-"])
+    od = summary["cost_per_m_samples_on_demand"]
+    return (bc.markdown_table(("variant", "goodput", "useful samples", "ideal samples", "final step",
+                               "steps rolled back (max)", "steps trained twice", "launches", "spot $ / M samples",
+                               "lost time"), rows)
+            + f"\n\nSame work on demand: {od:.3f} $ / M samples ({summary['instance_type']}). r(k) samples/s: "
+            + ", ".join(f"{k}: {r:,.1f}" for k, r in out["rates"].items()) + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = bc.parser("goodput", __doc__.splitlines()[0], keep=True)
+    add_trace_arguments(p)
+    # by default: the checked-in hour of Oobleck's p3 trace with 6 preemptions for 4 nodes, in 10 minutes
+    p.set_defaults(trace=str(DEFAULT_TRACE), trace_start=0.5)
+    p.add_argument("--window", type=float, help="notice window in real seconds (default: the --cloud's)")
+    p.add_argument("--model", choices=("small_cnn", "resnet32"), default="small_cnn")
+    p.add_argument("--batch-size", type=bc.positive_int, default=32)
+    p.add_argument("--steps-per-epoch", type=bc.positive_int, default=100)
+    p.add_argument("--save-every", type=bc.positive_int, default=100,
+                   help="periodic checkpoint interval, steps (ours and checkpoint-restart)")
+    p.add_argument("--batches-per-commit", type=bc.positive_int, default=10, help="Horovod in-memory commits")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="extra time per step")
+    p.add_argument("--calibration-s", type=float, default=30.0, help="seconds of steady training per ring size")
+    p.add_argument("--warmup-steps", type=int, default=20, help="steps before a calibration measures")
+    p.add_argument("--gloo-timeout-seconds", type=int, default=10, help="how long survivors wait on a dead peer")
+    p.add_argument("--cooldown", type=int, nargs=2, default=(1, 2), metavar=("MIN", "MAX"),
+                   help="plain Horovod's --blacklist-cooldown-range: a failed host name may come back")
+    p.add_argument("--variants", type=bc.csv_list(str, VARIANTS), default=VARIANTS)
+    p.add_argument("--instance-type", help="price-table entry for the costs")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.cooldown = tuple(args.cooldown)
+    cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
+    if cfg.calibration_s <= 0 or cfg.warmup_steps < 1:
+        p.error("--calibration-s must be > 0 and --warmup-steps >= 1")
+    plan = load_plan(args, HOST_ALIASES, window_s=args.window)  # a TraceError names the line or option
+    print(f"trace: {plan.describe()}", file=sys.stderr, flush=True)
+    # our workers have normally left before their deadline: the emulator's undeliverable SIGTERM is expected
+    logging.getLogger("hvd_transient.testing.metadata_emulator.registry").setLevel(logging.ERROR)
+    plot_dir = args.out.parent if args.plot else None
+    out, elapsed, machine = bc.measured("goodput", lambda tmp: run_all(cfg, plan, tmp, plot_dir), args.tmpdir,
+                                        args.keep)
+    if not out["results"]:
+        print("goodput: every variant failed:\n" + "\n".join(out["errors"].values()), file=sys.stderr)
+        return 1
+    summary = summarize(out, plan, cfg)
+    markdown = f"Trace: {summary['trace']}.\n\n{table(out, summary)}"
+    print(markdown, flush=True)
+    rows = [asdict(g) | {"goodput": g.goodput} for g in out["results"].values()]
+    return bc.publish(args.out, name="goodput", summary=summary, rows=rows,
+                      params=asdict(cfg) | {"trace": args.trace, "options": asdict(plan.options),
+                                            "hosts": plan.hosts, "availability": plan.availability,
+                                            "actions": [a.describe() for a in plan.actions]},
+                      notes=["goodput = samples in the final model / ideal; ideal = integral of r(n(t)) dt, r "
+                             "calibrated on plain Horovod rings in the same run",
+                             "plots: goodput-<variant>.png beside the results"],
+                      machine=machine, elapsed=elapsed, markdown=markdown, plot=None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

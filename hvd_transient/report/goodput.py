@@ -1,0 +1,295 @@
+"""Whole-run goodput on a trace: useful samples against what the available VMs could have trained (pure).
+
+* **Ideal** = the integral of r(n(t)) dt over the trace's window: n(t) the VMs the trace makes available
+  (:attr:`hvd_transient.traces.TracePlan.availability`), r(k) the steady samples per second of a ring of k
+  measured on the same machine (a calibration: a small box does not scale linearly). r(0) = 0.
+* **Useful samples** are those in the final model: each ring trained from its start step on, with its
+  size; a ring that starts at an earlier step (a rollback, a restore of an older checkpoint) cuts every
+  segment after that step off the lineage, so rolled-back and re-run work is not counted. Steps are
+  counted up to the final model's step (:func:`final_step`).
+* **Goodput** = useful / ideal. **Lost time** is where the rest went, in seconds of the window (samples lost
+  over the window's mean ideal rate), from the run's events: preemptions (departure -> the survivors' next
+  step), joins (the survivors' stall), relaunches (the cluster was down until the first step of a new
+  launch), rolled-back steps (at the ring's rate); outside those spans, a ring smaller than the VMs
+  available, split into the rest of a notice window the leaving VM did not train through and VMs up but
+  not (yet) in the ring (boot, standby, a fixed ring after a relaunch); and the remainder (steps slower
+  than calibrated, checkpoints).
+* **Cost** per million useful samples: the VMs the trace had running are paid at spot prices whatever the
+  job did with them; on demand, the same samples come from a ring of the largest size at its full rate.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from hvd_transient.report.analysis import RunAnalysis
+
+log = logging.getLogger(__name__)
+
+Availability = Sequence[tuple[float, int]]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Steps [start, end) of the final model's lineage, trained by a ring of ``size``."""
+
+    start: int
+    end: int
+    size: int
+
+
+def ideal_samples(availability: Availability, rates: Mapping[int, float], duration_s: float) -> float:
+    """The integral of r(n(t)) over [0, duration_s]; ``availability`` is n(t) as (from second, n) steps."""
+    total = 0.0
+    for i, (at, n) in enumerate(availability):
+        until = availability[i + 1][0] if i + 1 < len(availability) else duration_s
+        span = max(0.0, min(until, duration_s) - max(at, 0.0))
+        if n > 0 and span > 0:
+            if n not in rates:
+                raise ValueError(f"no calibrated rate for a ring of {n}; calibrated: {sorted(rates)}")
+            total += rates[n] * span
+    return total
+
+
+def vm_seconds(availability: Availability, duration_s: float) -> float:
+    """The integral of n(t): what the trace's VMs cost in VM-seconds over the window."""
+    return ideal_samples(availability, {n: float(n) for _, n in availability}, duration_s)
+
+
+def lineage(rings: Sequence[tuple[int, int]], final: int) -> tuple[Segment, ...]:
+    """The final model's segments from ``(start step, size)`` of each ring in start order, up to ``final``."""
+    segments: list[Segment] = []
+    for start, size in rings:
+        while segments and segments[-1].start >= start:
+            segments.pop()  # rolled back past this whole segment
+        if segments and segments[-1].end > start:
+            segments[-1] = Segment(segments[-1].start, start, segments[-1].size)
+        segments.append(Segment(start, 1 << 62, size))
+    out = []
+    for s in segments:
+        end = min(s.end, final)
+        if end > s.start:
+            out.append(Segment(s.start, end, s.size))
+    return tuple(out)
+
+
+def final_step(run: RunAnalysis, until: float | None = None) -> int:
+    """The final model's step: ``train_end`` of a finished run, else the last step seen by ``until``."""
+    if run.completed and run.final_step is not None and until is None:
+        return run.final_step
+    steps = [p.step for p in run.progress if until is None or p.t <= until]
+    steps += [r.step for r in run.rings if until is None or r.started_at <= until]
+    return max(steps, default=0)
+
+
+def useful_samples(run: RunAnalysis, batch_size: int, final: int) -> int:
+    """Samples in the final model: each lineage step trained ``size x batch_size`` samples."""
+    segs = lineage([(r.step, r.size) for r in sorted(run.rings, key=lambda r: r.started_at)], final)
+    return sum((s.end - s.start) * s.size * batch_size for s in segs)
+
+
+def ring_size_at(run: RunAnalysis, t: float) -> int:
+    """The size of the ring training at ``t`` (epoch seconds); 0 while none is."""
+    current = None
+    for ring in run.rings:
+        if ring.started_at > t:
+            break
+        current = ring
+    return current.size if current is not None and t < current.ended_at else 0
+
+
+def capacity_gap(run: RunAnalysis, *, t0: float, duration_s: float, availability: Availability,
+                 rates: Mapping[int, float], notice_windows: Sequence[tuple[float, float]],
+                 excluded: Sequence[tuple[float, float]], step_s: float = 0.25) -> tuple[float, float]:
+    """Samples lost to a ring smaller than n(t), outside the ``excluded`` spans (epoch seconds): (inside a
+    notice window, i.e. ``notice_windows`` (from, to) seconds of the window; elsewhere)."""
+    in_window = elsewhere = 0.0
+    avail = list(availability)
+    for i in range(int(duration_s / step_s)):
+        rel = (i + 0.5) * step_s
+        t = t0 + rel
+        if any(a <= t < b for a, b in excluded):
+            continue
+        n = next((c for at, c in reversed(avail) if at <= rel), avail[0][1])
+        size = min(ring_size_at(run, t), n)
+        gap = (rates.get(n, 0.0) - rates.get(size, 0.0)) * step_s if size < n else 0.0
+        if any(a <= rel < b for a, b in notice_windows):
+            in_window += gap
+        else:
+            elsewhere += gap
+    return in_window, elsewhere
+
+
+def steps_redone(run: RunAnalysis, until: float) -> int:
+    """Steps trained and then thrown away (a rollback, a restore of an older checkpoint), up to ``until``: for
+    each ring, the highest step it reached (its progress, or the survivors' resets) beyond the step the next
+    ring started from."""
+    rings = sorted(run.rings, key=lambda r: r.started_at)
+    total = 0
+    for ring, following in zip(rings, rings[1:]):
+        if following.started_at > until:
+            break
+        reached = max([ring.step] + [p.step for p in run.progress if ring.started_at <= p.t < following.started_at])
+        reset = max((p.steps_rolled_back for p in run.preemptions
+                     if p.resumed_at is not None and run.ring_at(p.resumed_at) == following), default=0)
+        total += max(reached - following.step, reset, 0)
+    return total
+
+
+def lost_phases(run: RunAnalysis, t0: float, t_end: float, lost_s: float, *,
+                gaps_s: tuple[float, float] = (0.0, 0.0)) -> dict[str, float]:
+    """Seconds of the window lost to each cause (see the module's docstring); ``lost_s`` the total,
+    ``gaps_s`` the :func:`capacity_gap` in seconds."""
+    inside = [p for p in run.preemptions if t0 <= p.departed_at <= t_end]
+    # a wave's departures, and several VMs joining one ring, share one span: each second counts once
+    preempt = _union_s([(p.departed_at, min(p.resumed_at, t_end)) for p in inside
+                        if p.resumed_at is not None and not p.cold_restart])
+    joins = _union_s([(j.stalled_from, min(j.resumed_at, t_end)) for j in run.joins if t0 <= j.t <= t_end
+                      and j.stalled_from is not None and j.resumed_at is not None])
+    relaunch = _union_s(_relaunch_spans(run, t0, t_end))
+    redone: dict[float, int] = {}  # one rollback per resumption, however many left in it
+    for p in inside:
+        if p.resumed_at is not None and p.steps_rolled_back:
+            redone[p.resumed_at] = max(redone.get(p.resumed_at, 0), p.steps_rolled_back)
+    rolled = 0.0
+    for resumed_at, steps in redone.items():
+        after = run.ring_at(resumed_at)
+        if after is not None and after.steps_per_s:
+            rolled += steps / after.steps_per_s
+    named = {"preemptions (departure -> next step)": preempt, "joins (survivors' stall)": joins,
+             "relaunches (down -> first step)": relaunch, "rolled-back steps": rolled,
+             "left before the VM was gone (notice window unused)": gaps_s[0],
+             "VMs up but not in the ring (boot, joining, fixed ring)": gaps_s[1]}
+    return {**named, "other (slower steps, checkpoints)": max(0.0, lost_s - sum(named.values()))}
+
+
+def _union_s(spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by the union of (from, to) spans."""
+    total, reach = 0.0, -float("inf")
+    for a, b in sorted(spans):
+        if b > max(a, reach):
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def _relaunch_spans(run: RunAnalysis, t0: float, t_end: float) -> list[tuple[float, float]]:
+    """From the end of the ring before each relaunch to the relaunched ring's first step (epoch seconds)."""
+    spans = []
+    for prev, ring in zip(run.rings, run.rings[1:]):
+        if ring.relaunch and t0 <= ring.started_at <= t_end:
+            first = next((p.t for p in run.progress if p.t >= ring.started_at), ring.started_at)
+            spans.append((min(prev.ended_at, first), min(first, t_end)))
+    return spans
+
+
+def _excluded_spans(run: RunAnalysis, t0: float, t_end: float) -> list[tuple[float, float]]:
+    """The spans :func:`lost_phases` counts by event: preemptions, join stalls, relaunches (epoch seconds)."""
+    spans = [(p.departed_at, p.resumed_at) for p in run.preemptions
+             if p.resumed_at is not None and t0 <= p.departed_at <= t_end and not p.cold_restart]
+    spans += [(j.stalled_from, j.resumed_at) for j in run.joins
+              if j.stalled_from is not None and j.resumed_at is not None and t0 <= j.t <= t_end]
+    return spans + _relaunch_spans(run, t0, t_end)
+
+
+@dataclass(frozen=True)
+class Goodput:
+    variant: str
+    useful_samples: int
+    ideal_samples: float
+    final_step: int
+    steps_rolled_back: int  # the most any resumption rolled back (survivors' resets)
+    preemptions_seen: int
+    lost_phases_s: Mapping[str, float] = field(default_factory=dict)
+    steps_redone: int = 0  # every step trained twice, relaunches included (:func:`steps_redone`)
+
+    @property
+    def goodput(self) -> float:
+        return self.useful_samples / self.ideal_samples if self.ideal_samples > 0 else 0.0
+
+
+def goodput(variant: str, run: RunAnalysis, *, t0: float, duration_s: float, availability: Availability,
+            rates: Mapping[int, float], batch_size: int, final: int | None = None,
+            notice_windows: Sequence[tuple[float, float]] = ()) -> Goodput:
+    """The figures of one variant's run whose window started at ``t0`` (epoch seconds); ``notice_windows``:
+    (notice, VM gone) in seconds of the window, for the lost-time split."""
+    ideal = ideal_samples(availability, rates, duration_s)
+    step = final_step(run) if final is None else final
+    useful = useful_samples(run, batch_size, step)
+    mean_rate = ideal / duration_s if duration_s > 0 else 0.0
+    lost = (ideal - useful) / mean_rate if mean_rate > 0 else 0.0
+    inside = [p for p in run.preemptions if t0 <= p.departed_at <= t0 + duration_s]
+    in_window, elsewhere = capacity_gap(run, t0=t0, duration_s=duration_s, availability=availability, rates=rates,
+                                        notice_windows=notice_windows,
+                                        excluded=_excluded_spans(run, t0, t0 + duration_s))
+    gaps = (in_window / mean_rate, elsewhere / mean_rate) if mean_rate > 0 else (0.0, 0.0)
+    return Goodput(variant, useful, ideal, step, max((p.steps_rolled_back for p in inside), default=0),
+                   len(inside), lost_phases(run, t0, t0 + duration_s, max(0.0, lost), gaps_s=gaps),
+                   steps_redone(run, t0 + duration_s))
+
+
+def cost_per_m_samples(useful: int, availability: Availability, duration_s: float,
+                       spot_per_hour: float) -> float | None:
+    """Spot dollars per million useful samples: the trace's VM-hours at spot prices over the samples."""
+    if useful <= 0:
+        return None
+    return vm_seconds(availability, duration_s) / 3600.0 * spot_per_hour / useful * 1e6
+
+
+def on_demand_cost_per_m_samples(rates: Mapping[int, float], on_demand_per_hour: float) -> float | None:
+    """The same work on demand: the largest calibrated ring at its full rate, never preempted."""
+    if not rates:
+        return None
+    k = max(rates)
+    return k * on_demand_per_hour / 3600.0 / rates[k] * 1e6 if rates[k] > 0 else None
+
+
+def plot_goodput_timeline(path: str | os.PathLike[str], run: RunAnalysis, *, t0: float, duration_s: float,
+                          availability: Availability, title: str, phases: Mapping[str, float] | None = None) -> Any:
+    """One variant's window: VMs available and ring size (left axis), the step reached (right axis), each
+    preemption's and relaunch's lost span shaded; a bar of the lost-time phases underneath. Returns the figure's
+    axes (top, bottom) before saving, for tests to inspect."""
+    from hvd_transient.report.plot import _pyplot
+
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), gridspec_kw={"height_ratios": [3, 1]})
+    xs = [at for at, _ in availability] + [duration_s]
+    ys = [n for _, n in availability] + [availability[-1][1]]
+    top.step(xs, ys, where="post", label="VMs available (trace)", color="#8d8d8d", linewidth=3, alpha=0.6)
+    rx: list[float] = []
+    ry: list[int] = []
+    for i, ring in enumerate(run.rings):
+        start = ring.started_at - t0
+        end = (run.rings[i + 1].started_at if i + 1 < len(run.rings) else ring.ended_at) - t0
+        rx += [max(start, 0.0), max(min(ring.ended_at - t0, end), 0.0)]
+        ry += [ring.size, ring.size]
+        if ring.ended_at < (run.rings[i + 1].started_at if i + 1 < len(run.rings) else ring.ended_at):
+            rx.append(ring.ended_at - t0)
+            ry.append(0)
+    top.plot(rx, ry, drawstyle="steps-post", label="ring size", color="#2166ac")
+    for p in run.preemptions:
+        if p.resumed_at is not None and t0 <= p.departed_at <= t0 + duration_s:
+            top.axvspan(p.departed_at - t0, p.resumed_at - t0, color="#d1495b", alpha=0.25)
+    top.set(xlim=(0, duration_s), ylabel="VMs / ring size", title=title)
+    top.set_ylim(0, max(ys + ry + [1]) + 0.5)
+    steps = top.twinx()
+    pts = [(p.t - t0, p.step) for p in run.progress if 0 <= p.t - t0 <= duration_s]
+    if pts:
+        steps.plot([x for x, _ in pts], [s for _, s in pts], ".", markersize=2, color="#4c9f70", label="step")
+    steps.set_ylabel("step")
+    top.legend(loc="upper left", fontsize=7)
+    names = list(phases or {})
+    bottom.barh(names, [float((phases or {})[n]) for n in names], color="#e6a23c")
+    bottom.set_xlabel("seconds of the window lost")
+    bottom.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return top, bottom
+
+
+__all__ = ["Goodput", "Segment", "capacity_gap", "cost_per_m_samples", "final_step", "goodput", "ideal_samples",
+           "lineage", "lost_phases", "on_demand_cost_per_m_samples", "plot_goodput_timeline", "ring_size_at",
+           "steps_redone", "useful_samples", "vm_seconds"]

@@ -1,0 +1,52 @@
+"""`bench goodput` end to end on a tiny trace: what a broken benchmark would get wrong.
+
+Two VMs, one preempted with a notice 15 s into a 30 s window, hvd-transient only (the baselines take as long
+again each). The figures must hold together: 0 steps rolled back, goodput in [0, 1], the ideal recomputed
+from the calibration and n(t) the bench wrote, the useful samples those of the ideal times the goodput.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvd_transient.report.goodput import ideal_samples
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.horovod
+def test_goodput_bench_on_a_tiny_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "tiny.csv"
+    trace.write_text("0,add,a\n0,add,b\n15000,remove,b\n60000,remove,a\n")
+    out = tmp_path / "results" / "goodput.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.goodput", "--trace", str(trace), "--trace-start", "0", "--trace-hours",
+         str(30 / 3600), "--time-scale", "1", "--max-nodes", "2", "--window", "6", "--calibration-s", "3",
+         "--warmup-steps", "5", "--gloo-timeout-seconds", "5", "--step-seconds", "0.05", "--variants", "ours",
+         "--out", str(out), "--tmpdir", str(tmp_path / "work")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    doc = json.loads(out.read_text())
+    summary, params = doc["summary"], doc["params"]
+    assert summary["trace"].startswith("tiny.csv (parcae)") and summary["preemptions"] == 1
+    assert summary["ours_steps_rolled_back"] == 0
+    assert 0.0 < summary["ours_goodput"] <= 1.0
+    assert summary["horovod_elastic_goodput"] is None and summary["restart_goodput"] is None  # not run
+    rates = {int(k): v for k, v in summary["calibration_samples_per_s"].items()}
+    assert set(rates) == {1, 2} and all(r > 0 for r in rates.values())
+    availability = [tuple(x) for x in params["availability"]]
+    assert availability == [(0.0, 2), (15.0, 1)]
+    assert summary["ideal_samples"] == pytest.approx(ideal_samples(availability, rates, 30.0))
+    (row,) = doc["rows"]
+    assert row["useful_samples"] == pytest.approx(summary["ours_goodput"] * summary["ideal_samples"])
+    assert row["useful_samples"] % 32 == 0  # whole steps of whole batches
+    assert 0 < summary["cost_per_m_samples_on_demand"] and 0 < summary["cost_per_m_samples_spot"]
+    assert (out.parent / "goodput-ours.png").read_bytes()[:8] == PNG_MAGIC
+    assert "| hvd-transient |" in out.with_suffix(".md").read_text()
+    work = tmp_path / "work"
+    assert not any(work.iterdir()), f"left behind: {list(work.iterdir())}"
