@@ -219,6 +219,10 @@ class TransientImpl:
     def begin(self, step: int) -> None:
         """Every rank, each time training (re)starts on a new ring: learn the ring, elect, take the lease."""
         rank, size = self.comm.rank(), self.comm.size()
+        # A background save of the previous ring may wait for a member that is gone (its gather,
+        # up to async_gather_timeout_s), and every save and emergency would wait behind it.
+        if self.manager.cancel_inflight(f"a new ring began at step {step}"):
+            self.events.emit(ev.InflightCancelled(step=step, reason="new_ring"))
         # Each member says itself whether it is leaving: a VM that left and came back under the same
         # name runs a new process that is not, whatever the survivors remember, and every rank must
         # take the same view (it decides the master and which steps run a collective).
@@ -483,15 +487,11 @@ class TransientImpl:
         leaving_hosts = [self.run.hosts[r] for r in new]
         self.events.emit(ev.NoticeAgreed(step=step, leaving=tuple(leaving_hosts), deadline=deadline, size=size))
 
-        # A background save still in flight gets part of the window; its commit (if it still
-        # holds the lease) is independent of the emergency step, so nothing can tear.
-        waited = self.manager.save_in_flight
-        if waited:
-            self.events.emit(ev.WaitInflight(step=step))
-            try:
-                self.manager.wait(timeout=max(0.0, (deadline - self.clocks.wall()) / 3))
-            except Exception as exc:
-                log.warning("in-flight checkpoint did not finish before the emergency save: %s", exc)
+        # A background save still in flight is cancelled, on every rank: the emergency step
+        # supersedes it, and its uploads must not compete with this save's for a slow store
+        # (those it already sent end on its own threads; this save uploads on others).
+        if self.manager.cancel_inflight(f"an emergency save of step {step} needs the store"):
+            self.events.emit(ev.InflightCancelled(step=step, reason="emergency"))
 
         was_master = rank == self.run.master
         new_master = elect_master(size, round_.leaving)
@@ -531,8 +531,10 @@ class TransientImpl:
     def _move_lease(self, master: int) -> None:
         """Release the lease unless this rank is ``master``, which takes it (all ranks agreed).
 
-        A failure here is logged, never raised: a master without the lease cannot commit
-        (its saves are abandoned and reported), but training goes on.
+        ``lease.held`` is trusted: a release or steal here outdates any fence of a background
+        save still in flight (:class:`~ckpt_service.lease.Lease`), whose late reply can no longer
+        make a released lease look held. A failure here is logged, never raised: a master without
+        the lease cannot commit (its saves are abandoned and reported), but training goes on.
         """
         try:
             if self.comm.rank() == master:
