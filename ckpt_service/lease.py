@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from ckpt_service.deadline import Deadline
-from ckpt_service.errors import CheckpointError, LeaseLostError, PreconditionFailedError
+from ckpt_service.errors import CheckpointError, LeaseLostError, PreconditionFailedError, StoreDeadlineError
 from ckpt_service.layout import LEASE_KEY
 from ckpt_service.stores.base import ObjectStore, WriteOutcomeUnknownError
 
@@ -65,12 +65,15 @@ class Lease:
     fence or release whose request was sent in an earlier tenure does not write its generation
     back when its reply comes, so after a release or a steal by this process, ``held`` and
     ``generation`` say what that release or steal left, whatever an older request answers later.
+    Two fences of this process (a background save's and an emergency save's) run one after the
+    other: both compare-and-swap on the generation held, and the second must see the first's.
     """
 
     def __init__(self, store: ObjectStore, holder: str, *, ttl_s: float = 120.0, key: str = LEASE_KEY,
                  clock: Callable[[], float] = time.time) -> None:
         self.store, self.holder, self.ttl_s, self.key, self.clock = store, holder, ttl_s, key, clock
         self._lock = threading.Lock()
+        self._fencing = threading.Lock()  # held through a fence's requests (never by release or acquire)
         self._generation: int | None = None
         self._tenure = 0  # bumped by every acquire and release: older requests' replies are stale
         #: the generation this holder's acquire (or steal) wrote: commit markers older than it
@@ -148,8 +151,20 @@ class Lease:
         With a ``deadline``, a renewal that cannot be made or resolved before it raises
         StoreDeadlineError or WriteOutcomeUnknownError; the generation held is kept either way.
         A fence whose reply comes after this process released or took the lease again
-        (another thread) raises LeaseLostError and changes nothing: its tenure is over.
+        (another thread) raises LeaseLostError and changes nothing: its tenure is over. A fence
+        waits for another fence of this process to end first (with a ``deadline``, at most until
+        it: StoreDeadlineError).
         """
+        wait = -1.0 if deadline is None else max(0.0, deadline.left(time.time()))
+        if not self._fencing.acquire(timeout=wait):
+            raise StoreDeadlineError(f"{self.holder}: another fence of the lease was still in flight at the "
+                                     "deadline; nothing was written", attempted=False)
+        try:
+            return self._fence(deadline)
+        finally:
+            self._fencing.release()
+
+    def _fence(self, deadline: Deadline | None) -> int:
         with self._lock:
             held, tenure = self._generation, self._tenure
         if held is None:
@@ -159,7 +174,7 @@ class Lease:
             renewed = self._renew(store, held, released=False)
         except PreconditionFailedError:
             with self._lock:
-                if self._tenure == tenure:
+                if self._tenure == tenure and self._generation == held:
                     self._generation = None
             raise LeaseLostError(
                 f"{self.holder} lost the checkpoint-master lease (generation {held} is no longer current): "

@@ -17,7 +17,14 @@ from fake_collectives import FakeCollectives, ThreadGroup
 from test_protocol_agreement import STATE, events, make_ranks, notice, step_all
 
 from ckpt_service import layout
-from ckpt_service.errors import CheckpointError, LeaseLostError, SaveAbandonedError, SaveCancelledError
+from ckpt_service.deadline import Deadline
+from ckpt_service.errors import (
+    CheckpointError,
+    LeaseLostError,
+    SaveAbandonedError,
+    SaveCancelledError,
+    StoreDeadlineError,
+)
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
@@ -242,6 +249,21 @@ def test_a_fence_answered_after_a_steal_by_this_process_keeps_the_steal() -> Non
     thread.join(10)
     assert isinstance(result.get("error"), LeaseLostError)
     assert lease.generation == taken == lease.acquired_generation
+
+
+def test_a_second_fence_of_one_process_waits_for_the_first_and_never_loses_to_it() -> None:
+    late = LateFenceStore(memory())
+    lease = Lease(late, "h0:1")
+    lease.acquire()
+    thread, result = fence_in_background(lease)  # a background save's fence, its reply late
+    assert late.holding.wait(10)
+    with pytest.raises(StoreDeadlineError, match="another fence of the lease was still in flight"):
+        lease.fence(deadline=Deadline(time.time() + 0.75))  # an emergency save's, bounded by its deadline
+    assert lease.held  # not mistaken for a lost lease
+    late.deliver.set()
+    thread.join(10)
+    first = result["generation"]
+    assert lease.fence(deadline=Deadline(time.time() + 5)) > first  # made on top of the first one
 
 
 # ------------------------------------------------------------------ the protocol
