@@ -222,10 +222,13 @@ class Lease:
             return self._write(store, held, released=released)
         except PreconditionFailedError:
             with self._lock:
-                landed, self._unresolved = self._unresolved, None  # known after this look, either way
+                landed = self._unresolved
             if landed is None:
                 raise
-            stored = store.get_versioned(self.key)
+            stored = store.get_versioned(self.key)  # if this fails, the next renewal looks again
+            with self._lock:
+                if self._unresolved is landed:
+                    self._unresolved = None  # known now, either way
             if stored is None or stored[0] != landed:
                 raise
             log.info("the lease write whose outcome was unknown had been applied (generation %d)", stored[1])
