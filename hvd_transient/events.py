@@ -12,7 +12,11 @@ and ``emit`` waits for that write, but only up to ``durable_wait_s``: a slow or
 unreachable store delays the caller (the training thread, inside a notice) by at
 most that bound, and every write is itself bounded by ``write_timeout_s``, so a
 stalled request never holds the log up for the store's whole retry budget.
-The report and the benchmarks read every file back and merge them by time.
+A process about to end with no Python after it (a worker Horovod resets out of
+the ring) copies its last events in one bounded write of their own to segment
+``FINAL_SEQ`` (:meth:`EventLog.write_final`), not waiting behind a slow write.
+The report and the benchmarks read every file back and merge them by time; an
+event found in two segments counts once.
 
 The kinds of event and their fields are declared in :mod:`hvd_transient.event_schema`:
 ``emit`` takes one of its dataclasses (``log.emit(Progress(step=10, size=4))``), and
@@ -54,6 +58,8 @@ DURABLE_WAIT_S = 1.0
 WRITE_TIMEOUT_S = 10.0
 #: after a failed write, the background writer tries again this much later
 RETRY_AFTER_S = 1.0
+#: the segment a process about to end copies its last events to (:meth:`EventLog.write_final`)
+FINAL_SEQ = 999_999
 
 
 class EventLog:
@@ -122,6 +128,24 @@ class EventLog:
             log.warning("the event log's write to %s is taking longer than %.1f s; training goes on",
                         self.store.url, timeout_s)
         return done
+
+    def write_final(self, timeout_s: float) -> bool:
+        """For a process about to end with no Python after it: copy the current segment's events
+        to a segment of their own (``FINAL_SEQ``) in one write bounded by ``timeout_s``, on the
+        calling thread, so they do not wait behind a slow write in flight. Readers drop the
+        copies of events another segment holds too. Returns whether the write was answered."""
+        if self.store is None:
+            return True
+        with self._lock:
+            events = list(self._events)
+        body = "".join(json.dumps(e, default=str) + "\n" for e in events).encode()
+        try:
+            self.store.within(Deadline(time.time() + timeout_s, margin_s=0.0)).put(
+                events_key(self.host, os.getpid(), FINAL_SEQ), body)
+        except Exception as exc:  # the log must never break the caller
+            log.warning("could not write the last events to %s: %s", self.store.url, exc)
+            return False
+        return True
 
     def flush(self) -> bool:
         """Write every event so far to the store now (on the calling thread), within ``write_timeout_s``;
@@ -218,11 +242,17 @@ def parse_records(events: Iterable[Record[EventBody] | Mapping[str, Any]]) -> li
 
 
 def read_events(store: ObjectStore) -> list[dict[str, Any]]:
-    """Every process's events (every segment) as the logged dicts, merged and sorted by time."""
+    """Every process's events (every segment) as the logged dicts, merged and sorted by time;
+    an event found in two segments (a final copy, :meth:`EventLog.write_final`) counts once."""
     events: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for key in store.list(EVENTS_PREFIX):
         if is_events_key(key):
-            events.extend(_parse_lines(store.get(key)))
+            for event in _parse_lines(store.get(key)):
+                identity = json.dumps(event, sort_keys=True, default=str)
+                if identity not in seen:
+                    seen.add(identity)
+                    events.append(event)
     return sorted(events, key=lambda e: e.get("t", 0.0))
 
 

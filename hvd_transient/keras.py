@@ -414,7 +414,12 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
             # worker that exits 0 while it still holds a rank as the job's success and stops every
             # worker; only the exit of a host it no longer assigns is ignored, and the worker learns
             # that it is no longer assigned only from the rendezvous that aborts it.
-            self.state.check_host_updates()
+            try:
+                self.state.check_host_updates()
+            except Exception:
+                if outcome.leaving:  # this process ends in the reset: its last events must get out first
+                    self.impl.before_leaving()
+                raise
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if isinstance(getattr(self.model, "_training_state", None), _ResumeAt):

@@ -14,7 +14,14 @@ that host, so a VM that comes back under the same name is admitted again:
   listed again at once (a STOP-preempted Spot VM restarted by ``cluster up``).
 
 Expired records are deleted by the checkpoint master when a ring begins
-(:func:`prune_leaving`). The record format (JSON, all times Unix seconds)::
+(:func:`prune_leaving`, off the training thread, every call bounded).
+
+A leaving worker writes its record with :func:`publish_leaving_until`: every call bounded
+by a :class:`~ckpt_service.deadline.Deadline`, failures retried (tenacity) until the VM's
+own notice deadline, so a slow or briefly unreachable store delays the record rather
+than losing it, and nothing waits on the store past the window.
+
+The record format (JSON, all times Unix seconds)::
 
     {"host": "w-1", "reason": "preemption-notice", "published_at": 1764000000.0,
      "deadline": 1764000030.0, "instance_id": "4521..." | null}
@@ -23,12 +30,17 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
+
+import tenacity
+from tenacity.stop import stop_base
 
 from ckpt_service import layout
-from ckpt_service.errors import ObjectNotFoundError
+from ckpt_service.deadline import Deadline
+from ckpt_service.errors import BadStoreKeyError, ObjectNotFoundError
 from ckpt_service.stores.base import ObjectStore, check_key
 
 log = logging.getLogger(__name__)
@@ -38,6 +50,11 @@ log = logging.getLogger(__name__)
 DEFAULT_GRACE_S = 60.0
 #: the notice window assumed for a record that carries no deadline
 DEFAULT_WINDOW_S = 30.0
+#: one call of :func:`publish_leaving_until` may take at most this long (its own requests and
+#: the store client's retries included); a call that hangs ends, and a fresh one is tried
+PUBLISH_CALL_S = 20.0
+#: no publishing call starts with less time than this left before the deadline
+MIN_PUBLISH_CALL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,60 @@ def publish_leaving(store: ObjectStore, host: str, *, reason: str = "preemption-
     store.put(_key(host), record.to_json())
     log.info("published %s as leaving (%s)", host, reason)
     return record
+
+
+def publish_leaving_until(store: ObjectStore, host: str, *, until: float, reason: str = "preemption-notice",
+                          deadline: float | None = None, instance_id: str | None = None,
+                          call_s: float = PUBLISH_CALL_S, stop: threading.Event | None = None,
+                          clock: Callable[[], float] = time.time) -> LeavingRecord:
+    """:func:`publish_leaving`, retried until ``until`` (epoch seconds): the record's host must
+    leave gracefully even if the store fails now and then, or answers slowly.
+
+    Every call is bounded (``store.within``) to end by ``until`` and at most ``call_s`` after it
+    starts; a failed call is retried with jittered backoff while time is left. The record is the
+    same bytes in every attempt, so an attempt whose answer was lost but which landed is simply
+    written again. Raises the last error when ``until`` passes (or ``stop`` is set) first, and
+    :class:`~ckpt_service.errors.BadStoreKeyError` at once for a host name no key can hold.
+    """
+    if not call_s > 0:
+        raise ValueError(f"call_s must be positive, not {call_s}")
+    key = _key(host)
+    record = LeavingRecord(host=host, published_at=clock(), deadline=deadline, reason=reason,
+                           instance_id=instance_id)
+    data = record.to_json()
+    done = stop or threading.Event()
+
+    def backoff(seconds: float) -> None:
+        done.wait(seconds)  # a stop cuts it short
+
+    def attempt() -> None:
+        now = clock()
+        store.within(Deadline(min(until, now + call_s), margin_s=0.0)).put(key, data)
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(lambda exc: not isinstance(exc, BadStoreKeyError)),
+        wait=tenacity.wait_exponential_jitter(initial=0.2, max=2.0, jitter=0.2),
+        stop=tenacity.stop_any(tenacity.stop_when_event_set(done), _StopBefore(until, clock)),
+        sleep=backoff,
+        before_sleep=lambda state: log.warning("could not publish %s as leaving (%s); retrying", host,
+                                               state.outcome.exception() if state.outcome else None),
+        reraise=True,
+    )
+    retrying(attempt)
+    log.info("published %s as leaving (%s)", host, reason)
+    return record
+
+
+class _StopBefore(stop_base):
+    """Stop retrying once too little time would be left before ``until`` for another call, after
+    the backoff about to be slept."""
+
+    def __init__(self, until: float, clock: Callable[[], float]) -> None:
+        self.until, self.clock = until, clock
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        backoff = getattr(retry_state, "upcoming_sleep", 0.0) or 0.0
+        return self.until - self.clock() - backoff < MIN_PUBLISH_CALL_S
 
 
 def clear_leaving(store: ObjectStore, host: str) -> None:

@@ -11,13 +11,16 @@ Per step boundary, on every rank, in the same order:
    ranks measured, see :func:`~hvd_transient.election.steps_until_next_check` for the
    time bound it promises; or every ``check_every_steps`` steps if set), one tiny
    allreduce tells all ranks which ranks are under preemption notice and their deadlines;
-2. if some rank newly got a notice: wait (bounded) for an in-flight background
-   save; elect the master (lowest rank not leaving) and move the store lease to
+2. if some rank newly got a notice: cancel a background save in flight (a new
+   ring cancels one its predecessor left, too); elect the master (lowest rank not leaving) and move the store lease to
    it; write the **emergency sharded checkpoint** with every rank writing its
    share (records gathered by collective, commit by the master before the
-   deadline, or abandoned cleanly); broadcast the outcome; each newly leaving VM
+   deadline, or abandoned cleanly); broadcast the outcome. Each newly leaving VM
    publishes its leaving record once, with its own notice's deadline, so host
-   discovery drops it and Horovod shrinks the ring with no rollback;
+   discovery drops it and Horovod shrinks the ring with no rollback: first, before
+   the save (Horovod acts on it only at its next host check), on a background
+   thread that retries it until that deadline, so the leave depends neither on the
+   save nor on one store call;
 3. otherwise, every ``save_every_steps`` steps, start a periodic asynchronous
    sharded checkpoint (the caller only pays for the host-memory snapshot).
 
@@ -25,6 +28,13 @@ No rank raises between two collectives: a failure on one rank (its snapshot, its
 the master's look at the store) becomes an outcome that every rank learns from the next
 collective (a failed save in the outcome broadcast, an error in a broadcast answer), so
 the other ranks never wait on it until the transport's timeout.
+
+The store is never waited on without bound from the training thread. Between notices the
+protocol makes no store call there (events, the stop poll and the pruning of expired leaving
+records run in the background; a lease move at a ring's start is bounded by
+``LEASE_MOVE_TIMEOUT_S``). Inside a notice, one deadline covers every store call on its path:
+the lease moves at the election, the save, and the durable events, which get only a small
+share of it each (best effort).
 """
 from __future__ import annotations
 
@@ -36,11 +46,15 @@ import secrets
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
 
 import numpy as np
 
+from ckpt_service.deadline import Deadline
 from ckpt_service.errors import BadSnapshotError, CheckpointError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager, CommitConflictError, ShareSnapshot
@@ -56,7 +70,7 @@ from hvd_transient.election import (
     steps_until_next_check,
 )
 from hvd_transient.events import EventLog
-from hvd_transient.membership import prune_leaving, publish_leaving
+from hvd_transient.membership import prune_leaving, publish_leaving_until
 
 if TYPE_CHECKING:
     from hvd_transient.watchers import Notice
@@ -102,6 +116,23 @@ class Collectives(Protocol):
 
 #: the shortest notice a cloud gives (GCE Spot default), for a notice without a deadline
 DEFAULT_NOTICE_WINDOW_S = 30.0
+#: outside a notice, a lease move (at a ring's start) waits on the store at most this long; a
+#: master that could not take the lease in time cannot commit (its saves fail and are reported)
+LEASE_MOVE_TIMEOUT_S = 30.0
+#: how long the master may look at the store before the final save (else it saves anyway)
+FINAL_SAVE_CHECK_TIMEOUT_S = 30.0
+#: housekeeping in the background (pruning expired leaving records) gives up after this long
+HOUSEKEEPING_TIMEOUT_S = 60.0
+#: a leaving rank's last copy of its events, as Horovod resets it away, takes at most this long
+#: (and never past its VM's deadline)
+LEAVE_FLUSH_MAX_S = 10.0
+#: inside a notice, a durable event waits for its write at most this share of the time left
+#: before the save's deadline (and never longer than the event log's own bound)
+NOTICE_EVENT_SHARE = 0.05
+#: a leaving rank's ``leave_published`` waits for its write at most this long: every rank waits
+#: for the leaving one in the next collective, and it copies its events once more as Horovod
+#: resets it out of the ring (:meth:`TransientImpl.before_leaving`)
+LEAVE_EVENT_WAIT_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -211,6 +242,15 @@ class TransientImpl:
         self._commit_lock = threading.Lock()
         self._committed_step: int | None = None
         self._async_outcome_pending = False  # a background save's on_done has not run yet
+        # Store calls the training thread must not wait for: this VM's leaving record (retried
+        # until its deadline), pruning expired records; made on first use.
+        self._background: ThreadPoolExecutor | None = None
+        self._background_lock = threading.Lock()
+        self._stopping = threading.Event()  # close(): background retries end
+        self.pruning: Future[None] | None = None  # the latest pruning of expired leaving records
+        self._leaving_record: _LeavingRecord | None = None
+        self.publishing: Future[None] | None = None  # the background write of this VM's leaving record
+        self._leaving_until: float | None = None  # when this rank's VM is gone (epoch seconds)
         if self.watcher is not None:
             self.watcher.start()
 
@@ -258,14 +298,29 @@ class TransientImpl:
         return f"{self.run.ring_id}-{step}-{n}"
 
     def _prune_leaving(self) -> None:
-        """Delete leaving records whose VM is gone by now (discovery already ignores them)."""
-        try:
-            pruned = prune_leaving(self.manager.store)
-        except Exception as exc:  # housekeeping: an unreachable store must not stop training
-            log.warning("could not prune expired leaving records: %s", exc)
-            return
-        if pruned:
-            self.events.emit(ev.LeavingPruned(hosts=tuple(sorted(pruned))))
+        """Delete leaving records whose VM is gone by now (discovery already ignores them), in the
+        background with every call bounded: a ring's start must not wait on a slow store."""
+        if self.pruning is not None and not self.pruning.done():
+            return  # the previous ring's pruning is still at it
+        store = self.manager.store
+
+        def prune() -> None:
+            try:
+                pruned = prune_leaving(store.within(Deadline(time.time() + HOUSEKEEPING_TIMEOUT_S, margin_s=0.0)))
+            except Exception as exc:  # housekeeping: an unreachable store must not stop training
+                log.warning("could not prune expired leaving records: %s", exc)
+                return
+            if pruned:
+                self.events.emit(ev.LeavingPruned(hosts=tuple(sorted(pruned))))
+
+        self.pruning = self._submit(prune)
+
+    def _submit(self, fn: Callable[[], Any]) -> "Future[Any]":
+        """Run ``fn`` on this object's background threads (made on first use)."""
+        with self._background_lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hvdt-membership")
+            return self._background.submit(fn)
 
     def note_reset(self, step_after: int) -> int:
         """Record a reset (called on every rank); returns how many steps were rolled back."""
@@ -289,7 +344,11 @@ class TransientImpl:
         if self._closed:
             return
         self._closed = True
+        self._stopping.set()
         self.stop_poller.close()
+        with self._background_lock:
+            if self._background is not None:  # every call there is bounded: nothing to wait for
+                self._background.shutdown(wait=False, cancel_futures=True)
         try:
             if self.watcher is not None:
                 self.watcher.stop()
@@ -312,8 +371,13 @@ class TransientImpl:
         master = self.run.master
         answer: dict[str, Any] | None = None
         if self.comm.rank() == master:
+            # bounded: the other ranks wait in the broadcast for this look at the store
             try:
-                answer = {"needed": self.manager.latest_step() != step, "error": None}
+                latest = self._submit(self.manager.latest_step).result(timeout=FINAL_SAVE_CHECK_TIMEOUT_S)
+                answer = {"needed": latest != step, "error": None}
+            except FutureTimeoutError:
+                answer = {"needed": True,
+                          "error": f"the store did not answer within {FINAL_SAVE_CHECK_TIMEOUT_S:g} s"}
             except Exception as exc:  # shared below, not raised: the other ranks are in the broadcast
                 answer = {"needed": True, "error": f"{type(exc).__name__}: {exc}"}
         answer = self.comm.broadcast_json(answer, master, name="final-save")
@@ -395,8 +459,11 @@ class TransientImpl:
         if notice is not None and self.host not in self.run.handled_leavers:
             if not self.run.leaving and not self._notice_logged:
                 self._notice_logged = True
+                # inside the notice already: its write waits only a share of the window (best effort)
                 self.events.emit(ev.Notice(source=notice.source, reason=notice.reason,
-                                           detected_at=notice.detected_at, deadline=notice.deadline))
+                                           detected_at=notice.detected_at, deadline=notice.deadline),
+                                 wait_s=None if notice.deadline is None else self._notice_event_wait_s(
+                                     notice.deadline - self.config.leave_margin_s))
         deadline = notice.deadline if notice is not None else None
         warned = self._warning_pending()
         if warned and not self._warning_logged:
@@ -478,14 +545,30 @@ class TransientImpl:
     def _emergency(self, step: int, round_: NoticeRound, new: list[int],
                    snapshot: Callable[[], Mapping[str, Any]], metadata: Callable[[], dict[str, Any]],
                    share_snapshot: ShareSnapshot | None) -> StepOutcome:
-        """``new``: the ranks whose notice no earlier round handled."""
+        """``new``: the ranks whose notice no earlier round handled.
+
+        Every store call on this path ends by ``deadline`` (the save's): the lease moves and the
+        save are bounded by it, and durable events wait for their writes only a small share of
+        it. The leaving record, written first, is retried in the background until its own VM's
+        deadline.
+        """
         rank, size = self.comm.rank(), self.comm.size()
         window = self.config.notice_window_s or DEFAULT_NOTICE_WINDOW_S
+        now = self.clocks.wall()
         # Every rank still in the ring writes a share, earlier leavers too: the save must end
         # before the first of them is gone.
-        deadline = (round_.deadline or self.clocks.wall() + window) - self.config.leave_margin_s
+        deadline = (round_.deadline or now + window) - self.config.leave_margin_s
         leaving_hosts = [self.run.hosts[r] for r in new]
-        self.events.emit(ev.NoticeAgreed(step=step, leaving=tuple(leaving_hosts), deadline=deadline, size=size))
+        was_master = rank == self.run.master
+        # One record per VM, written once, by its lowest rank, with its own notice's deadline
+        # (not another VM's, nor one written again when a later notice comes in).
+        own_deadline = round_.deadline_of(rank) if rank in new else None
+        writes_record = rank in new and rank == min(r for r in new if self.run.hosts[r] == self.host)
+        if writes_record:
+            self._start_leaving_record(step, own_deadline, was_master,
+                                       until=own_deadline if own_deadline is not None else now + window)
+        self.events.emit(ev.NoticeAgreed(step=step, leaving=tuple(leaving_hosts), deadline=deadline, size=size),
+                         wait_s=self._notice_event_wait_s(deadline))
 
         # A background save still in flight is cancelled, on every rank: the emergency step
         # supersedes it, and its uploads must not compete with this save's for a slow store
@@ -493,10 +576,9 @@ class TransientImpl:
         if self.manager.cancel_inflight(f"an emergency save of step {step} needs the store"):
             self.events.emit(ev.InflightCancelled(step=step, reason="emergency"))
 
-        was_master = rank == self.run.master
         new_master = elect_master(size, round_.leaving)
         if new_master != self.run.master:
-            self._move_lease(new_master)
+            self._move_lease(new_master, until=deadline)
             self.events.emit(ev.Election(step=step, old_master=self.run.master, new_master=new_master,
                                          old_master_host=self.run.hosts[self.run.master],
                                          new_master_host=self.run.hosts[new_master],
@@ -511,37 +593,78 @@ class TransientImpl:
         self.run.departure_pending = True
         if rank in new:
             self.run.leaving = True
-            # One record per VM, written once, by its lowest rank, with its own notice's deadline
-            # (not another VM's, nor one written again when a later notice comes in).
-            own_deadline = round_.deadline_of(rank)
-            if rank == min(r for r in new if self.run.hosts[r] == self.host):
-                self._publish_leaving(own_deadline)
-            self.events.emit(ev.LeavePublished(step=step, deadline=own_deadline, was_master=was_master))
+            self._leaving_until = own_deadline if own_deadline is not None else now + window
+            wait_s = min(LEAVE_EVENT_WAIT_S, self._notice_event_wait_s(self._leaving_until))
+            if self._leaving_record is not None and writes_record:
+                self._leaving_record.left(wait_s)
+            else:  # another rank of this VM writes its record
+                self.events.emit(ev.LeavePublished(step=step, deadline=own_deadline, was_master=was_master),
+                                 wait_s=wait_s)
         return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
                            departure_pending=True)
 
-    def _publish_leaving(self, deadline: float | None) -> None:
-        """Write this VM's leaving record; a failure is logged (discovery then keeps the host until it is gone)."""
-        try:
-            publish_leaving(self.manager.store, self.host, deadline=deadline,
-                            instance_id=self.watcher.instance_id if self.watcher is not None else None)
-        except Exception as exc:  # every rank already agreed on the departure; this one must not raise
-            log.error("could not publish %s as leaving: %s", self.host, exc)
+    def before_leaving(self) -> threading.Thread:
+        """This leaving rank is being reset out of the ring: the process ends inside Horovod soon
+        after, with no Python after it, and its events must get out first. The event log's
+        writer may be stuck on a slow write, so they are also copied in one write of their own
+        (:meth:`EventLog.write_final`, bounded by ``LEAVE_FLUSH_MAX_S`` and the VM's deadline).
+        Nothing here waits: Horovod resets the survivors only once this rank has reset too."""
+        until = self._leaving_until if self._leaving_until is not None else self.clocks.wall()
+        timeout = max(0.0, min(LEAVE_FLUSH_MAX_S, until - self.clocks.wall() - 0.5))
+        writer = threading.Thread(target=self.events.write_final, args=(timeout,), name="hvdt-last-events",
+                                  daemon=True)  # the process may end before it does
+        writer.start()
+        return writer
 
-    def _move_lease(self, master: int) -> None:
+    def _notice_event_wait_s(self, until: float) -> float:
+        """How long a durable event inside a notice may wait for its write: a small share of the
+        time left before ``until``, so a slow store costs the notice little (best effort)."""
+        left = until - self.clocks.wall()
+        return min(self.events.durable_wait_s, max(0.0, NOTICE_EVENT_SHARE * left))
+
+    def _start_leaving_record(self, step: int, own_deadline: float | None, was_master: bool, *,
+                              until: float) -> None:
+        """Write this VM's leaving record in the background, retried until ``until`` (its own deadline).
+
+        A record that cannot be written in time is logged: discovery then keeps the host until
+        its VM is gone, and Horovod sees its worker fail.
+        """
+        store, host = self.manager.store, self.host
+        instance_id = self.watcher.instance_id if self.watcher is not None else None
+        record = self._leaving_record = _LeavingRecord(
+            lambda wait_s: self.events.emit(ev.LeavePublished(step=step, deadline=own_deadline,
+                                                              was_master=was_master), wait_s=wait_s))
+
+        def publish() -> None:
+            try:
+                publish_leaving_until(store, host, until=until, deadline=own_deadline, instance_id=instance_id,
+                                      stop=self._stopping)
+            except Exception as exc:  # every rank already agreed on the departure; nothing may raise
+                log.error("could not publish %s as leaving before its deadline: %s; discovery keeps the host "
+                          "until its VM is gone", host, exc)
+                return
+            record.landed()
+
+        self.publishing = self._submit(publish)
+
+    def _move_lease(self, master: int, *, until: float | None = None) -> None:
         """Release the lease unless this rank is ``master``, which takes it (all ranks agreed).
 
-        ``lease.held`` is trusted: a release or steal here outdates any fence of a background
-        save still in flight (:class:`~ckpt_service.lease.Lease`), whose late reply can no longer
-        make a released lease look held. A failure here is logged, never raised: a master without
-        the lease cannot commit (its saves are abandoned and reported), but training goes on.
+        Every store call ends by ``until`` (epoch seconds; default ``LEASE_MOVE_TIMEOUT_S`` from now).
+        ``lease.held`` is trusted: a release or steal here outdates any fence of a background save
+        still in flight (:class:`~ckpt_service.lease.Lease`), whose late reply can no longer make a
+        released lease look held. A failure here is logged, never raised: a master without the
+        lease cannot commit (its saves are abandoned and reported), but training goes on.
         """
+        if until is None:
+            until = self.clocks.wall() + LEASE_MOVE_TIMEOUT_S
         try:
-            if self.comm.rank() == master:
-                if not self.lease.held:
-                    self.lease.acquire(steal=True)
-            elif self.lease.held:
-                self.lease.release()
+            with _bounded(self.lease, Deadline(until)):
+                if self.comm.rank() == master:
+                    if not self.lease.held:
+                        self.lease.acquire(steal=True)
+                elif self.lease.held:
+                    self.lease.release()
         except Exception as exc:  # whatever the store raised: every rank goes on to the same collectives
             log.error("checkpoint-master lease hand-over failed: %s", exc)
             self.events.emit(ev.LeaseError(error=str(exc)))
@@ -658,6 +781,54 @@ def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
 
 __all__ = ["CheckpointError", "Clocks", "Collectives", "NoticeSource", "StepOutcome", "TransientConfig",
            "TransientImpl", "default_host"]
+
+
+@contextmanager
+def _bounded(lease: Lease, deadline: Deadline) -> Iterator[None]:
+    """``lease`` with every store call ending by ``deadline`` while the block runs.
+
+    ``Lease.acquire`` and ``release`` take no deadline; their calls go through ``lease.store``,
+    so it is a bounded view for that long. A background commit fencing meanwhile is bounded
+    by it too, which only makes it give up sooner on a store that does not answer.
+    """
+    unbounded = lease.store
+    lease.store = unbounded.within(deadline)
+    try:
+        yield
+    finally:
+        lease.store = unbounded
+
+
+class _LeavingRecord:
+    """The moment this VM's leaving record counts as published, for the event log.
+
+    ``leave_published`` (which the report reads as the moment the host left) is logged once
+    the record is in the store *and* this rank is done with its emergency: by the training
+    thread (:meth:`left`) if the record landed first, else by the background thread that
+    wrote it (:meth:`landed`).
+    """
+
+    def __init__(self, log_it: Callable[[float | None], object]) -> None:
+        self._log_it = log_it
+        self._lock = threading.Lock()
+        self._landed = threading.Event()
+        self._left = False
+
+    def landed(self) -> None:
+        with self._lock:
+            self._landed.set()
+            now = self._left
+        if now:
+            self._log_it(None)
+
+    def left(self, wait_s: float) -> None:
+        """The emergency is over; a record still being written gets up to ``wait_s`` to land first."""
+        self._landed.wait(wait_s)
+        with self._lock:
+            self._left = True
+            now = self._landed.is_set()
+        if now:
+            self._log_it(wait_s)
 
 
 class _FailedSnapshot(Mapping[str, Any]):

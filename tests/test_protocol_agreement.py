@@ -304,7 +304,7 @@ def test_a_slow_store_during_a_notice_still_commits_on_every_rank() -> None:
 def test_a_store_too_slow_for_the_deadline_abandons_on_every_rank() -> None:
     memory = MemoryStore.named(uuid.uuid4().hex)
     slow = SlowStore(memory, delay_s=0.5)
-    group, impls, url = make_ranks(stores=[memory, memory, slow])
+    group, impls, url = make_ranks(stores=[slow, memory, memory])
     impls[2].watcher.notice = notice(deadline_in=2.5)  # 1.5 s for the save after the leave margin
     outcomes = step_all(group, impls, 3)
     assert [o.committed for o in outcomes] == [False, False, False]

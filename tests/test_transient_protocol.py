@@ -46,6 +46,9 @@ def test_the_master_prunes_expired_leaving_records_when_a_ring_begins(ranks) -> 
     publish_leaving(store, "gone", deadline=time.time() - 120)   # its VM stopped long ago
     publish_leaving(store, "going", deadline=time.time() + 30)   # still in its notice window
     group.run(lambda r: impls[r].begin(5))
+    # in the background: a ring's start does not wait on the store
+    assert impls[0].pruning is not None and [i.pruning for i in impls[1:]] == [None, None]
+    impls[0].pruning.result(timeout=10)
     assert {r.host for r in read_leaving(store)} == {"going"}
     pruned = [e for e in impls[0].events.events if e["event"] == "leaving_pruned"]
     assert [e["hosts"] for e in pruned] == [["gone"]]
