@@ -266,6 +266,50 @@ def test_a_second_fence_of_one_process_waits_for_the_first_and_never_loses_to_it
     assert lease.fence(deadline=Deadline(time.time() + 5)) > first  # made on top of the first one
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_fences_on_other_threads_never_leave_the_lease_believed_held_when_it_is_not(seed: int) -> None:
+    """Two save threads fence while the training thread releases and steals at random: once all are
+    done, the lease is believed held exactly when the stored record is this holder's, unreleased,
+    at the generation believed, and a fence then succeeds."""
+    import random
+
+    store = memory()
+    lease = Lease(store, "h0:1")
+    lease.acquire()
+    stop = threading.Event()
+    fenced = [0, 0]
+
+    def fencer(i: int) -> None:
+        while not stop.is_set():
+            try:
+                lease.fence()
+                fenced[i] += 1
+            except LeaseLostError:
+                pass
+
+    threads = [threading.Thread(target=fencer, args=(i,), name=f"fence-{i}") for i in range(2)]
+    for thread in threads:
+        thread.start()
+    rng = random.Random(seed)
+    try:
+        for _ in range(150):
+            lease.release() if rng.random() < 0.5 else lease.acquire(steal=True)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    record, generation = lease.read()
+    held = lease.generation
+    if held is not None:
+        assert record is not None and record.holder == "h0:1" and not record.released
+        assert held == generation
+        assert lease.fence() > held
+    else:
+        assert record is not None and record.released  # a successor takes it without stealing
+        Lease(store, "h1:2").acquire()
+    assert sum(fenced) > 0
+
+
 # ------------------------------------------------------------------ the protocol
 
 def test_an_old_master_elected_again_takes_the_lease_its_late_fence_would_have_faked() -> None:
