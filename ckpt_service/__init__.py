@@ -36,6 +36,7 @@ from ckpt_service.errors import (
     OutOfOrderSaveError,
     PreconditionFailedError,
     SaveAbandonedError,
+    SaveCancelledError,
     StoreDeadlineError,
     StoreUnavailableError,
     StructureMismatchError,
@@ -43,6 +44,7 @@ from ckpt_service.errors import (
 )
 
 if TYPE_CHECKING:
+    from ckpt_service.cancel import CancelToken
     from ckpt_service.deadline import Deadline
     from ckpt_service.gather import StoreGather
     from ckpt_service.lease import Lease, LeaseHeldError
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
     from ckpt_service.stores import open_store
 
 _LAZY = {
+    "CancelToken": "ckpt_service.cancel",
     "Deadline": "ckpt_service.deadline",
     "CheckpointManager": "ckpt_service.manager",
     "Checkpoint": "ckpt_service.manager",
@@ -79,6 +82,6 @@ __all__ = [
     "CorruptCheckpointError", "FormatVersionError",
     "IncompleteShardRecordsError", "LeaseLostError", "MismatchedShardRecordsError", "MissingCredentialsError",
     "NothingToRestoreError", "ObjectNotFoundError", "OutOfOrderSaveError", "PreconditionFailedError",
-    "SaveAbandonedError", "StoreDeadlineError", "StoreUnavailableError", "StructureMismatchError",
+    "SaveAbandonedError", "SaveCancelledError", "StoreDeadlineError", "StoreUnavailableError", "StructureMismatchError",
     "WriterFailedError", *_LAZY,
 ]

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from ckpt_service import layout
+from ckpt_service.cancel import CancelToken, check
 from ckpt_service.deadline import Deadline
 from ckpt_service.errors import (
     CommitConflictError,
@@ -78,14 +79,15 @@ def build_manifest(step: int, plan: SavePlan, records: Sequence[ShardRecord], me
 
 def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence[ShardRecord],
                 metadata: dict[str, Any], lease: Lease | None, deadline: Deadline | None = None, *,
-                attempt: str | None = None) -> Manifest:
+                attempt: str | None = None, cancel: CancelToken | None = None) -> Manifest:
     """Commit ``step`` from every writer's record of save ``attempt``; returns its manifest.
 
     Raises WriterFailedError, IncompleteShardRecordsError or its MismatchedShardRecordsError
     (bad records, or records of another step, attempt or plan), OutOfOrderSaveError (older than
     a step it cannot supersede), LeaseLostError (fenced out), SaveAbandonedError (deadline),
     CommitConflictError (a valid commit of the step exists),
-    WriteOutcomeUnknownError (the marker write's outcome is unknown). Nothing is committed
+    WriteOutcomeUnknownError (the marker write's outcome is unknown), SaveCancelledError (``cancel``
+    was set before the marker was sent; it is checked before each step). Nothing is committed
     unless it returns, or that last error says the outcome is unknown.
     """
     manifest = build_manifest(step, plan, records, metadata, lease.generation if lease is not None else None,
@@ -95,8 +97,11 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
     mkey = layout.manifest_key(step, token)
     bounded = store if deadline is None else store.within(deadline)
     try:
+        check(cancel, step, "before its commit")
         _check_order(bounded, step, lease)
+        check(cancel, step, "before its manifest was written")
         bounded.put(mkey, body)
+        check(cancel, step, "before the lease fence")
         generation = lease.fence(deadline=deadline) if lease is not None else None
     except (StoreDeadlineError, WriteOutcomeUnknownError) as exc:
         if deadline is None or not _out_of_time(exc):
@@ -106,6 +111,7 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
                                  f"deadline ({exc}); nothing was committed") from exc
     if deadline is not None and deadline.expired(time.time()):
         raise SaveAbandonedError(f"step {step}: the deadline passed before the commit; nothing was committed")
+    check(cancel, step, "before its commit marker was written")  # the last point a cancel can stop it
     marker = CommitMarker(step, mkey, crc32c(body), token, time.time(), generation)
     # A lost reply is resolved by reading the marker back (its token is this attempt's):
     # applied is committed, not applied raises the store's error, unknown says so.

@@ -77,6 +77,11 @@ class SaveAbandonedError(CheckpointError, TimeoutError):
     """A save could not finish before its deadline and was abandoned (nothing was committed)."""
 
 
+class SaveCancelledError(SaveAbandonedError):
+    """A save was cancelled before its commit marker was sent (an emergency save needed the store, or
+    a new ring abandoned its predecessor's save): nothing was committed."""
+
+
 class WriterFailedError(CheckpointError, RuntimeError):
     """A writer of a multi-writer save reported an error instead of its pieces (nothing was committed)."""
 

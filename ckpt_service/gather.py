@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import tenacity
 
+from ckpt_service.cancel import CancelToken, check
 from ckpt_service.deadline import Deadline
 from ckpt_service.errors import SaveAbandonedError, StoreDeadlineError
 from ckpt_service.layout import check_attempt, record_key, records_prefix
@@ -47,18 +48,23 @@ class StoreGather:
     after the last writer costs O(N / read_threads) round trips, not O(N). With a ``deadline``
     (epoch seconds, or a :class:`~ckpt_service.deadline.Deadline`), every store request ends
     by it and the coordinator stops waiting at it; without one, it waits ``timeout_s``.
-    Either way, running out of time raises SaveAbandonedError.
+    Either way, running out of time raises SaveAbandonedError. The wait is timed on the
+    monotonic clock: the deadline is converted to it once, here. A ``cancel`` token is checked
+    before this rank's record is written and before each poll, and ends the wait between two
+    polls at once: SaveCancelledError.
     """
 
     def __init__(self, store: ObjectStore, step: int, rank: int, world_size: int, *, attempt: str,
                  coordinator: int = 0, deadline: float | Deadline | None = None, timeout_s: float = 600.0,
-                 max_interval_s: float = 0.5, read_threads: int = 16) -> None:
+                 max_interval_s: float = 0.5, read_threads: int = 16, cancel: CancelToken | None = None) -> None:
         self.step, self.rank, self.world_size = step, rank, world_size
         self.attempt = check_attempt(attempt)
         self.coordinator = coordinator
         bound = Deadline(deadline) if isinstance(deadline, (int, float)) else deadline
         self.store = store if bound is None else store.within(bound)
-        self.gives_up_at = bound.end if bound is not None else time.time() + timeout_s
+        # a wall-clock deadline becomes a monotonic one once: a clock step must not stretch the wait
+        self.gives_up_at = time.monotonic() + (bound.left(time.time()) if bound is not None else timeout_s)
+        self.cancel = cancel
         self.max_interval_s = max_interval_s
         self.read_threads = max(1, read_threads)
 
@@ -71,6 +77,7 @@ class StoreGather:
                 "the save was abandoned and the previous checkpoint stays the latest") from exc
 
     def _gather(self, record: RecordJSON) -> list[RecordJSON] | None:
+        check(self.cancel, self.step, f"before rank {self.rank} wrote its shard record")
         self.store.put(record_key(self.step, self.attempt, self.rank), json.dumps(record).encode())
         if self.rank != self.coordinator:
             return None
@@ -85,6 +92,7 @@ class StoreGather:
                 return None
 
         def missing() -> list[int]:
+            check(self.cancel, self.step, "while the coordinator waited for the shard records")
             found = {int(stem) for key in self.store.list(listed)
                      if (stem := key[len(listed):].removesuffix(".json")).isdigit()}
             new = sorted(r for r in found if r < self.world_size and r not in records)
@@ -96,8 +104,9 @@ class StoreGather:
         backoff = tenacity.wait_exponential(multiplier=0.005, max=self.max_interval_s)
         polls = tenacity.Retrying(
             retry=tenacity.retry_if_result(bool),  # some ranks still missing; store errors end the wait
-            wait=lambda state: min(backoff(state), max(0.0, self.gives_up_at - time.time())),
-            stop=lambda state: time.time() >= self.gives_up_at,
+            wait=lambda state: min(backoff(state), max(0.0, self.gives_up_at - time.monotonic())),
+            stop=lambda state: time.monotonic() >= self.gives_up_at,
+            sleep=self.cancel.sleep if self.cancel is not None else time.sleep,  # a cancel ends the pause
             retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
         )
         with ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="ckpt-gather") as pool:

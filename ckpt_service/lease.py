@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 from ckpt_service.deadline import Deadline
-from ckpt_service.errors import CheckpointError, LeaseLostError, PreconditionFailedError
+from ckpt_service.errors import CheckpointError, LeaseLostError, PreconditionFailedError, StoreDeadlineError
 from ckpt_service.layout import LEASE_KEY
 from ckpt_service.stores.base import ObjectStore, WriteOutcomeUnknownError
 
@@ -58,16 +59,40 @@ class LeaseRecord:
 
 
 class Lease:
+    """Thread-safe: a fence on a save's background thread and a release or steal on the training
+    thread may overlap. The lock guards the state, never a store request (a slow fence must not
+    hold up a release). Every release and acquire starts a new *tenure* (an epoch counter); a
+    fence or release whose request was sent in an earlier tenure does not write its generation
+    back when its reply comes, so after a release or a steal by this process, ``held`` and
+    ``generation`` say what that release or steal left, whatever an older request answers later.
+    Two fences of this process (a background save's and an emergency save's) run one after the
+    other: both compare-and-swap on the generation held, and the second must see the first's.
+    """
+
     def __init__(self, store: ObjectStore, holder: str, *, ttl_s: float = 120.0, key: str = LEASE_KEY,
                  clock: Callable[[], float] = time.time) -> None:
         self.store, self.holder, self.ttl_s, self.key, self.clock = store, holder, ttl_s, key, clock
-        self.generation: int | None = None
+        self._lock = threading.Lock()
+        self._fencing = threading.Lock()  # held through a fence's requests (never by release or acquire)
+        self._generation: int | None = None
+        self._tenure = 0  # bumped by every acquire and release: older requests' replies are stale
         #: the generation this holder's acquire (or steal) wrote: commit markers older than it
         #: were made before this tenure began
         self.acquired_generation: int | None = None
         # The bytes of this holder's last write whose outcome stayed unknown: if a later
         # compare-and-swap is refused, finding them stored means that write landed after all.
         self._unresolved: bytes | None = None
+
+    @property
+    def generation(self) -> int | None:
+        """The generation this process last wrote and still holds (None: not held)."""
+        with self._lock:
+            return self._generation
+
+    @generation.setter
+    def generation(self, value: int | None) -> None:
+        with self._lock:
+            self._generation = value
 
     @property
     def held(self) -> bool:
@@ -89,10 +114,12 @@ class Lease:
         """Take the lease. ``steal=True`` is for an elected successor (all ranks agreed).
 
         A successor may race the predecessor's ``release()``; a lost compare-and-swap is
-        then simply re-read and tried again (``attempts`` times) rather than given up.
+        then simply re-read and tried again (``attempts`` times) rather than given up. A fence
+        of this process still in flight is outdated by it (see the class docstring).
         """
         if attempts < 1:
             raise ValueError(f"attempts must be at least 1, not {attempts}")
+        tenure = self._new_tenure()
         taken: int | None = None
         for attempt in range(attempts):
             record, generation = self.read()
@@ -103,8 +130,7 @@ class Lease:
                     "expire or elect a new master"
                 )
             try:
-                taken = self.generation = self.acquired_generation = self._write(self.store, generation,
-                                                                                 released=False)
+                taken = self._write(self.store, generation, released=False)
                 break
             except PreconditionFailedError:
                 if attempt == attempts - 1:
@@ -114,6 +140,9 @@ class Lease:
         if record is not None and record.holder not in ("", self.holder) and not record.released:
             log.warning("took over the checkpoint-master lease from %s", record.holder)
         assert taken is not None  # the loop either took it or raised
+        with self._lock:
+            if self._tenure == tenure:  # else a release or another acquire came after this one
+                self._generation = self.acquired_generation = taken
         return taken
 
     def fence(self, *, deadline: Deadline | None = None) -> int:
@@ -121,41 +150,85 @@ class Lease:
 
         With a ``deadline``, a renewal that cannot be made or resolved before it raises
         StoreDeadlineError or WriteOutcomeUnknownError; the generation held is kept either way.
+        A fence whose reply comes after this process released or took the lease again
+        (another thread) raises LeaseLostError and changes nothing: its tenure is over. A fence
+        waits for another fence of this process to end first (with a ``deadline``, at most until
+        it: StoreDeadlineError).
         """
-        if self.generation is None:
+        wait = -1.0 if deadline is None else max(0.0, deadline.left(time.time()))
+        if not self._fencing.acquire(timeout=wait):
+            raise StoreDeadlineError(f"{self.holder}: another fence of the lease was still in flight at the "
+                                     "deadline; nothing was written", attempted=False)
+        try:
+            return self._fence(deadline)
+        finally:
+            self._fencing.release()
+
+    def _fence(self, deadline: Deadline | None) -> int:
+        with self._lock:
+            held, tenure = self._generation, self._tenure
+        if held is None:
             raise LeaseLostError(f"{self.holder} does not hold the checkpoint-master lease; acquire it first")
         store = self.store if deadline is None else self.store.within(deadline)
         try:
-            self.generation = self._renew(store, released=False)
+            renewed = self._renew(store, held, released=False)
         except PreconditionFailedError:
-            lost, self.generation = self.generation, None
+            with self._lock:
+                if self._tenure == tenure and self._generation == held:
+                    self._generation = None
             raise LeaseLostError(
-                f"{self.holder} lost the checkpoint-master lease (generation {lost} is no longer current): "
+                f"{self.holder} lost the checkpoint-master lease (generation {held} is no longer current): "
                 "another master was elected, so this process must not commit"
             ) from None
-        return self.generation
+        with self._lock:
+            if self._tenure == tenure:
+                self._generation = renewed
+                return renewed
+        raise LeaseLostError(
+            f"{self.holder} released or took the checkpoint-master lease again while this fence (of generation "
+            f"{held}) was in flight: the fence is outdated, so this commit must not go on")
 
     def release(self) -> None:
-        if self.generation is None:
+        """Mark the lease released, so a successor takes it at once; a fence of this process still in
+        flight is outdated by it (its commit fails with LeaseLostError)."""
+        with self._lock:
+            held = self._generation
+            self._generation = None
+        self._new_tenure()
+        if held is None:
             return
         try:
-            self._renew(self.store, released=True)
+            self._renew(self.store, held, released=True)
         except PreconditionFailedError:
-            log.info("lease already taken over; nothing to release")
-        self.generation = None
+            # A fence of this process in flight may have moved the record on: release that one.
+            record, generation = self.read()
+            if record is None or record.holder != self.holder or record.released:
+                log.info("lease already taken over; nothing to release")
+                return
+            try:
+                self._write(self.store, generation, released=True)
+            except PreconditionFailedError:
+                log.info("lease changed while being released; nothing to release")
 
-    def _renew(self, store: ObjectStore, *, released: bool) -> int:
-        """Compare-and-swap on the generation held, or on this holder's own earlier write whose
+    def _new_tenure(self) -> int:
+        with self._lock:
+            self._tenure += 1
+            return self._tenure
+
+    def _renew(self, store: ObjectStore, held: int, *, released: bool) -> int:
+        """Compare-and-swap on the generation ``held``, or on this holder's own earlier write whose
         outcome was unknown if that is what is stored now."""
-        assert self.generation is not None
         try:
-            return self._write(store, self.generation, released=released)
+            return self._write(store, held, released=released)
         except PreconditionFailedError:
-            landed = self._unresolved
+            with self._lock:
+                landed = self._unresolved
             if landed is None:
                 raise
-            stored = store.get_versioned(self.key)
-            self._unresolved = None  # known now, either way
+            stored = store.get_versioned(self.key)  # if this fails, the next renewal looks again
+            with self._lock:
+                if self._unresolved is landed:
+                    self._unresolved = None  # known now, either way
             if stored is None or stored[0] != landed:
                 raise
             log.info("the lease write whose outcome was unknown had been applied (generation %d)", stored[1])
@@ -168,7 +241,9 @@ class Lease:
         try:
             generation = store.put_resolved(self.key, data, if_generation_match=expected_generation)
         except WriteOutcomeUnknownError:
-            self._unresolved = data
+            with self._lock:
+                self._unresolved = data
             raise
-        self._unresolved = None
+        with self._lock:
+            self._unresolved = None
         return generation

@@ -73,11 +73,14 @@ class CheckpointManager:
         it (tests move it)."""
         self.store = open_store(store) if isinstance(store, str) else store
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ckpt-io")
+        # saves with a deadline upload here, never queued behind a background save's uploads
+        self._urgent_io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ckpt-urgent-io")
         self._collector = StepCollector(
             self.store, RetentionPolicy(max_to_keep, keep_every_n_steps, abandoned_after_s), clock=clock, io=self._io)
         self._reader = CheckpointReader(self.store, self._io)
         self._writer = CheckpointWriter(self.store, self._io, PlanCache(chunk_bytes), compression=compression,
-                                        gather_timeout_s=gather_timeout_s, after_commit=self._collect_after)
+                                        gather_timeout_s=gather_timeout_s, after_commit=self._collect_after,
+                                        urgent_io=self._urgent_io)
 
     # ------------------------------------------------------------------ settings
 
@@ -116,7 +119,7 @@ class CheckpointManager:
 
     @property
     def last_stats(self) -> SaveStats | None:
-        """What this rank did in its last save."""
+        """What this rank did in its last save (the one that ended last, foreground or background)."""
         return self._writer.last_stats
 
     # ------------------------------------------------------------------ saving
@@ -227,6 +230,19 @@ class CheckpointManager:
     def save_in_flight(self) -> bool:
         return self._writer.save_in_flight
 
+    def cancel_inflight(self, reason: str = "cancelled by the caller") -> bool:
+        """Cancel the background save in flight (if any; returns whether there was one). Never blocks.
+
+        The save stops at its next check (between piece uploads, before each poll of the store
+        gather, before each step of the commit) and fails with SaveCancelledError (a
+        SaveAbandonedError): nothing is committed, and its ``on_done`` and :meth:`wait` report
+        that error. One whose commit marker was already sent is past cancelling. Requests it had
+        sent run on to their own end, on its own threads: a save with a ``deadline`` started now
+        does not wait for them (it uploads on executor threads of its own). Every rank of a
+        multi-writer save should cancel its own share (e.g. at the same step boundary).
+        """
+        return self._writer.cancel_inflight(reason)
+
     # ----------------------------------------------------------------- reading
 
     def all_steps(self) -> list[int]:
@@ -300,6 +316,7 @@ class CheckpointManager:
             self._writer.close()
         finally:
             self._io.shutdown(wait=True)
+            self._urgent_io.shutdown(wait=True)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -10,6 +10,13 @@ the commit its reserve, and waiting for the uploads stops at the deadline. Runni
 time raises SaveAbandonedError and commits nothing. Retention is left to the next save
 without a deadline (or ``gc()``): under a slow store it could take the rest of the window,
 which belongs to the caller once the step is committed.
+
+A background save can be cancelled (:meth:`CheckpointWriter.cancel_inflight`): its
+:class:`~ckpt_service.cancel.CancelToken` is checked between piece uploads, before each of
+the store gather's polls and before each step of the commit up to the marker, and the save
+then raises SaveCancelledError and commits nothing. Saves with a deadline upload on an
+executor of their own (``urgent_io``), so they never queue behind a background save's
+uploads; the I/O that a cancelled save had already sent runs on to its own end there.
 """
 from __future__ import annotations
 
@@ -17,16 +24,23 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import FIRST_EXCEPTION, Executor, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from ckpt_service import layout
 from ckpt_service.arguments import checked_ranks, checked_step
+from ckpt_service.cancel import CancelToken, check
 from ckpt_service.commit import commit_step
 from ckpt_service.deadline import Deadline
-from ckpt_service.errors import BadAttemptError, CheckpointError, SaveAbandonedError, StoreDeadlineError
+from ckpt_service.errors import (
+    BadAttemptError,
+    CheckpointError,
+    SaveAbandonedError,
+    SaveCancelledError,
+    StoreDeadlineError,
+)
 from ckpt_service.gather import Gather, StoreGather, single_rank_gather
 from ckpt_service.lease import Lease
 from ckpt_service.manifest import Manifest, PieceRecord, checked_metadata, crc32c
@@ -59,25 +73,42 @@ class CheckpointWriter:
     ``after_commit(step)`` runs on the coordinator after each commit of a save without a deadline
     (retention, which must keep ``step``); a CheckpointError from it is logged, never raised: the
     commit stands.
+
+    Saves with a deadline upload on ``urgent_io`` (default: ``io``, shared); give them an executor
+    of their own so that their uploads never wait behind a background save's.
     """
 
     def __init__(self, store: ObjectStore, io: Executor, plans: PlanCache, *, compression: str = "none",
-                 gather_timeout_s: float = 600.0, after_commit: Callable[[int], object] | None = None) -> None:
+                 gather_timeout_s: float = 600.0, after_commit: Callable[[int], object] | None = None,
+                 urgent_io: Executor | None = None) -> None:
         self.store = store
         self.plans = plans
         self.compression = compression
         self.gather_timeout_s = gather_timeout_s
         self.after_commit = after_commit
-        self.last_stats: SaveStats | None = None
+        self._stats_lock = threading.Lock()  # saves on the caller's and the background thread record stats
+        self._last_stats: SaveStats | None = None
         self._io = io
+        self._urgent_io = urgent_io if urgent_io is not None else io
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         self._inflight: Future[Manifest | None] | None = None
+        self._inflight_cancel: CancelToken | None = None  # the token of the save in _inflight
         self._inflight_lock = threading.Lock()
         self._start_lock = threading.Lock()  # held by save_async from its busy check to its submit
 
     @property
     def url(self) -> str:
         return self.store.url
+
+    @property
+    def last_stats(self) -> SaveStats | None:
+        """What this rank did in the save that ended last (of any thread)."""
+        with self._stats_lock:
+            return self._last_stats
+
+    def _record_stats(self, stats: SaveStats) -> None:
+        with self._stats_lock:
+            self._last_stats = stats
 
     def plan(self, specs: Iterable[TensorSpec] | TensorSpecs, world_size: int = 1) -> SavePlan:
         return self.plans.plan(specs, world_size)
@@ -174,12 +205,13 @@ class CheckpointWriter:
                 self._report_failed_share(step, rank, world_size, gather, coordinator, None, attempt, plan, exc)
                 raise
             stall = time.perf_counter() - t0
+            token = CancelToken()
             future = self._bg.submit(
                 self._save_planned, step, plan, share, meta, rank, gather, coordinator, lease, None,
-                attempt=attempt, stall_s=stall,
+                attempt=attempt, stall_s=stall, cancel=token,
             )
             with self._inflight_lock:
-                self._inflight = future
+                self._inflight, self._inflight_cancel = future, token
         finally:
             self._start_lock.release()
         if on_done is not None:
@@ -206,6 +238,22 @@ class CheckpointWriter:
         with self._inflight_lock:
             return self._inflight is not None and not self._inflight.done()
 
+    def cancel_inflight(self, reason: str) -> bool:
+        """Cancel the background save in flight, if any; returns whether there was one to cancel.
+
+        It stops at its next check (between uploads, before a gather poll, before each step of the
+        commit) and fails with SaveCancelledError, committing nothing; one whose commit marker was
+        already sent is past cancelling and ends as the store decides. A request it has sent runs
+        on to its own end: :meth:`wait` tells when it is over. Never blocks.
+        """
+        with self._inflight_lock:
+            future, token = self._inflight, self._inflight_cancel
+        if future is None or token is None or future.done():
+            return False
+        if token.cancel(reason):
+            log.info("cancelled the background checkpoint in flight: %s", reason)
+        return True
+
     def _log_background_error(self) -> None:
         """Log how the finished background save failed, if it did, and forget it.
 
@@ -218,7 +266,9 @@ class CheckpointWriter:
         if future is None:
             return
         error = future.exception()
-        if error is not None:
+        if isinstance(error, SaveCancelledError):
+            log.info("the previous background checkpoint was cancelled: %s", error)
+        elif error is not None:
             log.error("the previous background checkpoint failed: %s", error, exc_info=error)
 
     def close(self) -> None:
@@ -264,6 +314,7 @@ class CheckpointWriter:
         attempt: str | None = None,
         stall_start: float | None = None,
         stall_s: float | None = None,
+        cancel: CancelToken | None = None,
     ) -> Manifest | None:
         world_size = plan.world_size
         if not 0 <= rank < world_size:
@@ -273,10 +324,12 @@ class CheckpointWriter:
         writes = deadline.before_commit(time.time()) if deadline is not None else None
         if gather is None:
             gather = single_rank_gather if world_size == 1 else self._store_gather(
-                step, rank, world_size, attempt, coordinator, writes)
+                step, rank, world_size, attempt, coordinator, writes, cancel)
         try:
             pieces = share() if callable(share) else share  # a deferred share is assembled here
-            record = self._write_share(step, rank, pieces, writes, deadline, attempt, plan.digest)
+            record = self._write_share(step, rank, pieces, writes, deadline, attempt, plan.digest, cancel)
+        except SaveCancelledError:
+            raise  # every rank cancels its own share of the save: no one waits for this rank's record
         except Exception as exc:
             # Every rank must still reach the gather, or the others would wait on it forever;
             # the coordinator sees the error record and abandons the step.
@@ -292,13 +345,14 @@ class CheckpointWriter:
             if gathered is None:
                 raise CheckpointError("the gather returned no records on the coordinator")
             records = [ShardRecord.from_json(r) for r in gathered]
-            manifest = commit_step(self.store, step, plan, records, metadata, lease, deadline, attempt=attempt)
+            manifest = commit_step(self.store, step, plan, records, metadata, lease, deadline, attempt=attempt,
+                                   cancel=cancel)
             if deadline is None:
                 self._apply_retention(step)
             else:
                 log.debug("step %d had a deadline: retention is left to the next save without one", step)
         stall = stall_s if stall_s is not None else time.perf_counter() - (stall_start or t_write)
-        self.last_stats = SaveStats(step, rank, record.nbytes, stall, write_s, manifest is not None)
+        self._record_stats(SaveStats(step, rank, record.nbytes, stall, write_s, manifest is not None))
         return manifest
 
     def _apply_retention(self, step: int) -> None:
@@ -310,20 +364,23 @@ class CheckpointWriter:
             log.warning("retention after step %d failed: %s", step, exc)
 
     def _store_gather(self, step: int, rank: int, world_size: int, attempt: str | None, coordinator: int,
-                      deadline: Deadline | None) -> StoreGather:
+                      deadline: Deadline | None, cancel: CancelToken | None = None) -> StoreGather:
         if attempt is None:  # _check_attempt refused such a save before it wrote anything
             raise _attempt_required(step)
         return StoreGather(self.store, step, rank, world_size, attempt=attempt, coordinator=coordinator,
-                           deadline=deadline, timeout_s=self.gather_timeout_s)
+                           deadline=deadline, timeout_s=self.gather_timeout_s, cancel=cancel)
 
     def _write_share(self, step: int, rank: int, share: list[Piece], writes: Deadline | None,
-                     deadline: Deadline | None, attempt: str | None, plan_digest: str) -> ShardRecord:
+                     deadline: Deadline | None, attempt: str | None, plan_digest: str,
+                     cancel: CancelToken | None = None) -> ShardRecord:
         """Upload this rank's pieces under keys unique to this attempt; returns its shard record.
 
         Each upload ends by ``writes``; waiting for them ends at ``deadline`` at the latest (a
-        request stalled inside one socket operation may overrun its own window a little).
+        request stalled inside one socket operation may overrun its own window a little), or
+        when the save is cancelled. A save with a deadline uploads on the urgent executor.
         """
         store = self.store if writes is None else self.store.within(writes)
+        io = self._io if deadline is None else self._urgent_io
         nonce = uuid.uuid4().hex[:12]
         pieces: list[PieceRecord] = []
         uploads: list[Future[int]] = []
@@ -331,25 +388,35 @@ class CheckpointWriter:
             if writes is not None and writes.expired(time.time()):
                 _cancel(uploads)
                 raise _abandoned(step, f"rank {rank} ran out of time before writing all its pieces")
+            if cancel is not None and cancel.cancelled:
+                _cancel(uploads)
+                cancel.check(step, f"before rank {rank} wrote all its pieces")
             prefix = layout.piece_prefix(step, item.group, item.index, nonce)
             # each upload frames and checksums its own chunk: that work runs on the io threads
             for key, make in piece_objects(flat, item.chunk_elements, self.compression).items():
-                uploads.append(self._io.submit(_put, store, prefix + key, make))
+                uploads.append(io.submit(_put, store, prefix + key, make, cancel, step))
             pieces.append(PieceRecord(item.group, item.index, item.start, item.stop, item.chunk_elements,
                                       prefix, crc32c(flat), item.nbytes, rank))
-        self._await_uploads(step, rank, uploads, deadline)
+        self._await_uploads(step, rank, uploads, deadline, cancel)
         return ShardRecord(rank, tuple(pieces), nonce, step=step, attempt=attempt, plan=plan_digest)
 
     @staticmethod
-    def _await_uploads(step: int, rank: int, uploads: list[Future[int]], deadline: Deadline | None) -> None:
-        """Wait for every upload, or until one fails or the deadline passes; what has not started
-        then is cancelled (what has goes on to its own end and leaves objects for gc)."""
+    def _await_uploads(step: int, rank: int, uploads: list[Future[int]], deadline: Deadline | None,
+                       cancel: CancelToken | None = None) -> None:
+        """Wait for every upload, or until one fails, the deadline passes or the save is cancelled;
+        what has not started then is cancelled (what has goes on to its own end and leaves objects
+        for gc)."""
         timeout = None if deadline is None else max(0.0, deadline.left(time.time()))
-        _done, pending = wait_futures(uploads, timeout=timeout, return_when=FIRST_EXCEPTION)
+        settled = _settled(uploads)
+        wait_futures([settled] if cancel is None else [settled, cancel.fired], timeout=timeout,
+                     return_when=FIRST_COMPLETED)
+        pending = [f for f in uploads if not f.done()]
         failed = next((f.exception() for f in uploads if f.done() and not f.cancelled() and f.exception()), None)
         if failed is None and not pending:
             return
         _cancel(uploads)
+        if cancel is not None and (cancel.cancelled or isinstance(failed, SaveCancelledError)):
+            cancel.check(step, f"before rank {rank}'s uploads were done")
         if isinstance(failed, StoreDeadlineError):
             raise _abandoned(step, f"rank {rank} could not write its pieces before the deadline ({failed})") from failed
         if failed is not None:
@@ -357,11 +424,35 @@ class CheckpointWriter:
         raise _abandoned(step, f"{len(pending)} of rank {rank}'s uploads were not done by the deadline")
 
 
-def _put(store: ObjectStore, key: str, make: Callable[[], Parts]) -> int:
+def _put(store: ObjectStore, key: str, make: Callable[[], Parts], cancel: CancelToken | None = None,
+         step: int = 0) -> int:
+    check(cancel, step, "before all its pieces were uploaded")  # one queued behind a cancel starts nothing
     parts = make()
     if type(store) is LocalStore:  # not a wrapper or subclass that overrides put
         return store.put_parts(key, parts)  # straight from the caller's arrays to the file
     return store.put(key, parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts))
+
+
+def _settled(futures: list[Future[int]]) -> Future[None]:
+    """A future done once every one of ``futures`` is, or as soon as one fails or is cancelled."""
+    settled: Future[None] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def landed(future: Future[int]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if future.cancelled() or future.exception() is not None or last:
+            with lock:
+                if not settled.done():
+                    settled.set_result(None)
+
+    if not futures:
+        settled.set_result(None)
+    for future in futures:
+        future.add_done_callback(landed)
+    return settled
 
 
 def _cancel(futures: Iterable[Future[int]]) -> None:

@@ -229,9 +229,20 @@ class NoticeAgreed(EventBody):
 @_declare("wait_inflight")
 @dataclass(frozen=True)
 class WaitInflight(EventBody):
-    """An in-flight background save was waited for before the emergency save."""
+    """An in-flight background save was waited for before the emergency save (older versions;
+    now such a save is cancelled: :class:`InflightCancelled`)."""
 
     step: int
+
+
+@_declare("inflight_cancelled")
+@dataclass(frozen=True)
+class InflightCancelled(EventBody):
+    """An in-flight background save was cancelled at ``step``: ``reason`` is ``emergency`` (an
+    emergency save needs the store) or ``new_ring`` (the ring it was started on is gone)."""
+
+    step: int
+    reason: str
 
 
 @_declare("election", urgent=True)
@@ -527,4 +538,4 @@ __all__ = ["ENVELOPE", "KINDS", "AsyncSave", "Commit", "EarlyWarning", "Election
            "KeeperRefill", "KeeperRelease", "KeeperStart", "KeeperStockout", "LeaseError", "LeavePublished",
            "LeavingPruned", "Lr", "Notice", "NoticeAgreed", "Progress", "Record", "Reset", "Restore",
            "ResumeAt", "Ring", "SaveEnd", "SaveFailed", "SaveSkipped", "SaveStart", "Start", "StopRequested",
-           "TrainEnd", "WaitInflight", "Weights", "from_json_dict", "to_json_dict"]
+           "TrainEnd", "WaitInflight", "InflightCancelled", "Weights", "from_json_dict", "to_json_dict"]

@@ -11,8 +11,8 @@ Per step boundary, on every rank, in the same order:
    ranks measured, see :func:`~hvd_transient.election.steps_until_next_check` for the
    time bound it promises; or every ``check_every_steps`` steps if set), one tiny
    allreduce tells all ranks which ranks are under preemption notice and their deadlines;
-2. if some rank newly got a notice: wait (bounded) for an in-flight background
-   save; elect the master (lowest rank not leaving) and move the store lease to
+2. if some rank newly got a notice: cancel a background save in flight (a new
+   ring cancels one its predecessor left, too); elect the master (lowest rank not leaving) and move the store lease to
    it; write the **emergency sharded checkpoint** with every rank writing its
    share (records gathered by collective, commit by the master before the
    deadline, or abandoned cleanly); broadcast the outcome. Each newly leaving VM
@@ -259,6 +259,10 @@ class TransientImpl:
     def begin(self, step: int) -> None:
         """Every rank, each time training (re)starts on a new ring: learn the ring, elect, take the lease."""
         rank, size = self.comm.rank(), self.comm.size()
+        # A background save of the previous ring may wait for a member that is gone (its gather,
+        # up to async_gather_timeout_s), and every save and emergency would wait behind it.
+        if self.manager.cancel_inflight(f"a new ring began at step {step}"):
+            self.events.emit(ev.InflightCancelled(step=step, reason="new_ring"))
         # Each member says itself whether it is leaving: a VM that left and came back under the same
         # name runs a new process that is not, whatever the survivors remember, and every rank must
         # take the same view (it decides the master and which steps run a collective).
@@ -566,15 +570,11 @@ class TransientImpl:
         self.events.emit(ev.NoticeAgreed(step=step, leaving=tuple(leaving_hosts), deadline=deadline, size=size),
                          wait_s=self._notice_event_wait_s(deadline))
 
-        # A background save still in flight gets part of the window; its commit (if it still
-        # holds the lease) is independent of the emergency step, so nothing can tear.
-        waited = self.manager.save_in_flight
-        if waited:
-            self.events.emit(ev.WaitInflight(step=step))
-            try:
-                self.manager.wait(timeout=max(0.0, (deadline - self.clocks.wall()) / 3))
-            except Exception as exc:
-                log.warning("in-flight checkpoint did not finish before the emergency save: %s", exc)
+        # A background save still in flight is cancelled, on every rank: the emergency step
+        # supersedes it, and its uploads must not compete with this save's for a slow store
+        # (those it already sent end on its own threads; this save uploads on others).
+        if self.manager.cancel_inflight(f"an emergency save of step {step} needs the store"):
+            self.events.emit(ev.InflightCancelled(step=step, reason="emergency"))
 
         new_master = elect_master(size, round_.leaving)
         if new_master != self.run.master:
@@ -651,8 +651,10 @@ class TransientImpl:
         """Release the lease unless this rank is ``master``, which takes it (all ranks agreed).
 
         Every store call ends by ``until`` (epoch seconds; default ``LEASE_MOVE_TIMEOUT_S`` from now).
-        A failure here is logged, never raised: a master without the lease cannot commit
-        (its saves are abandoned and reported), but training goes on.
+        ``lease.held`` is trusted: a release or steal here outdates any fence of a background save
+        still in flight (:class:`~ckpt_service.lease.Lease`), whose late reply can no longer make a
+        released lease look held. A failure here is logged, never raised: a master without the
+        lease cannot commit (its saves are abandoned and reported), but training goes on.
         """
         if until is None:
             until = self.clocks.wall() + LEASE_MOVE_TIMEOUT_S

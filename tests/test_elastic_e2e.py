@@ -159,7 +159,7 @@ def test_whole_cluster_notice_during_async_save_then_cold_restart(tmp_path: Path
     commit = of(events, "commit", kind="emergency")
     assert len(commit) == 1
     emergency_step = commit[0]["step"]
-    assert of(events, "wait_inflight"), "the notice should have met an in-flight periodic save"
+    assert of(events, "inflight_cancelled", reason="emergency"), "the notice should have met an in-flight periodic save"
     steps = assert_all_committed_steps_verify(store)  # nothing torn
     assert steps[-1] == emergency_step
     with CheckpointManager(store) as mgr:

@@ -241,12 +241,12 @@ class LocalStore(ObjectStore):
 
 def _lock_by(fh: IO[bytes], deadline: Deadline, root: Path) -> None:
     """Take the store lock, giving up with StoreDeadlineError at the deadline's end."""
-    end = deadline.end
+    end = time.monotonic() + deadline.left(time.time())  # the epoch deadline, on the interval clock
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception_type(BlockingIOError),
         wait=lambda state: min(tenacity.wait_exponential(multiplier=0.001, max=_LOCK_POLL_MAX_S)(state),
-                               max(0.0, end - time.time())),
-        stop=lambda state: time.time() >= end,
+                               max(0.0, end - time.monotonic())),
+        stop=lambda state: time.monotonic() >= end,
         reraise=True,
     )
     try:

@@ -640,6 +640,9 @@ def _describe(e: AnyRecord, rings: Sequence[Ring], once: Callable[[tuple[Any, ..
         return f"notice agreed at step {b.step}: leaving {', '.join(b.leaving)}"
     if isinstance(b, ev.WaitInflight) and once(("wait_inflight", b.step)):
         return f"waiting for the in-flight periodic save before the emergency save (step {b.step})"
+    if isinstance(b, ev.InflightCancelled) and once(("inflight_cancelled", b.step)):
+        why = "for the emergency save" if b.reason == "emergency" else "its ring is gone"
+        return f"cancelled the in-flight periodic save at step {b.step} ({why})"
     if isinstance(b, ev.Election) and once(("election", b.step)):
         return f"master moved {b.old_master_host} -> {b.new_master_host} at step {b.step}"
     if isinstance(b, ev.Commit):
