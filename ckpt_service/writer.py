@@ -144,14 +144,8 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         _check_attempt(step, attempt, world_size, gather)
         bound = Deadline(deadline) if deadline is not None else None
-        plan: SavePlan | None = None
-        try:
-            plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
-            share = self._take_share(plan, tensors, rank, snapshot)
-            meta = checked_metadata(metadata)
-        except Exception as exc:
-            self._report_failed_share(step, rank, world_size, gather, coordinator, bound, attempt, plan, exc)
-            raise
+        plan, share, meta = self._prepare(step, tensors, metadata, rank, world_size, gather, coordinator, bound,
+                                          attempt, snapshot)
         return self._save_planned(step, plan, share, meta, rank, gather, coordinator, lease, bound, attempt=attempt,
                                   stall_start=t0)
 
@@ -195,15 +189,8 @@ class CheckpointWriter:
             self._log_background_error()
             t0 = time.perf_counter()
             # The snapshot is exactly this rank's pieces, in contiguous host buffers.
-            plan: SavePlan | None = None
-            try:
-                plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
-                share = self._take_share(plan, tensors, rank, snapshot)
-                meta = checked_metadata(metadata)
-            except Exception as exc:
-                # the other ranks' background saves gather through the store; tell the coordinator
-                self._report_failed_share(step, rank, world_size, gather, coordinator, None, attempt, plan, exc)
-                raise
+            plan, share, meta = self._prepare(step, tensors, metadata, rank, world_size, gather, coordinator, None,
+                                              attempt, snapshot)
             stall = time.perf_counter() - t0
             token = CancelToken()
             future = self._bg.submit(
@@ -277,6 +264,19 @@ class CheckpointWriter:
             self.wait()
         finally:
             self._bg.shutdown(wait=True)
+
+    def _prepare(self, step: int, tensors: Mapping[str, Any], metadata: Mapping[str, Any] | None, rank: int,
+                 world_size: int, gather: Gather | None, coordinator: int, deadline: Deadline | None,
+                 attempt: str | None, snapshot: ShareSnapshot | None) -> tuple[SavePlan, Share, dict[str, Any]]:
+        """Plan, take this rank's share and check the metadata; a failure still reaches the gather
+        (as a failed record), so the other ranks learn of it instead of waiting for this one."""
+        plan: SavePlan | None = None
+        try:
+            plan = self.plan(specs_to_save(tensors, data_needed=snapshot is None), world_size)
+            return plan, self._take_share(plan, tensors, rank, snapshot), checked_metadata(metadata)
+        except Exception as exc:
+            self._report_failed_share(step, rank, world_size, gather, coordinator, deadline, attempt, plan, exc)
+            raise
 
     def _report_failed_share(self, step: int, rank: int, world_size: int, gather: Gather | None,
                              coordinator: int, deadline: Deadline | None, attempt: str | None,
