@@ -55,7 +55,7 @@ GROUP_TIMEOUT_S = 5.0
 STEP_BOUND_S = 5.0
 #: how long a background save's coordinator waits for the other writers' records in the store
 #: (the protocol's async_gather_timeout_s): a rank whose record write failed holds it that long
-GATHER_TIMEOUT_S = 2.0
+GATHER_TIMEOUT_S = 1.0
 LEAVE_MARGIN_S = 1.0
 #: the outcome fields every rank must agree on
 AGREED = ("emergency_step", "committed", "stop", "departure_pending")
@@ -244,7 +244,7 @@ class NoticeProtocol(RuleBasedStateMachine):
             rank.store.delay_s = SLOW_S[fault]
 
     @precondition(lambda self: bool(self.ring) and not self.finished and not self.stop_requested
-                  and self.step >= 6)  # not before the run got anywhere
+                  and self.step >= 9)  # not before the run got anywhere
     @rule()
     def operator_stops(self) -> None:
         request_stop(self.memory)
@@ -406,6 +406,6 @@ class NoticeProtocol(RuleBasedStateMachine):
 
 
 NoticeProtocol.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=30, derandomize=True, database=None, deadline=None,
+    max_examples=50, stateful_step_count=40, derandomize=True, database=None, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_notice_protocol_interleavings = NoticeProtocol.TestCase
