@@ -434,7 +434,7 @@ class TransientImpl:
                 return self._emergency(step, round_, new, snapshot, metadata, share_snapshot)
             if round_.stop:
                 self.events.emit(ev.StopRequested(step=step))
-                return StepOutcome(stop=True, departure_pending=self.run.departure_pending)
+                return StepOutcome(stop=True, leaving=self.run.leaving, departure_pending=self.run.departure_pending)
             if round_.early_warning and not round_.busy and not self.run.departure_pending:
                 # Some VM is at elevated risk: every rank takes a checkpoint now (in the
                 # background, as a periodic one) so a notice that follows finds a recent one.
