@@ -487,6 +487,34 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
 
+def test_the_plot_shows_a_bar_per_worker_a_marker_per_event_and_the_ring_size(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from hvd_transient.events import read_events
+    from hvd_transient.report.plot import _ring_size_series, run_figure
+
+    store = LocalStore(tmp_path / "store")
+    write_log_through_eventlog(store)
+    a = analyze(read_events(store))
+    fig = run_figure(a)
+    try:
+        def shown(gid: str) -> int:
+            return sum(1 for ax in fig.axes for artist in ax.get_children() if artist.get_gid() == gid)
+
+        assert shown("worker") == len(a.workers) == 3
+        assert shown("notice") == sum(w.notice_at is not None for w in a.workers) == 1
+        assert shown("departure") == len(a.preemptions) == 1
+        assert shown("join") == len(a.joins)
+        for kind in ("periodic", "emergency", "final"):
+            assert shown(f"commit:{kind}") == sum(c.kind == kind for c in a.commits) == 1
+        (ring,) = [line for ax in fig.axes for line in ax.get_lines() if line.get_gid() == "ring_size"]
+        assert list(ring.get_ydata()) == _ring_size_series(a)[1]
+        assert max(ring.get_ydata()) == 3 and 2 in list(ring.get_ydata())  # the ring shrank at the leave
+    finally:
+        plt.close(fig)
+
+
 def test_cli_reads_a_gcs_store(tmp_path: Path, gcs_emulator_session: Any,
                                capsys: pytest.CaptureFixture[str]) -> None:
     """The real google-cloud-storage client against fake-gcs-server."""

@@ -97,6 +97,16 @@ def _draw_keeper(ax: Any, a: RunAnalysis, rel: Callable[[float], float]) -> list
 def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str | None = None) -> None:
     """Write the figure to ``path`` (PNG, or whatever its suffix names)."""
     plt = _pyplot()
+    fig = run_figure(analysis, title=title)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    log.debug("wrote %s", path)
+
+
+def run_figure(analysis: RunAnalysis, *, title: str | None = None) -> Any:
+    """The run's matplotlib figure. Its artists carry gids (``worker``, ``notice``, ``departure``,
+    ``join``, ``commit:<kind>``, ``ring_size``), so what it shows can be checked without pixels."""
+    plt = _pyplot()
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -120,7 +130,7 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
     ax_size = ax_steps.twinx()
     if a.rings:
         xs, ys = _ring_size_series(a)
-        ax_size.step([rel(x) for x in xs], ys, where="post", color="#7b3294", lw=1.2, alpha=0.8)
+        ax_size.step([rel(x) for x in xs], ys, where="post", color="#7b3294", lw=1.2, alpha=0.8, gid="ring_size")
         ax_size.set_ylim(0, max(ys) + 1)
         ax_size.yaxis.get_major_locator().set_params(integer=True)
     ax_size.set_ylabel("workers in ring", color="#7b3294")
@@ -144,20 +154,21 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
     index = {(w.host, w.pid): i for i, w in enumerate(workers)}
     for i, w in enumerate(workers):
         ax_bars.barh(i, max(w.seconds, 0.05), left=rel(w.started_at), height=0.55,
-                     color=OUTCOME_COLOURS.get(w.outcome, "grey"), alpha=0.85, edgecolor="black", lw=0.5)
+                     color=OUTCOME_COLOURS.get(w.outcome, "grey"), alpha=0.85, edgecolor="black", lw=0.5,
+                     gid="worker")
         if w.notice_at is not None:
             # above the bar, pointing at it: the departure marker sits on the bar a moment later
             ax_bars.scatter([rel(w.notice_at)], [i - 0.42], marker="v", color="black", s=60, zorder=5,
-                            clip_on=False)
+                            clip_on=False, gid="notice")
     for p in a.preemptions:
         row = index.get((p.host, p.pid))
         if row is not None:
             ax_bars.scatter([rel(p.departed_at)], [row], marker="X" if not p.notice else "P",
-                            color="#b2182b" if not p.notice else "#8c510a", s=70, zorder=5)
+                            color="#b2182b" if not p.notice else "#8c510a", s=70, zorder=5, gid="departure")
     for j in a.joins:
         row = index.get((j.host, j.pid))
         if row is not None:
-            ax_bars.scatter([rel(j.t)], [row], marker=">", color="#2166ac", s=60, zorder=5)
+            ax_bars.scatter([rel(j.t)], [row], marker=">", color="#2166ac", s=60, zorder=5, gid="join")
     label_of = {w.host: i for i, w in enumerate(workers)}
     for c in a.commits:
         marker, colour, size = COMMIT_STYLE.get(c.kind, ("o", "black", 30))
@@ -165,7 +176,7 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
                     and workers[index[k]].started_at <= c.t <= workers[index[k]].ended_at),
                    label_of.get(c.host))
         if row is not None:
-            ax_bars.scatter([rel(c.t)], [row], marker=marker, color=colour, s=size, zorder=6)
+            ax_bars.scatter([rel(c.t)], [row], marker=marker, color=colour, s=size, zorder=6, gid=f"commit:{c.kind}")
     ax_bars.set_yticks(range(len(workers)))
     ax_bars.set_yticklabels([f"{w.label}" for w in workers], fontsize=8)
     ax_bars.invert_yaxis()
@@ -193,9 +204,7 @@ def plot_run(analysis: RunAnalysis, path: str | os.PathLike[str], *, title: str 
     ax_steps.set_title(title or (f"{len(workers)} workers, {len(a.preemptions)} departures, "
                                  f"{len(a.joins)} joins; {done} at step {a.final_step} in {a.wall_s:.0f} s"),
                        fontsize=10, loc="right")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    log.debug("wrote %s", path)
+    return fig
 
 
-__all__ = ["PlotUnavailableError", "plot_run"]
+__all__ = ["PlotUnavailableError", "plot_run", "run_figure"]
