@@ -171,3 +171,19 @@ def test_the_report_times_the_departure_from_the_actual_leave() -> None:
     assert p.departed_at == pytest.approx(T0 + 7.5)
     assert p.resume_ms == pytest.approx(1000.0, abs=1)
     assert p.steps_rolled_back == 0 and p.checkpoint_committed
+
+
+# ------------------------------------------------------------------ the goodput benchmark
+
+def test_the_goodput_bench_passes_the_leave_option_to_our_workers_only() -> None:
+    from dataclasses import fields
+
+    import bench.goodput as goodput
+
+    args = goodput.build_parser().parse_args(["--leave", "near_deadline", "--leave-lead", "8"])
+    cfg = goodput.Config(**{f.name: getattr(args, f.name) for f in fields(goodput.Config)})
+    ours = goodput.worker_command("ours", "/store", cfg, 30.0)
+    assert ours[ours.index("--leave"):ours.index("--leave") + 4] == ("--leave", "near_deadline", "--leave-lead", "8")
+    assert "--leave" not in goodput.worker_command("horovod_elastic", "/store", cfg, 30.0)
+    default = goodput.build_parser().parse_args([])
+    assert (default.leave, default.leave_lead) == ("at_notice", 10.0)
