@@ -195,7 +195,6 @@ class TransientConfig:
                                    f"not {self.leave_lead_s}")
 
 
-
 @dataclass(frozen=True)
 class StepOutcome:
     emergency_step: int | None = None   # step of an emergency checkpoint taken at this boundary
