@@ -263,7 +263,8 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         leave: how a worker under notice leaves. ``at_notice`` (default): as soon as the emergency
             checkpoint is taken. ``near_deadline``: the checkpoint is still taken at the notice,
             but the worker trains on and host discovery drops it only ``leave_lead_s`` before its
-            VM's deadline, so the window's work is kept (a notice to every host leaves at once).
+            VM's deadline, so the window's work is kept (a notice to every host leaves at once;
+            a static job, ``state=None``, always leaves at the notice).
         leave_lead_s: with ``near_deadline``, how long before its VM's deadline a worker leaves
             (default 10 s: Horovod's host check, about 1 s, the ring's reset, a few seconds on a
             loaded box, and a margin).
@@ -285,6 +286,11 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         super().__init__()
         scaled_lr(1.0, 1, lr_scaling)  # validate early
         self.state = state
+        if state is None and leave == "near_deadline":
+            # a static job stops at the notice and is relaunched: a host discovery still listed
+            # would be given to the relaunch and stopped under it
+            log.warning("leave=%r needs an elastic job; this static one leaves at the notice", leave)
+            leave = "at_notice"
         self.config = TransientConfig(
             store=store, save_every_steps=save_every_steps, check_every_steps=check_every_steps,
             check_interval_s=check_interval_s,

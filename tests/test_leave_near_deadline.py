@@ -187,3 +187,21 @@ def test_the_goodput_bench_passes_the_leave_option_to_our_workers_only() -> None
     assert "--leave" not in goodput.worker_command("horovod_elastic", "/store", cfg, 30.0)
     default = goodput.build_parser().parse_args([])
     assert (default.leave, default.leave_lead) == ("at_notice", 10.0)
+
+
+# ------------------------------------------------------------------ the Keras callback
+
+def test_the_keras_callback_passes_the_options_and_a_static_job_leaves_at_the_notice(tmp_path) -> None:
+    import hvd_transient.keras as hvdt
+
+    class Elastic:  # what the callback asks of Horovod's elastic state here
+        def register_reset_callbacks(self, callbacks: object) -> None:
+            pass
+
+    store = str(tmp_path / "store")
+    elastic = hvdt.TransientCallback(Elastic(), store=store, leave="near_deadline", leave_lead_s=7.0)
+    assert (elastic.config.leave, elastic.config.leave_lead_s) == ("near_deadline", 7.0)
+    # a static job is relaunched at the notice: a host still listed would be given to the relaunch
+    assert hvdt.TransientCallback(None, store=store, leave="near_deadline").config.leave == "at_notice"
+    with pytest.raises(LeaveConfigError, match="'later'"):
+        hvdt.TransientCallback(None, store=store, leave="later")
