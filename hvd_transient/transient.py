@@ -174,7 +174,8 @@ class TransientConfig:
     base_lr: float | None = None
     progress_every_steps: int = 10
     #: ``at_notice``: a VM under notice leaves the ring as soon as its emergency checkpoint is
-    #: taken; ``near_deadline``: it trains on until ``leave_lead_s`` before its deadline
+    #: taken; ``near_deadline``: it trains on until ``leave_lead_s`` before its deadline (elastic
+    #: jobs: a static job stops at the notice, and its relaunch must not get the host)
     leave: str = "at_notice"
     leave_lead_s: float = DEFAULT_LEAVE_LEAD_S
 
