@@ -38,6 +38,7 @@ from hvd_transient.report.goodput import (
 )
 from hvd_transient.testing.local_cluster import HOST_ALIASES, ClusterError, LocalCluster, LocalClusterSpec
 from hvd_transient.traces import TracePlan, add_trace_arguments, load_plan
+from hvd_transient.transient import DEFAULT_LEAVE_LEAD_S, LEAVE_MODES
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class Config:  # field names are the command line's
     cooldown: tuple[int, int]
     variants: tuple[str, ...]
     instance_type: str | None
+    leave: str = "at_notice"
+    leave_lead: float = DEFAULT_LEAVE_LEAD_S
 
 
 def worker_command(variant: str, store: str, cfg: Config, window_s: float) -> tuple[str, ...]:
@@ -73,7 +76,7 @@ def worker_command(variant: str, store: str, cfg: Config, window_s: float) -> tu
     if variant == "horovod_elastic":
         return (sys.executable, str(BASELINE_SCRIPT), "--events-store", store, *shared)
     return (sys.executable, str(OURS_SCRIPT), "--store", store, "--save-every", str(cfg.save_every),
-            "--notice-window", f"{window_s:g}", *shared)
+            "--notice-window", f"{window_s:g}", "--leave", cfg.leave, "--leave-lead", f"{cfg.leave_lead:g}", *shared)
 
 
 def _spec(variant: str, store: str, hosts: Sequence[str], workdir: Path, cfg: Config, plan: TracePlan
@@ -289,6 +292,7 @@ def summarize(out: dict[str, Any], plan: TracePlan, cfg: Config) -> dict[str, An
         "cost_per_m_samples_on_demand": on_demand_cost_per_m_samples(out["rates"], price.on_demand_per_hour),
         "instance_type": price.name,
         "ours_steps_rolled_back": results["ours"].steps_rolled_back if "ours" in results else None,
+        "ours_leave": cfg.leave, "ours_leave_lead_s": cfg.leave_lead,
         "preemptions": plan.preemptions, "waves": len(plan.waves), "launches": out["launches"],
         "errors": out["errors"]}
 
@@ -329,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain Horovod's --blacklist-cooldown-range: a failed host name may come back")
     p.add_argument("--variants", type=bc.csv_list(str, VARIANTS), default=VARIANTS)
     p.add_argument("--instance-type", help="price-table entry for the costs")
+    p.add_argument("--leave", choices=LEAVE_MODES, default="at_notice",
+                   help="ours: a worker under notice leaves after its emergency checkpoint (at_notice) or "
+                        "trains on until --leave-lead seconds before its deadline (near_deadline)")
+    p.add_argument("--leave-lead", type=float, default=DEFAULT_LEAVE_LEAD_S,
+                   help="ours, with --leave near_deadline: seconds before the deadline that a worker leaves")
     return p
 
 
@@ -339,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
     if cfg.calibration_s <= 0 or cfg.warmup_steps < 1:
         p.error("--calibration-s must be > 0 and --warmup-steps >= 1")
+    if not cfg.leave_lead >= 0:
+        p.error(f"--leave-lead must be zero or more seconds, not {cfg.leave_lead}")
     plan = load_plan(args, HOST_ALIASES, window_s=args.window)  # a TraceError names the line or option
     print(f"trace: {plan.describe()}", file=sys.stderr, flush=True)
     # our workers have normally left before their deadline: the emulator's undeliverable SIGTERM is expected

@@ -35,6 +35,11 @@ def main() -> None:
     p.add_argument("--batches-per-commit", type=int, default=10, help="Horovod in-memory commit cadence")
     p.add_argument("--notice-window", type=float, default=None,
                    help="seconds a notice gives (default: what the VM is configured with; GCE Spot: 30)")
+    p.add_argument("--leave", choices=("at_notice", "near_deadline"), default="at_notice",
+                   help="a worker under notice leaves after its emergency checkpoint, or trains on until "
+                        "--leave-lead seconds before its deadline")
+    p.add_argument("--leave-lead", type=float, default=10.0,
+                   help="with --leave near_deadline: seconds before the deadline that the worker leaves")
     p.add_argument("--cifar10-npz", help="real CIFAR-10 (.npz with x_train, y_train); synthetic if absent")
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="extra time per step, to stretch a tiny run over a preemption schedule")
@@ -55,7 +60,8 @@ def main() -> None:
     callbacks = [
         hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit),
         hvdt.TransientCallback(state, store=args.store, base_lr=args.base_lr,  # hvd-transient
-                               save_every_steps=args.save_every, notice_window_s=args.notice_window),
+                               save_every_steps=args.save_every, notice_window_s=args.notice_window,
+                               leave=args.leave, leave_lead_s=args.leave_lead),
     ]
     if args.print_saved_crc:
         def print_crc(batch: int, logs: object) -> None:

@@ -261,11 +261,13 @@ class Election(EventBody):
 @_declare("leave_published", durable=True)
 @dataclass(frozen=True)
 class LeavePublished(EventBody):
-    """This host published itself as leaving (host discovery drops it)."""
+    """This host published itself as leaving (host discovery drops it, at ``leave_at`` if set)."""
 
     step: int
     deadline: float | None
     was_master: bool | None = None
+    #: it trains on and discovery drops it only then (``leave="near_deadline"``); None: at once
+    leave_at: float | None = field(default=None, metadata=OMIT_NONE)
 
 
 @_declare("leaving_pruned")

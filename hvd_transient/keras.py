@@ -50,7 +50,7 @@ from hvd_transient.elastic_data import elastic_dataset
 from hvd_transient.hvd_collectives import HorovodCollectives
 from hvd_transient.lr_scaling import scaled_lr
 from hvd_transient.tf_snapshot import FusedSnapshot
-from hvd_transient.transient import StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.transient import DEFAULT_LEAVE_LEAD_S, StepOutcome, TransientConfig, TransientImpl
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +260,14 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         notice_window_s: how long a notice gives (None: the watcher finds it: on GCE the VM's
             configured notice, ``cluster up --preemption-notice-duration``, else 30 s; on AWS
             and Azure the deadline the notice carries).
+        leave: how a worker under notice leaves. ``at_notice`` (default): as soon as the emergency
+            checkpoint is taken. ``near_deadline``: the checkpoint is still taken at the notice,
+            but the worker trains on and host discovery drops it only ``leave_lead_s`` before its
+            VM's deadline, so the window's work is kept (a notice to every host leaves at once;
+            a static job, ``state=None``, always leaves at the notice).
+        leave_lead_s: with ``near_deadline``, how long before its VM's deadline a worker leaves
+            (default 10 s: Horovod's host check, about 1 s, the ring's reset, a few seconds on a
+            loaded box, and a margin).
         lr_scaling: ``linear`` | ``sqrt`` | ``none``: learning rate = f(active workers) x ``base_lr``.
         base_lr: the single-worker learning rate (None: leave the learning rate alone).
         watcher: ``auto`` | ``gce`` | ``aws`` | ``azure`` | ``local`` (env ``HVDT_WATCHER`` overrides).
@@ -273,16 +281,22 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
                  notice_window_s: float | None = None, leave_margin_s: float = 5.0,
                  lr_scaling: str = "linear", base_lr: float | None = None, watcher: str = "auto",
                  max_to_keep: int | None = 3, keep_every_n_steps: int | None = None,
-                 save_on_train_end: bool = True, resume_position: bool | None = None) -> None:
+                 save_on_train_end: bool = True, resume_position: bool | None = None,
+                 leave: str = "at_notice", leave_lead_s: float = DEFAULT_LEAVE_LEAD_S) -> None:
         super().__init__()
         scaled_lr(1.0, 1, lr_scaling)  # validate early
         self.state = state
+        if state is None and leave == "near_deadline":
+            # a static job stops at the notice and is relaunched: a host discovery still listed
+            # would be given to the relaunch and stopped under it
+            log.warning("leave=%r needs an elastic job; this static one leaves at the notice", leave)
+            leave = "at_notice"
         self.config = TransientConfig(
             store=store, save_every_steps=save_every_steps, check_every_steps=check_every_steps,
             check_interval_s=check_interval_s,
             notice_window_s=notice_window_s, leave_margin_s=leave_margin_s, watcher=watcher,
             max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps, lr_scaling=lr_scaling,
-            base_lr=base_lr)
+            base_lr=base_lr, leave=leave, leave_lead_s=leave_lead_s)
         self.save_on_train_end = save_on_train_end
         self.resume_position = state is not None if resume_position is None else resume_position
         self.impl: TransientImpl | None = None

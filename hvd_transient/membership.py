@@ -13,6 +13,10 @@ that host, so a VM that comes back under the same name is admitted again:
   ``lastStartTimestamp`` is newer than the record, is a new incarnation and is
   listed again at once (a STOP-preempted Spot VM restarted by ``cluster up``).
 
+A record may carry ``leave_at``: the host stays listed until then and is dropped from that
+moment (a VM under notice that trains on through its window, ``TransientConfig.leave=
+"near_deadline"``). A record without it (older writers too) excludes its host at once.
+
 Expired records are deleted by the checkpoint master when a ring begins
 (:func:`prune_leaving`, off the training thread, every call bounded).
 
@@ -24,7 +28,8 @@ than losing it, and nothing waits on the store past the window.
 The record format (JSON, all times Unix seconds)::
 
     {"host": "w-1", "reason": "preemption-notice", "published_at": 1764000000.0,
-     "deadline": 1764000030.0, "instance_id": "4521..." | null}
+     "deadline": 1764000030.0, "instance_id": "4521..." | null,
+     "leave_at": 1764000020.0 | null}
 """
 from __future__ import annotations
 
@@ -64,6 +69,11 @@ class LeavingRecord:
     deadline: float | None = None
     reason: str = "preemption-notice"
     instance_id: str | None = None  # the cloud's id of the VM that published it, where known
+    leave_at: float | None = None  # the host stays listed until then; None: it leaves at once
+
+    def leaves_by(self, now: float) -> bool:
+        """Whether discovery drops the host at ``now`` (before ``leave_at`` it is still listed)."""
+        return self.leave_at is None or now >= self.leave_at
 
     @property
     def ends_at(self) -> float:
@@ -90,7 +100,8 @@ class LeavingRecord:
         instance_id = doc.get("instance_id")
         return cls(host=host, published_at=number("published_at") or 0.0, deadline=number("deadline"),
                    reason=str(doc.get("reason", "preemption-notice")),
-                   instance_id=str(instance_id) if instance_id not in (None, "") else None)
+                   instance_id=str(instance_id) if instance_id not in (None, "") else None,
+                   leave_at=number("leave_at"))
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,8 @@ class Incarnation:
 
 def still_leaving(record: LeavingRecord, now: float, *, grace_s: float = DEFAULT_GRACE_S,
                   incarnation: Incarnation | None = None) -> bool:
-    """Whether ``record`` still excludes its host (pure)."""
+    """Whether ``record`` still describes the VM listed now (pure); it excludes its host from
+    ``leave_at`` on (:meth:`LeavingRecord.leaves_by`), but is kept, and not pruned, before that."""
     if now > record.ends_at + grace_s:
         return False
     if incarnation is not None:
@@ -120,9 +132,9 @@ def _key(host: str) -> str:
 
 def publish_leaving(store: ObjectStore, host: str, *, reason: str = "preemption-notice",
                     deadline: float | None = None, instance_id: str | None = None,
-                    now: float | None = None) -> LeavingRecord:
+                    now: float | None = None, leave_at: float | None = None) -> LeavingRecord:
     record = LeavingRecord(host=host, published_at=time.time() if now is None else now, deadline=deadline,
-                           reason=reason, instance_id=instance_id)
+                           reason=reason, instance_id=instance_id, leave_at=leave_at)
     store.put(_key(host), record.to_json())
     log.info("published %s as leaving (%s)", host, reason)
     return record
@@ -131,7 +143,7 @@ def publish_leaving(store: ObjectStore, host: str, *, reason: str = "preemption-
 def publish_leaving_until(store: ObjectStore, host: str, *, until: float, reason: str = "preemption-notice",
                           deadline: float | None = None, instance_id: str | None = None,
                           call_s: float = PUBLISH_CALL_S, stop: threading.Event | None = None,
-                          clock: Callable[[], float] = time.time) -> LeavingRecord:
+                          clock: Callable[[], float] = time.time, leave_at: float | None = None) -> LeavingRecord:
     """:func:`publish_leaving`, retried until ``until`` (epoch seconds): the record's host must
     leave gracefully even if the store fails now and then, or answers slowly.
 
@@ -145,7 +157,7 @@ def publish_leaving_until(store: ObjectStore, host: str, *, until: float, reason
         raise ValueError(f"call_s must be positive, not {call_s}")
     key = _key(host)
     record = LeavingRecord(host=host, published_at=clock(), deadline=deadline, reason=reason,
-                           instance_id=instance_id)
+                           instance_id=instance_id, leave_at=leave_at)
     data = record.to_json()
     done = stop or threading.Event()
 
@@ -201,16 +213,17 @@ def read_leaving(store: ObjectStore) -> list[LeavingRecord]:
 
 
 def leaving_hosts(store: ObjectStore, *, now: float | None = None, grace_s: float = DEFAULT_GRACE_S) -> set[str]:
-    """Hosts whose record still excludes them (no cloud view: deadline and grace only)."""
+    """Hosts whose record excludes them now (no cloud view: ``leave_at``, deadline and grace only)."""
     now = time.time() if now is None else now
-    return {r.host for r in read_leaving(store) if still_leaving(r, now, grace_s=grace_s)}
+    return {r.host for r in read_leaving(store) if r.leaves_by(now) and still_leaving(r, now, grace_s=grace_s)}
 
 
 def excluded(records: Iterable[LeavingRecord], names_to_incarnation: Mapping[str, Incarnation | None],
              now: float, *, grace_s: float = DEFAULT_GRACE_S) -> set[str]:
-    """Names whose record still excludes them, each judged against the VM now listed under it (pure)."""
+    """Names whose record excludes them now, each judged against the VM now listed under it (pure)."""
     return {r.host for r in records
-            if still_leaving(r, now, grace_s=grace_s, incarnation=names_to_incarnation.get(r.host))}
+            if r.leaves_by(now)
+            and still_leaving(r, now, grace_s=grace_s, incarnation=names_to_incarnation.get(r.host))}
 
 
 def prune_leaving(store: ObjectStore, *, now: float | None = None, grace_s: float = DEFAULT_GRACE_S) -> list[str]:

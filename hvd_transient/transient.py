@@ -20,7 +20,11 @@ Per step boundary, on every rank, in the same order:
    discovery drops it and Horovod shrinks the ring with no rollback: first, before
    the save (Horovod acts on it only at its next host check), on a background
    thread that retries it until that deadline, so the leave depends neither on the
-   save nor on one store call;
+   save nor on one store call. With ``leave="near_deadline"`` the record carries a
+   ``leave_at`` (the VM's deadline less ``leave_lead_s``): discovery keeps the host
+   until then, and the VM trains on through its window (the survivors hold the whole
+   state, so nothing is rolled back when it goes); a notice to every host of the ring
+   leaves at once, as the checkpoint is then all that counts;
 3. otherwise, every ``save_every_steps`` steps, start a periodic asynchronous
    sharded checkpoint (the caller only pays for the host-memory snapshot).
 
@@ -129,10 +133,21 @@ LEAVE_FLUSH_MAX_S = 10.0
 #: inside a notice, a durable event waits for its write at most this share of the time left
 #: before the save's deadline (and never longer than the event log's own bound)
 NOTICE_EVENT_SHARE = 0.05
+#: how a VM under notice leaves: as soon as its emergency checkpoint is taken, or by training on
+#: until ``leave_lead_s`` before its deadline
+LEAVE_MODES = ("at_notice", "near_deadline")
+#: ``leave="near_deadline"``: seconds before the VM's deadline that discovery drops it. Leaving
+#: takes Horovod's host check (about 1 s) and the ring's reset (a few seconds on a loaded box),
+#: and the rest is margin: the VM must be out of the ring before it is stopped
+DEFAULT_LEAVE_LEAD_S = 10.0
 #: a leaving rank's ``leave_published`` waits for its write at most this long: every rank waits
 #: for the leaving one in the next collective, and it copies its events once more as Horovod
 #: resets it out of the ring (:meth:`TransientImpl.before_leaving`)
 LEAVE_EVENT_WAIT_S = 0.1
+
+
+class LeaveConfigError(CheckpointError, ValueError):
+    """``leave`` or ``leave_lead_s`` of :class:`TransientConfig` is not valid."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +173,11 @@ class TransientConfig:
     lr_scaling: str = "linear"
     base_lr: float | None = None
     progress_every_steps: int = 10
+    #: ``at_notice``: a VM under notice leaves the ring as soon as its emergency checkpoint is
+    #: taken; ``near_deadline``: it trains on until ``leave_lead_s`` before its deadline (elastic
+    #: jobs: a static job stops at the notice, and its relaunch must not get the host)
+    leave: str = "at_notice"
+    leave_lead_s: float = DEFAULT_LEAVE_LEAD_S
 
     def __post_init__(self) -> None:
         if self.check_every_steps is not None and self.check_every_steps < 1:
@@ -169,6 +189,11 @@ class TransientConfig:
         if not self.check_slowdown_allowance >= 1.0:
             raise ValueError(f"check_slowdown_allowance must be at least 1 (check intervals), "
                              f"not {self.check_slowdown_allowance}")
+        if self.leave not in LEAVE_MODES:
+            raise LeaveConfigError(f"leave must be one of {', '.join(map(repr, LEAVE_MODES))}, not {self.leave!r}")
+        if not self.leave_lead_s >= 0:
+            raise LeaveConfigError(f"leave_lead_s must be zero or more seconds before the VM's deadline, "
+                                   f"not {self.leave_lead_s}")
 
 
 @dataclass(frozen=True)
@@ -178,6 +203,7 @@ class StepOutcome:
     leaving: bool = False               # this rank is leaving the job
     departure_pending: bool = False     # some rank published itself as leaving
     stop: bool = False                  # the operator asked the job to stop (every rank agrees)
+    leave_at: float | None = None       # this leaving rank stays in the ring until then (near_deadline)
 
 
 @dataclass
@@ -564,9 +590,11 @@ class TransientImpl:
         # (not another VM's, nor one written again when a later notice comes in).
         own_deadline = round_.deadline_of(rank) if rank in new else None
         writes_record = rank in new and rank == min(r for r in new if self.run.hosts[r] == self.host)
+        leave_at = self._leave_at(round_, own_deadline if own_deadline is not None else now + window, now)
         if writes_record:
             self._start_leaving_record(step, own_deadline, was_master,
-                                       until=own_deadline if own_deadline is not None else now + window)
+                                       until=own_deadline if own_deadline is not None else now + window,
+                                       leave_at=leave_at)
         self.events.emit(ev.NoticeAgreed(step=step, leaving=tuple(leaving_hosts), deadline=deadline, size=size),
                          wait_s=self._notice_event_wait_s(deadline))
 
@@ -598,10 +626,23 @@ class TransientImpl:
             if self._leaving_record is not None and writes_record:
                 self._leaving_record.left(wait_s)
             else:  # another rank of this VM writes its record
-                self.events.emit(ev.LeavePublished(step=step, deadline=own_deadline, was_master=was_master),
-                                 wait_s=wait_s)
+                self.events.emit(ev.LeavePublished(step=step, deadline=own_deadline, was_master=was_master,
+                                                   leave_at=leave_at), wait_s=wait_s)
         return StepOutcome(emergency_step=step, committed=committed, leaving=self.run.leaving,
-                           departure_pending=True)
+                           departure_pending=True, leave_at=leave_at if rank in new else None)
+
+    def _leave_at(self, round_: NoticeRound, vm_deadline: float, now: float) -> float | None:
+        """When discovery should drop a VM whose window ends at ``vm_deadline``; None: at once.
+
+        ``near_deadline`` only pays while some host of the ring is not under notice: a wave that
+        takes every host leaves nobody to carry the state, and the checkpoint is what counts.
+        """
+        if self.config.leave != "near_deadline":
+            return None
+        if {self.run.hosts[r] for r in round_.leaving} >= set(self.run.hosts):
+            return None
+        leave_at = vm_deadline - self.config.leave_lead_s
+        return leave_at if leave_at > now else None
 
     def before_leaving(self) -> threading.Thread:
         """This leaving rank is being reset out of the ring: the process ends inside Horovod soon
@@ -623,7 +664,7 @@ class TransientImpl:
         return min(self.events.durable_wait_s, max(0.0, NOTICE_EVENT_SHARE * left))
 
     def _start_leaving_record(self, step: int, own_deadline: float | None, was_master: bool, *,
-                              until: float) -> None:
+                              until: float, leave_at: float | None = None) -> None:
         """Write this VM's leaving record in the background, retried until ``until`` (its own deadline).
 
         A record that cannot be written in time is logged: discovery then keeps the host until
@@ -633,12 +674,13 @@ class TransientImpl:
         instance_id = self.watcher.instance_id if self.watcher is not None else None
         record = self._leaving_record = _LeavingRecord(
             lambda wait_s: self.events.emit(ev.LeavePublished(step=step, deadline=own_deadline,
-                                                              was_master=was_master), wait_s=wait_s))
+                                                              was_master=was_master, leave_at=leave_at),
+                                            wait_s=wait_s))
 
         def publish() -> None:
             try:
                 publish_leaving_until(store, host, until=until, deadline=own_deadline, instance_id=instance_id,
-                                      stop=self._stopping)
+                                      stop=self._stopping, leave_at=leave_at)
             except Exception as exc:  # every rank already agreed on the departure; nothing may raise
                 log.error("could not publish %s as leaving before its deadline: %s; discovery keeps the host "
                           "until its VM is gone", host, exc)
@@ -779,8 +821,8 @@ def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
         return None
 
 
-__all__ = ["CheckpointError", "Clocks", "Collectives", "NoticeSource", "StepOutcome", "TransientConfig",
-           "TransientImpl", "default_host"]
+__all__ = ["CheckpointError", "Clocks", "Collectives", "LeaveConfigError", "NoticeSource", "StepOutcome",
+           "TransientConfig", "TransientImpl", "default_host"]
 
 
 @contextmanager
@@ -802,7 +844,8 @@ def _bounded(lease: Lease, deadline: Deadline) -> Iterator[None]:
 class _LeavingRecord:
     """The moment this VM's leaving record counts as published, for the event log.
 
-    ``leave_published`` (which the report reads as the moment the host left) is logged once
+    ``leave_published`` (which the report reads as the moment the host left, or, with a
+    ``leave_at``, the moment it was to leave) is logged once
     the record is in the store *and* this rank is done with its emergency: by the training
     thread (:meth:`left`) if the record landed first, else by the background thread that
     wrote it (:meth:`landed`).

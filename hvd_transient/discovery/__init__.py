@@ -4,7 +4,8 @@ Horovod runs the discovery script about once a second and reads ``host:slots``
 lines from its standard output. ``hvd-transient discover`` prints them from one
 of three backends (``gce``, ``file``, ``local``) and drops every host the run's
 store lists as leaving (:func:`hvd_transient.membership.leaving_hosts`), which
-is what turns a preemption notice into Horovod's graceful shrink.
+is what turns a preemption notice into Horovod's graceful shrink. A record with a
+``leave_at`` drops its host only from then on: the VM trains through its notice window.
 
 Exit status is part of the contract: empty output with status 0 means "no host
 is available right now"; a non-zero status means "could not tell". Horovod

@@ -107,7 +107,8 @@ class Preemption:
 
     host: str
     pid: int
-    departed_at: float          # leave_published; without notice the kill time if known, else its last event
+    departed_at: float          # leave_published (its leave_at, if later); without notice the kill time if
+                                # known, else its last event
     step: int | None            # the agreed step, else its last known step
     was_master: bool            # master_host of the ring in force when the notice was agreed / it vanished
     notice: bool                # a notice event preceded the departure
@@ -444,7 +445,9 @@ def _worker(key: ProcessKey, evs: Sequence[AnyRecord], rings: Sequence[Ring],
 def _departure(worker: Worker, own: Sequence[AnyRecord], kills: Mapping[str, float]) -> float:
     leave = next(iter(_of(own, ev.LeavePublished)), None)
     if leave is not None:
-        return leave.t
+        # a VM that trained on through its window (leave="near_deadline") left at its leave_at
+        leave_at = leave.body.leave_at
+        return leave.t if leave_at is None else max(leave.t, leave_at)
     killed = kills.get(worker.host)
     if killed is not None and worker.outcome == KILLED and worker.started_at <= killed:
         return killed
@@ -650,6 +653,8 @@ def _describe(e: AnyRecord, rings: Sequence[Ring], once: Callable[[tuple[Any, ..
     if isinstance(b, ev.SaveFailed) and once(("save_failed", b.step, b.kind)):
         return f"{b.kind} save at step {b.step} FAILED: {b.error}"
     if isinstance(b, ev.LeavePublished):
+        if b.leave_at is not None:
+            return f"published as leaving at step {b.step}, training on until {b.leave_at - e.t:.1f} s later"
         return f"published as leaving at step {b.step}"
     if isinstance(b, ev.Reset) and once(("reset", b.step, _ring_start(rings, e.t))):
         return f"ring reset at step {b.step} (rolled back {b.rolled_back} steps)"

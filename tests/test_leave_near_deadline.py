@@ -1,0 +1,207 @@
+"""``leave="near_deadline"``: a VM under notice trains on through its window and leaves only
+``leave_lead_s`` before its deadline, with the emergency checkpoint still taken at the notice.
+
+Discovery's ``leave_at`` filtering is pure; the protocol runs on in-process ranks with the fake
+collectives (every rank must run the same collectives); the report reads the actual leave.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+from test_protocol_agreement import events, make_ranks, notice, step_all
+from test_report import T0, preempted_worker_log
+
+from ckpt_service.errors import CheckpointError
+from ckpt_service.manager import CheckpointManager
+from ckpt_service.stores import MemoryStore
+from hvd_transient.discovery.hosts import Host, exclude_leaving
+from hvd_transient.membership import (
+    LeavingRecord,
+    excluded,
+    leaving_hosts,
+    prune_leaving,
+    publish_leaving,
+    read_leaving,
+)
+from hvd_transient.report.analysis import analyze
+from hvd_transient.transient import LeaveConfigError, TransientConfig
+
+HOSTS = [Host("h0"), Host("h1"), Host("h2")]
+
+
+def listed(records: list[LeavingRecord], now: float) -> list[str]:
+    """What the discovery script prints at ``now`` (host names only)."""
+    return [h.name for h in exclude_leaving(HOSTS, records, now, grace_s=60)]
+
+
+# ------------------------------------------------------------------ discovery (pure)
+
+def test_a_record_with_leave_at_keeps_its_host_listed_until_then() -> None:
+    record = LeavingRecord("h2", published_at=1000.0, deadline=1030.0, leave_at=1020.0)
+    assert listed([record], 1000.0) == ["h0", "h1", "h2"]
+    assert listed([record], 1019.9) == ["h0", "h1", "h2"]
+    assert listed([record], 1020.0) == ["h0", "h1"]
+    assert listed([record], 1089.0) == ["h0", "h1"]        # until deadline + grace, as without leave_at
+    assert listed([record], 1090.1) == ["h0", "h1", "h2"]  # the VM it described is gone
+    assert excluded([record], {}, 1010.0) == set() and excluded([record], {}, 1025.0) == {"h2"}
+
+
+def test_a_record_without_leave_at_means_now() -> None:
+    """Records of writers before ``leave_at`` existed drop their host at once."""
+    old = json.dumps({"host": "h1", "reason": "preemption-notice", "published_at": 1000.0,
+                      "deadline": 1030.0}).encode()
+    record = LeavingRecord.from_json("h1", old)
+    assert record.leave_at is None and record.leaves_by(1000.0)
+    assert listed([record], 1000.5) == ["h0", "h2"]
+    garbled = LeavingRecord.from_json("h1", json.dumps({"published_at": 1000.0, "leave_at": "soon"}).encode())
+    assert garbled.leave_at is None  # not a number: leave now rather than never
+
+
+def test_a_pending_record_round_trips_and_is_not_pruned_before_its_host_left() -> None:
+    store = MemoryStore()
+    written = publish_leaving(store, "h2", deadline=2030.0, now=2000.0, leave_at=2020.0)
+    assert read_leaving(store) == [written] and written.leave_at == 2020.0
+    assert leaving_hosts(store, now=2010.0) == set()
+    assert prune_leaving(store, now=2010.0) == []  # pending, not expired: kept
+    assert leaving_hosts(store, now=2020.0) == {"h2"}
+    assert prune_leaving(store, now=2100.0) == ["h2"]
+
+
+@pytest.mark.parametrize("bad", [{"leave": "later"}, {"leave": "near_deadline", "leave_lead_s": -1.0},
+                                 {"leave_lead_s": float("nan")}])
+def test_bad_leave_options_fail_with_a_typed_error(bad: dict[str, object]) -> None:
+    with pytest.raises(LeaveConfigError, match="leave") as info:
+        TransientConfig(store="memory://x", **bad)  # type: ignore[arg-type]
+    assert isinstance(info.value, CheckpointError) and isinstance(info.value, ValueError)
+
+
+def test_the_default_still_leaves_at_the_notice() -> None:
+    assert TransientConfig(store="memory://x").leave == "at_notice"
+    group, impls, _ = make_ranks()
+    deadline = time.time() + 30
+    impls[2].watcher.notice = notice(30.0, now=deadline - 30)
+    outcomes = step_all(group, impls, 1)
+    assert outcomes[2].leaving and outcomes[2].leave_at is None
+    [record] = read_leaving(impls[0].manager.store)
+    assert record.leave_at is None and listed([record], time.time()) == ["h0", "h1"]
+    assert "leave_at" not in events(impls[2], "leave_published")[0]
+
+
+# ------------------------------------------------------------------ the protocol
+
+def test_near_deadline_checkpoints_at_the_notice_and_trains_on_until_leave_at() -> None:
+    group, impls, url = make_ranks(leave="near_deadline", leave_lead_s=10.0)
+    t0 = time.time()
+    impls[2].watcher.notice = notice(30.0, now=t0)
+    outcomes = step_all(group, impls, 1)
+    # the checkpoint is taken and committed at the notice, as without the option
+    assert [o.emergency_step for o in outcomes] == [1, 1, 1] and all(o.committed for o in outcomes)
+    assert CheckpointManager(url).all_steps() == [1]
+    assert [o.leaving for o in outcomes] == [False, False, True]
+    assert outcomes[2].leave_at == pytest.approx(t0 + 20.0, abs=0.5)
+    assert outcomes[0].leave_at is None and outcomes[1].leave_at is None
+    impls[2].publishing.result(timeout=10)  # type: ignore[union-attr]
+    [record] = read_leaving(impls[0].manager.store)
+    assert (record.host, record.deadline, record.leave_at) == ("h2", pytest.approx(t0 + 30), outcomes[2].leave_at)
+    [published] = events(impls[2], "leave_published")
+    assert published["leave_at"] == pytest.approx(t0 + 20.0, abs=0.5)
+    # discovery keeps h2 in the ring until leave_at, then drops it
+    assert listed([record], time.time()) == ["h0", "h1", "h2"]
+    assert listed([record], record.leave_at) == ["h0", "h1"]  # type: ignore[arg-type]
+    # meanwhile the noticed rank keeps training with the others: no second emergency, same collectives
+    for step in range(2, 6):
+        later = step_all(group, impls, step)
+        assert [o.emergency_step for o in later] == [None, None, None]
+        assert [o.leaving for o in later] == [False, False, True]
+    assert group.calls[0] == group.calls[1] == group.calls[2]
+    assert CheckpointManager(url).all_steps() == [1]
+
+
+def test_a_master_under_notice_that_trains_on_is_never_elected_again() -> None:
+    """h0 (the master) gets a notice and stays; a later notice to h1 must elect h2, not h0."""
+    group, impls, url = make_ranks(leave="near_deadline", leave_lead_s=10.0)
+    t0 = time.time()
+    impls[0].watcher.notice = notice(30.0, now=t0)
+    step_all(group, impls, 1)
+    assert [impl.run.master for impl in impls] == [1, 1, 1]
+    step_all(group, impls, 2)
+    impls[1].watcher.notice = notice(30.0, now=t0 + 1)
+    outcomes = step_all(group, impls, 3)
+    assert [o.emergency_step for o in outcomes] == [3, 3, 3] and all(o.committed for o in outcomes)
+    assert [impl.run.master for impl in impls] == [2, 2, 2]
+    assert [e["new_master_host"] for e in events(impls[2], "election")] == ["h1", "h2"]
+    assert CheckpointManager(url).all_steps() == [1, 3]
+
+
+def test_a_notice_to_every_host_of_the_ring_leaves_at_once() -> None:
+    """A whole-ring wave has no survivor to carry the state: checkpoint, then leave, as before."""
+    memory = MemoryStore.named(uuid.uuid4().hex)
+    group, impls, url = make_ranks(stores=[memory] * 3, leave="near_deadline", leave_lead_s=10.0)
+    t0 = time.time()
+    for impl in impls:
+        impl.watcher.notice = notice(30.0, now=t0)
+    outcomes = step_all(group, impls, 1)
+    assert all(o.committed and o.leaving and o.leave_at is None for o in outcomes)
+    assert CheckpointManager(url).all_steps() == [1]
+    for impl in impls:
+        impl.publishing.result(timeout=10)  # type: ignore[union-attr]
+    records = read_leaving(memory)
+    assert sorted(r.host for r in records) == ["h0", "h1", "h2"] and all(r.leave_at is None for r in records)
+    assert listed(records, time.time()) == []
+
+
+def test_a_window_shorter_than_the_lead_leaves_at_once() -> None:
+    group, impls, _ = make_ranks(leave="near_deadline", leave_lead_s=10.0)
+    impls[2].watcher.notice = notice(8.0)
+    outcomes = step_all(group, impls, 1)
+    assert outcomes[2].leaving and outcomes[2].leave_at is None
+
+
+# ------------------------------------------------------------------ the report
+
+def test_the_report_times_the_departure_from_the_actual_leave() -> None:
+    """C published at 5.5 s but trained on until its leave_at, 7.5 s; the survivors resumed at 8.5 s."""
+    log = preempted_worker_log()
+    [published] = [e for e in log.events if e["event"] == "leave_published"]
+    published["leave_at"] = T0 + 7.5
+    (p,) = analyze(log.events).preemptions
+    assert p.departed_at == pytest.approx(T0 + 7.5)
+    assert p.resume_ms == pytest.approx(1000.0, abs=1)
+    assert p.steps_rolled_back == 0 and p.checkpoint_committed
+
+
+# ------------------------------------------------------------------ the goodput benchmark
+
+def test_the_goodput_bench_passes_the_leave_option_to_our_workers_only() -> None:
+    from dataclasses import fields
+
+    import bench.goodput as goodput
+
+    args = goodput.build_parser().parse_args(["--leave", "near_deadline", "--leave-lead", "8"])
+    cfg = goodput.Config(**{f.name: getattr(args, f.name) for f in fields(goodput.Config)})
+    ours = goodput.worker_command("ours", "/store", cfg, 30.0)
+    assert ours[ours.index("--leave"):ours.index("--leave") + 4] == ("--leave", "near_deadline", "--leave-lead", "8")
+    assert "--leave" not in goodput.worker_command("horovod_elastic", "/store", cfg, 30.0)
+    default = goodput.build_parser().parse_args([])
+    assert (default.leave, default.leave_lead) == ("at_notice", 10.0)
+
+
+# ------------------------------------------------------------------ the Keras callback
+
+def test_the_keras_callback_passes_the_options_and_a_static_job_leaves_at_the_notice(tmp_path) -> None:
+    import hvd_transient.keras as hvdt
+
+    class Elastic:  # what the callback asks of Horovod's elastic state here
+        def register_reset_callbacks(self, callbacks: object) -> None:
+            pass
+
+    store = str(tmp_path / "store")
+    elastic = hvdt.TransientCallback(Elastic(), store=store, leave="near_deadline", leave_lead_s=7.0)
+    assert (elastic.config.leave, elastic.config.leave_lead_s) == ("near_deadline", 7.0)
+    # a static job is relaunched at the notice: a host still listed would be given to the relaunch
+    assert hvdt.TransientCallback(None, store=store, leave="near_deadline").config.leave == "at_notice"
+    with pytest.raises(LeaveConfigError, match="'later'"):
+        hvdt.TransientCallback(None, store=store, leave="later")

@@ -1,0 +1,82 @@
+"""The notice protocol's stateful property test (``test_protocol_interleavings``) with
+``leave="near_deadline"``: a VM under notice trains on, and Horovod re-forms the ring with it (discovery
+still lists it) until its ``leave_at``, so a reset keeps it. On top of that test's checks, after every
+step:
+
+* a VM under notice is never the checkpoint master while a VM that is not stays in the ring;
+* each leaving record's ``leave_at`` is its VM's deadline less ``leave_lead_s``, or None (leave at
+  once) exactly when every VM of the ring was under notice at the emergency that handled it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import test_protocol_interleavings as base
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, rule
+
+from hvd_transient.membership import read_leaving
+
+LEAD_S = 10.0
+
+
+class NearDeadlineProtocol(base.NoticeProtocol):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = dataclasses.replace(self.config, leave="near_deadline", leave_lead_s=LEAD_S)
+        self.expected_leave_at: dict[str, float | None] = {}
+
+    def _step_boundary(self) -> None:
+        new = [h for h in self.ring if h in self.deadlines and h not in self.handled]
+        whole_ring = all(h in self.deadlines for h in self.ring)  # every VM of the ring sends its notice
+        super()._step_boundary()
+        for host in new:
+            self.expected_leave_at[host] = None if whole_ring else self.deadlines[host] - LEAD_S
+            event("whole ring under notice: leave at once" if whole_ring else "train on until leave_at")
+
+    def _leave_at(self, host: str) -> float | None:
+        publishing = self.ranks[host].impl.publishing
+        if publishing is not None:
+            publishing.result(timeout=base.GROUP_TIMEOUT_S)
+        return {r.host: r.leave_at for r in read_leaving(self.memory)}[host]
+
+    @base.running
+    @rule(join=st.booleans())
+    def reset(self, join: bool) -> None:
+        """Horovod re-forms the ring without the VMs that left at once; one still before its
+        ``leave_at`` is still listed, and stays."""
+        if self.finished:
+            return
+        now = time.time()
+        staying = []
+        for host in self.ring:
+            if not self.ranks[host].impl.run.leaving:
+                staying.append(host)
+                continue
+            leave_at = self._leave_at(host)
+            if leave_at is not None and now < leave_at:
+                staying.append(host)
+        if (not any(h not in self.handled for h in staying) or len(staying) + join > base.MAX_RANKS
+                or (staying == self.ring and not join)):
+            return  # nothing for Horovod to re-form, or only leavers left
+        self._form_ring(staying + ([self._new_rank()] if join else []))
+        event("reset with a leaver still training" if set(staying) & self.handled else "reset")
+
+    @invariant()
+    def a_vm_under_notice_is_master_only_if_every_vm_is(self) -> None:
+        if not self.ring or all(h in self.handled for h in self.ring):
+            return
+        master = self.ring[self._impls()[0].run.master]
+        assert master not in self.handled, f"{master} is under notice and master of {self.ring}"
+
+    @invariant()
+    def leave_at_is_the_deadline_less_the_lead_unless_the_whole_ring_leaves(self) -> None:
+        for host, expected in self.expected_leave_at.items():
+            assert self._leave_at(host) == expected, (
+                f"{host}'s record says leave_at {self._leave_at(host)}, expected {expected}")
+
+
+NearDeadlineProtocol.TestCase.settings = base.NoticeProtocol.TestCase.settings
+test_near_deadline_interleavings = NearDeadlineProtocol.TestCase
