@@ -12,7 +12,9 @@ Uncompressed pieces (the default) skip zarr's per-chunk machinery, which runs at
 hundred MB/s: their chunks are framed here exactly as zarr frames them (the raw
 little-endian elements, the last chunk padded with the fill value 0, then the crc32c of
 those bytes as 4 little-endian bytes), so the objects are byte-identical and either
-path reads what the other wrote.
+path reads what the other wrote. A local restore reads such chunks one file at a time,
+in parallel, straight into the tensors (:func:`read_plain_chunk`), and checks the piece's
+crc32c by combining its chunks' (:func:`crc32c_combine`) instead of reading it all again.
 """
 from __future__ import annotations
 

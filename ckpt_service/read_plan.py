@@ -3,7 +3,8 @@
 Any reader count can read any writer count: a reader picks its tensors
 (:func:`select_tensors`), then fetches from each piece only the hull of the elements those
 tensors occupy in it (:func:`piece_reads`), so a resharding reader fetches only the chunks
-under its own tensors.
+under its own tensors. A local read goes a chunk at a time (:func:`chunk_reads`): each chunk's
+elements split at the tensors' bounds, so a chunk is read straight into the tensors it holds.
 """
 from __future__ import annotations
 
