@@ -12,13 +12,15 @@ Uncompressed pieces (the default) skip zarr's per-chunk machinery, which runs at
 hundred MB/s: their chunks are framed here exactly as zarr frames them (the raw
 little-endian elements, the last chunk padded with the fill value 0, then the crc32c of
 those bytes as 4 little-endian bytes), so the objects are byte-identical and either
-path reads what the other wrote.
+path reads what the other wrote. A local restore reads such chunks one file at a time,
+in parallel, straight into the tensors (:func:`read_plain_chunk`), and checks the piece's
+crc32c by combining its chunks' (:func:`crc32c_combine`) instead of reading it all again.
 """
 from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import google_crc32c
 import numpy as np
@@ -120,6 +122,14 @@ def chunk_keys(size: int, chunk_elements: int, start: int = 0, stop: int | None 
     return [METADATA_KEY] + [f"c/{i}" for i in range(start // step, (stop - 1) // step + 1)]
 
 
+def plain_layout(metadata: bytes | None, *, where: str) -> tuple[int, int, np.dtype[Any]] | None:
+    """(size, chunk elements, dtype) of an uncompressed 1-D piece from its zarr metadata, None for
+    any other piece (left to zarr); CorruptCheckpointError if the metadata is missing."""
+    if metadata is None:
+        raise CorruptCheckpointError(f"{where}: zarr metadata is missing")
+    return _plain_layout(metadata)
+
+
 def _plain_layout(metadata: bytes) -> tuple[int, int, np.dtype[Any]] | None:
     """(size, chunk elements, dtype) of an uncompressed 1-D piece, or None for anything else
     (left to zarr)."""
@@ -202,6 +212,84 @@ def _decode_plain(plain: tuple[int, int, np.dtype[Any]], get: Callable[[str], by
         skip = (lo - i * chunk) * dtype.itemsize
         out[lo - start:hi - start] = np.frombuffer(data, dtype=dtype, count=hi - lo, offset=skip)
     return out
+
+
+#: scatter-reads an object into buffers in order: (bytes read, the object's size), or None if there
+#: is no such object
+GetIntoParts = Callable[[str, Sequence[memoryview]], "tuple[int, int] | None"]
+
+
+def read_plain_chunk(get_into_parts: GetIntoParts, index: int, parts: Sequence[NDArray[Any]], padding: int, *,
+                     where: str) -> int:
+    """Read chunk ``c/{index}`` of an uncompressed piece straight into ``parts`` (its elements, in
+    order: slices of the tensors they belong to, or scratch for elements nobody wants) and verify
+    its crc32c there. Returns the crc32c of its elements without the padding (``padding`` bytes of
+    fill after the piece's end), from which :func:`crc32c_combine` makes the whole piece's."""
+    pad, tail = np.empty(padding, np.uint8), np.empty(4, np.uint8)
+    buffers = [p.data.cast("B") for p in (*parts, pad, tail) if p.nbytes]
+    want = sum(len(b) for b in buffers)
+    got = get_into_parts(f"c/{index}", buffers)
+    if got is None or got != (want, want):
+        raise CorruptCheckpointError(f"{where}: chunk c/{index} is missing or has the wrong length")
+    crc = 0
+    for part in parts:
+        crc = _extend(crc, part)
+    if int(_extend(crc, pad)) != int.from_bytes(tail.tobytes(), "little"):
+        raise CorruptCheckpointError(f"{where}: chunk c/{index} fails its crc32c")
+    return crc
+
+
+def _extend(crc: int, data: NDArray[Any]) -> int:
+    view = data.view()
+    view.flags.writeable = False  # the C extension takes read-only buffers only
+    return int(google_crc32c.extend(crc, view))
+
+
+_CRC32C_POLY = 0x82F63B78  # reflected Castagnoli polynomial
+
+
+def _mult_mod_p(a: int, b: int) -> int:
+    """a * b modulo the CRC polynomial (reflected bit order, as zlib's ``multmodp``)."""
+    m, p = 1 << 31, 0
+    while a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
+    return p
+
+
+def _x_pow_2n() -> tuple[int, ...]:
+    """x**(2**k) modulo the polynomial, k = 0..31."""
+    powers = [1 << 30]  # x**1
+    for _ in range(31):
+        powers.append(_mult_mod_p(powers[-1], powers[-1]))
+    return tuple(powers)
+
+
+_X_POW_2N = _x_pow_2n()
+
+
+@functools.lru_cache(maxsize=64)
+def _x_pow_8n(n: int) -> int:
+    """x**(8 n) modulo the polynomial: shifting a crc past n zero bytes."""
+    p, k = 1 << 31, 3
+    while n:
+        if n & 1:
+            p = _mult_mod_p(_X_POW_2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The crc32c of ``a + b`` from ``crc1`` = crc32c(a), ``crc2`` = crc32c(b) and ``len2`` = len(b)
+    (zlib's ``crc32_combine`` for the Castagnoli polynomial): the chunks of a piece are checked
+    in parallel and the piece's own crc32c follows without reading its bytes a second time."""
+    if len2 < 0:
+        raise ValueError(f"len2 must be >= 0, got {len2}")
+    return _mult_mod_p(_x_pow_8n(len2), crc1) ^ crc2
 
 
 def _zarr_decode(objects: Mapping[str, bytes | None], *, where: str, start: int,

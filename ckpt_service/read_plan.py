@@ -3,7 +3,8 @@
 Any reader count can read any writer count: a reader picks its tensors
 (:func:`select_tensors`), then fetches from each piece only the hull of the elements those
 tensors occupy in it (:func:`piece_reads`), so a resharding reader fetches only the chunks
-under its own tensors.
+under its own tensors. A local read goes a chunk at a time (:func:`chunk_reads`): each chunk's
+elements split at the tensors' bounds, so a chunk is read straight into the tensors it holds.
 """
 from __future__ import annotations
 
@@ -126,3 +127,44 @@ def check_expected(entries: Mapping[str, TensorEntry], expected: Mapping[str, An
         problems.append(f"not expected but {'stored' if names is None else 'restored'}: {extra}")
     if problems:
         raise StructureMismatchError(f"step {step} does not match the expected structure: " + "; ".join(problems))
+
+
+#: (tensor name, first element, end element) of a run of a chunk's elements in that tensor's flat
+#: buffer, or (None, 0, n): n elements no wanted tensor holds (the hull's gaps, a partial edge chunk)
+Span = tuple["str | None", int, int]
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    """One chunk object of a piece: its index, and where its elements go, in order."""
+
+    index: int
+    spans: tuple[Span, ...]
+    padding: int  # elements of fill after the piece's end (only the last chunk has any)
+
+
+def chunk_reads(read: PieceRead, size: int, chunk: int, entries: Mapping[str, TensorEntry],
+                wanted: Iterable[str]) -> list[ChunkRead]:
+    """Every chunk (of ``chunk`` elements) of a piece of ``size`` elements that holds elements of
+    ``read``, each split at the wanted tensors' bounds: a reader fills them straight into the
+    tensors, a chunk at a time, however the pieces cut across the tensors."""
+    piece = read.piece
+    lo, hi = read.start - piece.start, read.stop - piece.start  # inside the piece
+    chosen = sorted((entries[n] for n in wanted if overlaps(entries[n], piece)), key=lambda e: e.offset)
+    out = []
+    for i in range(lo // chunk, (hi - 1) // chunk + 1) if hi > lo else ():
+        first, end = piece.start + i * chunk, piece.start + min(size, (i + 1) * chunk)  # group elements
+        spans: list[Span] = []
+        at = first
+        for e in chosen:
+            a, b = max(at, e.offset), min(end, e.offset + e.size)
+            if a >= b:
+                continue
+            if a > at:
+                spans.append((None, 0, a - at))
+            spans.append((e.name, a - e.offset, b - e.offset))
+            at = b
+        if at < end:
+            spans.append((None, 0, end - at))
+        out.append(ChunkRead(i, tuple(spans), (i + 1) * chunk - (end - piece.start)))
+    return out
