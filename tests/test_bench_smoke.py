@@ -1,7 +1,8 @@
 """The checkpoint I/O benchmark runs end to end at a tiny size, and `hvd-transient bench` finds it.
 
 No timing is asserted: only that the benchmark measures what it says (every combination
-present, positive numbers), writes a valid JSON and its tables, and cleans up after itself.
+present, positive numbers, summary figures that are the quotients of the rows they name), writes
+a valid JSON and its tables, and cleans up after itself.
 """
 from __future__ import annotations
 
@@ -66,6 +67,33 @@ def test_rows_carry_median_and_spread(ckpt_io_result: tuple[dict, Path, Path]) -
     for row in rows:
         s = row["seconds"]
         assert s["n"] == 1 and s["min"] <= s["median"] <= s["max"] and s["median"] > 0
+
+
+def test_summary_figures_are_the_rows_they_come_from(ckpt_io_result: tuple[dict, Path, Path]) -> None:
+    """What a broken summary would violate: every rate is the state's bytes over its row's median time,
+    every ratio the quotient of the rows it names."""
+    doc = ckpt_io_result[0]
+    rows, summary = doc["rows"], doc["summary"]
+    mb = summary["state_bytes"]["0.5MB"] / 1e6
+
+    def median(**match: object) -> float:
+        (row,) = [r for r in rows if r["size"] == "0.5MB" and all(r[k] == v for k, v in match.items())]
+        return float(row["seconds"]["median"])
+
+    for store in ("local", "gcs"):
+        saves = summary["save_mb_per_s"][store]["0.5MB"]
+        for w in (1, 2):
+            seconds = median(store=store, op="save", method="ckpt_service save", writers=w)
+            assert saves[str(w)] == pytest.approx(mb / seconds, rel=1e-6)
+        best = min(median(store=store, op="save", method="ckpt_service save", writers=w) for w in (1, 2))
+        assert saves["best"] == pytest.approx(mb / best, rel=1e-6)
+        savez = "np.savez" if store == "local" else "np.savez + 1 upload"
+        assert summary["speedup_vs_savez"][store]["0.5MB"] == pytest.approx(
+            median(store=store, op="save", method=savez) / best, rel=1e-6)
+    memcpy_ms = summary["memcpy_ms"]["0.5MB"]
+    assert memcpy_ms == pytest.approx(median(store="mem", op="memcpy") * 1000, rel=1e-6)
+    for w, stall_ms in summary["async_stall_ms"]["0.5MB"].items():
+        assert summary["stall_vs_memcpy"]["0.5MB"][w] == pytest.approx(stall_ms / memcpy_ms, rel=1e-6)
 
 
 def test_tables_written_and_temporary_data_removed(ckpt_io_result: tuple[dict, Path, Path]) -> None:
