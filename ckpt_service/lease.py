@@ -98,9 +98,9 @@ class Lease:
     def held(self) -> bool:
         return self.generation is not None
 
-    def read(self) -> tuple[LeaseRecord | None, int]:
-        """The current record and its generation (0 when absent)."""
-        stored = self.store.get_versioned(self.key)  # the record and the generation it is at, in one read
+    def read(self, store: ObjectStore | None = None) -> tuple[LeaseRecord | None, int]:
+        """The current record and its generation (0 when absent), through ``store`` if given."""
+        stored = (store or self.store).get_versioned(self.key)  # the record and the generation it is at, in one read
         if stored is None:
             return None, 0
         body, generation = stored
@@ -110,19 +110,21 @@ class Lease:
             log.warning("lease object %s is unreadable; treating it as expired", self.key)
             return LeaseRecord("", 0.0, True, ""), generation
 
-    def acquire(self, *, steal: bool = False, attempts: int = 5) -> int:
+    def acquire(self, *, steal: bool = False, attempts: int = 5, deadline: Deadline | None = None) -> int:
         """Take the lease. ``steal=True`` is for an elected successor (all ranks agreed).
 
         A successor may race the predecessor's ``release()``; a lost compare-and-swap is
         then simply re-read and tried again (``attempts`` times) rather than given up. A fence
-        of this process still in flight is outdated by it (see the class docstring).
+        of this process still in flight is outdated by it (see the class docstring). With a
+        ``deadline``, every store request ends by it (StoreDeadlineError otherwise).
         """
         if attempts < 1:
             raise ValueError(f"attempts must be at least 1, not {attempts}")
+        store = self.store if deadline is None else self.store.within(deadline)
         tenure = self._new_tenure()
         taken: int | None = None
         for attempt in range(attempts):
-            record, generation = self.read()
+            record, generation = self.read(store)
             if record is not None and not steal and not record.usable_by(self.holder, self.clock()):
                 raise LeaseHeldError(
                     f"the checkpoint-master lease is held by {record.holder!r} until "
@@ -130,7 +132,7 @@ class Lease:
                     "expire or elect a new master"
                 )
             try:
-                taken = self._write(self.store, generation, released=False)
+                taken = self._write(store, generation, released=False)
                 break
             except PreconditionFailedError:
                 if attempt == attempts - 1:
@@ -188,25 +190,27 @@ class Lease:
             f"{self.holder} released or took the checkpoint-master lease again while this fence (of generation "
             f"{held}) was in flight: the fence is outdated, so this commit must not go on")
 
-    def release(self) -> None:
+    def release(self, *, deadline: Deadline | None = None) -> None:
         """Mark the lease released, so a successor takes it at once; a fence of this process still in
-        flight is outdated by it (its commit fails with LeaseLostError)."""
+        flight is outdated by it (its commit fails with LeaseLostError). With a ``deadline``, every
+        store request ends by it."""
         with self._lock:
             held = self._generation
             self._generation = None
         self._new_tenure()
         if held is None:
             return
+        store = self.store if deadline is None else self.store.within(deadline)
         try:
-            self._renew(self.store, held, released=True)
+            self._renew(store, held, released=True)
         except PreconditionFailedError:
             # A fence of this process in flight may have moved the record on: release that one.
-            record, generation = self.read()
+            record, generation = self.read(store)
             if record is None or record.holder != self.holder or record.released:
                 log.info("lease already taken over; nothing to release")
                 return
             try:
-                self._write(self.store, generation, released=True)
+                self._write(store, generation, released=True)
             except PreconditionFailedError:
                 log.info("lease changed while being released; nothing to release")
 

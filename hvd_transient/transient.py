@@ -52,7 +52,6 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
 
@@ -701,12 +700,12 @@ class TransientImpl:
         if until is None:
             until = self.clocks.wall() + LEASE_MOVE_TIMEOUT_S
         try:
-            with _bounded(self.lease, Deadline(until)):
-                if self.comm.rank() == master:
-                    if not self.lease.held:
-                        self.lease.acquire(steal=True)
-                elif self.lease.held:
-                    self.lease.release()
+            bound = Deadline(until)
+            if self.comm.rank() == master:
+                if not self.lease.held:
+                    self.lease.acquire(steal=True, deadline=bound)
+            elif self.lease.held:
+                self.lease.release(deadline=bound)
         except Exception as exc:  # whatever the store raised: every rank goes on to the same collectives
             log.error("checkpoint-master lease hand-over failed: %s", exc)
             self.events.emit(ev.LeaseError(error=str(exc)))
@@ -823,22 +822,6 @@ def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
 
 __all__ = ["CheckpointError", "Clocks", "Collectives", "LeaveConfigError", "NoticeSource", "StepOutcome",
            "TransientConfig", "TransientImpl", "default_host"]
-
-
-@contextmanager
-def _bounded(lease: Lease, deadline: Deadline) -> Iterator[None]:
-    """``lease`` with every store call ending by ``deadline`` while the block runs.
-
-    ``Lease.acquire`` and ``release`` take no deadline; their calls go through ``lease.store``,
-    so it is a bounded view for that long. A background commit fencing meanwhile is bounded
-    by it too, which only makes it give up sooner on a store that does not answer.
-    """
-    unbounded = lease.store
-    lease.store = unbounded.within(deadline)
-    try:
-        yield
-    finally:
-        lease.store = unbounded
 
 
 class _LeavingRecord:
