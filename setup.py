@@ -26,7 +26,7 @@ setup(
         # listed here: pip would otherwise try to build Horovod in isolation.
         "gcs": ["google-cloud-storage>=2.10"],
         "plot": ["matplotlib>=3.7"],
-        # any MPI program (mpi4py + numpy, no Horovod): hvd_transient.mpi_collectives
+        # any MPI program (mpi4py + numpy, no Horovod): hvd_transient.collectives.mpi
         "mpi": ["mpi4py>=3.1"],
         "dev": [
             "pytest>=8",

@@ -1,6 +1,6 @@
 """Whole-run goodput on a public spot trace: hvd-transient against plain Horovod elastic and checkpoint-restart.
 
-A window of the trace (:mod:`hvd_transient.traces`) is played on a ``LocalCluster`` (real ``horovodrun``, a
+A window of the trace (:mod:`hvd_transient.testing.traces`) is played on a ``LocalCluster`` (real ``horovodrun``, a
 metadata emulator per host) three times, each from its first training step for the window's length:
 
 * ``ours``: ``examples/keras_elastic.py``; removals are notices with the cloud's window, additions join
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import bench.common as bc
+from hvd_transient.core.transient import DEFAULT_LEAVE_LEAD_S, LEAVE_MODES
 from hvd_transient.report.analysis import analyze
 from hvd_transient.report.goodput import (
     Goodput,
@@ -37,8 +38,7 @@ from hvd_transient.report.goodput import (
     plot_goodput_timeline,
 )
 from hvd_transient.testing.local_cluster import HOST_ALIASES, ClusterError, LocalCluster, LocalClusterSpec
-from hvd_transient.traces import TracePlan, add_trace_arguments, load_plan
-from hvd_transient.transient import DEFAULT_LEAVE_LEAD_S, LEAVE_MODES
+from hvd_transient.testing.traces import TracePlan, add_trace_arguments, load_plan
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ def run_all(cfg: Config, plan: TracePlan, tmp: Path, plot_dir: Path | None) -> d
 
 
 def summarize(out: dict[str, Any], plan: TracePlan, cfg: Config) -> dict[str, Any]:
-    from hvd_transient.pricing import load_price_table
+    from hvd_transient.gcp.pricing import load_price_table
     from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE
 
     price = load_price_table().price(cfg.instance_type or DEFAULT_INSTANCE_TYPE)

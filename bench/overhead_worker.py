@@ -90,9 +90,9 @@ class Saver:
             self.directory = Path(plan["baseline_dir"]) / name
             self.directory.mkdir(parents=True, exist_ok=True)
         else:
-            from hvd_transient.hvd_collectives import HorovodCollectives
-            from hvd_transient.tf_snapshot import FusedSnapshot
-            from hvd_transient.transient import TransientConfig, TransientImpl
+            from hvd_transient.collectives.horovod import HorovodCollectives
+            from hvd_transient.core.transient import TransientConfig, TransientImpl
+            from hvd_transient.keras.snapshot import FusedSnapshot
             # as TransientCallback: the variables listed once, this rank's share read by one fused call
             self.fused = FusedSnapshot(state_variables(model))
             self.impl = TransientImpl(TransientConfig(
@@ -174,8 +174,8 @@ def run_window(model: tf.keras.Model, batches: Sequence[tuple[np.ndarray, np.nda
 
 def notice_collective_s() -> list[float]:
     """The per-step notice allreduce of TransientCallback alone, every rank arriving together."""
-    from hvd_transient.election import encode_notice
-    from hvd_transient.hvd_collectives import HorovodCollectives
+    from hvd_transient.collectives.horovod import HorovodCollectives
+    from hvd_transient.core.election import encode_notice
     comm = HorovodCollectives()
     vector = encode_notice(comm.rank(), comm.size(), None)
     comm.allreduce_sum(vector)

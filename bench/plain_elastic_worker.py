@@ -17,8 +17,8 @@ import horovod.tensorflow.keras as hvd
 import tensorflow as tf
 
 from ckpt_service.stores import open_store
-from hvd_transient import event_schema as ev
-from hvd_transient.events import EventLog
+from hvd_transient.telemetry import schema as ev
+from hvd_transient.telemetry.events import EventLog
 from hvd_transient.testing.workloads import MODELS, batches, load_cifar10, synthetic_cifar10
 
 PROGRESS_EVERY_STEPS = 10

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hvd_transient import event_schema as ev
-from hvd_transient.control import clear_stop
-from hvd_transient.mpi_collectives import mpi_transient
-from hvd_transient.transient import StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.collectives.mpi import mpi_transient
+from hvd_transient.core.control import clear_stop
+from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.telemetry import schema as ev
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from mpi4py import MPI
 from ckpt_service.errors import SaveAbandonedError
 from ckpt_service.layout import step_prefix
 from ckpt_service.manager import CheckpointManager
-from hvd_transient.election import NoticeRound, decode_notice, encode_notice
-from hvd_transient.mpi_collectives import MPICollectives, PeerNotices, mpi_transient
-from hvd_transient.transient import TransientConfig
+from hvd_transient.collectives.mpi import MPICollectives, PeerNotices, mpi_transient
+from hvd_transient.core.election import NoticeRound, decode_notice, encode_notice
+from hvd_transient.core.transient import TransientConfig
 from hvd_transient.watchers import Notice
 
 COMM = MPI.COMM_WORLD

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from ckpt_helpers import DelegatingStore, assert_same_state
 
-from ckpt_service.cli import main as ckpt_main
 from ckpt_service.errors import (
     BadMetadataError,
     BadPartitionError,
@@ -25,6 +24,7 @@ from ckpt_service.errors import (
 from ckpt_service.manager import CheckpointManager, prepare_share
 from ckpt_service.plan import SavePlan, UnsupportedDtypeError, spec_of
 from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore
+from hvd_transient.cli.ckpt import main as ckpt_main
 
 STATE = {"a": np.arange(10, dtype=np.float32), "b": np.ones((2, 3), dtype=np.int64), "c": np.zeros(4, np.float64)}
 

@@ -19,7 +19,7 @@ from fault_proxy import FaultProxy
 
 from ckpt_service import layout
 from ckpt_service.manager import CheckpointManager
-from hvd_transient.checksums import state_crc
+from hvd_transient.core.checksums import state_crc
 from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec, of
 
 pytestmark = pytest.mark.horovod

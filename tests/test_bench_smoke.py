@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hvd_transient import bench_cli, cli
+from hvd_transient import cli
+from hvd_transient.cli import bench as bench_cli
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SUMMARY_KEYS = ("save_mb_per_s", "restore_mb_per_s", "async_stall_ms", "memcpy_ms", "stall_vs_memcpy",

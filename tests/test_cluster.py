@@ -346,7 +346,7 @@ def test_longer_preemption_notice_goes_to_the_beta_api_and_into_the_metadata(com
     assert inserts == {"exp-driver": "v1", "exp-worker-0": "beta", "exp-worker-1": "beta"}
 
     # the v1 API refuses the field: the client must not send it there
-    from hvd_transient.cluster.compute_api import ComputeAPI, ComputeAPIError
+    from hvd_transient.gcp.compute_api import ComputeAPI, ComputeAPIError
 
     body = instance_body(plan_instances(spec(preemption_notice_s=120))[1], spec(preemption_notice_s=120))
     with pytest.raises(ComputeAPIError, match="preemptionNoticeDuration"):
@@ -389,7 +389,7 @@ def test_spot_worker_preempted_then_started_by_up_is_discovered_again(compute, c
     again it is a new incarnation, and its leaving record (still inside deadline + grace) no longer
     excludes it. A worker deleted and recreated under its name gets a new id: listed at once too."""
     from ckpt_service.stores import LocalStore
-    from hvd_transient.membership import publish_leaving
+    from hvd_transient.core.membership import publish_leaving
 
     assert cli.main(UP) == 0
     store = tmp_path / "store"
@@ -426,7 +426,7 @@ def test_api_failure_is_reported_with_status_1(compute, capsys):
 
 
 def test_failed_operation_raises_with_the_operations_errors():
-    from hvd_transient.cluster.compute_api import ComputeAPI, ComputeAPIError
+    from hvd_transient.gcp.compute_api import ComputeAPI, ComputeAPIError
 
     api = ComputeAPI(session=None, base_url="http://127.0.0.1:9/compute/v1")  # a DONE operation needs no call
     done = {"name": "op-1", "status": "DONE", "operationType": "insert", "targetLink": ".../instances/exp-worker-0",

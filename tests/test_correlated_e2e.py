@@ -21,9 +21,9 @@ from test_elastic_e2e import elastic_cmd, expected_samples
 from ckpt_service.stores import open_store
 from hvd_transient.cluster.job_plan import JOB_DONE, NO_WORKERS, JobPolicy
 from hvd_transient.cluster.keeper import Keeper
-from hvd_transient.events import EventLog, read_records
 from hvd_transient.report.analysis import analyze
 from hvd_transient.report.render import render_text, to_json
+from hvd_transient.telemetry.events import EventLog, read_records
 from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec, of
 from hvd_transient.testing.local_fleet import LocalClusterJob, LocalFleet
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hvd_transient.data_position import SampleCursor, epoch_and_batch, pass_and_index
-from hvd_transient.elastic_data import stream_batches, stream_indices
+from hvd_transient.core.data_position import SampleCursor, epoch_and_batch, pass_and_index
+from hvd_transient.keras.data import stream_batches, stream_indices
 
 
 def test_counters():

@@ -12,6 +12,16 @@ import pytest
 from fake_compute_api import FakeComputeAPI, parse_filter
 
 from ckpt_service.stores import LocalStore
+from hvd_transient.core.membership import (
+    Incarnation,
+    LeavingRecord,
+    excluded,
+    leaving_hosts,
+    prune_leaving,
+    publish_leaving,
+    read_leaving,
+    still_leaving,
+)
 from hvd_transient.discovery import cli
 from hvd_transient.discovery.errors import DiscoveryConfigError
 from hvd_transient.discovery.gce import hosts_from_instances, hosts_from_managed, label_filter, parse_labels
@@ -23,16 +33,6 @@ from hvd_transient.discovery.hosts import (
     parse_host_list,
     parse_state_document,
     unique,
-)
-from hvd_transient.membership import (
-    Incarnation,
-    LeavingRecord,
-    excluded,
-    leaving_hosts,
-    prune_leaving,
-    publish_leaving,
-    read_leaving,
-    still_leaving,
 )
 
 REPO = Path(__file__).resolve().parent.parent

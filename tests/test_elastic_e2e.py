@@ -14,7 +14,7 @@ import pytest
 from fault_proxy import FaultProxy
 
 from ckpt_service.manager import CheckpointManager
-from hvd_transient.checksums import state_crc
+from hvd_transient.core.checksums import state_crc
 from hvd_transient.report import main as report_main
 from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec, of
 

@@ -14,8 +14,8 @@ import pytest
 
 from ckpt_service.stores import LocalStore
 from ckpt_service.stores.memory import MemoryStore
-from hvd_transient import event_schema as ev
-from hvd_transient.events import DURABLE, URGENT, EventLog, read_events, read_records
+from hvd_transient.telemetry import schema as ev
+from hvd_transient.telemetry.events import DURABLE, URGENT, EventLog, read_events, read_records
 
 REAL_LOG = Path(__file__).resolve().parent / "data" / "report_events"
 

@@ -17,7 +17,6 @@ from fake_compute_api import QUOTA_EXCEEDED, STOCKOUT, FakeComputeAPI
 
 from ckpt_service.stores import LocalStore
 from hvd_transient.cluster import cli
-from hvd_transient.cluster.compute_api import ComputeAPI
 from hvd_transient.cluster.job import CommandJob, exit_status, note_process, start_ticks
 from hvd_transient.cluster.job_plan import (
     JOB_DONE,
@@ -70,11 +69,12 @@ from hvd_transient.cluster.keeper_plan import (
 )
 from hvd_transient.cluster.rest_plan import instance_body
 from hvd_transient.cluster.spec import ClusterSpec, plan_instances
+from hvd_transient.core.membership import Incarnation
 from hvd_transient.discovery.ready import ReadyRecord
-from hvd_transient.event_schema import KeeperRefill
-from hvd_transient.events import EventLog, read_events, read_records
-from hvd_transient.membership import Incarnation
-from hvd_transient.user_files import try_lock
+from hvd_transient.gcp.compute_api import ComputeAPI
+from hvd_transient.join.user_dirs import try_lock
+from hvd_transient.telemetry.events import EventLog, read_events, read_records
+from hvd_transient.telemetry.schema import KeeperRefill
 
 PROJECT, ZA, ZB, ZC = "proj-1", "us-central1-a", "us-central1-b", "us-central1-c"
 T0 = 1_700_000_000.0

@@ -17,8 +17,7 @@ from test_report import T0, preempted_worker_log
 from ckpt_service.errors import CheckpointError
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
-from hvd_transient.discovery.hosts import Host, exclude_leaving
-from hvd_transient.membership import (
+from hvd_transient.core.membership import (
     LeavingRecord,
     excluded,
     leaving_hosts,
@@ -26,8 +25,9 @@ from hvd_transient.membership import (
     publish_leaving,
     read_leaving,
 )
+from hvd_transient.core.transient import LeaveConfigError, TransientConfig
+from hvd_transient.discovery.hosts import Host, exclude_leaving
 from hvd_transient.report.analysis import analyze
-from hvd_transient.transient import LeaveConfigError, TransientConfig
 
 HOSTS = [Host("h0"), Host("h1"), Host("h2")]
 

@@ -17,7 +17,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from hvd_transient.membership import read_leaving
+from hvd_transient.core.membership import read_leaving
 
 LEAD_S = 10.0
 

@@ -22,8 +22,8 @@ from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
-from hvd_transient.events import FINAL_SEQ, read_events
-from hvd_transient.membership import leaving_hosts, publish_leaving_until, read_leaving
+from hvd_transient.core.membership import leaving_hosts, publish_leaving_until, read_leaving
+from hvd_transient.telemetry.events import FINAL_SEQ, read_events
 
 
 def is_leaving_key(key: str) -> bool:

@@ -20,9 +20,9 @@ import pytest
 
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import open_store
-from hvd_transient.control import request_stop
-from hvd_transient.events import read_events
-from hvd_transient.membership import read_leaving
+from hvd_transient.core.control import request_stop
+from hvd_transient.core.membership import read_leaving
+from hvd_transient.telemetry.events import read_events
 from hvd_transient.testing.metadata_emulator import MetadataEmulator
 
 pytestmark = [

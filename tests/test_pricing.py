@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hvd_transient.pricing import (
+from hvd_transient.gcp.pricing import (
     PriceTableError,
     WorkerLifetime,
     billed_seconds,

@@ -21,10 +21,10 @@ from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
-from hvd_transient.control import request_stop
-from hvd_transient.election import decode_notice, encode_notice, steps_until_next_check
-from hvd_transient.membership import read_leaving
-from hvd_transient.transient import Clocks, TransientConfig, TransientImpl
+from hvd_transient.core.control import request_stop
+from hvd_transient.core.election import decode_notice, encode_notice, steps_until_next_check
+from hvd_transient.core.membership import read_leaving
+from hvd_transient.core.transient import Clocks, TransientConfig, TransientImpl
 from hvd_transient.watchers import Notice
 
 HOSTS = ["h0", "h1", "h2"]

@@ -47,9 +47,9 @@ from ckpt_service.manifest import CommitMarker
 from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
-from hvd_transient.control import request_stop
-from hvd_transient.membership import read_leaving
-from hvd_transient.transient import StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.core.control import request_stop
+from hvd_transient.core.membership import read_leaving
+from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
 from hvd_transient.watchers import Notice
 
 STATE = {"w": np.arange(512, dtype=np.float32), "b": np.ones(7, dtype=np.float64)}

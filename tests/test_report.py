@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from ckpt_service.stores import LocalStore, ObjectStore, open_store
-from hvd_transient import event_schema as ev
-from hvd_transient.events import EventLog
-from hvd_transient.pricing import load_price_table
+from hvd_transient.gcp.pricing import load_price_table
 from hvd_transient.report import main
 from hvd_transient.report.analysis import FINISHED, KILLED, LOST, PREEMPTED, NoEventsError, analyze
 from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE, estimate_costs
 from hvd_transient.report.render import render_text, to_json
+from hvd_transient.telemetry import schema as ev
+from hvd_transient.telemetry.events import EventLog
 
 T0 = 1_800_000_000.0
 PIDS = {"A": 101, "B": 102, "C": 103, "D": 104}
@@ -400,7 +400,7 @@ def test_json_document_is_serialisable_with_and_without_costs() -> None:
 
 def test_real_run_log_fixture() -> None:
     """Worker notice, join, master notice with election, kill -9, operator stop (a real run)."""
-    from hvd_transient.events import read_events, read_records
+    from hvd_transient.telemetry.events import read_events, read_records
 
     a = analyze(read_records(LocalStore(REAL_LOG)))
     assert a == analyze(read_events(LocalStore(REAL_LOG)))   # typed records or the logged dicts
@@ -491,8 +491,8 @@ def test_the_plot_shows_a_bar_per_worker_a_marker_per_event_and_the_ring_size(tm
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from hvd_transient.events import read_events
     from hvd_transient.report.plot import _ring_size_series, run_figure
+    from hvd_transient.telemetry.events import read_events
 
     store = LocalStore(tmp_path / "store")
     write_log_through_eventlog(store)

@@ -12,8 +12,8 @@ from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore, ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
-from hvd_transient.control import StopPoller, request_stop
-from hvd_transient.transient import TransientConfig, TransientImpl
+from hvd_transient.core.control import StopPoller, request_stop
+from hvd_transient.core.transient import TransientConfig, TransientImpl
 
 
 class HangingStore(DelegatingStore):

@@ -13,15 +13,14 @@ tf = pytest.importorskip("tensorflow")
 
 from ckpt_service.manager import CheckpointManager, DeferredShare, prepare_share  # noqa: E402
 from ckpt_service.plan import make_save_plan, spec_of  # noqa: E402
-from hvd_transient import tf_snapshot  # noqa: E402
 from hvd_transient.keras import (  # noqa: E402
     TransientCallback,
     build_optimizer_slots,
     learning_rate_of,
     state_variables,
 )
-from hvd_transient.testing.workloads import MODELS  # noqa: E402
-from hvd_transient.tf_snapshot import (  # noqa: E402
+from hvd_transient.keras import snapshot as tf_snapshot  # noqa: E402
+from hvd_transient.keras.snapshot import (  # noqa: E402
     FAST_CALL_ENV,
     AliasedShare,
     FusedSnapshot,
@@ -32,6 +31,7 @@ from hvd_transient.tf_snapshot import (  # noqa: E402
     host_outputs,
     public_call,
 )
+from hvd_transient.testing.workloads import MODELS  # noqa: E402
 
 
 def small_model() -> tf.keras.Model:
@@ -92,7 +92,7 @@ def assert_same_bytes(got, want: list[np.ndarray]) -> None:
 def test_fused_share_equals_the_per_variable_share(world, make_variables, deferred, fast_call, caplog) -> None:
     variables = make_variables()
     fused = FusedSnapshot(variables, deferred=deferred, fast_call=fast_call)
-    with caplog.at_level(logging.WARNING, logger="hvd_transient.tf_snapshot"):
+    with caplog.at_level(logging.WARNING, logger="hvd_transient.keras.snapshot"):
         for plan in plans(list(fused.specs.values()), world):
             for rank in range(world):
                 want = [flat for _, flat in prepare_share(plan, rank, variables)]
@@ -173,7 +173,7 @@ def test_async_save_of_a_keras_model_through_the_fused_snapshot() -> None:
 def test_traced_once_per_plan_and_rank(caplog) -> None:
     fused = FusedSnapshot(state_variables(small_model()))
     specs = list(fused.specs.values())
-    with caplog.at_level(logging.INFO, logger="hvd_transient.tf_snapshot"):
+    with caplog.at_level(logging.INFO, logger="hvd_transient.keras.snapshot"):
         plan = make_save_plan(specs, 2, piece_bytes=1024)
         fused(plan, 0)
         fused(plan, 0)
@@ -192,7 +192,7 @@ def test_falls_back_to_reading_one_by_one(monkeypatch, caplog) -> None:
 
     monkeypatch.setattr(FusedSnapshot, "_build", lambda self, *args: failing)
     plan = make_save_plan(list(fused.specs.values()), 2, piece_bytes=1024)
-    with caplog.at_level(logging.WARNING, logger="hvd_transient.tf_snapshot"):
+    with caplog.at_level(logging.WARNING, logger="hvd_transient.keras.snapshot"):
         for rank in range(2):
             got = fused(plan, rank)
             assert_same_bytes(got, [flat for _, flat in prepare_share(plan, rank, variables)])
@@ -248,7 +248,7 @@ def test_an_executor_that_refuses_the_function_falls_back_to_the_default_one(mon
     monkeypatch.setattr(tf_snapshot, "HOST_EXECUTOR", "NO_SUCH_EXECUTOR")
     fused = FusedSnapshot(variables, fast_call=fast_call)
     plan = make_save_plan(list(fused.specs.values()), 2, piece_bytes=1024)
-    with caplog.at_level(logging.WARNING, logger="hvd_transient.tf_snapshot"):
+    with caplog.at_level(logging.WARNING, logger="hvd_transient.keras.snapshot"):
         for rank in range(2):
             assert_same_bytes(fused(plan, rank), [flat for _, flat in prepare_share(plan, rank, variables)])
     assert "using TensorFlow's default executor" in caplog.text  # the host path asked for the executor

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hvd_transient.testing import demo
 from hvd_transient.testing.local_cluster import HOST_ALIASES
 from hvd_transient.testing.schedule import Action, ScheduleError
-from hvd_transient.traces import (
+from hvd_transient.testing.traces import (
     TraceError,
     TraceOptions,
     detect_format,

@@ -22,7 +22,7 @@ from typing import IO, Iterator
 
 import pytest
 
-from hvd_transient import standby, worker
+from hvd_transient.join import standby, worker
 
 TINY = """\
 import os, sys, time

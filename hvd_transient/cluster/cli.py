@@ -33,7 +33,6 @@ from hvd_transient.cli import (
     positive_seconds,
     store_url,
 )
-from hvd_transient.cluster.compute_api import API_URL_ENV, DEFAULT_API_URL
 from hvd_transient.cluster.spec import (
     CLUSTER_LABEL,
     DRIVER,
@@ -43,11 +42,12 @@ from hvd_transient.cluster.spec import (
     parse_label_items,
     plan_instances,
 )
+from hvd_transient.gcp.compute_api import API_URL_ENV, DEFAULT_API_URL
 
 if TYPE_CHECKING:
-    from hvd_transient.cluster.compute_api import ComputeAPI
     from hvd_transient.cluster.job_plan import JobPolicy
     from hvd_transient.cluster.keeper import Keeper
+    from hvd_transient.gcp.compute_api import ComputeAPI
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ def _api_url(args: argparse.Namespace) -> str:
 
 
 def _connect(args: argparse.Namespace, *, write: bool) -> "ComputeAPI":
-    from hvd_transient.cluster.compute_api import READONLY_SCOPE, READWRITE_SCOPE, ComputeAPI
+    from hvd_transient.gcp.compute_api import READONLY_SCOPE, READWRITE_SCOPE, ComputeAPI
 
     return ComputeAPI.connect(api_url=args.api_url, scopes=(READWRITE_SCOPE if write else READONLY_SCOPE,))
 
@@ -310,8 +310,8 @@ def _cluster_instances(api: "ComputeAPI", project: str, name: str, zones: tuple[
 
 
 def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
-    from hvd_transient.cluster.compute_api import ComputeConflictError
     from hvd_transient.cluster.rest_plan import instance_body
+    from hvd_transient.gcp.compute_api import ComputeConflictError
 
     api = _connect(args, write=True)
     pending: list[tuple[str, dict[str, Any]]] = []
@@ -342,7 +342,7 @@ def _up(args: argparse.Namespace, spec: ClusterSpec) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from hvd_transient.cluster.compute_api import last_segment
+    from hvd_transient.gcp.compute_api import last_segment
 
     api = _connect(args, write=True)
     instances = _cluster_instances(api, args.project, args.name, _zones(args.zones))
@@ -360,7 +360,7 @@ def _down(args: argparse.Namespace) -> int:
 
 def _wait_all(api: "ComputeAPI", pending: list[tuple[str, dict[str, Any]]], timeout: float) -> int:
     """Wait for every operation, reporting each; one failure (e.g. no Spot capacity) does not hide the rest."""
-    from hvd_transient.cluster.compute_api import ComputeAPIError
+    from hvd_transient.gcp.compute_api import ComputeAPIError
 
     failed = 0
     for message, op in pending:
@@ -380,7 +380,7 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
     from hvd_transient.cluster.job_plan import JOB_FAILED
     from hvd_transient.cluster.keeper import ComputeFleet, Keeper, StateFile, policy_for
     from hvd_transient.cluster.keeper_plan import price_key, worker_rates
-    from hvd_transient.pricing import PriceTableError, load_price_table
+    from hvd_transient.gcp.pricing import PriceTableError, load_price_table
 
     if args.backoff_max < args.backoff:
         raise ClusterSpecError(f"--backoff-max ({args.backoff_max:g}) must be at least --backoff ({args.backoff:g})")
@@ -420,7 +420,7 @@ def _keep(args: argparse.Namespace, spec: ClusterSpec) -> int:
     if store is not None:
         import socket
 
-        from hvd_transient.events import EventLog
+        from hvd_transient.telemetry.events import EventLog
 
         events = EventLog(store, socket.gethostname())
     job, lock = None, None
@@ -464,7 +464,7 @@ def _job_pidfile(spec: ClusterSpec) -> Path:
     ``<tmp>/hvdt-keeper-<uid>``."""
     import os
 
-    from hvd_transient.user_files import user_dir
+    from hvd_transient.join.user_dirs import user_dir
 
     return user_dir(os.environ.get("HVDT_KEEPER_DIR"), "hvdt-keeper") / f"{spec.project}.{spec.name}.job"
 
@@ -472,7 +472,7 @@ def _job_pidfile(spec: ClusterSpec) -> Path:
 def _claim_job(pidfile: Path, cluster: str) -> int | None:
     """This machine's lock on the cluster's job, held while the keeper runs: a second keeper of the cluster
     would end the first one's job as one left behind. None if it cannot be taken here (no lock, as before)."""
-    from hvd_transient.user_files import ensure_dir, try_lock
+    from hvd_transient.join.user_dirs import ensure_dir, try_lock
 
     path = pidfile.with_suffix(".lock")
     try:
@@ -553,7 +553,7 @@ def _keep_dry_run(keeper: "Keeper", spec: ClusterSpec, fmt: str, job: str | None
 
 def describe(instance: dict[str, Any]) -> dict[str, Any]:
     """One row of ``status`` from a Compute instance resource (pure)."""
-    from hvd_transient.cluster.compute_api import last_segment
+    from hvd_transient.gcp.compute_api import last_segment
 
     scheduling = instance.get("scheduling") or {}
     spot = scheduling.get("provisioningModel") == "SPOT" or bool(scheduling.get("preemptible"))

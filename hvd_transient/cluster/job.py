@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
 from hvd_transient.discovery.ready import JOIN_TIMEOUT_ENV, STANDBY_SINCE_ENV
-from hvd_transient.user_files import ensure_dir, private
+from hvd_transient.join.user_dirs import ensure_dir, private
 
 log = logging.getLogger(__name__)
 

@@ -74,7 +74,7 @@ from hvd_transient.cluster.keeper_plan import (
 )
 from hvd_transient.cluster.spec import CLUSTER_LABEL, ROLE_LABEL, WORKER, ClusterSpec
 from hvd_transient.discovery.ready import ReadyRecord
-from hvd_transient.event_schema import (
+from hvd_transient.telemetry.schema import (
     EventBody,
     KeeperBudget,
     KeeperCost,
@@ -89,8 +89,8 @@ from hvd_transient.event_schema import (
 
 if TYPE_CHECKING:
     from ckpt_service.stores.base import ObjectStore
-    from hvd_transient.cluster.compute_api import ComputeAPI
-    from hvd_transient.events import EventLog
+    from hvd_transient.gcp.compute_api import ComputeAPI
+    from hvd_transient.telemetry.events import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class ComputeFleet:
             key=lambda w: (w.zone, w.name)))
 
     def apply(self, actions: Sequence[VMAction]) -> list[Outcome]:
-        from hvd_transient.cluster.compute_api import ComputeAPIError, ComputeConflictError
+        from hvd_transient.gcp.compute_api import ComputeAPIError, ComputeConflictError
 
         outcomes: list[Outcome | None] = [None] * len(actions)
         pending: list[tuple[int, dict[str, Any]]] = []
@@ -162,8 +162,8 @@ class ComputeFleet:
 
 def _reraise_unless_capacity(exc: Exception) -> None:
     """Credentials or permissions that fail must stop the keeper (exit 2); a quota 403 must not."""
-    from hvd_transient.cluster.compute_api import ComputeAuthError
     from hvd_transient.cluster.keeper_plan import QUOTA, classify_failure
+    from hvd_transient.gcp.compute_api import ComputeAuthError
 
     if isinstance(exc, ComputeAuthError) and classify_failure(exc.reason) != QUOTA:
         raise exc
@@ -384,7 +384,7 @@ class Keeper:
 
     def run(self, *, passes: int | None = None) -> None:
         """Reconcile every ``interval_s`` until :meth:`stop` (or ``passes`` passes)."""
-        from hvd_transient.cluster.compute_api import ComputeAPIError, ComputeAuthError, ComputeConfigError
+        from hvd_transient.gcp.compute_api import ComputeAPIError, ComputeAuthError, ComputeConfigError
 
         done = 0
         while not self._stopping.is_set():

@@ -38,9 +38,9 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 
 from hvd_transient.cluster.rest_plan import instance_body
 from hvd_transient.cluster.spec import WORKER, ClusterSpec, InstancePlan
+from hvd_transient.core.membership import Incarnation
 from hvd_transient.discovery.gce import incarnation
-from hvd_transient.membership import Incarnation
-from hvd_transient.pricing import PriceTable, instance_type_key
+from hvd_transient.gcp.pricing import PriceTable, instance_type_key
 
 log = logging.getLogger(__name__)
 

@@ -97,14 +97,14 @@ def _slots(args: argparse.Namespace) -> int | None:
 
 
 def _gce_hosts(args: argparse.Namespace, slots: int | None) -> list[Host]:
-    from hvd_transient.cluster.compute_api import (
+    from hvd_transient.discovery.gce import discover_gce, parse_labels
+    from hvd_transient.gcp.compute_api import (
         READONLY_SCOPE,
         ComputeAPI,
         ComputeAPIError,
         ComputeAuthError,
         ComputeConfigError,
     )
-    from hvd_transient.discovery.gce import discover_gce, parse_labels
 
     labels = parse_labels(args.label)
     zones = _split_csv(args.zone)

@@ -15,12 +15,12 @@ import logging
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+from hvd_transient.core.membership import Incarnation
 from hvd_transient.discovery.errors import DiscoveryConfigError
 from hvd_transient.discovery.hosts import Host
-from hvd_transient.membership import Incarnation
 
 if TYPE_CHECKING:  # the client imports requests/tenacity; only the gce backend needs it
-    from hvd_transient.cluster.compute_api import ComputeAPI
+    from hvd_transient.gcp.compute_api import ComputeAPI
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from hvd_transient.discovery.errors import DiscoveryConfigError
 
 if TYPE_CHECKING:
-    from hvd_transient.membership import Incarnation, LeavingRecord
+    from hvd_transient.core.membership import Incarnation, LeavingRecord
 
 # Host names, IPv4 addresses and DNS names; no ':' (Horovod splits on it), no spaces or commas.
 _HOST_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -115,7 +115,7 @@ def parse_state_document(text: str, default_slots: int = 1, *, origin: str = "")
 
 
 def _incarnation(item: dict[str, Any], where: str) -> "Incarnation | None":
-    from hvd_transient.membership import Incarnation
+    from hvd_transient.core.membership import Incarnation
 
     started_at, instance_id = item.get("started_at"), item.get("instance_id")
     if started_at is None and instance_id is None:
@@ -140,7 +140,7 @@ def unique(hosts: Iterable[Host]) -> list[Host]:
 def exclude_leaving(hosts: Iterable[Host], records: Iterable["LeavingRecord"], now: float, *,
                     grace_s: float) -> list[Host]:
     """Hosts none of whose names has a leaving record that still applies to the VM listed now."""
-    from hvd_transient.membership import excluded
+    from hvd_transient.core.membership import excluded
 
     hosts = list(hosts)
     by_name = {name: host.incarnation for host in hosts for name in host.names}

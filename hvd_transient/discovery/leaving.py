@@ -5,7 +5,7 @@ imports google-cloud-storage (about 0.6 s per call here), which Horovod would pa
 on the driver; so ``gs://`` is read through the JSON API with ``requests`` instead (one listing,
 then one small read per record: records are few and small), and handed to the reader as an
 in-memory store, so the key layout and format stay defined in one place (the leaving hosts of
-:func:`hvd_transient.membership.read_leaving`, the standbys' readiness of
+:func:`hvd_transient.core.membership.read_leaving`, the standbys' readiness of
 :func:`hvd_transient.discovery.ready.read_ready`). ``STORAGE_EMULATOR_HOST`` is honoured, as by
 the GCS store.
 """
@@ -20,7 +20,7 @@ from hvd_transient.discovery.errors import DiscoveryConfigError, DiscoveryError
 
 if TYPE_CHECKING:
     from ckpt_service.stores.base import ObjectStore
-    from hvd_transient.membership import LeavingRecord
+    from hvd_transient.core.membership import LeavingRecord
 
 GCS_ENDPOINT = "https://storage.googleapis.com"
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 def leaving_from_url(url: str, *, timeout: float = 10.0) -> list["LeavingRecord"]:
     from ckpt_service.layout import LEAVING_PREFIX
-    from hvd_transient.membership import read_leaving
+    from hvd_transient.core.membership import read_leaving
 
     return read_from_url(url, LEAVING_PREFIX, read_leaving, timeout=timeout, what="leaving hosts")
 
@@ -65,7 +65,7 @@ def _store_read(url: str, read: Callable[["ObjectStore"], T], *, what: str) -> T
 def _gcs_listing(url: str, prefix: str, *, timeout: float, what: str) -> "ObjectStore":
     """The objects under ``prefix`` of a ``gs://`` run store, copied into a memory store."""
     from ckpt_service.stores import MemoryStore
-    from hvd_transient.cluster.compute_api import (
+    from hvd_transient.gcp.compute_api import (
         ComputeAPI,
         ComputeAPIError,
         ComputeAuthError,

@@ -3,7 +3,7 @@
 Horovod starts a joining host's worker only after every current worker has reset, so with
 a cold start the survivors wait for the newcomer's whole start-up (interpreter, TensorFlow,
 model build, first trace). A VM that boots while the job runs starts a *standby* instead
-(``python -m hvd_transient.worker --standby``, :mod:`hvd_transient.standby`), which does all of
+(``python -m hvd_transient.worker --standby``, :mod:`hvd_transient.join.standby`), which does all of
 that before the VM is listed, then publishes ``hosts/ready/<host>.json`` in the run's store.
 A VM without a standby publishes the same record at the end of its boot (``hvd-transient
 ready``, from its startup script): a worker started on a VM that is still installing or
@@ -40,7 +40,7 @@ from hvd_transient.discovery.hosts import Host
 
 if TYPE_CHECKING:
     from ckpt_service.stores.base import ObjectStore
-    from hvd_transient.membership import Incarnation
+    from hvd_transient.core.membership import Incarnation
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import Any, Mapping, Sequence
 from urllib.parse import urlparse
 
 from hvd_transient.cli import ArgumentParser, command, output_file
-from hvd_transient.event_schema import EventBody, Record
 from hvd_transient.report.analysis import NoEventsError, RunAnalysis, analyze
 from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE, CostEstimate, estimate_costs
+from hvd_transient.telemetry.schema import EventBody, Record
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def load_events(url: str) -> list[Record[EventBody]]:
     """Every event of the run at ``url``, typed; ReportError if there are none."""
     from ckpt_service.errors import CheckpointError
     from ckpt_service.stores import open_store
-    from hvd_transient.events import read_records
+    from hvd_transient.telemetry.events import read_records
 
     parsed = urlparse(url)
     if parsed.scheme in ("", "file") and not Path(parsed.path if parsed.scheme else url).expanduser().is_dir():
@@ -57,7 +57,7 @@ def load_events(url: str) -> list[Record[EventBody]]:
 
 def build(events: Sequence[Record[EventBody] | Mapping[str, Any]], *, instance_type: str = DEFAULT_INSTANCE_TYPE,
           prices: str | None = None, driver_instance_type: str | None = None) -> tuple[RunAnalysis, CostEstimate]:
-    from hvd_transient.pricing import PriceTableError, load_price_table
+    from hvd_transient.gcp.pricing import PriceTableError, load_price_table
 
     try:
         analysis = analyze(events)

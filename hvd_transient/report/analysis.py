@@ -1,6 +1,6 @@
 """What happened in a run, computed from its merged event log (pure: no I/O).
 
-The event log (:mod:`hvd_transient.events`, kinds in :mod:`hvd_transient.event_schema`)
+The event log (:mod:`hvd_transient.telemetry.events`, kinds in :mod:`hvd_transient.telemetry.schema`)
 holds the events of every worker process. :func:`analyze` turns them into:
 
 * one :class:`Worker` per process (``host`` + ``pid``): when it lived and how it
@@ -35,15 +35,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from hvd_transient import event_schema as ev
-from hvd_transient.event_schema import EventBody, Record
-from hvd_transient.events import parse_records
 from hvd_transient.report.keeper_summary import JobAttempt, KeeperSummary, describe_keeper, summarize_keeper
 from hvd_transient.report.records import TRAINING_KINDS, AnyRecord, ProcessKey
 from hvd_transient.report.records import key as _key
 from hvd_transient.report.records import of as _of
 from hvd_transient.report.records import of_any as _of_any
 from hvd_transient.report.records import step as _step
+from hvd_transient.telemetry import schema as ev
+from hvd_transient.telemetry.events import parse_records
+from hvd_transient.telemetry.schema import EventBody, Record
 
 log = logging.getLogger(__name__)
 
@@ -297,8 +297,8 @@ def _ms(later: float | None, earlier: float | None) -> float | None:
 
 def analyze(events: Iterable[AnyRecord | Mapping[str, Any]], *,
             kills: Mapping[str, float] | None = None) -> RunAnalysis:
-    """Analyse a run's events: typed records (:func:`hvd_transient.events.read_records`) or the
-    logged dicts (:func:`hvd_transient.events.read_events`), in any order.
+    """Analyse a run's events: typed records (:func:`hvd_transient.telemetry.events.read_records`) or the
+    logged dicts (:func:`hvd_transient.telemetry.events.read_events`), in any order.
 
     ``kills``: host -> when its worker was killed, where something outside the log knows
     (the benchmark that killed it): a worker of that host that vanished without notice

@@ -1,7 +1,7 @@
 """Whole-run goodput on a trace: useful samples against what the available VMs could have trained (pure).
 
 * **Ideal** = the integral of r(n(t)) dt over the trace's window: n(t) the VMs the trace makes available
-  (:attr:`hvd_transient.traces.TracePlan.availability`), r(k) the steady samples per second of a ring of k
+  (:attr:`hvd_transient.testing.traces.TracePlan.availability`), r(k) the steady samples per second of a ring of k
   measured on the same machine (a calibration: a small box does not scale linearly). r(0) = 0.
 * **Useful samples** are those in the final model: each ring trained from its start step on, with its
   size; a ring that starts at an earlier step (a rollback, a restore of an older checkpoint) cuts every

@@ -8,9 +8,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from hvd_transient import event_schema as ev
-from hvd_transient.event_schema import EventBody, Record
 from hvd_transient.report.records import TRAINING_KINDS, AnyRecord, of, of_any
+from hvd_transient.telemetry import schema as ev
+from hvd_transient.telemetry.schema import EventBody, Record
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Iterable, TypeVar, cast
 
-from hvd_transient import event_schema as ev
-from hvd_transient.event_schema import EventBody, Record
+from hvd_transient.telemetry import schema as ev
+from hvd_transient.telemetry.schema import EventBody, Record
 
 AnyRecord = Record[EventBody]
 ProcessKey = tuple[str, int]  # (host, pid): one worker process

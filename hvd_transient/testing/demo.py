@@ -9,7 +9,7 @@ VM rejoins through a standby worker that warmed up before it was offered to
 Horovod, so the survivors barely pause. ``--schedule`` and ``--lifetimes``
 change the preemptions, ``--no-keeper`` and ``--no-standby`` switch those off.
 
-``--trace FILE`` plays a window of a public spot trace instead (:mod:`hvd_transient.traces`:
+``--trace FILE`` plays a window of a public spot trace instead (:mod:`hvd_transient.testing.traces`:
 ``--trace-start``, ``--trace-hours``, ``--time-scale``, ``--max-nodes``, ``--cloud``): the trace
 decides which VMs exist, so the keeper is off; removals are notices with the cloud's window,
 additions are VMs that join through a standby, and training stops when the window ends.
@@ -32,7 +32,7 @@ from hvd_transient.cli import ArgumentParser, UsageError, command, positive_int,
 from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE
 from hvd_transient.testing.local_cluster import HOST_ALIASES, LocalCluster, LocalClusterSpec, of
 from hvd_transient.testing.schedule import Action, default_schedule, lifetime_schedule, load_schedule
-from hvd_transient.traces import TracePlan, add_trace_arguments, load_plan
+from hvd_transient.testing.traces import TracePlan, add_trace_arguments, load_plan
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +189,8 @@ def _start_keeper(cluster: LocalCluster, store: str, workers: int, instance_type
     """The keeper on the "driver VM": it keeps ``workers`` VMs running; returns how to stop it."""
     from ckpt_service.stores import open_store
     from hvd_transient.cluster.keeper import Keeper
-    from hvd_transient.events import EventLog
-    from hvd_transient.pricing import load_price_table
+    from hvd_transient.gcp.pricing import load_price_table
+    from hvd_transient.telemetry.events import EventLog
     from hvd_transient.testing.local_fleet import LocalFleet
 
     fleet = LocalFleet(cluster)

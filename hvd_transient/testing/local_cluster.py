@@ -9,7 +9,7 @@ state file this class rewrites, and drops hosts published as leaving.
 
 With ``LocalClusterSpec(standby=True)`` a VM that appears while the job runs (:meth:`LocalCluster.add_host`,
 a preempted VM started again) boots a standby worker for its host
-(``python -m hvd_transient.worker --standby``, :mod:`hvd_transient.worker`), the job's command
+(``python -m hvd_transient.worker --standby``, :mod:`hvd_transient.join.worker`), the job's command
 becomes ``python -m hvd_transient.worker SCRIPT ...`` (``command`` must be ``(python, SCRIPT, ...)``)
 and discovery holds a new VM back until its standby is ready, as on GCE.
 
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ckpt_service.stores import open_store
-from hvd_transient.control import clear_stop, request_stop
-from hvd_transient.events import read_events
+from hvd_transient.core.control import clear_stop, request_stop
+from hvd_transient.telemetry.events import read_events
 from hvd_transient.testing.metadata_emulator import MetadataEmulator
 from hvd_transient.watchers.aws import ENDPOINT_ENV as AWS_ENDPOINT_ENV
 

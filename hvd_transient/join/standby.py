@@ -1,6 +1,6 @@
 """The standby's worker: a training script run up to its elastic training call before the VM joins.
 
-Started by ``python -m hvd_transient.worker --standby`` (:mod:`hvd_transient.worker`, which
+Started by ``python -m hvd_transient.worker --standby`` (:mod:`hvd_transient.join.worker`, which
 forks this worker off its supervisor). Before the script runs, two points of Horovod are hooked,
 so the script itself is unchanged:
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
-    from hvd_transient.worker import StandbyOptions
+    from hvd_transient.join.worker import StandbyOptions
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def run(options: "StandbyOptions", ctl: socket.socket) -> None:
     # graphs are built as under horovodrun's elastic mode, which sets this for its workers
     os.environ.setdefault("HOROVOD_ELASTIC", "1")
     install_hooks(options.local_rank)
-    from hvd_transient.worker import run_script
+    from hvd_transient.join.worker import run_script
 
     run_script(options.script, options.args)
     if _STATE.pending:
@@ -178,7 +178,7 @@ def _stop_at_run_fn(elastic: Any) -> None:
 
 def _join(func: Callable[..., Any], reset: Callable[[], None], state: Any, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> None:
-    from hvd_transient.worker import recv_message, send_message
+    from hvd_transient.join.worker import recv_message, send_message
 
     options, ctl = _STATE.options, _STATE.ctl
     assert options is not None and ctl is not None

@@ -24,7 +24,7 @@ on a cold start restores the run's latest committed checkpoint on rank 0, from
 where Horovod's own sync broadcasts it. ``TransientCallback`` makes every
 ``fit`` resume at the exact batch the optimizer step says (no epoch is re-run
 after a reset), and ``elastic_dataset`` at the exact sample
-(:mod:`hvd_transient.data_position`). Without a discovery script (a static
+(:mod:`hvd_transient.core.data_position`). Without a discovery script (a static
 job), pass ``state=None``: a notice then writes the emergency checkpoint and
 stops ``fit``; the relaunch resumes through :func:`restore_model`.
 """
@@ -41,16 +41,16 @@ import tensorflow as tf
 from ckpt_service.manager import CheckpointManager, DeferredShare
 from ckpt_service.plan import SavePlan
 from ckpt_service.stores import open_store
-from hvd_transient import event_schema as ev
-from hvd_transient import standby
-from hvd_transient.checksums import state_crc
-from hvd_transient.control import clear_stop
-from hvd_transient.data_position import SampleCursor, epoch_and_batch
-from hvd_transient.elastic_data import elastic_dataset
-from hvd_transient.hvd_collectives import HorovodCollectives
-from hvd_transient.lr_scaling import scaled_lr
-from hvd_transient.tf_snapshot import FusedSnapshot
-from hvd_transient.transient import DEFAULT_LEAVE_LEAD_S, StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.collectives.horovod import HorovodCollectives
+from hvd_transient.core.checksums import state_crc
+from hvd_transient.core.control import clear_stop
+from hvd_transient.core.data_position import SampleCursor, epoch_and_batch
+from hvd_transient.core.lr_scaling import scaled_lr
+from hvd_transient.core.transient import DEFAULT_LEAVE_LEAD_S, StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.join import standby
+from hvd_transient.keras.data import elastic_dataset
+from hvd_transient.keras.snapshot import FusedSnapshot
+from hvd_transient.telemetry import schema as ev
 
 log = logging.getLogger(__name__)
 

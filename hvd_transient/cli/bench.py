@@ -34,7 +34,7 @@ class BenchNotFoundError(LookupError):
 
 def checkout() -> Path:
     """The root of the checkout this package was installed from (editable install)."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]  # hvd_transient/cli/bench.py -> the checkout
 
 
 def is_benchmark(stem: str) -> bool:

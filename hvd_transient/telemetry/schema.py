@@ -1,7 +1,7 @@
 """Every kind of event the run's event log holds, declared once (pure: no I/O).
 
 Each kind is a frozen dataclass of its fields; :data:`KINDS` maps the ``event``
-name written to the log to its class. :meth:`hvd_transient.events.EventLog.emit`
+name written to the log to its class. :meth:`hvd_transient.telemetry.events.EventLog.emit`
 takes one of these objects, so an unknown kind, a missing or a misspelled field
 fails where the event is made (a ``TypeError`` from the dataclass, and a mypy
 error before that). A logged event is a :class:`Record`: when, which process,

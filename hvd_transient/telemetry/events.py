@@ -18,9 +18,9 @@ the ring) copies its last events in one bounded write of their own to segment
 The report and the benchmarks read every file back and merge them by time; an
 event found in two segments counts once.
 
-The kinds of event and their fields are declared in :mod:`hvd_transient.event_schema`:
+The kinds of event and their fields are declared in :mod:`hvd_transient.telemetry.schema`:
 ``emit`` takes one of its dataclasses (``log.emit(Progress(step=10, size=4))``), and
-:func:`read_records` gives the log back as typed :class:`~hvd_transient.event_schema.Record`
+:func:`read_records` gives the log back as typed :class:`~hvd_transient.telemetry.schema.Record`
 objects (:func:`read_events`: the same as plain dicts). On disk every event is one JSON
 object with ``t`` (epoch seconds), ``event`` (the kind), ``host``, ``pid`` and its fields.
 """
@@ -38,7 +38,7 @@ from typing import Any, Iterable, Iterator, Mapping, TypeVar
 from ckpt_service.deadline import Deadline
 from ckpt_service.layout import EVENTS_PREFIX, events_key, is_events_key
 from ckpt_service.stores.base import ObjectStore
-from hvd_transient.event_schema import KINDS, EventBody, Record, from_json_dict, to_json_dict
+from hvd_transient.telemetry.schema import KINDS, EventBody, Record, from_json_dict, to_json_dict
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class EventLog:
         atexit.register(self.flush)  # rate-limited events must still reach the store
 
     def emit(self, body: B, *, wait_s: float | None = None) -> Record[B]:
-        """Log one event (a dataclass of :mod:`hvd_transient.event_schema`) and return it as logged.
+        """Log one event (a dataclass of :mod:`hvd_transient.telemetry.schema`) and return it as logged.
 
         A durable event is written at once; the call waits for that write up to ``wait_s``
         (default ``durable_wait_s``), and returns whether or not it is done by then.
@@ -227,7 +227,7 @@ class EventLog:
 
 def read_records(store: ObjectStore) -> list[Record[EventBody]]:
     """Every process's events as typed records, merged and sorted by time (see
-    :func:`~hvd_transient.event_schema.from_json_dict` for what is skipped)."""
+    :func:`~hvd_transient.telemetry.schema.from_json_dict` for what is skipped)."""
     return parse_records(read_events(store))
 
 

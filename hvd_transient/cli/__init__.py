@@ -40,15 +40,15 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "ckpt": ("ckpt_service.cli", "inspect, verify, garbage-collect and export checkpoints"),
+    "ckpt": ("hvd_transient.cli.ckpt", "inspect, verify, garbage-collect and export checkpoints"),
     "metadata-emulator": ("hvd_transient.testing.metadata_emulator", "run a GCE metadata-server emulator"),
     "discover": ("hvd_transient.discovery.cli", "print host:slots lines for horovodrun --host-discovery-script"),
     "cluster": ("hvd_transient.cluster.cli", "create, inspect and delete a GCE spot training cluster"),
     "demo": ("hvd_transient.testing.demo", "run the local transient-cluster demo"),
     "report": ("hvd_transient.report", "timeline, cost and checkpoint report of a run"),
-    "stop": ("hvd_transient.control", "ask a running job to checkpoint and stop cleanly"),
-    "ready": ("hvd_transient.discovery.ready_cli", "publish this VM as ready to join (its startup script runs it)"),
-    "bench": ("hvd_transient.bench_cli", "run the benchmarks in bench/"),
+    "stop": ("hvd_transient.core.control", "ask a running job to checkpoint and stop cleanly"),
+    "ready": ("hvd_transient.cli.ready", "publish this VM as ready to join (its startup script runs it)"),
+    "bench": ("hvd_transient.cli.bench", "run the benchmarks in bench/"),
 }
 
 class MainFn(Protocol):
@@ -71,14 +71,14 @@ TYPED_ERRORS: tuple[tuple[str, str, int], ...] = (
     ("hvd_transient.discovery.errors", "DiscoveryConfigError", EXIT_USAGE),
     ("hvd_transient.discovery.errors", "DiscoveryError", EXIT_FAILURE),
     ("hvd_transient.cluster.spec", "ClusterSpecError", EXIT_USAGE),
-    ("hvd_transient.cluster.compute_api", "ComputeAuthError", EXIT_USAGE),
-    ("hvd_transient.cluster.compute_api", "ComputeConfigError", EXIT_USAGE),
-    ("hvd_transient.cluster.compute_api", "ComputeAPIError", EXIT_FAILURE),
+    ("hvd_transient.gcp.compute_api", "ComputeAuthError", EXIT_USAGE),
+    ("hvd_transient.gcp.compute_api", "ComputeConfigError", EXIT_USAGE),
+    ("hvd_transient.gcp.compute_api", "ComputeAPIError", EXIT_FAILURE),
     ("hvd_transient.report", "ReportError", EXIT_USAGE),
     ("hvd_transient.report.plot", "PlotUnavailableError", EXIT_USAGE),
-    ("hvd_transient.pricing", "PriceTableError", EXIT_USAGE),
+    ("hvd_transient.gcp.pricing", "PriceTableError", EXIT_USAGE),
     ("hvd_transient.testing.schedule", "ScheduleError", EXIT_USAGE),
-    ("hvd_transient.bench_cli", "BenchNotFoundError", EXIT_USAGE),
+    ("hvd_transient.cli.bench", "BenchNotFoundError", EXIT_USAGE),
     ("hvd_transient.testing.metadata_emulator.model", "EmulatorError", EXIT_USAGE),
     ("hvd_transient.testing.local_cluster", "ClusterError", EXIT_FAILURE),
 )

@@ -9,7 +9,7 @@
 
 Built inside the elastic ``train`` function, it starts where the whole job
 stands (``state.samples``, the global sample offset of
-:mod:`hvd_transient.data_position`) and gives this rank its block of every
+:mod:`hvd_transient.core.data_position`) and gives this rank its block of every
 global batch, so after a leave, a join or a cold restart on any number of
 workers, each sample of a pass over the data is still used exactly once. The
 passes are seeded permutations (the same on every worker, no coordination).
@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hvd_transient.data_position import pass_and_index
+from hvd_transient.core.data_position import pass_and_index
 
 #: passes of the stream; large enough to be endless
 _PASSES = 2 ** 40

@@ -8,7 +8,7 @@ the in-process fakes of the unit tests.
 Per step boundary, on every rank, in the same order:
 
 1. about once per ``check_interval_s`` (the step count adapts to the step times all
-   ranks measured, see :func:`~hvd_transient.election.steps_until_next_check` for the
+   ranks measured, see :func:`~hvd_transient.core.election.steps_until_next_check` for the
    time bound it promises; or every ``check_every_steps`` steps if set), one tiny
    allreduce tells all ranks which ranks are under preemption notice and their deadlines;
 2. if some rank newly got a notice: cancel a background save in flight (a new
@@ -62,9 +62,8 @@ from ckpt_service.errors import BadSnapshotError, CheckpointError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager, CommitConflictError, ShareSnapshot
 from ckpt_service.manifest import checked_metadata
-from hvd_transient import event_schema as ev
-from hvd_transient.control import StopPoller
-from hvd_transient.election import (
+from hvd_transient.core.control import StopPoller
+from hvd_transient.core.election import (
     SLOWDOWN_ALLOWANCE,
     NoticeRound,
     decode_notice,
@@ -72,8 +71,9 @@ from hvd_transient.election import (
     encode_notice,
     steps_until_next_check,
 )
-from hvd_transient.events import EventLog
-from hvd_transient.membership import prune_leaving, publish_leaving_until
+from hvd_transient.core.membership import prune_leaving, publish_leaving_until
+from hvd_transient.telemetry import schema as ev
+from hvd_transient.telemetry.events import EventLog
 
 if TYPE_CHECKING:
     from hvd_transient.watchers import Notice
@@ -158,7 +158,7 @@ class TransientConfig:
     check_interval_s: float = 1.0
     max_check_every_steps: int = 1000
     #: adaptive cadence: rounds are at most this many check intervals apart at the slowest
-    #: step seen on the ring (see :func:`hvd_transient.election.steps_until_next_check`)
+    #: step seen on the ring (see :func:`hvd_transient.core.election.steps_until_next_check`)
     check_slowdown_allowance: float = SLOWDOWN_ALLOWANCE
     #: how long a notice gives when the notice itself carries no deadline; None: what the VM is
     #: configured with (GCE: ``cluster up --preemption-notice-duration``, else 30 s)
