@@ -48,6 +48,8 @@ $(STAMP): $(CONSTRAINTS) setup.py Makefile
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy ckpt_service hvd_transient
+	# the package's layers (pyproject.toml [tool.importlinter])
+	$(BIN)/lint-imports --no-cache
 	# unit and emulator tests in two processes, then the end-to-end runs (real horovodrun and mpirun,
 	# several processes each, with time bounds) one at a time, with the machine to themselves
 	$(BIN)/python -m pytest -m "not horovod and not mpi" -n 2

@@ -37,6 +37,7 @@ setup(
             "matplotlib>=3.7",
             "ruff>=0.6",
             "mypy>=1.10",
+            "import-linter>=2.1",
         ],
     },
     entry_points={"console_scripts": ["hvd-transient=hvd_transient.cli:main"]},

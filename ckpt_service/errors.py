@@ -8,6 +8,7 @@ from __future__ import annotations
 
 class CheckpointError(Exception):
     """Base class of every error raised by ckpt_service."""
+    cli_exit_status = 2  # the command line or configuration must change
 
 
 class BadStoreURLError(CheckpointError, ValueError):
@@ -67,6 +68,7 @@ class StructureMismatchError(CheckpointError, ValueError):
 
 class CorruptCheckpointError(CheckpointError, IOError):
     """Stored data does not match its recorded checksum, or the manifest is unreadable."""
+    cli_exit_status = 1  # the command ran and failed
 
 
 class LeaseLostError(CheckpointError, RuntimeError):

@@ -8,12 +8,9 @@ Checkpoints (written by :mod:`ckpt_service`)::
     commits/000000000120.json                           create-only commit marker
     lease/master.json                                   checkpoint-master lease
 
-The training side (:mod:`hvd_transient`) keeps its own objects in the same store::
-
-    hosts/leaving/<host>.json                           a host under preemption notice
-    hosts/ready/<host>.json                             a new VM's standby worker is ready to join
-    control/stop                                        an operator's stop request
-    events/<host>.<pid>.<seq>.jsonl                     one segment of a process's event log
+A user of the service may keep other objects in the same store under other prefixes (the
+plugin's are in :mod:`hvd_transient.store_keys`): retention and gc list and delete only under
+``steps/`` and ``commits/``.
 
 Commit markers live in their own small directory so that finding the committed
 steps is one short listing, however many data objects the steps hold.
@@ -86,49 +83,3 @@ def piece_prefix(step: int, group: str, index: int, nonce: str) -> str:
 
 def parse_step_dir(name: str) -> int | None:
     return int(name) if name.isdigit() else None
-
-
-# ---- the training side's objects ----------------------------------------------------------------
-# Retention and gc list and delete only under STEPS_PREFIX and COMMITS_PREFIX, so the
-# prefixes below are never touched by them: their owners create and remove their own objects.
-
-LEAVING_PREFIX = "hosts/leaving/"
-READY_PREFIX = "hosts/ready/"
-CONTROL_PREFIX = "control/"
-STOP_KEY = CONTROL_PREFIX + "stop"
-EVENTS_PREFIX = "events/"
-EVENTS_SUFFIX = ".jsonl"
-
-
-def leaving_key(host: str) -> str:
-    """``w-1`` -> ``hosts/leaving/w-1.json``."""
-    return f"{LEAVING_PREFIX}{host}.json"
-
-
-def host_of_leaving_key(key: str) -> str | None:
-    """``hosts/leaving/w-1.json`` -> ``w-1`` (None for anything else)."""
-    if not key.startswith(LEAVING_PREFIX) or not key.endswith(".json"):
-        return None
-    return key[len(LEAVING_PREFIX):-len(".json")] or None
-
-
-def ready_key(host: str) -> str:
-    """``w-3`` -> ``hosts/ready/w-3.json``."""
-    return f"{READY_PREFIX}{host}.json"
-
-
-def host_of_ready_key(key: str) -> str | None:
-    """``hosts/ready/w-3.json`` -> ``w-3`` (None for anything else)."""
-    if not key.startswith(READY_PREFIX) or not key.endswith(".json"):
-        return None
-    return key[len(READY_PREFIX):-len(".json")] or None
-
-
-def events_key(host: str, pid: int, seq: int) -> str:
-    """Segment ``seq`` of the event log of process ``pid`` on ``host``."""
-    return f"{EVENTS_PREFIX}{host}.{pid}.{seq:06d}{EVENTS_SUFFIX}"
-
-
-def is_events_key(key: str) -> bool:
-    """Whether ``key`` (from a listing of ``EVENTS_PREFIX``) is an event-log segment."""
-    return key.startswith(EVENTS_PREFIX) and key.endswith(EVENTS_SUFFIX)

@@ -334,7 +334,7 @@ def test_up_status_down_lifecycle(compute, capsys):
 def test_longer_preemption_notice_goes_to_the_beta_api_and_into_the_metadata(compute, capsys):
     """`--preemption-notice-duration` sets the beta scheduling field (v1 would reject it) on the Spot
     workers only, and writes the duration where the watchers read it."""
-    from hvd_transient.watchers.gce import NOTICE_ATTRIBUTE
+    from hvd_transient.gcp.metadata import NOTICE_ATTRIBUTE
 
     assert cli.main([*UP, "--preemption-notice-duration", "120s"]) == 0
     created = {i["name"]: i for i in compute.instances(PROJECT)}

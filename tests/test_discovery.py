@@ -470,8 +470,8 @@ def test_join_gate_matches_instance_ids_and_aliases():
 
 
 def test_ready_records_round_trip_and_unreadable_ones_admit_nobody(tmp_path):
-    from ckpt_service.layout import ready_key
     from hvd_transient.discovery.ready import ReadyRecord, publish_ready, read_ready
+    from hvd_transient.store_keys import ready_key
 
     store = LocalStore(tmp_path / "store")
     record = publish_ready(store, "w-3", pid=4242, instance_id="42", now=1234.5)

@@ -22,12 +22,13 @@ from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
+from hvd_transient import store_keys as keys
 from hvd_transient.core.membership import leaving_hosts, publish_leaving_until, read_leaving
 from hvd_transient.telemetry.events import FINAL_SEQ, read_events
 
 
 def is_leaving_key(key: str) -> bool:
-    return key.startswith(layout.LEAVING_PREFIX)
+    return key.startswith(keys.LEAVING_PREFIX)
 
 
 class FlakyPuts(DelegatingStore):
@@ -234,7 +235,7 @@ def test_a_leaving_rank_copies_its_last_events_past_a_write_stuck_in_flight() ->
     rank out of the ring, its events still get out, at once, in a write of their own."""
     memory = MemoryStore.named(uuid.uuid4().hex)
     final = f".{FINAL_SEQ:06d}.jsonl"
-    stuck = GatedStore(memory, lambda key: key.startswith(layout.EVENTS_PREFIX) and not key.endswith(final))
+    stuck = GatedStore(memory, lambda key: key.startswith(keys.EVENTS_PREFIX) and not key.endswith(final))
     stuck.gate.set()  # healthy while the ring begins
     group, impls, url = make_ranks(stores=[memory, memory, stuck])
     stuck.gate.clear()  # from now on the log's own writes of rank 2 hang

@@ -38,6 +38,7 @@ from ckpt_service.plan import SavePlan, TensorSpecs, spec_of
 from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import WriteOutcomeUnknownError
 from ckpt_service.testing.store_conformance import LostReplies
+from hvd_transient import store_keys as keys
 
 
 @pytest.fixture(params=BACKENDS)
@@ -623,14 +624,14 @@ def test_a_background_failure_never_waited_for_is_logged_when_the_next_save_star
 
 
 def test_run_store_keys_of_the_training_side() -> None:
-    assert layout.events_key("w-1", 4242, 3) == "events/w-1.4242.000003.jsonl"
-    assert layout.is_events_key(layout.events_key("w-1", 4242, 3)) and not layout.is_events_key("events/x.json")
-    assert layout.leaving_key("w-1") == "hosts/leaving/w-1.json"
-    assert layout.host_of_leaving_key(layout.leaving_key("w-1")) == "w-1"
-    assert layout.host_of_leaving_key("hosts/leaving/.json") is None
-    assert layout.STOP_KEY == "control/stop"
+    assert keys.events_key("w-1", 4242, 3) == "events/w-1.4242.000003.jsonl"
+    assert keys.is_events_key(keys.events_key("w-1", 4242, 3)) and not keys.is_events_key("events/x.json")
+    assert keys.leaving_key("w-1") == "hosts/leaving/w-1.json"
+    assert keys.host_of_leaving_key(keys.leaving_key("w-1")) == "w-1"
+    assert keys.host_of_leaving_key("hosts/leaving/.json") is None
+    assert keys.STOP_KEY == "control/stop"
     # none of them lies under the prefixes retention lists and deletes
-    for key in (layout.events_key("h", 1, 0), layout.leaving_key("h"), layout.STOP_KEY, layout.LEASE_KEY):
+    for key in (keys.events_key("h", 1, 0), keys.leaving_key("h"), keys.STOP_KEY, layout.LEASE_KEY):
         assert not key.startswith((layout.STEPS_PREFIX, layout.COMMITS_PREFIX))
 
 

@@ -21,6 +21,7 @@ from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
+from hvd_transient import store_keys as keys
 from hvd_transient.core.control import request_stop
 from hvd_transient.core.election import decode_notice, encode_notice, steps_until_next_check
 from hvd_transient.core.membership import read_leaving
@@ -66,10 +67,10 @@ class BlindStore(DelegatingStore):
     """Sees no stop request (a rank that is not the master never looks)."""
 
     def exists(self, key: str) -> bool:
-        return False if key == layout.STOP_KEY else self.inner.exists(key)
+        return False if key == keys.STOP_KEY else self.inner.exists(key)
 
     def stat(self, key: str) -> Any:
-        return None if key == layout.STOP_KEY else super().stat(key)
+        return None if key == keys.STOP_KEY else super().stat(key)
 
 
 class FailingListStore(DelegatingStore):
@@ -326,7 +327,7 @@ def test_each_leaving_record_carries_its_own_deadline_and_is_written_once() -> N
     assert [o.emergency_step for o in outcomes] == [2, 2, 2]
     records = {r.host: r.deadline for r in read_leaving(counting)}
     assert records == {"h2": pytest.approx(t0 + 30), "h1": pytest.approx(t0 + 152)}
-    assert counting.puts[layout.leaving_key("h2")] == 1 and counting.puts[layout.leaving_key("h1")] == 1
+    assert counting.puts[keys.leaving_key("h2")] == 1 and counting.puts[keys.leaving_key("h1")] == 1
     # the second save still had to end before h2, one of its writers, is gone
     agreed = events(impls[0], "notice_agreed")
     assert [e["leaving"] for e in agreed] == [["h2"], ["h1"]]
@@ -344,7 +345,7 @@ def test_a_later_shorter_notice_does_not_rewrite_an_earlier_record() -> None:
     step_all(group, impls, 2)
     records = {r.host: r.deadline for r in read_leaving(counting)}
     assert records == {"h1": pytest.approx(t0 + 150), "h2": pytest.approx(t0 + 32)}
-    assert counting.puts[layout.leaving_key("h1")] == 1
+    assert counting.puts[keys.leaving_key("h1")] == 1
 
 
 def test_ranks_of_one_vm_publish_one_record_with_that_vms_deadline() -> None:

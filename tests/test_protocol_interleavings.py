@@ -47,6 +47,7 @@ from ckpt_service.manifest import CommitMarker
 from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
+from hvd_transient import store_keys as keys
 from hvd_transient.core.control import request_stop
 from hvd_transient.core.membership import read_leaving
 from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
@@ -90,7 +91,7 @@ class RecordingStore(DelegatingStore):
                 marker = CommitMarker.from_json(data, where=key)
                 self.commits.append((marker.step, marker.lease_generation))
                 return generation
-        if key.startswith(layout.LEAVING_PREFIX):
+        if key.startswith(keys.LEAVING_PREFIX):
             with self._lock:
                 self.leaving_puts[key] = self.leaving_puts.get(key, 0) + 1
         return super().put(key, data, if_generation_match=if_generation_match)
@@ -404,7 +405,7 @@ class NoticeProtocol(RuleBasedStateMachine):
         for host, deadline in records.items():
             assert deadline == self.deadlines[host], (
                 f"{host}'s leaving record says {deadline}, its own notice {self.deadlines[host]}")
-            writes = self.shared.leaving_puts[layout.leaving_key(host)]
+            writes = self.shared.leaving_puts[keys.leaving_key(host)]
             assert writes == 1, f"{host}'s leaving record was written {writes} times"
 
     def teardown(self) -> None:

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from hvd_transient.gcp.metadata import NOTICE_ATTRIBUTE
 from hvd_transient.testing.metadata_emulator import MetadataEmulator
 from hvd_transient.watchers import (
     AwsWatcher,
@@ -22,7 +23,6 @@ from hvd_transient.watchers import (
     make_watcher,
     read_dmi,
 )
-from hvd_transient.watchers.gce import NOTICE_ATTRIBUTE
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from hvd_transient.cli import UsageError, command
+from hvd_transient.commandline import UsageError, command
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ BENCHES: tuple[str, ...] = ("ckpt-io", "ckpt-overhead", "commit-scaling", "emerg
 
 class BenchNotFoundError(LookupError):
     """The benchmark (or the bench/ directory itself) does not exist."""
+    cli_exit_status = 2  # the command line or configuration must change
 
 
 def checkout() -> Path:
@@ -109,7 +110,7 @@ def _all(args: Sequence[str]) -> int:
 
 @command(PROG)
 def main(argv: Sequence[str] | None = None) -> int:
-    """BenchNotFoundError and UsageError become one line and exit 2 in :func:`hvd_transient.cli.run`."""
+    """BenchNotFoundError and UsageError become one line and exit 2 in :func:`hvd_transient.commandline.run`."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
         print(USAGE)

@@ -22,7 +22,14 @@ from numpy.lib.format import write_array
 from numpy.typing import NDArray
 
 from ckpt_service.errors import BadTensorNameError, CheckpointError, NothingToRestoreError
-from hvd_transient.cli import ArgumentParser, command, existing_store_url, non_negative_int, output_file, positive_int
+from hvd_transient.commandline import (
+    ArgumentParser,
+    command,
+    existing_store_url,
+    non_negative_int,
+    output_file,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     from ckpt_service.manager import CheckpointManager

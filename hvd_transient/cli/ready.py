@@ -12,7 +12,7 @@ import socket
 import sys
 from typing import Sequence
 
-from hvd_transient.cli import EXIT_FAILURE, ArgumentParser, command, store_url
+from hvd_transient.commandline import EXIT_FAILURE, ArgumentParser, command, store_url
 
 PROG = "hvd-transient ready"
 

@@ -23,16 +23,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from hvd_transient.cli import (
-    ArgumentParser,
-    command,
-    http_url,
-    non_negative_int,
-    non_negative_seconds,
-    positive_int,
-    positive_seconds,
-    store_url,
-)
 from hvd_transient.cluster.spec import (
     CLUSTER_LABEL,
     DRIVER,
@@ -41,6 +31,16 @@ from hvd_transient.cluster.spec import (
     ClusterSpecError,
     parse_label_items,
     plan_instances,
+)
+from hvd_transient.commandline import (
+    ArgumentParser,
+    command,
+    http_url,
+    non_negative_int,
+    non_negative_seconds,
+    positive_int,
+    positive_seconds,
+    store_url,
 )
 from hvd_transient.gcp.compute_api import API_URL_ENV, DEFAULT_API_URL
 
@@ -589,7 +589,7 @@ def _status(args: argparse.Namespace) -> int:
 
 @command(PROG)
 def main(argv: Sequence[str] | None = None) -> int:
-    """ClusterSpecError and ComputeAuthError exit 2, other ComputeAPIErrors 1 (:func:`hvd_transient.cli.run`)."""
+    """ClusterSpecError and ComputeAuthError exit 2, other ComputeAPIErrors 1 (commandline.run)."""
     args = build_parser().parse_args(argv)
     if args.command == "up":
         spec = spec_from_args(args)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from hvd_transient.cluster.spec import CLUSTER_LABEL, WORKER, ClusterSpec, InstancePlan, plan_instances
-from hvd_transient.watchers.gce import NOTICE_ATTRIBUTE
+from hvd_transient.gcp.compute_api import api_base_for
+from hvd_transient.gcp.metadata import NOTICE_ATTRIBUTE
 
 
 @dataclass(frozen=True)
@@ -104,19 +105,6 @@ def instance_body(plan: InstancePlan, spec: ClusterSpec) -> dict[str, Any]:
 
 def _zone_url(base_url: str, project: str, zone: str) -> str:
     return f"{base_url.rstrip('/')}/projects/{project}/zones/{zone}"
-
-
-def api_base_for(base_url: str, body: Mapping[str, Any]) -> str:
-    """``base_url``, or its beta counterpart when ``body`` uses a beta-only field."""
-    if "preemptionNoticeDuration" in (body.get("scheduling") or {}):
-        return beta_url(base_url)
-    return base_url
-
-
-def beta_url(base_url: str) -> str:
-    """``.../compute/v1`` -> ``.../compute/beta`` (the beta API takes the same requests)."""
-    base = base_url.rstrip("/")
-    return base[: -len("/v1")] + "/beta" if base.endswith("/v1") else base
 
 
 def insert_request(base_url: str, spec: ClusterSpec, plan: InstancePlan) -> RestRequest:

@@ -26,6 +26,7 @@ _LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
 
 class ClusterSpecError(ValueError):
     """The cluster description is invalid; the message says which option to fix."""
+    cli_exit_status = 2  # the command line or configuration must change
 
 
 def parse_label_items(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:

@@ -10,18 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 import time
-from typing import Sequence
 
 from ckpt_service.deadline import Deadline
-from ckpt_service.layout import STOP_KEY
-from ckpt_service.stores import open_store
 from ckpt_service.stores.base import ObjectStore
-from hvd_transient.cli import ArgumentParser, command, existing_store_url
-
-PROG = "hvd-transient stop"
+from hvd_transient.store_keys import STOP_KEY
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +76,3 @@ class StopPoller:
 
     def close(self) -> None:
         self._closed.set()
-
-
-@command(PROG)
-def main(argv: Sequence[str] | None = None) -> int:
-    p = ArgumentParser(prog=PROG, description="Ask a running job to checkpoint and stop cleanly.")
-    # an existing store only: writing the request to a mistyped path would create it and stop nothing
-    p.add_argument("url", type=existing_store_url,
-                   help="the run's store URL (what the job was given as --store)")
-    p.add_argument("--reason", default="operator request", help="recorded with the request")
-    args = p.parse_args(argv)
-    request_stop(open_store(args.url), args.reason)
-    print(f"stop requested for {args.url}; the job stops at its next check", file=sys.stderr)
-    return 0

@@ -43,10 +43,11 @@ from typing import Callable, Iterable, Mapping
 import tenacity
 from tenacity.stop import stop_base
 
-from ckpt_service import layout
 from ckpt_service.deadline import Deadline
 from ckpt_service.errors import BadStoreKeyError, ObjectNotFoundError
 from ckpt_service.stores.base import ObjectStore, check_key
+from hvd_transient import store_keys as keys
+from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 #: within seconds of the deadline; the grace covers clock skew and a slow stop)
 DEFAULT_GRACE_S = 60.0
 #: the notice window assumed for a record that carries no deadline
-DEFAULT_WINDOW_S = 30.0
 #: one call of :func:`publish_leaving_until` may take at most this long (its own requests and
 #: the store client's retries included); a call that hangs ends, and a fresh one is tried
 PUBLISH_CALL_S = 20.0
@@ -78,7 +78,7 @@ class LeavingRecord:
     @property
     def ends_at(self) -> float:
         """When the VM it describes is gone at the latest (before any grace)."""
-        return self.deadline if self.deadline is not None else self.published_at + DEFAULT_WINDOW_S
+        return self.deadline if self.deadline is not None else self.published_at + GCE_NOTICE_WINDOW_S
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -127,7 +127,7 @@ def still_leaving(record: LeavingRecord, now: float, *, grace_s: float = DEFAULT
 
 
 def _key(host: str) -> str:
-    return check_key(layout.leaving_key(host))  # a host name that would not make a valid key fails here
+    return check_key(keys.leaving_key(host))  # a host name that would not make a valid key fails here
 
 
 def publish_leaving(store: ObjectStore, host: str, *, reason: str = "preemption-notice",
@@ -201,8 +201,8 @@ def clear_leaving(store: ObjectStore, host: str) -> None:
 def read_leaving(store: ObjectStore) -> list[LeavingRecord]:
     """Every record in the store (a record deleted while listing is skipped)."""
     records = []
-    for key in store.list(layout.LEAVING_PREFIX):
-        host = layout.host_of_leaving_key(key)
+    for key in store.list(keys.LEAVING_PREFIX):
+        host = keys.host_of_leaving_key(key)
         if host is None:
             continue
         try:

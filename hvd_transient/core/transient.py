@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,7 +70,9 @@ from hvd_transient.core.election import (
     encode_notice,
     steps_until_next_check,
 )
+from hvd_transient.core.hostname import default_host
 from hvd_transient.core.membership import prune_leaving, publish_leaving_until
+from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import EventLog
 
@@ -118,7 +119,6 @@ class Collectives(Protocol):
 
 
 #: the shortest notice a cloud gives (GCE Spot default), for a notice without a deadline
-DEFAULT_NOTICE_WINDOW_S = 30.0
 #: outside a notice, a lease move (at a ring's start) waits on the store at most this long; a
 #: master that could not take the lease in time cannot commit (its saves fail and are reported)
 LEASE_MOVE_TIMEOUT_S = 30.0
@@ -223,11 +223,6 @@ class _RunState:
     ring_slowest_step_s: float = 0.0    # the longest step any rank took on this ring (agreed)
     ring_id: str = "ring"               # the same on every rank of this ring, new at each begin()
     saves_started: int = 0              # saves this ring started: part of each save's attempt id
-
-
-def default_host() -> str:
-    """The host name Horovod assigned this worker (one alias per slot locally), else the real one."""
-    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -578,7 +573,7 @@ class TransientImpl:
         deadline.
         """
         rank, size = self.comm.rank(), self.comm.size()
-        window = self.config.notice_window_s or DEFAULT_NOTICE_WINDOW_S
+        window = self.config.notice_window_s or GCE_NOTICE_WINDOW_S
         now = self.clocks.wall()
         # Every rank still in the ring writes a share, earlier leavers too: the save must end
         # before the first of them is gone.

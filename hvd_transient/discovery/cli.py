@@ -33,7 +33,7 @@ PROG = "hvd-transient discover"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hvd_transient.cli import ArgumentParser, http_url, non_negative_seconds, positive_seconds
+    from hvd_transient.commandline import ArgumentParser, http_url, non_negative_seconds, positive_seconds
 
     parser = ArgumentParser(
         prog=PROG,

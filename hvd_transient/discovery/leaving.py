@@ -30,8 +30,8 @@ T = TypeVar("T")
 
 
 def leaving_from_url(url: str, *, timeout: float = 10.0) -> list["LeavingRecord"]:
-    from ckpt_service.layout import LEAVING_PREFIX
     from hvd_transient.core.membership import read_leaving
+    from hvd_transient.store_keys import LEAVING_PREFIX
 
     return read_from_url(url, LEAVING_PREFIX, read_leaving, timeout=timeout, what="leaving hosts")
 

@@ -122,8 +122,8 @@ def _ready(host: Host, by_name: Mapping[str, Sequence[ReadyRecord]]) -> bool:
 
 def publish_ready(store: "ObjectStore", host: str, *, pid: int | None = None, instance_id: str | None = None,
                   now: float | None = None) -> ReadyRecord:
-    from ckpt_service.layout import ready_key
     from ckpt_service.stores.base import check_key
+    from hvd_transient.store_keys import ready_key
 
     record = ReadyRecord(host=host, ready_at=time.time() if now is None else now, pid=pid,
                          instance_id=instance_id)
@@ -134,12 +134,12 @@ def publish_ready(store: "ObjectStore", host: str, *, pid: int | None = None, in
 
 def read_ready(store: "ObjectStore") -> list[ReadyRecord]:
     """Every readable record in the store (one deleted while listing is skipped)."""
-    from ckpt_service import layout
     from ckpt_service.errors import ObjectNotFoundError
+    from hvd_transient import store_keys as keys
 
     records = []
-    for key in store.list(layout.READY_PREFIX):
-        host = layout.host_of_ready_key(key)
+    for key in store.list(keys.READY_PREFIX):
+        host = keys.host_of_ready_key(key)
         if host is None:
             continue
         try:
@@ -152,7 +152,7 @@ def read_ready(store: "ObjectStore") -> list[ReadyRecord]:
 
 
 def ready_from_url(url: str, *, timeout: float = 10.0) -> list[ReadyRecord]:
-    from ckpt_service.layout import READY_PREFIX
     from hvd_transient.discovery.leaving import read_from_url
+    from hvd_transient.store_keys import READY_PREFIX
 
     return read_from_url(url, READY_PREFIX, read_ready, timeout=timeout, what="ready standbys")

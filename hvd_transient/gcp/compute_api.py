@@ -37,6 +37,7 @@ _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 class ComputeAPIError(RuntimeError):
     """The Compute API refused or failed a request."""
+    cli_exit_status = 1  # the command ran and failed
 
     def __init__(self, message: str, *, status: int | None = None, reason: str = "") -> None:
         super().__init__(message)
@@ -46,6 +47,7 @@ class ComputeAPIError(RuntimeError):
 
 class ComputeConfigError(ComputeAPIError, ValueError):
     """The client is misconfigured (a bad API URL): the setup must change, no request was sent."""
+    cli_exit_status = 2  # the command line or configuration must change
 
 
 class ComputeNotFoundError(ComputeAPIError, LookupError):
@@ -54,6 +56,7 @@ class ComputeNotFoundError(ComputeAPIError, LookupError):
 
 class ComputeAuthError(ComputeAPIError, PermissionError):
     """No usable credentials, or 401/403 from the API."""
+    cli_exit_status = 2  # the command line or configuration must change
 
 
 class ComputeConflictError(ComputeAPIError):
@@ -265,8 +268,6 @@ class ComputeAPI:
             return None
 
     def insert_instance(self, project: str, zone: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        from hvd_transient.cluster.rest_plan import api_base_for
-
         base = api_base_for(self.base_url, body)  # a beta field goes to the beta API
         return self.call("POST", f"{base}/projects/{project}/zones/{zone}/instances", body=body)
 
@@ -310,3 +311,16 @@ def _project_of(op: Mapping[str, Any]) -> str:
 def last_segment(url: str) -> str:
     """``.../zones/us-central1-a`` -> ``us-central1-a``."""
     return str(url).rstrip("/").rsplit("/", 1)[-1]
+
+
+def api_base_for(base_url: str, body: Mapping[str, Any]) -> str:
+    """``base_url``, or its beta counterpart when ``body`` uses a beta-only field."""
+    if "preemptionNoticeDuration" in (body.get("scheduling") or {}):
+        return beta_url(base_url)
+    return base_url
+
+
+def beta_url(base_url: str) -> str:
+    """``.../compute/v1`` -> ``.../compute/beta`` (the beta API takes the same requests)."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] + "/beta" if base.endswith("/v1") else base

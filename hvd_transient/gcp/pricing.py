@@ -38,6 +38,7 @@ _COMPOSITE = re.compile(r"^(?P<machine>[^+]+)\+(?:(?P<count>\d+)x)?(?P<gpu>[^+]+
 
 class PriceTableError(ValueError):
     """A price file is unreadable or malformed, or an instance type has no price."""
+    cli_exit_status = 2  # the command line or configuration must change
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Mapping, NoReturn, Sequence
 
+from hvd_transient.core.hostname import default_host
 from hvd_transient.join.user_dirs import ensure_dir, try_lock, user_dir
 
 log = logging.getLogger(__name__)
@@ -605,7 +606,7 @@ def _standby_main(ns: argparse.Namespace) -> NoReturn:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s standby[%(process)d] %(name)s: %(message)s")
     options = StandbyOptions(
         script=ns.script, args=tuple(ns.args),
-        host=ns.host or os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(),
+        host=ns.host or default_host(),
         local_rank=ns.local_rank, store=ns.store or os.environ.get("HVDT_STORE") or None,
         instance_id=ns.instance_id, warmup=ns.warmup)
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 from urllib.parse import urlparse
 
-from hvd_transient.cli import ArgumentParser, command, output_file
+from hvd_transient.commandline import ArgumentParser, command, output_file
 from hvd_transient.report.analysis import NoEventsError, RunAnalysis, analyze
 from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE, CostEstimate, estimate_costs
 from hvd_transient.telemetry.schema import EventBody, Record
@@ -31,6 +31,7 @@ PROG = "hvd-transient report"
 
 class ReportError(RuntimeError):
     """The report cannot be made (no event log, bad price file, unknown instance type...)."""
+    cli_exit_status = 2  # the command line or configuration must change
 
 
 def no_events_message(url: str) -> str:
@@ -94,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
 
 @command(PROG)
 def main(argv: Sequence[str] | None = None) -> int:
-    """ReportError (and PlotUnavailableError) become one line and exit 2 in :func:`hvd_transient.cli.run`."""
+    """ReportError (and PlotUnavailableError) become one line and exit 2 in :func:`hvd_transient.commandline.run`."""
     args = parser().parse_args(argv)
     analysis, cost = build(load_events(args.url), instance_type=args.instance_type, prices=args.prices,
                            driver_instance_type=args.driver_instance_type)

@@ -26,6 +26,7 @@ COMMIT_STYLE = {  # kind -> (marker, colour, size)
 
 class PlotUnavailableError(RuntimeError):
     """matplotlib is not installed."""
+    cli_exit_status = 2  # the command line or configuration must change
 
 
 def _pyplot() -> Any:

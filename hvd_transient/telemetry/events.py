@@ -36,8 +36,8 @@ import time
 from typing import Any, Iterable, Iterator, Mapping, TypeVar
 
 from ckpt_service.deadline import Deadline
-from ckpt_service.layout import EVENTS_PREFIX, events_key, is_events_key
 from ckpt_service.stores.base import ObjectStore
+from hvd_transient.store_keys import EVENTS_PREFIX, events_key, is_events_key
 from hvd_transient.telemetry.schema import KINDS, EventBody, Record, from_json_dict, to_json_dict
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from hvd_transient.cli import ArgumentParser, UsageError, command, positive_int, positive_seconds, store_url
+from hvd_transient.commandline import ArgumentParser, UsageError, command, positive_int, positive_seconds, store_url
 from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE
 from hvd_transient.testing.local_cluster import HOST_ALIASES, LocalCluster, LocalClusterSpec, of
 from hvd_transient.testing.schedule import Action, default_schedule, lifetime_schedule, load_schedule

@@ -51,6 +51,7 @@ Event = dict[str, Any]
 
 class ClusterError(RuntimeError):
     """The local cluster did not do what was expected in time."""
+    cli_exit_status = 1  # the command ran and failed
 
 
 @dataclass(frozen=True)
@@ -286,7 +287,7 @@ class LocalCluster:
         return self.spec.workdir / f"standby-{host}.log"
 
     def _configure_vm(self, host: str) -> None:
-        from hvd_transient.watchers.gce import NOTICE_ATTRIBUTE
+        from hvd_transient.gcp.metadata import NOTICE_ATTRIBUTE
 
         self.emulator.set_attribute(host, NOTICE_ATTRIBUTE, f"{self.spec.notice_s:g}")
 

@@ -24,6 +24,7 @@ HOURS = 3600.0
 
 class ScheduleError(ValueError):
     """A schedule file or option is malformed."""
+    cli_exit_status = 2  # the command line or configuration must change
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from typing import Callable, ClassVar, Sequence
 
 import tenacity
 
+from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
+
 log = logging.getLogger(__name__)
 
 #: Longest wait between the starts of two requests of a poller while they fail (the default
@@ -80,7 +82,7 @@ class Watcher(abc.ABC):
 
     source: ClassVar[str] = "?"
 
-    def __init__(self, *, window: float = 30.0, instance: str | None = None,
+    def __init__(self, *, window: float = GCE_NOTICE_WINDOW_S, instance: str | None = None,
                  on_notice: NoticeCallback | None = None, initial_backoff: float = INITIAL_BACKOFF_S,
                  max_backoff: float = MAX_BACKOFF_S) -> None:
         self.window = float(window)

@@ -25,6 +25,8 @@ from typing import Callable, Mapping, Sequence
 
 import requests
 
+from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S, NOTICE_ATTRIBUTE
+
 from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
 from .errors import MetadataGarbageError, WatcherConfigError
 from .metadata_http import expect_status, new_session, printable_text
@@ -32,11 +34,6 @@ from .metadata_http import expect_status, new_session, printable_text
 log = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "http://metadata.google.internal/computeMetadata/v1/"
-#: the notice a Spot VM gets unless it was created with a longer one
-DEFAULT_WINDOW_S = 30.0
-#: Instance attribute holding the VM's ``scheduling.preemptionNoticeDuration`` in seconds. The
-#: metadata server exposes no key for that setting, so ``cluster up`` writes it here too.
-NOTICE_ATTRIBUTE = "hvdt-preemption-notice-s"
 HEADERS = {"Metadata-Flavor": "Google"}
 MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
 
@@ -68,7 +65,7 @@ class GceWatcher(Watcher):
         # long_poll_timeout (whole seconds) + request_margin: a long-poll's read timeout, the most
         # a hung long-poll can blind the watcher; request_timeout: the read timeout of plain reads
         # window None: the VM's configured notice (read once, with the instance name), else 30 s
-        super().__init__(window=DEFAULT_WINDOW_S if window is None else window, instance=instance,
+        super().__init__(window=GCE_NOTICE_WINDOW_S if window is None else window, instance=instance,
                          on_notice=on_notice, initial_backoff=initial_backoff, max_backoff=max_backoff)
         self._window_known = window is not None
         self.base_url = gce_base_url(base_url)
@@ -107,7 +104,7 @@ class GceWatcher(Watcher):
     def _configured_window(self, session: requests.Session) -> float:
         reply = self._get(session, f"instance/attributes/{NOTICE_ATTRIBUTE}")
         if reply.status_code == 404:
-            return DEFAULT_WINDOW_S
+            return GCE_NOTICE_WINDOW_S
         expect_status(reply, 200)  # a failing server says nothing about the window: ask again
         text = printable_text(reply, NOTICE_ATTRIBUTE)
         try:
@@ -116,8 +113,8 @@ class GceWatcher(Watcher):
             seconds = -1.0
         if not seconds > 0:
             log.warning("metadata attribute %s is %r, not a positive number of seconds: assuming a %.0f s notice",
-                        NOTICE_ATTRIBUTE, text, DEFAULT_WINDOW_S)
-            return DEFAULT_WINDOW_S
+                        NOTICE_ATTRIBUTE, text, GCE_NOTICE_WINDOW_S)
+            return GCE_NOTICE_WINDOW_S
         log.info("this VM gets a %.0f s preemption notice (%s)", seconds, NOTICE_ATTRIBUTE)
         return seconds
 

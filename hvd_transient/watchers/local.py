@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any, Sequence
 
+from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
+
 from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ class LocalWatcher(Watcher):
     source = "local"
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, handle_sigterm: bool = False,
-                 interval: float = 0.5, window: float = 30.0, instance: str | None = None,
+                 interval: float = 0.5, window: float = GCE_NOTICE_WINDOW_S, instance: str | None = None,
                  on_notice: NoticeCallback | None = None, initial_backoff: float = INITIAL_BACKOFF_S,
                  max_backoff: float = MAX_BACKOFF_S) -> None:
         super().__init__(window=window, instance=instance or socket.gethostname(), on_notice=on_notice,

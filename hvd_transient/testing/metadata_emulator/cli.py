@@ -12,7 +12,7 @@ import signal
 import threading
 from typing import Sequence
 
-from hvd_transient.cli import ArgumentParser, UsageError, command, port
+from hvd_transient.commandline import ArgumentParser, UsageError, command, port
 
 from .server import MetadataEmulator
 

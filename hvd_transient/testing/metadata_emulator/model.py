@@ -42,6 +42,7 @@ GARBAGE_BODY = b"<html><body>\xff\xfe\x00 502 upstream confused %%\x07</body></h
 
 class EmulatorError(Exception):
     """Base class of the errors the emulator's control API reports."""
+    cli_exit_status = 2  # the command line or configuration must change
 
     http_status = 500
 
