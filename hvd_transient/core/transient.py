@@ -309,7 +309,7 @@ class TransientImpl:
         self.events.emit(ev.Ring(step=step, rank=rank, size=size, master=self.run.master,
                                  master_host=self.run.hosts[self.run.master], previous_master=previous_master,
                                  lease_generation=self.lease.generation if rank == self.run.master else None,
-                                 ring=self.run.ring_id))
+                                 ring=self.run.ring_id, hosts=tuple(self.run.hosts)))
 
     def _next_attempt(self, step: int) -> str:
         """The attempt id of the next save this ring starts: every rank starts the same saves in the

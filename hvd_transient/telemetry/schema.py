@@ -108,6 +108,8 @@ class Ring(EventBody):
     lease_generation: int | None = None
     #: the ring's id, the same on every rank (its saves' attempt ids start with it); None in older logs
     ring: str | None = field(default=None, metadata=OMIT_NONE)
+    #: the member hosts in rank order, the same on every rank; None in older logs and the baselines
+    hosts: tuple[str, ...] | None = field(default=None, metadata=OMIT_NONE)
 
 
 @_declare("lr")
