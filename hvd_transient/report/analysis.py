@@ -8,9 +8,10 @@ holds the events of every worker process. :func:`analyze` turns them into:
   itself as leaving after a notice), ``killed`` (it vanished while the run went
   on, with no ``leave_published``) or ``lost`` (the log stops with it and no
   ``train_end``: the whole cluster was lost, or the run is still going);
-* the rings: ``ring`` events carry no member list, so the rings are rebuilt by
-  grouping the per-rank ``ring`` events of one (re)start (same step, size and
-  master, each process once);
+* the rings: the per-rank ``ring`` events of one (re)start, grouped by the ring's
+  id, with the member hosts they name; in older logs and the plain-Horovod
+  baseline, without either, rebuilt by grouping the events of one (re)start
+  (same step, size and master, each process once);
 * one :class:`Preemption` per departure (with or without notice), with its marks
   (notice -> agreed -> commit -> left -> survivors' reset -> new ring -> first
   step) and what the survivors paid for it (rollback, time to their next step);

@@ -43,7 +43,8 @@ class Ring:
     step: int
     size: int
     master_host: str
-    hosts: tuple[str, ...]       # members in rank order, as far as their ring events reached the log
+    hosts: tuple[str, ...]       # members in rank order: as the ring events name them, or (older logs, the
+                                 # baseline) as far as their ring events reached the log
     joined: tuple[str, ...]      # members that were in no earlier ring (empty for a (re)launch)
     relaunch: bool               # no member was in an earlier ring: a fresh launch / cold restart
     ended_at: float              # the next ring's start, or when its last member's log ends
