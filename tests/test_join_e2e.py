@@ -3,7 +3,7 @@
 The local cluster runs the job's command through ``python -m hvd_transient.worker`` and starts a
 standby on the new VM; discovery lists the VM once the standby is ready, and the worker Horovod
 then starts on it only hands the job over. The survivors' stall is what the run's own analysis
-reports (:class:`hvd_transient.report.analysis.Join`).
+reports (:class:`hvd_transient.report.run_analysis.Join`).
 """
 from __future__ import annotations
 

@@ -17,9 +17,10 @@ import pytest
 from ckpt_service.stores import LocalStore, ObjectStore, open_store
 from hvd_transient.gcp.pricing import load_price_table
 from hvd_transient.report import main
-from hvd_transient.report.analysis import FINISHED, KILLED, LOST, PREEMPTED, NoEventsError, analyze
+from hvd_transient.report.analysis import analyze
 from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE, estimate_costs
 from hvd_transient.report.render import render_text, to_json
+from hvd_transient.report.run_analysis import FINISHED, KILLED, LOST, PREEMPTED, NoEventsError
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import EventLog
 

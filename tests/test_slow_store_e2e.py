@@ -32,7 +32,8 @@ import pytest
 from fault_proxy import Chaos, FaultProxy
 from test_elastic_e2e import BASE_LR, ELASTIC, current_master
 
-from hvd_transient.report.analysis import PREEMPTED, RunAnalysis, analyze
+from hvd_transient.report.analysis import analyze
+from hvd_transient.report.run_analysis import PREEMPTED, RunAnalysis
 from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec, of
 
 pytestmark = pytest.mark.horovod

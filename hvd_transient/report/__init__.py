@@ -20,8 +20,9 @@ from typing import Any, Mapping, Sequence
 from urllib.parse import urlparse
 
 from hvd_transient.commandline import ArgumentParser, command, output_file
-from hvd_transient.report.analysis import NoEventsError, RunAnalysis, analyze
+from hvd_transient.report.analysis import analyze
 from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE, CostEstimate, estimate_costs
+from hvd_transient.report.run_analysis import NoEventsError, RunAnalysis
 from hvd_transient.telemetry.schema import EventBody, Record
 
 log = logging.getLogger(__name__)

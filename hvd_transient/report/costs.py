@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hvd_transient.gcp.pricing import CostComparison, PriceTable, WorkerLifetime, compare_costs
-from hvd_transient.report.analysis import RunAnalysis
+from hvd_transient.report.run_analysis import RunAnalysis
 
 #: The GPU VM priced when none is named (an N1 VM with one T4, GCE us-central1 list prices).
 DEFAULT_INSTANCE_TYPE = "n1-standard-8+nvidia-tesla-t4"

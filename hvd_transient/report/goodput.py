@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from hvd_transient.report.analysis import RunAnalysis
+from hvd_transient.report.run_analysis import RunAnalysis
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any, Callable
 
-from hvd_transient.report.analysis import FINISHED, KILLED, LOST, PREEMPTED, RunAnalysis
+from hvd_transient.report.run_analysis import FINISHED, KILLED, LOST, PREEMPTED, RunAnalysis
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hvd_transient.report.analysis import JobAttempt, KeeperSummary, Preemption, RunAnalysis
 from hvd_transient.report.costs import CostEstimate
+from hvd_transient.report.keeper_summary import JobAttempt, KeeperSummary
+from hvd_transient.report.run_analysis import Preemption, RunAnalysis
 
 JSON_SCHEMA_VERSION = 1
 
