@@ -153,6 +153,5 @@ def read_ready(store: "ObjectStore") -> list[ReadyRecord]:
 
 def ready_from_url(url: str, *, timeout: float = 10.0) -> list[ReadyRecord]:
     from hvd_transient.discovery.leaving import read_from_url
-    from hvd_transient.store_keys import READY_PREFIX
 
-    return read_from_url(url, READY_PREFIX, read_ready, timeout=timeout, what="ready standbys")
+    return read_from_url(url, read_ready, timeout=timeout, what="ready standbys")
