@@ -9,7 +9,8 @@ preempted. Modules:
 * :mod:`.gcloud` - the equivalent ``gcloud compute`` commands (pure);
 * :mod:`hvd_transient.gcp.compute_api` - the small Compute REST client (requests + google-auth),
   shared with host discovery;
-* :mod:`.cli` - ``hvd-transient cluster up|down|status|keep``;
+* :mod:`.cli` - ``hvd-transient cluster up|down|status|keep``, with its parsers (:mod:`.cli_parser`),
+  its dry runs (:mod:`.dry_run`) and what ``keep`` sets up (:mod:`.keep_setup`, :mod:`.job_lock`);
 * the keeper (``keep``): the loop (:mod:`.keeper`) over a fleet (:mod:`.fleet`), deciding with pure
   functions - the workers seen (:mod:`.worker_vms`), its policy and state (:mod:`.keeper_state`), the
   cost (:mod:`.keeper_cost`), the plan (:mod:`.keeper_plan`) and its actions (:mod:`.keeper_actions`),
