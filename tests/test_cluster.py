@@ -17,6 +17,7 @@ from hvd_transient.cluster.gcloud import create_command, render
 from hvd_transient.cluster.rest_plan import instance_body, up_requests
 from hvd_transient.cluster.spec import ClusterSpec, ClusterSpecError, parse_label_items, plan_instances
 from hvd_transient.discovery import cli as discover_cli
+from hvd_transient.gcp.compute_api import DEFAULT_API_URL
 
 REPO = Path(__file__).resolve().parent.parent
 PROJECT, ZA, ZB = "proj-1", "us-central1-a", "us-central1-b"
@@ -246,8 +247,8 @@ def test_dry_run_prints_exact_requests_and_gcloud_without_credentials(tmp_path):
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     script = (REPO / "launch" / "startup_script.sh").read_text()
-    expected = up_requests(cli.DEFAULT_API_URL, spec(workers=2, startup_script=script,
-                                                     startup_script_path=str(REPO / "launch" / "startup_script.sh")))
+    expected = up_requests(DEFAULT_API_URL, spec(workers=2, startup_script=script,
+                                                 startup_script_path=str(REPO / "launch" / "startup_script.sh")))
     assert out["requests"] == [json.loads(json.dumps(r.to_dict())) for r in expected]
     assert [r["url"].rsplit("/", 2)[-2] for r in out["requests"]] == [ZA, ZA, ZB]
     assert len(out["gcloud"]) == 3 and all(c.startswith("gcloud compute instances create") for c in out["gcloud"])
@@ -255,7 +256,7 @@ def test_dry_run_prints_exact_requests_and_gcloud_without_credentials(tmp_path):
     text = subprocess.run([sys.executable, "-m", "hvd_transient.cli", "cluster", *UP, "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert text.returncode == 0, text.stderr
-    assert f"POST {cli.DEFAULT_API_URL}/projects/{PROJECT}/zones/{ZB}/instances" in text.stdout
+    assert f"POST {DEFAULT_API_URL}/projects/{PROJECT}/zones/{ZB}/instances" in text.stdout
     assert '"provisioningModel": "SPOT"' in text.stdout and "gcloud compute instances create exp-driver" in text.stdout
 
 
@@ -264,7 +265,7 @@ def test_down_dry_run_lists_then_deletes(capsys):
                      "--keep-driver", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "aggregated/instances?filter=%28labels.hvdt-cluster%20%3D%20%22exp%22%29" in out
-    assert f"DELETE {cli.DEFAULT_API_URL}/projects/{PROJECT}/zones/{ZA}/instances/exp-worker-0" in out
+    assert f"DELETE {DEFAULT_API_URL}/projects/{PROJECT}/zones/{ZA}/instances/exp-worker-0" in out
     assert "exp-driver" not in out.split("# equivalent gcloud")[0].split("aggregated")[1]
 
 
@@ -357,9 +358,9 @@ def test_longer_preemption_notice_goes_to_the_beta_api_and_into_the_metadata(com
 def test_longer_notice_dry_run_shows_the_beta_request_and_gcloud_flag(capsys):
     assert cli.main([*UP, "--preemption-notice-duration", "90", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    beta = cli.DEFAULT_API_URL.replace("/v1", "/beta")
+    beta = DEFAULT_API_URL.replace("/v1", "/beta")
     assert f"POST {beta}/projects/{PROJECT}/zones/{ZA}/instances" in out  # the Spot workers
-    assert f"POST {cli.DEFAULT_API_URL}/projects/{PROJECT}/zones/{ZA}/instances" in out  # the driver
+    assert f"POST {DEFAULT_API_URL}/projects/{PROJECT}/zones/{ZA}/instances" in out  # the driver
     assert '"seconds": 90' in out
     assert "gcloud beta compute instances create exp-worker-0" in out and "--preemption-notice-duration=90s" in out
     for bad in ("0", "-5", "2m", "1.5"):

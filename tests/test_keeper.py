@@ -17,6 +17,7 @@ from fake_compute_api import QUOTA_EXCEEDED, STOCKOUT, FakeComputeAPI
 
 from ckpt_service.stores import LocalStore
 from hvd_transient.cluster import cli
+from hvd_transient.cluster.fleet import ComputeFleet
 from hvd_transient.cluster.job import CommandJob, exit_status, note_process, start_ticks
 from hvd_transient.cluster.job_plan import (
     JOB_DONE,
@@ -35,40 +36,27 @@ from hvd_transient.cluster.job_plan import (
     job_lost,
     job_started,
 )
-from hvd_transient.cluster.keeper import ComputeFleet, Keeper, StateFile, policy_for
-from hvd_transient.cluster.keeper_plan import (
-    ERROR,
-    GONE,
+from hvd_transient.cluster.keeper import Keeper
+from hvd_transient.cluster.keeper_actions import (
     ON_DEMAND_FALLBACK,
-    QUOTA,
     RECREATE,
     REPLACE_ON_DEMAND,
     RESTART,
     SPOT_RUNNING,
-    Backoff,
     Create,
     Delete,
-    KeeperPolicy,
-    KeeperState,
-    Observation,
     Outcome,
-    Spend,
     Start,
     Wait,
-    WorkerVM,
-    accrue,
-    backoff_delay,
-    classify_failure,
-    on_demand_premium,
-    plan,
-    running_after,
-    settle,
-    state_from_json,
-    state_to_json,
-    worker_body,
 )
-from hvd_transient.cluster.rest_plan import instance_body
+from hvd_transient.cluster.keeper_cost import accrue, on_demand_premium
+from hvd_transient.cluster.keeper_plan import plan, running_after, settle
+from hvd_transient.cluster.keeper_state import Backoff, KeeperPolicy, KeeperState, Spend, backoff_delay, policy_for
+from hvd_transient.cluster.keeper_store import StateFile, state_from_json, state_to_json
+from hvd_transient.cluster.rest_plan import instance_body, worker_body
 from hvd_transient.cluster.spec import ClusterSpec, plan_instances
+from hvd_transient.cluster.vm_failures import ERROR, GONE, QUOTA, classify_failure
+from hvd_transient.cluster.worker_vms import Observation, WorkerVM
 from hvd_transient.core.membership import Incarnation
 from hvd_transient.discovery.ready import ReadyRecord
 from hvd_transient.gcp.compute_api import ComputeAPI

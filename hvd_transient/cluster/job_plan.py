@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from hvd_transient.cluster.keeper_plan import Observation, WorkerVM
+from hvd_transient.cluster.worker_vms import Observation, WorkerVM
 from hvd_transient.discovery.hosts import Host
 from hvd_transient.discovery.ready import JoinGate, ReadyRecord
 

@@ -1,11 +1,11 @@
 """``hvd-transient cluster keep``: a controller on the driver VM that keeps N Spot workers alive.
 
 Every ``interval`` seconds it looks at the cluster's workers, decides with the pure
-:mod:`.keeper_plan`, applies the actions through a :class:`Fleet`, waits for the
+:mod:`.keeper_plan`, applies the actions through a :class:`~.fleet.Fleet`, waits for the
 operations, classifies failures (stock-out and quota errors back their zone off;
 anything else is reported) and records what it did in the run's event log
-(``keeper_*`` events, see below) so ``hvd-transient report`` can show the refills,
-stock-outs, fallbacks and cost. Training goes on on the survivors meanwhile, and
+(``keeper_*`` events, worded by :mod:`.keeper_report`) so ``hvd-transient report`` can show
+the refills, stock-outs, fallbacks and cost. Training goes on on the survivors meanwhile, and
 ``horovodrun``'s host discovery adds what comes back.
 
 With a :class:`~.job.Job` (``keep --job 'horovodrun ...'``: a :class:`~.job.CommandJob`) the keeper also
@@ -14,23 +14,24 @@ wave of preemptions has left it no worker, launches it again (it restores the la
 checkpoint) as soon as capacity is back, and ends with it once it exits 0 (``keeper_job``
 events). The pause between passes ends early when the job exits.
 
-Two fleets implement the same protocol: :class:`ComputeFleet` (the Compute REST API)
+Two fleets implement the same protocol: :class:`~.fleet.ComputeFleet` (the Compute REST API)
 and :class:`hvd_transient.testing.local_fleet.LocalFleet` (the local simulator).
 The clock and the sleep are injectable, so a test drives time itself.
 
 The keeper's own state (per-zone backoff, since when Spot capacity is short, the spend
-so far) is saved to ``keeper/<cluster>.json`` in the run store after every pass, so a
-restarted keeper - or one run from cron with ``--once`` - carries on where it stopped.
+so far) is saved to ``keeper/<cluster>.json`` in the run store after every pass
+(:class:`~.keeper_store.StateFile`), so a restarted keeper - or one run from cron with
+``--once`` - carries on where it stopped.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
+from hvd_transient.cluster.fleet import ComputeFleet, Fleet
 from hvd_transient.cluster.job import Job
 from hvd_transient.cluster.job_plan import (
     JOB_DONE,
@@ -46,158 +47,28 @@ from hvd_transient.cluster.job_plan import (
     job_started,
     ready_workers,
 )
-from hvd_transient.cluster.keeper_plan import (
-    ERROR,
-    GONE,
-    Action,
-    Create,
-    Delete,
-    KeeperPolicy,
-    KeeperState,
-    Observation,
-    Outcome,
-    Start,
-    VMAction,
-    Wait,
-    WorkerVM,
-    accrue,
-    hourly_rate,
-    on_demand_premium,
-    plan,
-    provisioning,
-    running_after,
-    settle,
-    state_from_json,
-    state_to_json,
-    worker_body,
-    worker_from_resource,
+from hvd_transient.cluster.keeper_actions import Action, Outcome, Wait
+from hvd_transient.cluster.keeper_cost import accrue
+from hvd_transient.cluster.keeper_plan import plan, running_after, settle
+from hvd_transient.cluster.keeper_report import (
+    cost_event,
+    fallback_begin_report,
+    fallback_end_report,
+    outcome_report,
+    start_event,
+    wait_report,
 )
-from hvd_transient.cluster.spec import CLUSTER_LABEL, ROLE_LABEL, WORKER, ClusterSpec
+from hvd_transient.cluster.keeper_state import KeeperPolicy, KeeperState, policy_for
+from hvd_transient.cluster.keeper_store import StateFile
+from hvd_transient.cluster.vm_failures import ERROR
+from hvd_transient.cluster.worker_vms import Observation
 from hvd_transient.discovery.ready import ReadyRecord
-from hvd_transient.telemetry.schema import (
-    EventBody,
-    KeeperBudget,
-    KeeperCost,
-    KeeperError,
-    KeeperFallback,
-    KeeperJob,
-    KeeperRefill,
-    KeeperRelease,
-    KeeperStart,
-    KeeperStockout,
-)
+from hvd_transient.telemetry.schema import EventBody, KeeperError, KeeperJob
 
 if TYPE_CHECKING:
-    from ckpt_service.stores.base import ObjectStore
-    from hvd_transient.gcp.compute_api import ComputeAPI
     from hvd_transient.telemetry.events import EventLog
 
 log = logging.getLogger(__name__)
-
-STATE_PREFIX = "keeper/"
-
-# ---- fleets -----------------------------------------------------------------------------------------
-
-
-class Fleet(Protocol):
-    """The workers the keeper manages, wherever they run."""
-
-    def observe(self) -> tuple[WorkerVM, ...]:
-        """Every worker of the cluster now, whatever its status."""
-        ...
-
-    def apply(self, actions: Sequence[VMAction]) -> list[Outcome]:
-        """Do the actions (together where possible), wait for them, one outcome each, in order."""
-        ...
-
-
-class ComputeFleet:
-    """The cluster's workers through the Compute REST API: the VMs labelled
-    ``hvdt-cluster=<name>`` and ``hvdt-role=worker``, in any zone."""
-
-    def __init__(self, api: "ComputeAPI", spec: ClusterSpec, *, operation_timeout: float = 900.0) -> None:
-        self.api, self.spec, self.operation_timeout = api, spec, operation_timeout
-
-    def observe(self) -> tuple[WorkerVM, ...]:
-        from hvd_transient.cluster.rest_plan import cluster_filter
-
-        found = self.api.aggregated_instances(self.spec.project, filter=cluster_filter(self.spec.name))
-        # the server filtered already; check again so a lenient filter never widens what is managed
-        return tuple(sorted(
-            (worker_from_resource(i) for i in found
-             if (i.get("labels") or {}).get(CLUSTER_LABEL) == self.spec.name
-             and (i.get("labels") or {}).get(ROLE_LABEL) == WORKER),
-            key=lambda w: (w.zone, w.name)))
-
-    def apply(self, actions: Sequence[VMAction]) -> list[Outcome]:
-        from hvd_transient.gcp.compute_api import ComputeAPIError, ComputeConflictError
-
-        outcomes: list[Outcome | None] = [None] * len(actions)
-        pending: list[tuple[int, dict[str, Any]]] = []
-        for index, action in enumerate(actions):  # send every request first: the operations overlap
-            try:
-                pending.append((index, self._submit(action)))
-            except ComputeConflictError:  # a retried insert was applied, or another keeper made it
-                outcomes[index] = Outcome(action)
-            except ComputeAPIError as exc:
-                _reraise_unless_capacity(exc)
-                outcomes[index] = Outcome(action, str(exc), exc.reason or ERROR)
-        for index, operation in pending:
-            try:
-                self.api.wait_operation(operation, timeout=self.operation_timeout)
-                outcomes[index] = Outcome(actions[index])
-            except ComputeAPIError as exc:
-                outcomes[index] = Outcome(actions[index], str(exc), exc.reason or ERROR)
-        return [o for o in outcomes if o is not None]
-
-    def _submit(self, action: VMAction) -> dict[str, Any]:
-        project = self.spec.project
-        if isinstance(action, Create):
-            return self.api.insert_instance(project, action.zone,
-                                            worker_body(self.spec, action.name, action.zone, action.spot))
-        if isinstance(action, Start):
-            return self.api.start_instance(project, action.zone, action.name)
-        return self.api.delete_instance(project, action.zone, action.name)
-
-
-def _reraise_unless_capacity(exc: Exception) -> None:
-    """Credentials or permissions that fail must stop the keeper (exit 2); a quota 403 must not."""
-    from hvd_transient.cluster.keeper_plan import QUOTA, classify_failure
-    from hvd_transient.gcp.compute_api import ComputeAuthError
-
-    if isinstance(exc, ComputeAuthError) and classify_failure(exc.reason) != QUOTA:
-        raise exc
-
-
-# ---- state persistence ----------------------------------------------------------------------------
-
-
-class StateFile:
-    """The keeper's state as ``keeper/<cluster>.json`` in the run store; failures only warn."""
-
-    def __init__(self, store: "ObjectStore", cluster: str) -> None:
-        self.store, self.key = store, f"{STATE_PREFIX}{cluster}.json"
-
-    def load(self) -> KeeperState:
-        try:
-            found = self.store.get_versioned(self.key)
-        except Exception as exc:  # the keeper must run even when the store is unreachable
-            log.warning("could not read %s from %s: %s", self.key, self.store.url, exc)
-            return KeeperState()
-        if found is None:
-            return KeeperState()
-        try:
-            return state_from_json(json.loads(found[0]))
-        except ValueError as exc:
-            log.warning("%s is not JSON (%s): starting afresh", self.key, exc)
-            return KeeperState()
-
-    def save(self, state: KeeperState) -> None:
-        try:
-            self.store.put(self.key, json.dumps(state_to_json(state), sort_keys=True).encode())
-        except Exception as exc:
-            log.warning("could not save the keeper's state to %s: %s", self.store.url, exc)
-
 
 # ---- the loop ---------------------------------------------------------------------------------------
 
@@ -446,101 +317,45 @@ class Keeper:
         if self.events is not None:
             self.events.emit(body)
 
+    def _say(self, report: tuple[str, EventBody | None] | None) -> None:
+        """Print a report's line, then emit its event."""
+        if report is None:
+            return
+        line, event = report
+        self.out(line)
+        if event is not None:
+            self._emit(event)
+
     def _announce(self) -> None:
         if self._started:
             return
         self._started = True
-        p = self.policy
-        self._emit(KeeperStart(cluster=self.cluster, workers=p.workers, zones=p.zones,
-                               instance_type=self.instance_type, spot_per_hour=p.spot_per_hour,
-                               on_demand_per_hour=p.on_demand_per_hour, on_demand_after_s=p.on_demand_after_s,
-                               max_cost_per_hour=p.max_cost_per_hour, max_total_cost=p.max_total_cost,
+        self._emit(start_event(self.policy, cluster=self.cluster, instance_type=self.instance_type,
                                interval_s=self.interval_s))
 
     def _report(self, outcome: Outcome, state: KeeperState) -> None:
-        action = outcome.action
-        kind = "Spot" if action.spot else "on-demand"
-        if outcome.ok:
-            if isinstance(action, Delete):
-                self.out(f"deleted {action.name} ({kind}, {action.zone}): a Spot worker runs in its place")
-                self._emit(KeeperRelease(name=action.name, zone=action.zone, reason=action.reason))
-            elif isinstance(action, Start):
-                self.out(f"started {action.name} ({kind}, {action.zone}, was {action.was})")
-                self._emit(KeeperRefill(name=action.name, zone=action.zone, provisioning=provisioning(action.spot),
-                                        operation="start", reason=action.reason, was=action.was))
-            else:
-                avoided = f"; {', '.join(action.avoided)} backed off" if action.avoided else ""
-                self.out(f"created {action.name} ({kind}, {action.zone}{avoided})")
-                self._emit(KeeperRefill(name=action.name, zone=action.zone, provisioning=provisioning(action.spot),
-                                        operation="create", reason=action.reason, avoided_zones=action.avoided))
-            return
-        failure = outcome.failure
-        backoff = state.backoff(action.zone, action.spot)
-        retry_in = None if backoff is None else max(0.0, backoff.until - self.clock())
-        if failure == GONE:
-            self.out(f"gone    {action.name} ({kind}, {action.zone}): it vanished before the {action.operation}")
-            return
-        if failure == ERROR:
-            self.out(f"FAILED  {action.operation} {action.name} ({kind}, {action.zone}): {outcome.error}")
-            self._emit(KeeperError(operation=action.operation, error=str(outcome.error), name=action.name,
-                                   zone=action.zone, retry_in_s=retry_in))
-            return
-        self.out(f"{failure:<8} {action.name} ({kind}, {action.zone}): {outcome.code}; {action.zone} backed off "
-                 f"for {retry_in or 0:.0f} s")
-        self._emit(KeeperStockout(name=action.name, zone=action.zone, provisioning=provisioning(action.spot),
-                                  operation=action.operation, code=outcome.code, kind=str(failure),
-                                  failures=backoff.failures if backoff else 1, retry_in_s=retry_in or 0.0))
+        self._say(outcome_report(outcome, state, self.clock()))
 
     def _report_fallback_begin(self, before: KeeperState, state: KeeperState, obs: Observation,
                                outcomes: Sequence[Outcome]) -> None:
-        if before.fallback_since is not None or state.fallback_since is None:
-            return
-        created = sum(1 for o in outcomes if o.ok and not o.action.spot and not isinstance(o.action, Delete))
-        od_workers = created + sum(1 for w in obs.workers if not w.spot and w.live)
-        no_spot = None if before.no_spot_since is None else state.fallback_since - before.no_spot_since
-        self.out(f"on-demand fallback: {od_workers} on-demand worker(s) stand in for missing Spot capacity")
-        self._emit(KeeperFallback(phase="begin", on_demand_workers=od_workers, no_spot_s=no_spot))
+        self._say(fallback_begin_report(before, state, obs, outcomes))
 
     def _report_fallback_end(self, before: KeeperState, state: KeeperState, obs: Observation) -> None:
-        if before.fallback_since is None or state.fallback_since is not None:
-            return
-        seconds = obs.now - before.fallback_since
-        cost = state.spend.on_demand - before.fallback_spend_mark
-        self.out(f"back on Spot: the on-demand fallback lasted {seconds:.0f} s and cost ${cost:.4f}")
-        self._emit(KeeperFallback(phase="end", on_demand_workers=0, seconds=seconds, on_demand_cost=cost))
+        self._say(fallback_end_report(before, state, obs))
 
     def _report_waits(self, actions: Sequence[Action], state: KeeperState, obs: Observation) -> KeeperState:
-        waits = [a for a in actions if isinstance(a, Wait)]
-        budget = next((w for w in waits if w.reason == "budget"), None)
-        # the message quotes the spend, which grows every pass: a hold is "new" when what holds changes
-        note = f"{budget.cap} {budget.limit} {budget.blocked}" if budget is not None else ""
-        if budget is not None and note != state.budget_note:
-            self._emit(KeeperBudget(cap=budget.cap, limit=budget.limit or 0.0,
-                                    rate_per_hour=hourly_rate(obs, self.policy), spent=state.spend.total,
-                                    blocked=budget.blocked, message=budget.message))
-        text = "; ".join(w.message for w in waits)
-        headline = text.split(":", 1)[0]  # without the countdowns, which change every pass
-        if text and (headline != self._last_wait or note != state.budget_note):
-            self.out(f"waiting: {text}")
-        self._last_wait = headline
-        return replace(state, budget_note=note)
+        report = wait_report(actions, state, obs, self.policy, self._last_wait)
+        if report.event is not None:
+            self._emit(report.event)
+        if report.line is not None:
+            self.out(report.line)
+        self._last_wait = report.headline
+        return replace(state, budget_note=report.note)
 
     def _report_cost(self, obs: Observation) -> None:
-        spend = self.state.spend
         self._last_cost_at = obs.now
-        self._emit(KeeperCost(
-            spent=round(spend.total, 6), spent_spot=round(spend.spot, 6), spent_on_demand=round(spend.on_demand, 6),
-            on_demand_premium=round(on_demand_premium(spend, self.policy), 6),
-            rate_per_hour=round(hourly_rate(obs, self.policy), 6),
-            spot_running=sum(1 for w in obs.workers if w.spot and w.running),
-            on_demand_running=sum(1 for w in obs.workers if not w.spot and w.running),
-            wanted=self.policy.workers))
+        self._emit(cost_event(self.state.spend, obs, self.policy))
 
 
-def policy_for(spec: ClusterSpec, **settings: Any) -> KeeperPolicy:
-    """The policy for a cluster spec: its worker count, zones and ``<name>-worker-<i>`` names
-    (``settings``: the other :class:`KeeperPolicy` fields)."""
-    return KeeperPolicy(workers=spec.workers, zones=spec.zones, name_prefix=f"{spec.name}-worker-", **settings)
-
-
+# ComputeFleet, Fleet, StateFile and policy_for were first defined here: they stay importable.
 __all__ = ["ComputeFleet", "Fleet", "Keeper", "PassResult", "StateFile", "policy_for"]

@@ -1,8 +1,9 @@
-"""What ``hvd-transient cluster keep`` decides, as pure functions over frozen dataclasses.
+"""What ``hvd-transient cluster keep`` decides: :func:`plan` and :func:`settle`, pure functions over the
+frozen dataclasses of :mod:`.worker_vms`, :mod:`.keeper_state` and :mod:`.keeper_actions`.
 
 One pass of the keeper is::
 
-    state = accrue(state, observation, policy)       # cost since the last look; episodes end
+    state = accrue(state, observation, policy)       # cost since the last look; episodes end (.keeper_cost)
     actions = plan(observation, state, policy)       # Start / Create / Delete / Wait
     outcomes = fleet.apply(vm_actions)               # I/O: keeper.py and the fleets
     state = settle(state, outcomes, now, policy)     # per-zone backoff, "no Spot since"
@@ -18,7 +19,7 @@ Decisions, in order:
 3. after ``on_demand_after_s`` without Spot capacity, what is still missing is filled with
    on-demand workers, which step 1 later swaps back for Spot ones;
 4. every start/create is checked against the budget caps first; what would exceed one is not
-   done and a :class:`Wait` says so;
+   done and a :class:`~.keeper_actions.Wait` says so;
 5. with a training job to supervise (``keep --job``), :mod:`.job_plan` decides: it is launched
    once ``min_workers`` are RUNNING (:func:`running_after`); a job left without any live worker
    is ended; a job that exits non-zero is launched again as soon as ``min_workers`` run again,
@@ -29,323 +30,42 @@ another zone, or an on-demand one, is named like any other: the lowest free inde
 """
 from __future__ import annotations
 
-import logging
-import math
 import re
 from collections import Counter
-from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping, Sequence, Union
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
 
-from hvd_transient.cluster.rest_plan import instance_body
-from hvd_transient.cluster.spec import WORKER, ClusterSpec, InstancePlan
-from hvd_transient.core.membership import Incarnation
-from hvd_transient.discovery.gce import incarnation
-from hvd_transient.gcp.pricing import PriceTable, instance_type_key
-
-log = logging.getLogger(__name__)
-
-#: a VM that bills (or is about to): it holds its slot
-LIVE = frozenset({"PROVISIONING", "STAGING", "RUNNING", "REPAIRING"})
-#: a stopped VM ``instances.start`` runs again (a Spot VM preempted with termination action STOP)
-RESTARTABLE = frozenset({"TERMINATED", "STOPPED", "SUSPENDED"})
-#: on its way down (a preemption in progress): neither refilled nor started until it settles
-TRANSITIONAL = frozenset({"STOPPING", "SUSPENDING"})
-
-# Failure classes of a start/insert: the first two mean "no capacity here now"
-STOCKOUT, QUOTA, GONE, ERROR = "stockout", "quota", "gone", "error"
-STOCKOUT_CODES = frozenset({"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS"})
-QUOTA_CODES = frozenset({"QUOTA_EXCEEDED"})
-NOT_FOUND_CODES = frozenset({"NOTFOUND", "RESOURCE_NOT_FOUND"})
-
-# Action reasons (written into the event log)
-RESTART = "restart"                # a stopped Spot VM started again
-RECREATE = "recreate"              # a missing Spot worker created
-REPLACE_ON_DEMAND = "replace_on_demand"  # a Spot worker created/started while on-demand ones stand in
-ON_DEMAND_FALLBACK = "on_demand_fallback"
-SPOT_RUNNING = "spot_running"      # why an on-demand worker is deleted
+from hvd_transient.cluster.keeper_actions import (
+    ON_DEMAND_FALLBACK,
+    RECREATE,
+    REPLACE_ON_DEMAND,
+    RESTART,
+    SPOT_RUNNING,
+    Action,
+    Create,
+    Delete,
+    Outcome,
+    Start,
+    VMAction,
+    Wait,
+    action_dict,
+    describe,
+)
+from hvd_transient.cluster.keeper_cost import accrue, hourly_rate, on_demand_premium, price_key, worker_rates
+from hvd_transient.cluster.keeper_state import (
+    Backoff,
+    KeeperPolicy,
+    KeeperState,
+    Spend,
+    backoff_delay,
+    fallback_due,
+)
+from hvd_transient.cluster.keeper_store import state_from_json, state_to_json
+from hvd_transient.cluster.rest_plan import worker_body
+from hvd_transient.cluster.vm_failures import GONE, QUOTA, STOCKOUT, classify_failure
+from hvd_transient.cluster.worker_vms import TRANSITIONAL, Observation, WorkerVM, provisioning, worker_from_resource
 
 _TRAILING_INT = re.compile(r"(\d+)$")
-
-
-def _normal(code: str) -> str:
-    return code.replace("_", "").casefold()
-
-
-_STOCKOUT_NORMAL = frozenset(map(_normal, STOCKOUT_CODES))
-_QUOTA_NORMAL = frozenset(map(_normal, QUOTA_CODES))
-_NOT_FOUND_NORMAL = frozenset(map(_normal, NOT_FOUND_CODES))
-
-
-def classify_failure(code: str) -> str:
-    """An operation error code (``ZONE_RESOURCE_POOL_EXHAUSTED``) or HTTP error reason
-    (``quotaExceeded``) -> STOCKOUT, QUOTA, GONE (the VM vanished meanwhile) or ERROR."""
-    norm = _normal(code)
-    if norm in _STOCKOUT_NORMAL:
-        return STOCKOUT
-    if norm in _QUOTA_NORMAL:
-        return QUOTA
-    if norm in _NOT_FOUND_NORMAL:
-        return GONE
-    return ERROR
-
-
-# ---- what is observed ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerVM:
-    name: str
-    zone: str
-    status: str  # the Compute instance status: PROVISIONING, RUNNING, TERMINATED, ...
-    spot: bool
-    incarnation: Incarnation | None = None  # its id and last start, where the API says
-
-    @property
-    def live(self) -> bool:
-        return self.status in LIVE
-
-    @property
-    def running(self) -> bool:
-        return self.status == "RUNNING"
-
-    @property
-    def restartable(self) -> bool:
-        return self.status in RESTARTABLE
-
-    @property
-    def provisioning(self) -> str:
-        return provisioning(self.spot)
-
-
-@dataclass(frozen=True)
-class Observation:
-    now: float  # epoch seconds
-    workers: tuple[WorkerVM, ...]
-
-
-def provisioning(spot: bool) -> str:
-    return "spot" if spot else "on-demand"
-
-
-def worker_from_resource(instance: Mapping[str, Any]) -> WorkerVM:
-    """A Compute instance resource as the keeper sees it."""
-    scheduling = instance.get("scheduling") or {}
-    spot = scheduling.get("provisioningModel") == "SPOT" or bool(scheduling.get("preemptible"))
-    zone = str(instance.get("zone", "")).rstrip("/").rsplit("/", 1)[-1]
-    return WorkerVM(name=str(instance.get("name")), zone=zone, status=str(instance.get("status", "")), spot=spot,
-                    incarnation=incarnation(instance))
-
-
-# ---- configuration and state --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KeeperPolicy:
-    workers: int
-    zones: tuple[str, ...]
-    #: new workers are named ``name_prefix + index`` (the lowest index not in use) ...
-    name_prefix: str = "worker-"
-    #: ... or, when given, take the first unused of these names (the local simulator's host aliases)
-    name_pool: tuple[str, ...] = ()
-    spot_per_hour: float = 0.0  # USD per worker-hour
-    on_demand_per_hour: float = 0.0
-    #: fill missing workers on demand after this long without Spot capacity; None: never
-    on_demand_after_s: float | None = None
-    max_cost_per_hour: float | None = None  # the workers' summed hourly rate
-    max_total_cost: float | None = None  # the workers' spend since the keeper first ran
-    #: the total cap refuses a VM whose cost over this horizon (one billing minimum) would cross it
-    budget_horizon_s: float = 60.0
-    backoff_initial_s: float = 60.0
-    backoff_max_s: float = 1800.0
-    #: a longer time between two looks (the keeper was not running) is charged as this long:
-    #: what ran meanwhile was not watched, and a store reused days later must not trip the total cap
-    max_accrual_gap_s: float = 3600.0
-
-    def __post_init__(self) -> None:
-        if self.workers < 0:
-            raise ValueError(f"workers must be >= 0, not {self.workers}")
-        if not self.zones:
-            raise ValueError("at least one zone is needed")
-        if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
-            raise ValueError("backoff_initial_s must be > 0 and at most backoff_max_s")
-
-    def rate(self, spot: bool) -> float:
-        return self.spot_per_hour if spot else self.on_demand_per_hour
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """No request for ``spot``/on-demand capacity goes to ``zone`` before ``until``."""
-
-    zone: str
-    spot: bool
-    failures: int  # consecutive passes that failed there
-    until: float
-    code: str  # the last failure's error code
-
-
-@dataclass(frozen=True)
-class Spend:
-    """What the workers cost so far (USD), accrued by observed RUNNING time."""
-
-    spot: float = 0.0
-    on_demand: float = 0.0
-    on_demand_seconds: float = 0.0  # VM-seconds of on-demand workers
-
-    @property
-    def total(self) -> float:
-        return self.spot + self.on_demand
-
-
-@dataclass(frozen=True)
-class KeeperState:
-    backoffs: tuple[Backoff, ...] = ()
-    #: since when Spot capacity has been wanted and refused (stock-out/quota); None: not short
-    no_spot_since: float | None = None
-    spend: Spend = field(default_factory=Spend)
-    observed_at: float | None = None
-    #: (name, spot) of every worker RUNNING at ``observed_at``: they accrue until the next look
-    running: tuple[tuple[str, bool], ...] = ()
-    #: since when on-demand workers stand in; and ``spend.on_demand`` then
-    fallback_since: float | None = None
-    fallback_spend_mark: float = 0.0
-    #: which budget cap last held workers back (each hold is reported once)
-    budget_note: str = ""
-
-    def backoff(self, zone: str, spot: bool) -> Backoff | None:
-        return next((b for b in self.backoffs if b.zone == zone and b.spot == spot), None)
-
-    def available(self, zone: str, spot: bool, now: float) -> bool:
-        b = self.backoff(zone, spot)
-        return b is None or b.until <= now
-
-
-def fallback_due(state: KeeperState, policy: KeeperPolicy, now: float) -> bool:
-    return (policy.on_demand_after_s is not None and state.no_spot_since is not None
-            and now - state.no_spot_since >= policy.on_demand_after_s)
-
-
-def backoff_delay(failures: int, policy: KeeperPolicy) -> float:
-    """Exponential per zone: initial, 2x, 4x ... capped at the maximum."""
-    return min(policy.backoff_initial_s * 2.0 ** max(0, failures - 1), policy.backoff_max_s)
-
-
-# ---- actions --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Start:
-    name: str
-    zone: str
-    spot: bool
-    was: str  # the status it had
-    reason: str = RESTART
-    operation = "start"
-
-
-@dataclass(frozen=True)
-class Create:
-    name: str
-    zone: str
-    spot: bool
-    reason: str
-    #: zones skipped for this provisioning model because they are backed off
-    avoided: tuple[str, ...] = ()
-    operation = "create"
-
-
-@dataclass(frozen=True)
-class Delete:
-    name: str
-    zone: str
-    spot: bool
-    reason: str
-    operation = "delete"
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Nothing (more) can be done this pass; ``message`` says why."""
-
-    reason: str  # "backoff" | "budget"
-    message: str
-    until: float | None = None  # backoff: when the first zone opens again
-    cap: str = ""  # budget: "per_hour" | "total"
-    limit: float | None = None
-    blocked: int = 0  # budget: workers not started or created
-
-
-VMAction = Union[Start, Create, Delete]
-Action = Union[Start, Create, Delete, Wait]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What applying one action did: ``error`` None on success, else the API's code and message."""
-
-    action: VMAction
-    error: str | None = None
-    code: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def failure(self) -> str | None:
-        return None if self.ok else classify_failure(self.code)
-
-
-def describe(action: Action) -> str:
-    """One line for people (dry runs, logs)."""
-    if isinstance(action, Wait):
-        return f"wait    {action.message}"
-    kind = "Spot" if action.spot else "on-demand"
-    if isinstance(action, Start):
-        return f"start   {action.name} ({kind}, {action.zone}, was {action.was}; {action.reason})"
-    if isinstance(action, Create):
-        avoided = f"; backed off: {', '.join(action.avoided)}" if action.avoided else ""
-        return f"create  {action.name} ({kind}, {action.zone}, {action.reason}{avoided})"
-    return f"delete  {action.name} ({kind}, {action.zone}): a Spot worker runs in its place"
-
-
-def action_dict(action: Action) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    out = asdict(action)
-    out["action"] = type(action).__name__.lower()
-    return out
-
-
-# ---- the pure steps -------------------------------------------------------------------------------
-
-
-def accrue(state: KeeperState, obs: Observation, policy: KeeperPolicy) -> KeeperState:
-    """Charge the workers RUNNING at the last look for the time since, and note what this look shows."""
-    spend = state.spend
-    if state.observed_at is not None and obs.now > state.observed_at:
-        dt = min(obs.now - state.observed_at, policy.max_accrual_gap_s)
-        if dt < obs.now - state.observed_at:
-            log.warning("nothing was watched for %.0f s: charging the workers last seen RUNNING for %.0f s",
-                        obs.now - state.observed_at, dt)
-        spot_s = sum(dt for _name, spot in state.running if spot)
-        od_s = sum(dt for _name, spot in state.running if not spot)
-        spend = Spend(spot=spend.spot + policy.spot_per_hour * spot_s / 3600.0,
-                      on_demand=spend.on_demand + policy.on_demand_per_hour * od_s / 3600.0,
-                      on_demand_seconds=spend.on_demand_seconds + od_s)
-    spot_live = sum(1 for w in obs.workers if w.spot and w.live)
-    od_live = sum(1 for w in obs.workers if not w.spot and w.live)
-    fallback_since, mark = state.fallback_since, state.fallback_spend_mark
-    if od_live == 0:
-        fallback_since = None
-    elif fallback_since is None:  # on-demand workers found (e.g. made before this state existed)
-        fallback_since, mark = obs.now, spend.on_demand
-    return replace(
-        state, spend=spend, observed_at=obs.now,
-        running=tuple(sorted((w.name, w.spot) for w in obs.workers if w.running)),
-        no_spot_since=None if spot_live >= policy.workers else state.no_spot_since,
-        fallback_since=fallback_since, fallback_spend_mark=mark,
-    )
 
 
 def _natural(name: str) -> tuple[str, int]:
@@ -544,16 +264,6 @@ def settle(state: KeeperState, outcomes: Sequence[Outcome], now: float, policy: 
                    running=tuple(sorted(running.items())))
 
 
-def hourly_rate(obs: Observation, policy: KeeperPolicy) -> float:
-    """What the live workers cost per hour (USD)."""
-    return float(sum(policy.rate(w.spot) for w in obs.workers if w.live))
-
-
-def on_demand_premium(spend: Spend, policy: KeeperPolicy) -> float:
-    """What the on-demand stand-ins cost beyond the same time on Spot (USD)."""
-    return spend.on_demand_seconds * max(0.0, policy.on_demand_per_hour - policy.spot_per_hour) / 3600.0
-
-
 def running_after(obs: Observation, outcomes: Sequence[Outcome]) -> tuple[str, ...]:
     """The workers RUNNING once this pass's operations are done: those seen RUNNING, and those
     started or created (the operation is done once the VM runs), less those deleted."""
@@ -567,79 +277,7 @@ def running_after(obs: Observation, outcomes: Sequence[Outcome]) -> tuple[str, .
     return tuple(sorted(running, key=_natural))
 
 
-
-# ---- persistence (JSON; pure) ------------------------------------------------------------------------
-
-
-def state_to_json(state: KeeperState) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(state)
-
-
-def state_from_json(doc: object) -> KeeperState:
-    """The saved state, or a fresh one (with a warning) for anything unreadable."""
-    try:
-        if not isinstance(doc, dict):
-            raise TypeError("not a JSON object")
-
-        def opt(value: object) -> float | None:
-            return None if value is None else _finite(value)
-
-        spend = doc.get("spend") or {}
-        return KeeperState(
-            backoffs=tuple(Backoff(str(b["zone"]), bool(b["spot"]), int(b["failures"]), _finite(b["until"]),
-                                   str(b.get("code", ""))) for b in doc.get("backoffs") or ()),
-            no_spot_since=opt(doc.get("no_spot_since")),
-            spend=Spend(_finite(spend.get("spot", 0.0)), _finite(spend.get("on_demand", 0.0)),
-                        _finite(spend.get("on_demand_seconds", 0.0))),
-            observed_at=opt(doc.get("observed_at")),
-            running=tuple((str(n), bool(s)) for n, s in doc.get("running") or ()),
-            fallback_since=opt(doc.get("fallback_since")),
-            fallback_spend_mark=_finite(doc.get("fallback_spend_mark", 0.0)),
-            budget_note=str(doc.get("budget_note", "")),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        log.warning("ignoring the keeper's saved state (%s): starting afresh", exc)
-        return KeeperState()
-
-
-def _finite(value: object) -> float:
-    number = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(number):
-        raise ValueError(f"{value!r} is not a finite number")
-    return number
-
-
-# ---- Compute specifics (pure) -------------------------------------------------------------------------
-
-
-def price_key(spec: ClusterSpec) -> str:
-    """The price-table name of a worker: ``n1-standard-8+nvidia-tesla-t4``, or ``g2-standard-8``
-    where the GPU comes with the machine type."""
-    if spec.attaches_gpus:
-        return instance_type_key(spec.machine_type, spec.gpu_type, spec.gpus_per_worker)
-    return spec.machine_type
-
-
-def worker_rates(spec: ClusterSpec, table: PriceTable) -> tuple[float, float]:
-    """(Spot, on-demand) USD per worker-hour; PriceTableError if the table lacks the type."""
-    price = table.price(price_key(spec))
-    return price.spot_per_hour, price.on_demand_per_hour
-
-
-def worker_body(spec: ClusterSpec, name: str, zone: str, spot: bool) -> dict[str, Any]:
-    """The insert body of one worker, as ``cluster up`` builds it (labels, metadata, startup script)."""
-    gpus = spec.gpus_per_worker if spec.gpu_type else 0
-    plan_ = InstancePlan(name=name, zone=zone, role=WORKER, machine_type=spec.machine_type, spot=spot,
-                         gpu_type=spec.gpu_type if gpus else None, gpu_count=gpus)
-    body = instance_body(plan_, spec)
-    if not spot and gpus:
-        # a VM with GPUs cannot live-migrate: Compute refuses MIGRATE for it
-        body["scheduling"] = {**body["scheduling"], "onHostMaintenance": "TERMINATE"}
-    return body
-
-
+# The keeper's model, its steps and its persistence were first all defined here: the names stay importable.
 __all__ = [
     "Action", "Backoff", "Create", "Delete", "KeeperPolicy", "KeeperState", "Observation", "Outcome", "Spend",
     "Start", "VMAction", "Wait", "WorkerVM", "accrue", "action_dict", "backoff_delay", "classify_failure",

@@ -1,7 +1,8 @@
 """Compute REST requests built from a :class:`ClusterSpec`. Pure: nothing here talks to the network.
 
 The same builders feed ``--dry-run`` (printed) and the real client (sent), so
-what a dry run shows is exactly what ``up`` would send.
+what a dry run shows is exactly what ``up`` would send; the keeper creates a worker
+with the body ``up`` would (:func:`worker_body`).
 """
 from __future__ import annotations
 
@@ -100,6 +101,18 @@ def instance_body(plan: InstancePlan, spec: ClusterSpec) -> dict[str, Any]:
             "acceleratorType": f"zones/{plan.zone}/acceleratorTypes/{plan.gpu_type}",
             "acceleratorCount": plan.gpu_count,
         }]
+    return body
+
+
+def worker_body(spec: ClusterSpec, name: str, zone: str, spot: bool) -> dict[str, Any]:
+    """The insert body of one worker, as ``cluster up`` builds it (labels, metadata, startup script)."""
+    gpus = spec.gpus_per_worker if spec.gpu_type else 0
+    plan_ = InstancePlan(name=name, zone=zone, role=WORKER, machine_type=spec.machine_type, spot=spot,
+                         gpu_type=spec.gpu_type if gpus else None, gpu_count=gpus)
+    body = instance_body(plan_, spec)
+    if not spot and gpus:
+        # a VM with GPUs cannot live-migrate: Compute refuses MIGRATE for it
+        body["scheduling"] = {**body["scheduling"], "onHostMaintenance": "TERMINATE"}
     return body
 
 

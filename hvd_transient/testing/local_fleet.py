@@ -1,4 +1,4 @@
-"""The keeper's :class:`~hvd_transient.cluster.keeper.Fleet` and :class:`~hvd_transient.cluster.keeper.Job`
+"""The keeper's :class:`~hvd_transient.cluster.fleet.Fleet` and :class:`~hvd_transient.cluster.job.Job`
 over a :class:`LocalCluster`.
 
 A host alias is a VM. One listed in the simulator's ``hosts.json`` state file is RUNNING;
@@ -27,15 +27,10 @@ import threading
 from typing import Any, Mapping, Sequence
 
 from hvd_transient.cluster.job import exit_status
-from hvd_transient.cluster.keeper_plan import (
-    STOCKOUT_CODES,
-    Create,
-    Delete,
-    KeeperPolicy,
-    Outcome,
-    VMAction,
-    WorkerVM,
-)
+from hvd_transient.cluster.keeper_actions import Create, Delete, Outcome, VMAction
+from hvd_transient.cluster.keeper_state import KeeperPolicy
+from hvd_transient.cluster.vm_failures import STOCKOUT_CODES
+from hvd_transient.cluster.worker_vms import WorkerVM
 from hvd_transient.testing.local_cluster import HOST_ALIASES, LocalCluster
 
 log = logging.getLogger(__name__)
