@@ -13,13 +13,8 @@ tf = pytest.importorskip("tensorflow")
 
 from ckpt_service.manager import CheckpointManager, DeferredShare, prepare_share  # noqa: E402
 from ckpt_service.plan import make_save_plan, spec_of  # noqa: E402
-from hvd_transient.keras import (  # noqa: E402
-    TransientCallback,
-    build_optimizer_slots,
-    learning_rate_of,
-    state_variables,
-)
 from hvd_transient.keras import snapshot as tf_snapshot  # noqa: E402
+from hvd_transient.keras.callback import TransientCallback  # noqa: E402
 from hvd_transient.keras.snapshot import (  # noqa: E402
     FAST_CALL_ENV,
     AliasedShare,
@@ -31,6 +26,7 @@ from hvd_transient.keras.snapshot import (  # noqa: E402
     host_outputs,
     public_call,
 )
+from hvd_transient.keras.state import build_optimizer_slots, learning_rate_of, state_variables  # noqa: E402
 from hvd_transient.testing.workloads import MODELS  # noqa: E402
 
 

@@ -11,14 +11,8 @@ from hypothesis import strategies as st
 from hvd_transient.testing import demo
 from hvd_transient.testing.local_cluster import HOST_ALIASES
 from hvd_transient.testing.schedule import Action, ScheduleError
-from hvd_transient.testing.traces import (
-    TraceError,
-    TraceOptions,
-    detect_format,
-    parse_trace,
-    plan_trace,
-    read_trace,
-)
+from hvd_transient.testing.trace_formats import TraceError, detect_format, parse_trace, read_trace
+from hvd_transient.testing.traces import TraceOptions, plan_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "bench" / "traces"
 HOSTS = HOST_ALIASES

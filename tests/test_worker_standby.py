@@ -22,7 +22,8 @@ from typing import IO, Iterator
 
 import pytest
 
-from hvd_transient.join import standby, worker
+from hvd_transient.join import standby, wire
+from hvd_transient.join.launcher import find_socket, hand_off
 
 TINY = """\
 import os, sys, time
@@ -79,7 +80,7 @@ class Lines:
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[dict[str, str]]:
     short = tempfile.mkdtemp(prefix="sb-")  # unix socket paths are short
-    yield {**os.environ, "HOROVOD_HOSTNAME": HOST, worker.DIR_ENV: short, "PYTHONUNBUFFERED": "1"}
+    yield {**os.environ, "HOROVOD_HOSTNAME": HOST, wire.DIR_ENV: short, "PYTHONUNBUFFERED": "1"}
     shutil.rmtree(short, ignore_errors=True)
 
 
@@ -151,7 +152,7 @@ def test_handoff_gives_the_standby_the_launchers_environment_stdio_cwd_and_takes
         assert "read hello standby" in out and "to stderr" in err
         assert "name=__main__" not in out  # the script's start-up ran in the standby, before the job came
         assert sb.wait(timeout=TIMEOUT) == 3
-        assert not list(Path(env[worker.DIR_ENV]).glob("*.sock"))  # one job per standby
+        assert not list(Path(env[wire.DIR_ENV]).glob("*.sock"))  # one job per standby
     finally:
         end(sb)
 
@@ -221,7 +222,7 @@ def test_a_standby_named_as_the_machine_serves_a_launcher_horovod_knows_by_ip(
     at_boot = {k: v for k, v in env.items() if k != "HOROVOD_HOSTNAME"}
     sb, _ = start_standby(script, env=at_boot)
     try:
-        assert [p.name.split(".")[0] for p in Path(env[worker.DIR_ENV]).glob("*.sock")] == \
+        assert [p.name.split(".")[0] for p in Path(env[wire.DIR_ENV]).glob("*.sock")] == \
             [socket.gethostname().split(".")[0]]
         proc = launcher(script, env={**env, "HOROVOD_HOSTNAME": "10.128.0.7"}, cwd=tmp_path)
         out, err = proc.communicate(timeout=TIMEOUT)
@@ -236,45 +237,45 @@ def test_a_standby_named_as_the_machine_serves_a_launcher_horovod_knows_by_ip(
 
 
 def test_the_command_key_names_the_script_absolutely(tmp_path: Path) -> None:
-    key = worker.command_key("tiny.py", ["--a", "1"], str(tmp_path))
-    assert key == worker.command_key(str(tmp_path / "tiny.py"), ["--a", "1"], "/elsewhere")
-    assert key != worker.command_key("tiny.py", ["--a", "2"], str(tmp_path))
-    assert key != worker.command_key("tiny.py", ["--a", "1"], "/elsewhere")
+    key = wire.command_key("tiny.py", ["--a", "1"], str(tmp_path))
+    assert key == wire.command_key(str(tmp_path / "tiny.py"), ["--a", "1"], "/elsewhere")
+    assert key != wire.command_key("tiny.py", ["--a", "2"], str(tmp_path))
+    assert key != wire.command_key("tiny.py", ["--a", "1"], "/elsewhere")
 
 
 def test_socket_paths_are_checked() -> None:
-    path = worker.socket_path(Path("/tmp/d"), "127.0.1", 2, "k" * 16)
+    path = wire.socket_path(Path("/tmp/d"), "127.0.1", 2, "k" * 16)
     assert path == Path(f"/tmp/d/127.0.1.2.{'k' * 16}.sock")
-    with pytest.raises(worker.StandbyError, match="too long"):
-        worker.socket_path(Path("/tmp/" + "d" * 100), "h", 0, "k" * 16)
-    with pytest.raises(worker.StandbyError, match="invalid host"):
-        worker.socket_path(Path("/tmp/d"), "a/b", 0, "k")
+    with pytest.raises(wire.StandbyError, match="too long"):
+        wire.socket_path(Path("/tmp/" + "d" * 100), "h", 0, "k" * 16)
+    with pytest.raises(wire.StandbyError, match="invalid host"):
+        wire.socket_path(Path("/tmp/d"), "a/b", 0, "k")
 
 
 def test_the_socket_is_looked_for_under_each_name_of_the_host(tmp_path: Path) -> None:
-    assert worker.find_socket(tmp_path, ("10.0.0.7", "vm-1"), 0, "k") == tmp_path / "10.0.0.7.0.k.sock"
+    assert find_socket(tmp_path, ("10.0.0.7", "vm-1"), 0, "k") == tmp_path / "10.0.0.7.0.k.sock"
     (tmp_path / "vm-1.0.k.sock").touch()
-    assert worker.find_socket(tmp_path, ("10.0.0.7", "vm-1", "a/b"), 0, "k") == tmp_path / "vm-1.0.k.sock"
+    assert find_socket(tmp_path, ("10.0.0.7", "vm-1", "a/b"), 0, "k") == tmp_path / "vm-1.0.k.sock"
     (tmp_path / "10.0.0.7.0.k.sock").touch()
-    assert worker.find_socket(tmp_path, ("10.0.0.7", "vm-1"), 0, "k") == tmp_path / "10.0.0.7.0.k.sock"
-    with pytest.raises(worker.StandbyError, match="invalid host"):
-        worker.find_socket(tmp_path, ("a/b", "vm-1"), 0, "k")
+    assert find_socket(tmp_path, ("10.0.0.7", "vm-1"), 0, "k") == tmp_path / "10.0.0.7.0.k.sock"
+    with pytest.raises(wire.StandbyError, match="invalid host"):
+        find_socket(tmp_path, ("a/b", "vm-1"), 0, "k")
 
 
 def test_handoff_checks() -> None:
-    good = {"type": "handoff", "version": worker.PROTOCOL_VERSION, "key": "k", "env": {}, "cwd": "/", "fds": [0, 1, 2]}
-    assert worker.check_handoff(good, "k") is None
-    assert "another command" in str(worker.check_handoff(good, "other"))
-    assert "protocol version" in str(worker.check_handoff({**good, "version": 99}, "k"))
-    assert "file descriptors" in str(worker.check_handoff({**good, "fds": [0, 7]}, "k"))
-    assert "expected a handoff" in str(worker.check_handoff({**good, "type": "signal"}, "k"))
+    good = {"type": "handoff", "version": wire.PROTOCOL_VERSION, "key": "k", "env": {}, "cwd": "/", "fds": [0, 1, 2]}
+    assert wire.check_handoff(good, "k") is None
+    assert "another command" in str(wire.check_handoff(good, "other"))
+    assert "protocol version" in str(wire.check_handoff({**good, "version": 99}, "k"))
+    assert "file descriptors" in str(wire.check_handoff({**good, "fds": [0, 7]}, "k"))
+    assert "expected a handoff" in str(wire.check_handoff({**good, "type": "signal"}, "k"))
 
 
 def test_exit_status_round_trips_codes_and_signals() -> None:
-    assert worker.ExitStatus.from_wait_status(3 << 8) == worker.ExitStatus(3)
-    killed = worker.ExitStatus.from_wait_status(signal.SIGTERM)
-    assert killed == worker.ExitStatus(128 + signal.SIGTERM, signal.SIGTERM)
-    assert worker.ExitStatus.from_message(json.loads(json.dumps(killed.to_message()))) == killed
+    assert wire.ExitStatus.from_wait_status(3 << 8) == wire.ExitStatus(3)
+    killed = wire.ExitStatus.from_wait_status(signal.SIGTERM)
+    assert killed == wire.ExitStatus(128 + signal.SIGTERM, signal.SIGTERM)
+    assert wire.ExitStatus.from_message(json.loads(json.dumps(killed.to_message()))) == killed
 
 
 def test_deferred_horovod_answers_until_the_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -334,7 +335,7 @@ def test_local_cluster_in_standby_mode_runs_the_job_through_the_launcher(tmp_pat
         assert cluster.standby_command("127.0.1") == (
             "python", "-m", "hvd_transient.worker", "--standby", "--host", "127.0.1", "train.py", "-x")
         env = cluster.environment()
-        assert env[worker.DIR_ENV] == str(cluster.standby_dir) and env["HVDT_JOIN_TIMEOUT_S"] == "30"
+        assert env[wire.DIR_ENV] == str(cluster.standby_dir) and env["HVDT_JOIN_TIMEOUT_S"] == "30"
         assert "HVDT_STANDBY_SINCE" in env
         plain = LocalCluster(LocalClusterSpec(**{**spec.__dict__, "standby": False}))
         assert plain.job_command() == spec.command and plain.standby_dir is None
@@ -397,7 +398,7 @@ def test_the_launcher_gives_up_on_a_standby_that_never_answers(tmp_path: Path) -
     stuck.listen(1)
     try:
         t0 = time.monotonic()
-        assert worker.hand_off(path, "job.py", [], env={}, cwd=str(tmp_path), accept_timeout_s=0.5) is None
+        assert hand_off(path, "job.py", [], env={}, cwd=str(tmp_path), accept_timeout_s=0.5) is None
         assert 0.5 <= time.monotonic() - t0 < 10
     finally:
         stuck.close()

@@ -1,8 +1,8 @@
 """The standby's worker: a training script run up to its elastic training call before the VM joins.
 
-Started by ``python -m hvd_transient.worker --standby`` (:mod:`hvd_transient.join.worker`, which
-forks this worker off its supervisor). Before the script runs, two points of Horovod are hooked,
-so the script itself is unchanged:
+Started by ``python -m hvd_transient.worker --standby`` (:mod:`hvd_transient.join.worker`), forked
+off the standby's supervisor (:mod:`hvd_transient.join.supervisor`). Before the script runs, two
+points of Horovod are hooked, so the script itself is unchanged:
 
 * ``HorovodBasics`` (behind ``hvd.init``, ``hvd.size`` ... of every framework): until the
   handoff, ``init`` is recorded instead of done, ``shutdown`` does nothing, and ``size``,
@@ -10,28 +10,14 @@ so the script itself is unchanged:
   ``local_rank`` the standby's slot, which is all a script asks before it trains (the
   example: ``hvd.DistributedOptimizer``, ``hvdt.elastic_state``, the callbacks);
 * ``horovod.common.elastic.run_fn`` (behind ``@hvd.elastic.run``): the first call of the
-  decorated function is where the standby stops. It warms the train step up (below), publishes
-  the host as ready in the run's store (``hosts/ready/<host>.json``,
-  :mod:`hvd_transient.discovery.ready`), tells its supervisor, and blocks until a launcher
-  hands over. Then it takes the launcher's environment, working directory and stdio (dup2 onto
-  0, 1, 2), performs the recorded ``hvd.init()`` for real and runs
+  decorated function is where the standby stops. It warms the train step up
+  (:mod:`hvd_transient.join.warmup`), publishes the host as ready in the run's store
+  (``hosts/ready/<host>.json``, :mod:`hvd_transient.discovery.ready`), tells its supervisor,
+  and blocks until a launcher hands over. Then it takes the launcher's environment, working
+  directory and stdio (dup2 onto 0, 1, 2), performs the recorded ``hvd.init()`` for real and runs
   :func:`after_handoff` callbacks (``hvdt.elastic_state`` defers its rank-0 cold start to
   one: only then is the rank known), and goes on into Horovod's elastic wrapper, whose
   notification service and ``state.sync()`` need the real rendezvous.
-
-The warm-up runs the train step once before the host is offered, so that the join does not
-trace and instantiate it while the survivors wait (about 2.5 s for the small CNN on 2 cores).
-The elastic function is called once with ``Model.fit`` replaced by a stand-in that records its
-model and data and aborts the call; then, in a one-process Horovod world (Gloo, no rendezvous),
-``state.sync()`` and one train step on fit's first batch run for real (the step's allreduce is
-skipped, as in any world of one, by Horovod's size condition), Horovod is shut down, and
-``state.restore()`` puts back the weights and counters the state held. The real ``fit`` finds
-the function in Keras's cache, already instantiated. The graph does not depend on the ring's
-size: Horovod builds it from ``size_op`` in elastic mode (``HOROVOD_ELASTIC=1``, set here as
-``horovodrun`` sets it for its workers), and its tensor names are those every other worker's
-trace gives. Where Horovod has GPU operations the step is only traced (``get_concrete_function``:
-nothing runs), see :func:`_as_first_init`. A warm-up that fails leaves the work to the first
-step, as without a standby.
 """
 from __future__ import annotations
 
@@ -42,11 +28,14 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from hvd_transient.join.launcher import run_script
+from hvd_transient.join.warmup import RealHorovod, warm_up
+from hvd_transient.join.wire import recv_message, send_message
+
 if TYPE_CHECKING:
-    from hvd_transient.join.worker import StandbyOptions
+    from hvd_transient.join.supervisor import StandbyOptions
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +85,6 @@ def run(options: "StandbyOptions", ctl: socket.socket) -> None:
     # graphs are built as under horovodrun's elastic mode, which sets this for its workers
     os.environ.setdefault("HOROVOD_ELASTIC", "1")
     install_hooks(options.local_rank)
-    from hvd_transient.join.worker import run_script
-
     run_script(options.script, options.args)
     if _STATE.pending:
         raise SystemExit(f"{options.script} ended without calling its @hvd.elastic.run function: "
@@ -178,12 +165,10 @@ def _stop_at_run_fn(elastic: Any) -> None:
 
 def _join(func: Callable[..., Any], reset: Callable[[], None], state: Any, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> None:
-    from hvd_transient.join.worker import recv_message, send_message
-
     options, ctl = _STATE.options, _STATE.ctl
     assert options is not None and ctl is not None
     if options.warmup:
-        warm_up(func, state, args, kwargs)
+        warm_up(func, state, args, kwargs, _real_horovod)
     _publish_ready(options)
     seconds = time.monotonic() - _STATE.started
     log.info("ready for a job after %.1fs", seconds)
@@ -264,162 +249,13 @@ def _publish_ready(options: "StandbyOptions") -> None:
         log.warning("could not publish %s as ready in %s: %s", options.host, options.store, exc)
 
 
-# ---------------------------------------------------------------- the warm-up
-
-#: Horovod variables that would make an ``init`` join a job (or pick a GPU controller); a
-#: one-process world is made without them
-_JOB_VARIABLES = ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_RANK", "HOROVOD_SIZE",
-                  "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE",
-                  "HOROVOD_ELASTIC", "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS")
-
-
-@dataclass(frozen=True)
-class FitCall:
-    """The model and data of the ``fit`` the elastic function makes."""
-
-    model: Any
-    data: dict[str, Any]
-
-
-class _Captured(Exception):
-    """Ends the warm-up call of the elastic function at its ``fit``."""
-
-
-def warm_up(func: Callable[..., Any], state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """Run the train step of ``func``'s ``fit`` once, or at least trace it; what was done.
-
-    ``rehearsed``: ``state.sync()`` and one train step ran in a one-process Horovod world, then
-    the state was restored; ``traced``: the step was traced only; ``none``: no Keras ``fit``.
-    """
-    started = time.monotonic()
-    call = capture_fit(func, state, args, kwargs)
-    if call is None:
-        return "none"
-    done = "none"
-    if can_rehearse():
-        try:
-            rehearse(call, state)
-            done = "rehearsed"
-        except Exception as exc:  # the state is restored; tracing alone still helps
-            log.warning("could not rehearse a train step (%s: %s); tracing it only", type(exc).__name__, exc)
-    if done == "none":
-        try:
-            done = "traced" if trace_train_step(call) else "none"
-        except Exception as exc:  # the first step traces instead, as it would without a standby
-            log.warning("could not trace the train step (%s: %s)", type(exc).__name__, exc)
-    log.info("warm-up (%s) took %.1fs", done, time.monotonic() - started)
-    return done
-
-
-def capture_fit(func: Callable[..., Any], state: Any, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> FitCall | None:
-    """Call the elastic function with ``Model.fit`` replaced by a stand-in that records its model
-    and data and aborts the call; what it recorded (None: no Keras fit, or the call failed)."""
-    if "tensorflow" not in sys.modules:
+def _real_horovod() -> RealHorovod | None:
+    """What the warm-up's rehearsal needs of Horovod; None if the script has not called ``hvd.init``."""
+    if _STATE.basics is None:
         return None
-    import tensorflow as tf
-
-    model_class = tf.keras.Model
-    fit = model_class.fit
-    calls: list[FitCall] = []
-
-    def capturing_fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs: int = 1,
-                      verbose: Any = "auto", callbacks: Any = None, validation_split: float = 0.0,
-                      validation_data: Any = None, shuffle: bool = True, class_weight: Any = None,
-                      sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: Any = None,
-                      *rest: Any, **options: Any) -> Any:
-        calls.append(FitCall(model, {"x": x, "y": y, "batch_size": batch_size, "shuffle": shuffle,
-                                     "class_weight": class_weight, "sample_weight": sample_weight,
-                                     "steps_per_epoch": steps_per_epoch}))
-        raise _Captured
-
-    model_class.fit = capturing_fit
-    try:
-        func(state, *args, **kwargs)
-    except _Captured:
-        pass
-    except Exception as exc:
-        log.warning("warm-up: the elastic function failed before its fit (%s: %s)", type(exc).__name__, exc)
-        return None
-    finally:
-        model_class.fit = fit
-    if not calls:
-        log.warning("warm-up: the elastic function did not call Model.fit; the first step will trace")
-        return None
-    return calls[0]
+    assert _STATE.real_init is not None and _STATE.real_shutdown is not None
+    return RealHorovod(_STATE.basics, _STATE.real_init, _STATE.real_shutdown, on_init=_rehearsed)
 
 
-@contextlib.contextmanager
-def _data_iterator(call: FitCall) -> Iterator[Any]:
-    """The first iterator ``fit`` would make for this data (Keras 2's data handler), in fit's scopes."""
-    from keras.src.engine import data_adapter, training_utils
-
-    model = call.model
-    with model.distribute_strategy.scope(), training_utils.RespectCompiledTrainableState(model):
-        handler = data_adapter.get_data_handler(initial_epoch=0, epochs=1, max_queue_size=10, workers=1,
-                                                use_multiprocessing=False, model=model,
-                                                steps_per_execution=model._steps_per_execution,  # noqa: SLF001
-                                                **call.data)
-        for _, iterator in handler.enumerate_epochs():
-            yield iterator
-            return
-        raise ValueError("fit's data gave no epoch")
-
-
-def trace_train_step(call: FitCall) -> bool:
-    """Trace the model's train function for ``fit``'s iterator; nothing runs. Whether it could."""
-    with _data_iterator(call) as iterator:
-        concrete = getattr(call.model.make_train_function(), "get_concrete_function", None)
-        if concrete is None:  # run eagerly: nothing to trace
-            return False
-        concrete(iterator)
-    return True
-
-
-def can_rehearse() -> bool:
-    """Whether a one-process rehearsal is possible and harmless: the script has called
-    ``hvd.init`` (the framework is known) and Horovod has no GPU operations, which are the only
-    ones that read ``HOROVOD_ELASTIC`` at init (see :func:`_as_first_init`)."""
-    basics = _STATE.basics
-    if basics is None:
-        return False
-    return not any(bool(getattr(basics, probe)()) for probe in ("nccl_built", "cuda_built", "rocm_built", "ddl_built"))
-
-
-def rehearse(call: FitCall, state: Any) -> None:
-    """The state sync and one train step in a one-process Horovod world, then the state as it was.
-
-    Every tf.function the join runs first (the sync's broadcasts, the train step) is traced and
-    instantiated here; in a world of one the step's allreduce is skipped (Horovod's size
-    condition), and the weights it changed are restored from the state's snapshot.
-    """
-    with _one_process_world():
-        try:
-            state.sync()  # its snapshot is taken before the step
-            with _data_iterator(call) as iterator:
-                call.model.make_train_function()(iterator)
-        finally:
-            state.restore()
-            call.model.reset_metrics()
-
-
-@contextlib.contextmanager
-def _one_process_world() -> Iterator[None]:
-    basics = _STATE.basics
-    assert basics is not None and _STATE.real_init is not None and _STATE.real_shutdown is not None
-    saved = dict(os.environ)
-    for name in _JOB_VARIABLES:
-        os.environ.pop(name, None)
-    for name in [n for n in os.environ if n.startswith("HOROVOD_GPU_")]:
-        os.environ.pop(name)
-    os.environ.update(HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo")
-    _STATE.real_init(basics)
+def _rehearsed() -> None:
     _STATE.rehearsed = True
-    # graphs traced now are built as in the job (Horovod reads this when building them)
-    os.environ["HOROVOD_ELASTIC"] = saved.get("HOROVOD_ELASTIC", "1")
-    try:
-        yield
-    finally:
-        _STATE.real_shutdown(basics)
-        os.environ.clear()
-        os.environ.update(saved)

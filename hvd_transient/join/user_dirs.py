@@ -1,5 +1,6 @@
 """This user's directories and locks on the local machine: the standbys' sockets
-(:mod:`hvd_transient.join.worker`) and the keeper's note of its job (:mod:`hvd_transient.cluster.job`).
+(:mod:`hvd_transient.join.wire`, :mod:`hvd_transient.join.supervisor`) and the keeper's note of its job
+(:mod:`hvd_transient.cluster.job`).
 
 Standard library only: the worker launcher imports it on every job start.
 """

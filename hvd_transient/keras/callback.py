@@ -1,0 +1,247 @@
+"""The Keras callback: the per-step protocol (:mod:`hvd_transient.core.transient`) run from ``model.fit``.
+
+:class:`TransientCallback` (re-exported by :mod:`hvd_transient.keras`) takes the checkpoints, reacts
+to notices, scales the learning rate and makes each ``fit`` resume at the optimizer's step.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from functools import partial
+from typing import Any, Mapping
+
+import numpy as np
+import tensorflow as tf
+
+from ckpt_service.manager import DeferredShare
+from ckpt_service.plan import SavePlan
+from hvd_transient.collectives.horovod import HorovodCollectives
+from hvd_transient.core.checksums import state_crc
+from hvd_transient.core.data_position import epoch_and_batch
+from hvd_transient.core.lr_scaling import scaled_lr
+from hvd_transient.core.transient import DEFAULT_LEAVE_LEAD_S, StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.keras.resume import ResumeAt
+from hvd_transient.keras.snapshot import FusedSnapshot
+from hvd_transient.keras.state import learning_rate_of, optimizer_variables, state_variables, weights_crc
+from hvd_transient.telemetry import schema as ev
+
+log = logging.getLogger(__name__)
+
+
+class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
+    """Preemption-aware checkpointing, master election and LR scaling for ``model.fit``.
+
+    Args:
+        state: the ``hvd.elastic.KerasState`` (from :func:`~hvd_transient.keras.state.elastic_state`), or None
+            for a static job.
+        store: checkpoint store URL (local directory, ``file://``, ``gs://bucket/prefix``).
+        save_every_steps: periodic asynchronous sharded checkpoint interval (None: only on notice).
+        check_interval_s: how often (seconds) the ranks run their one tiny notice collective; the
+            step count between checks adapts to the measured step rate, so a notice costs at most
+            about this much of its window. ``check_every_steps=N`` fixes it to every N steps instead.
+        notice_window_s: how long a notice gives (None: the watcher finds it: on GCE the VM's
+            configured notice, ``cluster up --preemption-notice-duration``, else 30 s; on AWS
+            and Azure the deadline the notice carries).
+        leave: how a worker under notice leaves. ``at_notice`` (default): as soon as the emergency
+            checkpoint is taken. ``near_deadline``: the checkpoint is still taken at the notice,
+            but the worker trains on and host discovery drops it only ``leave_lead_s`` before its
+            VM's deadline, so the window's work is kept (a notice to every host leaves at once;
+            a static job, ``state=None``, always leaves at the notice).
+        leave_lead_s: with ``near_deadline``, how long before its VM's deadline a worker leaves
+            (default 10 s: Horovod's host check, about 1 s, the ring's reset, a few seconds on a
+            loaded box, and a margin).
+        lr_scaling: ``linear`` | ``sqrt`` | ``none``: learning rate = f(active workers) x ``base_lr``.
+        base_lr: the single-worker learning rate (None: leave the learning rate alone).
+        watcher: ``auto`` | ``gce`` | ``aws`` | ``azure`` | ``local`` (env ``HVDT_WATCHER`` overrides).
+        resume_position: make each ``fit`` start at the epoch and batch the optimizer step says
+            (the script passes the whole run's ``epochs`` and ``steps_per_epoch``). None: on for an
+            elastic job, off for a static one, whose script may count the remaining steps itself.
+    """
+
+    def __init__(self, state: Any, *, store: str, save_every_steps: int | None = 500,
+                 check_every_steps: int | None = None, check_interval_s: float = 1.0,
+                 notice_window_s: float | None = None, leave_margin_s: float = 5.0,
+                 lr_scaling: str = "linear", base_lr: float | None = None, watcher: str = "auto",
+                 max_to_keep: int | None = 3, keep_every_n_steps: int | None = None,
+                 save_on_train_end: bool = True, resume_position: bool | None = None,
+                 leave: str = "at_notice", leave_lead_s: float = DEFAULT_LEAVE_LEAD_S) -> None:
+        super().__init__()
+        scaled_lr(1.0, 1, lr_scaling)  # validate early
+        self.state = state
+        if state is None and leave == "near_deadline":
+            # a static job stops at the notice and is relaunched: a host discovery still listed
+            # would be given to the relaunch and stopped under it
+            log.warning("leave=%r needs an elastic job; this static one leaves at the notice", leave)
+            leave = "at_notice"
+        self.config = TransientConfig(
+            store=store, save_every_steps=save_every_steps, check_every_steps=check_every_steps,
+            check_interval_s=check_interval_s,
+            notice_window_s=notice_window_s, leave_margin_s=leave_margin_s, watcher=watcher,
+            max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps, lr_scaling=lr_scaling,
+            base_lr=base_lr, leave=leave, leave_lead_s=leave_lead_s)
+        self.save_on_train_end = save_on_train_end
+        self.resume_position = state is not None if resume_position is None else resume_position
+        self.impl: TransientImpl | None = None
+        self._closer: "weakref.finalize[[], TransientCallback] | None" = None
+        self.last_outcome = StepOutcome()
+        self._fused: FusedSnapshot | None = None
+        self._fused_checked: tuple[int, int] | None = None  # (fit, optimizer variable count) last checked
+        self._fits = 0
+        self._steps_per_epoch: int | None = None  # known once fit has resumed (Keras tells ResumeAt)
+        if state is not None:
+            state.register_reset_callbacks([self._on_reset])
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    def _fused_snapshot(self) -> FusedSnapshot:
+        """The share snapshotter of the model's current variables.
+
+        Listing them walks every layer (about 1.5 ms for ResNet-32), so it is done once per
+        ``fit``, and again only if the optimizer has since created variables (legacy optimizers
+        make their slots on the first step).
+        """
+        check = (self._fits, len(optimizer_variables(self.model.optimizer)))
+        if self._fused is None or check != self._fused_checked:
+            variables = state_variables(self.model)
+            if self._fused is None or not self._fused.holds(variables):
+                self._fused = FusedSnapshot(variables)  # same variables: keep the traced functions
+            self._fused_checked = check
+        return self._fused
+
+    def _samples_at(self, step: int) -> int | None:
+        samples_at = getattr(self.state, "hvdt_samples_at", None)
+        return samples_at(step) if samples_at is not None else None
+
+    def _resumed(self, steps_per_epoch: int, epoch: int, batch: int) -> None:
+        self._steps_per_epoch = steps_per_epoch
+        if self.impl is not None:
+            self.impl.events.emit(ev.ResumeAt(step=self._step(), epoch=epoch, batch=batch,
+                                              steps_per_epoch=steps_per_epoch,
+                                              samples=self._samples_at(self._step())))
+
+    def _snapshot(self) -> Mapping[str, Any]:
+        # Only shapes and dtypes: _share_snapshot reads this rank's share in one call.
+        return self._fused_snapshot().specs
+
+    def _share_snapshot(self, plan: SavePlan, rank: int) -> list[np.ndarray[Any, Any]] | DeferredShare:
+        return self._fused_snapshot()(plan, rank)
+
+    def _metadata(self, step: int) -> dict[str, Any]:
+        # the step comes from the caller, which has read it already: a read is an eager op on the stall
+        meta: dict[str, Any] = {"step": step, "world_size": self.impl.comm.size() if self.impl else 1}
+        if self._steps_per_epoch:
+            epoch, batch = epoch_and_batch(step, self._steps_per_epoch)
+            meta.update(epoch=epoch, batch=batch, steps_per_epoch=self._steps_per_epoch)
+        if self.state is not None:
+            for key in ("epoch", "batch"):  # Horovod's own counters, where the script keeps them
+                if hasattr(self.state, key):
+                    meta[key] = int(getattr(self.state, key))
+            samples = self._samples_at(step)
+            if samples is not None:
+                meta["samples"] = samples
+        lr = learning_rate_of(self.model.optimizer)
+        if lr is not None:
+            meta["lr"] = lr
+        return meta
+
+    def _apply_lr(self) -> None:
+        if self.config.base_lr is None or self.impl is None:
+            return
+        size = self.impl.comm.size()
+        lr = scaled_lr(self.config.base_lr, size, self.config.lr_scaling)
+        try:
+            tf.keras.backend.set_value(self.model.optimizer.learning_rate, lr)
+        except (AttributeError, TypeError, ValueError) as exc:
+            log.warning("cannot set the learning rate (a schedule?): %s", exc)
+            return
+        self.impl.events.emit(ev.Lr(lr=lr, size=size, mode=self.config.lr_scaling))
+
+    # ---- Keras hooks -------------------------------------------------------------------
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._fits += 1  # the model's variables may differ from the previous fit's
+        if self.impl is None:
+            self.impl = TransientImpl(self.config, HorovodCollectives())
+            self._closer = weakref.finalize(self, self.impl.close)  # at exit at the latest
+            restored = getattr(self.state, "hvdt_restored", None)
+            self.impl.events.emit(ev.Start(step=self._step(), rank=self.impl.comm.rank(),
+                                           size=self.impl.comm.size(), crc=weights_crc(self.model),
+                                           full_crc=state_crc(state_variables(self.model)),
+                                           restored_step=restored.get("step") if restored else None))
+        step = self._step()
+        begin = getattr(self.state, "hvdt_begin", None)
+        if begin is not None:
+            begin(step)
+        self.impl.begin(step)
+        self._apply_lr()
+        # resume at the exact batch; a BackupAndRestore callback, which uses the same hook, wins.
+        # A reset leaves fit by an exception, without on_train_end: the old hook is replaced.
+        hook = getattr(self.model, "_training_state", None)
+        if self.resume_position and (hook is None or isinstance(hook, ResumeAt)):
+            offset = int(getattr(self.state, "epoch", 0)) if self.state is not None else 0
+            self.model._training_state = ResumeAt(step, offset, self._resumed)  # noqa: SLF001
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        assert self.impl is not None
+        step = self._step()
+        advance = getattr(self.state, "hvdt_advance", None)
+        if advance is not None:
+            advance(step)
+        outcome = self.impl.after_step(step, self._snapshot, partial(self._metadata, step), self._share_snapshot,
+                                       samples=self._samples_at(step))
+        self.last_outcome = outcome
+        if outcome.stop:
+            self.model.stop_training = True  # every rank saw the same request at this step
+            return
+        if outcome.emergency_step is not None and self.state is None:
+            self.model.stop_training = True  # static job: the relaunch resumes from the checkpoint
+            return
+        if outcome.departure_pending and self.state is not None:
+            # Every rank agreed on the departure, so every rank calls this collective here; it raises
+            # HostsUpdatedInterrupt as soon as discovery has dropped the leaving host.
+            #
+            # The leaving worker trains on until that reset and then exits inside Horovod: the new
+            # ring's rendezvous answers it with rank -1, which Horovod's background thread raises as a
+            # C++ exception ("removed from elastic job"), so the process aborts (code 134) in hvd.init()
+            # before any Python code can run. It cannot exit 0 earlier: Horovod 0.28's driver takes a
+            # worker that exits 0 while it still holds a rank as the job's success and stops every
+            # worker; only the exit of a host it no longer assigns is ignored, and the worker learns
+            # that it is no longer assigned only from the rendezvous that aborts it.
+            try:
+                self.state.check_host_updates()
+            except Exception:
+                if outcome.leaving:  # this process ends in the reset: its last events must get out first
+                    self.impl.before_leaving()
+                raise
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if isinstance(getattr(self.model, "_training_state", None), ResumeAt):
+            self.model._training_state = None  # noqa: SLF001
+        if self.impl is None:
+            return
+        step = self._step()
+        self.impl.end(step)  # lets an in-flight background save finish first
+        # The master's view of the store decides, one broadcast tells every rank (a failure to
+        # read it included), so every rank takes the same branch.
+        if self.save_on_train_end and self.impl.final_save_needed(step):
+            self.impl.save_now(step, self._snapshot(), self._metadata(step), coordinator=self.impl.run.master,
+                               deadline=None, kind="final", share_snapshot=self._share_snapshot)
+        self.impl.events.emit(ev.Weights(step=step, crc=weights_crc(self.model), size=self.impl.comm.size(),
+                                         rank=self.impl.comm.rank()))
+
+    def close(self) -> None:
+        """Stop the notice watcher, flush the event log and close the checkpoint manager.
+
+        Done at the latest when the process exits (or the callback is collected). Not at the end
+        of ``fit``: a script may call ``fit`` again, and the run's state (who left, the event
+        log's segments) carries over from one ``fit`` to the next.
+        """
+        if self._closer is not None:
+            self._closer()
+
+    def _on_reset(self) -> None:
+        if self.impl is not None:
+            self.impl.note_reset(self._step())

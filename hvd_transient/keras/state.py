@@ -1,0 +1,194 @@
+"""The training state of a Keras model: its variables, the checkpoint restore, and the elastic state.
+
+:func:`elastic_state` is the ``hvd.elastic.KerasState`` a script makes (re-exported by
+:mod:`hvd_transient.keras`); it restores the run's latest committed checkpoint on a cold start
+and carries the data position that :func:`hvd_transient.keras.data.elastic_dataset` reads.
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+import tensorflow as tf
+
+from ckpt_service.manager import CheckpointManager
+from ckpt_service.stores import open_store
+from hvd_transient.core.checksums import state_crc
+from hvd_transient.core.control import clear_stop
+from hvd_transient.core.data_position import SampleCursor
+from hvd_transient.join import standby
+
+log = logging.getLogger(__name__)
+
+
+def optimizer_variables(optimizer: Any) -> list[tf.Variable]:
+    """The optimizer's variables, whether this Keras version offers them as a method or as a property."""
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def state_variables(model: tf.keras.Model) -> dict[str, tf.Variable]:
+    """Every variable that defines the training state, under stable, unique names.
+
+    Names carry the position because Keras variable names are not unique across
+    layers or models; restore checks shapes and dtypes against the live model.
+    """
+    named = {f"model/{i:04d}/{v.name}": v for i, v in enumerate(model.weights)}
+    if model.optimizer is not None:
+        named.update({f"optimizer/{i:04d}/{v.name}": v
+                      for i, v in enumerate(optimizer_variables(model.optimizer))})
+    return named
+
+
+def learning_rate_of(optimizer: Any) -> float | None:
+    """The optimizer's current learning rate if it is held in a variable (one eager read), else None."""
+    lr = getattr(optimizer, "learning_rate", None)
+    return float(lr.numpy()) if isinstance(lr, tf.Variable) else None
+
+
+def build_optimizer_slots(model: tf.keras.Model) -> None:
+    """Create slot variables now, identically on every worker (horovod#2652)."""
+    if not model.built:
+        raise ValueError("build the model before making its elastic state (call it on one batch or "
+                         "use model.build(input_shape)); its variables must exist on every worker")
+    optimizer = model.optimizer
+    if optimizer is None:
+        raise ValueError("compile the model (with hvd.DistributedOptimizer) before making its elastic state")
+    if hasattr(optimizer, "build"):
+        optimizer.build(model.trainable_variables)
+    else:  # legacy optimizers create slots on the first apply_gradients
+        optimizer._create_all_weights(model.trainable_variables)  # noqa: SLF001
+
+
+def restore_model(model: tf.keras.Model, store: str) -> dict[str, Any] | None:
+    """Load the latest committed checkpoint of ``store`` into ``model``; its metadata, or None.
+
+    A freshly built and compiled model works as it is: its optimizer's slot variables,
+    which Keras creates on the first step, are created here first.
+    """
+    if model.optimizer is not None:
+        build_optimizer_slots(model)
+    variables = state_variables(model)
+    manager = CheckpointManager(store, max_to_keep=None)
+    try:
+        if manager.latest_step() is None:
+            return None
+        expected = {name: (tuple(v.shape), v.dtype.as_numpy_dtype) for name, v in variables.items()}
+        ckpt = manager.restore(expected=expected)
+    finally:
+        manager.close()
+    for name, var in variables.items():
+        var.assign(ckpt.tensors[name])
+    log.info("restored step %d from %s", ckpt.step, store)
+    return {**ckpt.metadata, "step": ckpt.step, "writers": ckpt.manifest.world_size}
+
+
+def elastic_state(model: tf.keras.Model, *, store: str, **state_kwargs: Any) -> Any:
+    """``hvd.elastic.KerasState`` that survives the whole cluster being lost, and knows its data position.
+
+    Restores the latest committed checkpoint of this run (cold restart), resharded
+    from whatever number of writers produced it. Only rank 0 reads it: Horovod's
+    state sync then broadcasts it, and a worker joining a live job never has rank 0.
+    The state also carries ``samples``, the global sample offset of :func:`~hvd_transient.keras.data.elastic_dataset`.
+    """
+    import horovod.tensorflow.keras as hvd
+
+    build_optimizer_slots(model)
+    restored = None
+    state_kwargs.setdefault("samples", 0)
+    if standby.pending():  # a standby learns its rank when it is handed a job
+        state = _state_class(hvd.elastic.KerasState)(model, **state_kwargs)
+        state.hvdt_restored = None
+        standby.after_handoff(partial(_cold_start_on_rank0, state, store))
+        return state
+    if hvd.rank() == 0:
+        restored = _cold_start(model, store, state_kwargs)
+    state = _state_class(hvd.elastic.KerasState)(model, **state_kwargs)
+    state.hvdt_restored = restored
+    return state
+
+
+def _cold_start(model: tf.keras.Model, store: str, state_kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Rank 0's part of making the state: the latest checkpoint, and the counters it was saved at."""
+    clear_stop(open_store(store))  # a stop request was for the previous launch
+    restored = restore_model(model, store)
+    if restored is not None:
+        for key in ("epoch", "batch", "samples"):
+            if key in restored and key in state_kwargs:
+                state_kwargs[key] = int(restored[key])
+    return restored
+
+
+def _cold_start_on_rank0(state: Any, store: str) -> None:
+    """A standby's deferred :func:`_cold_start`, once handed a job: the state is made, so it is saved again."""
+    import horovod.tensorflow.keras as hvd
+
+    if hvd.rank() != 0:  # a joining worker gets the ring's state from rank 0's sync
+        return
+    counters = dict(state._saved_state)  # noqa: SLF001
+    state.hvdt_restored = _cold_start(state.model, store, counters)
+    if state.hvdt_restored is not None:
+        for key, value in counters.items():
+            setattr(state, key, value)
+        state.save()
+
+
+def _state_class(base: type) -> type:
+    class TransientKerasState(base):  # type: ignore[misc]
+        """Horovod's KerasState whose ``samples`` always matches the model's optimizer step.
+
+        Horovod saves, restores and broadcasts the attributes. The offset is advanced every
+        batch and recomputed from the step when saved, and sync sends the live value, so it is
+        right after a rollback (restored with the model), a removal (no sync: the live value)
+        and a join (rank 0's live value is broadcast).
+        """
+
+        def __init__(self, model: tf.keras.Model, **kwargs: Any) -> None:
+            self.hvdt_per_step: int | None = None
+            self.hvdt_cursor: SampleCursor | None = None
+            super().__init__(model, **kwargs)
+
+        def hvdt_track_samples(self, per_step: int) -> None:
+            """The input pipeline takes ``per_step`` samples per step from now on (called by elastic_dataset)."""
+            self.hvdt_per_step, self.hvdt_cursor = per_step, None
+
+        def hvdt_begin(self, step: int) -> None:
+            """A ``fit`` starts at ``step`` with the synced offset: the cursor of this ring."""
+            if self.hvdt_per_step:
+                self.hvdt_cursor = SampleCursor(step, int(self.samples), self.hvdt_per_step)
+
+        def hvdt_samples_at(self, step: int) -> int | None:
+            return None if self.hvdt_cursor is None else self.hvdt_cursor.samples_at(step)
+
+        def hvdt_advance(self, step: int) -> None:
+            if self.hvdt_cursor is not None:
+                self.samples = self.hvdt_cursor.samples_at(step)
+
+        def save(self) -> None:
+            cursor = getattr(self, "hvdt_cursor", None)
+            if cursor is not None:
+                step = int(self.model.optimizer.iterations.numpy())
+                if step >= cursor.step0:  # before it, the model was restored, and the offset with it
+                    self.samples = cursor.samples_at(step)
+            super().save()
+
+        def sync(self) -> None:
+            # Horovod broadcasts the *saved* attributes but the *live* model; the live offset is
+            # the one that matches it (advanced every batch, restored with the model on rollback)
+            self._saved_state["samples"] = self.samples
+            super().sync()
+
+    return TransientKerasState
+
+
+def weights_crc(model: tf.keras.Model) -> int:
+    """Checksum of the state that data parallelism keeps identical on every rank.
+
+    Trainable weights and optimizer slots are; per-rank statistics such as batch-norm
+    moving averages are not (each rank updates them from its own batches), so they are
+    left out here.
+    """
+    trainable = {id(v) for v in model.trainable_weights}
+    return state_crc({name: v for name, v in state_variables(model).items()
+                      if name.startswith("optimizer/") or id(v) in trainable})
