@@ -42,8 +42,6 @@ share of it each (best effort).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import secrets
@@ -51,19 +49,28 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
-
-import numpy as np
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
 
 from ckpt_service.deadline import Deadline
 from ckpt_service.errors import BadSnapshotError, CheckpointError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager, CommitConflictError, ShareSnapshot
 from ckpt_service.manifest import checked_metadata
+from hvd_transient.core.config import (
+    DEFAULT_LEAVE_LEAD_S,
+    FINAL_SAVE_CHECK_TIMEOUT_S,
+    HOUSEKEEPING_TIMEOUT_S,
+    LEASE_MOVE_TIMEOUT_S,
+    LEAVE_EVENT_WAIT_S,
+    LEAVE_FLUSH_MAX_S,
+    LEAVE_MODES,
+    NOTICE_EVENT_SHARE,
+    LeaveConfigError,
+    TransientConfig,
+)
 from hvd_transient.core.control import StopPoller
 from hvd_transient.core.election import (
-    SLOWDOWN_ALLOWANCE,
     NoticeRound,
     decode_notice,
     elect_master,
@@ -71,128 +78,14 @@ from hvd_transient.core.election import (
     steps_until_next_check,
 )
 from hvd_transient.core.hostname import default_host
+from hvd_transient.core.interfaces import Clocks, Collectives, NoticeSource, configured_watcher
 from hvd_transient.core.membership import prune_leaving, publish_leaving_until
+from hvd_transient.core.ring import RunState, move_lease, ring_id
 from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import EventLog
 
-if TYPE_CHECKING:
-    from hvd_transient.watchers import Notice
-
 log = logging.getLogger(__name__)
-
-
-class NoticeSource(Protocol):
-    """What the protocol needs of a watcher (:class:`hvd_transient.watchers.Watcher`, or a test's fake)."""
-
-    @property
-    def notice(self) -> "Notice | None": ...
-
-    @property
-    def warning(self) -> "Notice | None":
-        """An early warning (AWS rebalance recommendation): checkpoint, keep training, stay."""
-        ...
-
-    #: the cloud's id of this VM, where known (leaving records carry it)
-    instance_id: str | None
-
-    def start(self) -> object: ...
-
-    def stop(self) -> None: ...
-
-
-class Collectives(Protocol):
-    """The few collectives the protocol needs; every rank calls each one in the same order.
-
-    ``name`` tells the calls apart (Horovod matches a collective across ranks by its name).
-    """
-
-    def rank(self) -> int: ...
-
-    def size(self) -> int: ...
-
-    def allreduce_sum(self, values: np.ndarray[Any, Any], *, name: str = ...) -> np.ndarray[Any, Any]: ...
-
-    def allgather_json(self, obj: Any, *, name: str = ...) -> list[Any]: ...
-
-    def broadcast_json(self, obj: Any, root: int, *, name: str = ...) -> Any: ...
-
-
-#: the shortest notice a cloud gives (GCE Spot default), for a notice without a deadline
-#: outside a notice, a lease move (at a ring's start) waits on the store at most this long; a
-#: master that could not take the lease in time cannot commit (its saves fail and are reported)
-LEASE_MOVE_TIMEOUT_S = 30.0
-#: how long the master may look at the store before the final save (else it saves anyway)
-FINAL_SAVE_CHECK_TIMEOUT_S = 30.0
-#: housekeeping in the background (pruning expired leaving records) gives up after this long
-HOUSEKEEPING_TIMEOUT_S = 60.0
-#: a leaving rank's last copy of its events, as Horovod resets it away, takes at most this long
-#: (and never past its VM's deadline)
-LEAVE_FLUSH_MAX_S = 10.0
-#: inside a notice, a durable event waits for its write at most this share of the time left
-#: before the save's deadline (and never longer than the event log's own bound)
-NOTICE_EVENT_SHARE = 0.05
-#: how a VM under notice leaves: as soon as its emergency checkpoint is taken, or by training on
-#: until ``leave_lead_s`` before its deadline
-LEAVE_MODES = ("at_notice", "near_deadline")
-#: ``leave="near_deadline"``: seconds before the VM's deadline that discovery drops it. Leaving
-#: takes Horovod's host check (about 1 s) and the ring's reset (a few seconds on a loaded box),
-#: and the rest is margin: the VM must be out of the ring before it is stopped
-DEFAULT_LEAVE_LEAD_S = 10.0
-#: a leaving rank's ``leave_published`` waits for its write at most this long: every rank waits
-#: for the leaving one in the next collective, and it copies its events once more as Horovod
-#: resets it out of the ring (:meth:`TransientImpl.before_leaving`)
-LEAVE_EVENT_WAIT_S = 0.1
-
-
-class LeaveConfigError(CheckpointError, ValueError):
-    """``leave`` or ``leave_lead_s`` of :class:`TransientConfig` is not valid."""
-
-
-@dataclass(frozen=True)
-class TransientConfig:
-    store: str
-    save_every_steps: int | None = 500
-    #: notice collective every N steps; None: adaptive, about once per ``check_interval_s``
-    check_every_steps: int | None = None
-    check_interval_s: float = 1.0
-    max_check_every_steps: int = 1000
-    #: adaptive cadence: rounds are at most this many check intervals apart at the slowest
-    #: step seen on the ring (see :func:`hvd_transient.core.election.steps_until_next_check`)
-    check_slowdown_allowance: float = SLOWDOWN_ALLOWANCE
-    #: how long a notice gives when the notice itself carries no deadline; None: what the VM is
-    #: configured with (GCE: ``cluster up --preemption-notice-duration``, else 30 s)
-    notice_window_s: float | None = None
-    #: seconds of the window kept for leaving the ring after the emergency commit
-    leave_margin_s: float = 5.0
-    watcher: str = "auto"
-    max_to_keep: int | None = 3
-    keep_every_n_steps: int | None = None
-    async_gather_timeout_s: float = 300.0
-    lr_scaling: str = "linear"
-    base_lr: float | None = None
-    progress_every_steps: int = 10
-    #: ``at_notice``: a VM under notice leaves the ring as soon as its emergency checkpoint is
-    #: taken; ``near_deadline``: it trains on until ``leave_lead_s`` before its deadline (elastic
-    #: jobs: a static job stops at the notice, and its relaunch must not get the host)
-    leave: str = "at_notice"
-    leave_lead_s: float = DEFAULT_LEAVE_LEAD_S
-
-    def __post_init__(self) -> None:
-        if self.check_every_steps is not None and self.check_every_steps < 1:
-            raise ValueError(f"check_every_steps must be None (adaptive) or at least 1, not {self.check_every_steps}")
-        if not self.check_interval_s > 0:
-            raise ValueError(f"check_interval_s must be positive, not {self.check_interval_s}")
-        if self.max_check_every_steps < 1:
-            raise ValueError(f"max_check_every_steps must be at least 1, not {self.max_check_every_steps}")
-        if not self.check_slowdown_allowance >= 1.0:
-            raise ValueError(f"check_slowdown_allowance must be at least 1 (check intervals), "
-                             f"not {self.check_slowdown_allowance}")
-        if self.leave not in LEAVE_MODES:
-            raise LeaveConfigError(f"leave must be one of {', '.join(map(repr, LEAVE_MODES))}, not {self.leave!r}")
-        if not self.leave_lead_s >= 0:
-            raise LeaveConfigError(f"leave_lead_s must be zero or more seconds before the VM's deadline, "
-                                   f"not {self.leave_lead_s}")
 
 
 @dataclass(frozen=True)
@@ -203,35 +96,6 @@ class StepOutcome:
     departure_pending: bool = False     # some rank published itself as leaving
     stop: bool = False                  # the operator asked the job to stop (every rank agrees)
     leave_at: float | None = None       # this leaving rank stays in the ring until then (near_deadline)
-
-
-@dataclass
-class _RunState:
-    master: int = 0
-    hosts: list[str] = field(default_factory=list)
-    handled_leavers: set[str] = field(default_factory=set)
-    departure_pending: bool = False
-    leaving: bool = False
-    last_step: int = -1
-    last_step_at: float | None = None   # wall time the last step completed on this rank
-    begun_at_step: int | None = None
-    next_check_step: int = 0            # adaptive cadence: the next step with a notice round
-    last_round_step: int = 0
-    last_round_at: float = 0.0          # time.monotonic() of this rank's previous round
-    step_done_at: float | None = None   # time.monotonic() when this rank last went back to training
-    slowest_step_s: float = 0.0         # this rank's longest step since its previous round
-    ring_slowest_step_s: float = 0.0    # the longest step any rank took on this ring (agreed)
-    ring_id: str = "ring"               # the same on every rank of this ring, new at each begin()
-    saves_started: int = 0              # saves this ring started: part of each save's attempt id
-
-
-@dataclass(frozen=True)
-class Clocks:
-    """The two clocks of the protocol, injected together: ``monotonic`` measures intervals (the
-    step rate, the stop-poll cadence), ``wall`` is Unix time, in which notice deadlines are given."""
-
-    monotonic: Callable[[], float] = time.monotonic
-    wall: Callable[[], float] = time.time
 
 
 class TransientImpl:
@@ -248,8 +112,8 @@ class TransientImpl:
             gather_timeout_s=config.async_gather_timeout_s)
         self.events = events or EventLog(self.manager.store, self.host)
         self.lease = Lease(self.manager.store, f"{self.host}:{os.getpid()}")
-        self.watcher: NoticeSource | None = watcher if watcher is not None else _make_watcher(config, self.host)
-        self.run = _RunState()
+        self.watcher: NoticeSource | None = watcher if watcher is not None else configured_watcher(config, self.host)
+        self.run = RunState()
         self.stop_poller = StopPoller(self.manager.store)
         self.notice_rounds = 0  # notice collectives run so far (benchmarks count them)
         self._notice_logged = False
@@ -289,33 +153,15 @@ class TransientImpl:
         # A fresh token per member and begin() makes the ring's id new even when the same hosts
         # replay the same steps after a reset or a relaunch: its saves get attempt ids of their own.
         members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8)])
-        self.run.hosts = [str(m[0]) for m in members]
-        leaving = [r for r, m in enumerate(members) if m[1]]
-        self.run.ring_id = ring_id([(str(m[0]), str(m[2])) for m in members])
-        self.run.saves_started = 0
-        self.run.handled_leavers = ({h for h in self.run.handled_leavers if h not in self.run.hosts}
-                                    | {self.run.hosts[r] for r in leaving})
-        previous_master = self.run.master if self.run.begun_at_step is not None else None
-        self.run.master = elect_master(size, leaving)
-        self.run.departure_pending = bool(leaving)
-        self.run.begun_at_step = step
-        self.run.last_step = step
-        # a new ring checks at its first step, then adapts to the step rate it measures
-        self.run.next_check_step = step + 1
-        self.run.last_round_step, self.run.last_round_at = step, self.clocks.monotonic()
-        self._move_lease(self.run.master)
+        previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic())
+        move_lease(self.lease, self.events, take=rank == self.run.master,
+                   until=self.clocks.wall() + LEASE_MOVE_TIMEOUT_S)
         if rank == self.run.master:
             self._prune_leaving()
         self.events.emit(ev.Ring(step=step, rank=rank, size=size, master=self.run.master,
                                  master_host=self.run.hosts[self.run.master], previous_master=previous_master,
                                  lease_generation=self.lease.generation if rank == self.run.master else None,
                                  ring=self.run.ring_id, hosts=tuple(self.run.hosts)))
-
-    def _next_attempt(self, step: int) -> str:
-        """The attempt id of the next save this ring starts: every rank starts the same saves in the
-        same order, so every rank computes the same id without communicating."""
-        n, self.run.saves_started = self.run.saves_started, self.run.saves_started + 1
-        return f"{self.run.ring_id}-{step}-{n}"
 
     def _prune_leaving(self) -> None:
         """Delete leaving records whose VM is gone by now (discovery already ignores them), in the
@@ -600,7 +446,7 @@ class TransientImpl:
 
         new_master = elect_master(size, round_.leaving)
         if new_master != self.run.master:
-            self._move_lease(new_master, until=deadline)
+            move_lease(self.lease, self.events, take=rank == new_master, until=deadline)
             self.events.emit(ev.Election(step=step, old_master=self.run.master, new_master=new_master,
                                          old_master_host=self.run.hosts[self.run.master],
                                          new_master_host=self.run.hosts[new_master],
@@ -683,28 +529,6 @@ class TransientImpl:
 
         self.publishing = self._submit(publish)
 
-    def _move_lease(self, master: int, *, until: float | None = None) -> None:
-        """Release the lease unless this rank is ``master``, which takes it (all ranks agreed).
-
-        Every store call ends by ``until`` (epoch seconds; default ``LEASE_MOVE_TIMEOUT_S`` from now).
-        ``lease.held`` is trusted: a release or steal here outdates any fence of a background save
-        still in flight (:class:`~ckpt_service.lease.Lease`), whose late reply can no longer make a
-        released lease look held. A failure here is logged, never raised: a master without the
-        lease cannot commit (its saves are abandoned and reported), but training goes on.
-        """
-        if until is None:
-            until = self.clocks.wall() + LEASE_MOVE_TIMEOUT_S
-        try:
-            bound = Deadline(until)
-            if self.comm.rank() == master:
-                if not self.lease.held:
-                    self.lease.acquire(steal=True, deadline=bound)
-            elif self.lease.held:
-                self.lease.release(deadline=bound)
-        except Exception as exc:  # whatever the store raised: every rank goes on to the same collectives
-            log.error("checkpoint-master lease hand-over failed: %s", exc)
-            self.events.emit(ev.LeaseError(error=str(exc)))
-
     def save_now(self, step: int, tensors: Mapping[str, Any], meta: dict[str, Any], *, coordinator: int,
                   deadline: float | None, kind: str, share_snapshot: ShareSnapshot | None = None) -> bool:
         """Synchronous sharded save on every rank; returns (on every rank) whether the step is committed.
@@ -712,7 +536,7 @@ class TransientImpl:
         A step that an earlier save already committed counts as committed (reported as skipped).
         """
         rank, size = self.comm.rank(), self.comm.size()
-        attempt = self._next_attempt(step)
+        attempt = self.run.next_attempt(step)
         self.events.emit(ev.SaveStart(step=step, kind=kind, size=size))
         t0 = self.clocks.monotonic()
         error, already = None, False
@@ -751,7 +575,7 @@ class TransientImpl:
         """
         rank, size = self.comm.rank(), self.comm.size()
         master = self.run.master
-        attempt = self._next_attempt(step)
+        attempt = self.run.next_attempt(step)
         t0 = time.perf_counter()
         def done(manifest: Any, error: BaseException | None) -> None:
             try:
@@ -787,36 +611,12 @@ class TransientImpl:
                                           kind=None if kind == "periodic" else kind))
 
 
-def ring_id(members: list[tuple[str, str]]) -> str:
-    """A short id of a ring from its members' ``(host, token)`` in rank order (pure)."""
-    return hashlib.sha256(json.dumps(members).encode()).hexdigest()[:12]
 
 
-def _make_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
-    """The configured watcher; ``{host}`` in GCE_METADATA_HOST or AWS_EC2_METADATA_SERVICE_ENDPOINT
-    selects a per-host metadata-emulator instance (one emulated VM per local host alias)."""
-    from hvd_transient.watchers import make_watcher
-    from hvd_transient.watchers.aws import ENDPOINT_ENV as AWS_ENDPOINT_ENV
-
-    opts: dict[str, Any] = {"instance": host}
-    if config.notice_window_s is not None:  # else each watcher's own: the VM's configuration or the cloud's
-        opts["window"] = config.notice_window_s
-    kind = os.environ.get("HVDT_WATCHER", config.watcher)
-    metadata_host = os.environ.get("GCE_METADATA_HOST", "")
-    aws_endpoint = os.environ.get(AWS_ENDPOINT_ENV, "")
-    if "{host}" in metadata_host:
-        opts["base_url"] = f"http://{metadata_host.format(host=host).rstrip('/')}/computeMetadata/v1/"
-    if "{host}" in aws_endpoint:
-        opts["endpoint"] = aws_endpoint.format(host=host)
-    try:
-        return make_watcher(kind, **opts)
-    except Exception as exc:  # no watcher is bad, but must not stop training
-        log.error("no preemption watcher (%s); training continues without notices", exc)
-        return None
-
-
-__all__ = ["CheckpointError", "Clocks", "Collectives", "LeaveConfigError", "NoticeSource", "StepOutcome",
-           "TransientConfig", "TransientImpl", "default_host"]
+__all__ = ["CheckpointError", "Clocks", "Collectives", "DEFAULT_LEAVE_LEAD_S", "FINAL_SAVE_CHECK_TIMEOUT_S",
+           "HOUSEKEEPING_TIMEOUT_S", "LEASE_MOVE_TIMEOUT_S", "LEAVE_EVENT_WAIT_S", "LEAVE_FLUSH_MAX_S", "LEAVE_MODES",
+           "LeaveConfigError", "NOTICE_EVENT_SHARE", "NoticeSource", "StepOutcome", "TransientConfig", "TransientImpl",
+           "default_host", "ring_id"]
 
 
 class _LeavingRecord:
