@@ -1,5 +1,5 @@
-"""What the protocol needs from outside it: the collectives across ranks, a notice source, the
-clocks (see :mod:`hvd_transient.core.transient`).
+"""What the protocol needs from outside it (the collectives across ranks, a notice source, the
+clocks), and :class:`ProtocolParts`, what the parts of :mod:`hvd_transient.core.transient` share.
 """
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ import numpy as np
 from hvd_transient.core.config import TransientConfig
 
 if TYPE_CHECKING:
+    from ckpt_service.lease import Lease
+    from ckpt_service.manager import CheckpointManager
+    from hvd_transient.core.ring import RunState
+    from hvd_transient.telemetry.events import EventLog
     from hvd_transient.watchers import Notice
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,42 @@ class Clocks:
     wall: Callable[[], float] = time.time
 
 
+class ProtocolParts(Protocol):
+    """What the protocol's collaborators (the notice round, the saves, the emergency, the leave)
+    read of the :class:`~hvd_transient.core.transient.TransientImpl` that owns them.
+
+    They read these on each use, never keep a copy: the owner may be given a new ``comm`` (a new
+    ring in the tests' fakes) or ``config`` between steps. ``run`` is the ring's shared state.
+    """
+
+    @property
+    def config(self) -> TransientConfig: ...
+
+    @property
+    def comm(self) -> Collectives: ...
+
+    @property
+    def clocks(self) -> Clocks: ...
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def manager(self) -> "CheckpointManager": ...
+
+    @property
+    def events(self) -> "EventLog": ...
+
+    @property
+    def lease(self) -> "Lease": ...
+
+    @property
+    def watcher(self) -> NoticeSource | None: ...
+
+    @property
+    def run(self) -> "RunState": ...
+
+
 def configured_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
     """The configured watcher; ``{host}`` in GCE_METADATA_HOST or AWS_EC2_METADATA_SERVICE_ENDPOINT
     selects a per-host metadata-emulator instance (one emulated VM per local host alias)."""
@@ -87,4 +127,4 @@ def configured_watcher(config: TransientConfig, host: str) -> NoticeSource | Non
         return None
 
 
-__all__ = ["Clocks", "Collectives", "NoticeSource", "configured_watcher"]
+__all__ = ["Clocks", "Collectives", "NoticeSource", "ProtocolParts", "configured_watcher"]
