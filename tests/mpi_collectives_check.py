@@ -17,8 +17,8 @@ from ckpt_service.errors import SaveAbandonedError
 from ckpt_service.layout import step_prefix
 from ckpt_service.manager import CheckpointManager
 from hvd_transient.collectives.mpi import MPICollectives, PeerNotices, mpi_transient
+from hvd_transient.core.config import TransientConfig
 from hvd_transient.core.election import NoticeRound, decode_notice, encode_notice
-from hvd_transient.core.transient import TransientConfig
 from hvd_transient.watchers import Notice
 
 COMM = MPI.COMM_WORLD

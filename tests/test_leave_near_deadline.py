@@ -17,6 +17,7 @@ from test_report import T0, preempted_worker_log
 from ckpt_service.errors import CheckpointError
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
+from hvd_transient.core.config import LeaveConfigError, TransientConfig
 from hvd_transient.core.membership import (
     LeavingRecord,
     excluded,
@@ -25,7 +26,6 @@ from hvd_transient.core.membership import (
     publish_leaving,
     read_leaving,
 )
-from hvd_transient.core.transient import LeaveConfigError, TransientConfig
 from hvd_transient.discovery.hosts import Host, exclude_leaving
 from hvd_transient.report.analysis import analyze
 

@@ -22,10 +22,12 @@ from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
 from hvd_transient import store_keys as keys
+from hvd_transient.core.config import TransientConfig
 from hvd_transient.core.control import request_stop
 from hvd_transient.core.election import decode_notice, encode_notice, steps_until_next_check
+from hvd_transient.core.interfaces import Clocks
 from hvd_transient.core.membership import read_leaving
-from hvd_transient.core.transient import Clocks, TransientConfig, TransientImpl
+from hvd_transient.core.transient import TransientImpl
 from hvd_transient.watchers import Notice
 
 HOSTS = ["h0", "h1", "h2"]

@@ -48,9 +48,11 @@ from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
 from hvd_transient import store_keys as keys
+from hvd_transient.core.config import TransientConfig
 from hvd_transient.core.control import request_stop
 from hvd_transient.core.membership import read_leaving
-from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.core.notice_round import StepOutcome
+from hvd_transient.core.transient import TransientImpl
 from hvd_transient.watchers import Notice
 
 STATE = {"w": np.arange(512, dtype=np.float32), "b": np.ones(7, dtype=np.float64)}

@@ -12,8 +12,9 @@ from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore, ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
+from hvd_transient.core.config import TransientConfig
 from hvd_transient.core.control import StopPoller, request_stop
-from hvd_transient.core.transient import TransientConfig, TransientImpl
+from hvd_transient.core.transient import TransientImpl
 
 
 class HangingStore(DelegatingStore):

@@ -24,7 +24,9 @@ from ckpt_service.errors import StoreUnavailableError
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore, ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
-from hvd_transient.core.transient import TransientConfig, TransientImpl, ring_id
+from hvd_transient.core.config import TransientConfig
+from hvd_transient.core.ring import ring_id
+from hvd_transient.core.transient import TransientImpl
 from hvd_transient.watchers import Notice
 
 STEP = 4

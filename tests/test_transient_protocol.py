@@ -11,11 +11,13 @@ from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
+from hvd_transient.core.config import TransientConfig
 from hvd_transient.core.control import request_stop
 from hvd_transient.core.election import decode_notice, elect_master, encode_notice, steps_until_next_check
+from hvd_transient.core.interfaces import Clocks
 from hvd_transient.core.lr_scaling import scaled_lr
 from hvd_transient.core.membership import leaving_hosts, publish_leaving, read_leaving
-from hvd_transient.core.transient import Clocks, TransientConfig, TransientImpl
+from hvd_transient.core.transient import TransientImpl
 from hvd_transient.watchers import Notice
 
 HOSTS = ["h0", "h1", "h2"]

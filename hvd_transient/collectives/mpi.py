@@ -31,7 +31,9 @@ from mpi4py import MPI
 from ckpt_service.errors import SaveAbandonedError
 from ckpt_service.gather import Gather
 from ckpt_service.shard_records import RecordJSON
-from hvd_transient.core.transient import TransientConfig, TransientImpl, default_host
+from hvd_transient.core.config import TransientConfig
+from hvd_transient.core.hostname import default_host
+from hvd_transient.core.transient import TransientImpl
 
 if TYPE_CHECKING:
     from hvd_transient.watchers import Notice
@@ -78,7 +80,7 @@ class PeerNotices:
 
 
 class MPICollectives:
-    """:class:`~hvd_transient.core.transient.Collectives` over an mpi4py communicator (COMM_WORLD by default).
+    """:class:`~hvd_transient.core.interfaces.Collectives` over an mpi4py communicator (COMM_WORLD by default).
 
     Collective: every rank of ``comm`` constructs it, in the same order as its other collectives.
     ``host`` is the name this rank's VM goes by (default: what :func:`default_host` gives); ranks

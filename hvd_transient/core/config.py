@@ -1,0 +1,90 @@
+"""How the protocol is configured: :class:`TransientConfig`, the ways a VM may leave, and the
+time bounds that keep a slow store from holding up training (see :mod:`hvd_transient.core.transient`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckpt_service.errors import CheckpointError
+from hvd_transient.core.election import SLOWDOWN_ALLOWANCE
+
+#: the shortest notice a cloud gives (GCE Spot default), for a notice without a deadline
+#: outside a notice, a lease move (at a ring's start) waits on the store at most this long; a
+#: master that could not take the lease in time cannot commit (its saves fail and are reported)
+LEASE_MOVE_TIMEOUT_S = 30.0
+#: how long the master may look at the store before the final save (else it saves anyway)
+FINAL_SAVE_CHECK_TIMEOUT_S = 30.0
+#: housekeeping in the background (pruning expired leaving records) gives up after this long
+HOUSEKEEPING_TIMEOUT_S = 60.0
+#: a leaving rank's last copy of its events, as Horovod resets it away, takes at most this long
+#: (and never past its VM's deadline)
+LEAVE_FLUSH_MAX_S = 10.0
+#: inside a notice, a durable event waits for its write at most this share of the time left
+#: before the save's deadline (and never longer than the event log's own bound)
+NOTICE_EVENT_SHARE = 0.05
+#: how a VM under notice leaves: as soon as its emergency checkpoint is taken, or by training on
+#: until ``leave_lead_s`` before its deadline
+LEAVE_MODES = ("at_notice", "near_deadline")
+#: ``leave="near_deadline"``: seconds before the VM's deadline that discovery drops it. Leaving
+#: takes Horovod's host check (about 1 s) and the ring's reset (a few seconds on a loaded box),
+#: and the rest is margin: the VM must be out of the ring before it is stopped
+DEFAULT_LEAVE_LEAD_S = 10.0
+#: a leaving rank's ``leave_published`` waits for its write at most this long: every rank waits
+#: for the leaving one in the next collective, and it copies its events once more as Horovod
+#: resets it out of the ring (:meth:`~hvd_transient.core.transient.TransientImpl.before_leaving`)
+LEAVE_EVENT_WAIT_S = 0.1
+
+
+class LeaveConfigError(CheckpointError, ValueError):
+    """``leave`` or ``leave_lead_s`` of :class:`TransientConfig` is not valid."""
+
+
+@dataclass(frozen=True)
+class TransientConfig:
+    store: str
+    save_every_steps: int | None = 500
+    #: notice collective every N steps; None: adaptive, about once per ``check_interval_s``
+    check_every_steps: int | None = None
+    check_interval_s: float = 1.0
+    max_check_every_steps: int = 1000
+    #: adaptive cadence: rounds are at most this many check intervals apart at the slowest
+    #: step seen on the ring (see :func:`hvd_transient.core.election.steps_until_next_check`)
+    check_slowdown_allowance: float = SLOWDOWN_ALLOWANCE
+    #: how long a notice gives when the notice itself carries no deadline; None: what the VM is
+    #: configured with (GCE: ``cluster up --preemption-notice-duration``, else 30 s)
+    notice_window_s: float | None = None
+    #: seconds of the window kept for leaving the ring after the emergency commit
+    leave_margin_s: float = 5.0
+    watcher: str = "auto"
+    max_to_keep: int | None = 3
+    keep_every_n_steps: int | None = None
+    async_gather_timeout_s: float = 300.0
+    lr_scaling: str = "linear"
+    base_lr: float | None = None
+    progress_every_steps: int = 10
+    #: ``at_notice``: a VM under notice leaves the ring as soon as its emergency checkpoint is
+    #: taken; ``near_deadline``: it trains on until ``leave_lead_s`` before its deadline (elastic
+    #: jobs: a static job stops at the notice, and its relaunch must not get the host)
+    leave: str = "at_notice"
+    leave_lead_s: float = DEFAULT_LEAVE_LEAD_S
+
+    def __post_init__(self) -> None:
+        if self.check_every_steps is not None and self.check_every_steps < 1:
+            raise ValueError(f"check_every_steps must be None (adaptive) or at least 1, not {self.check_every_steps}")
+        if not self.check_interval_s > 0:
+            raise ValueError(f"check_interval_s must be positive, not {self.check_interval_s}")
+        if self.max_check_every_steps < 1:
+            raise ValueError(f"max_check_every_steps must be at least 1, not {self.max_check_every_steps}")
+        if not self.check_slowdown_allowance >= 1.0:
+            raise ValueError(f"check_slowdown_allowance must be at least 1 (check intervals), "
+                             f"not {self.check_slowdown_allowance}")
+        if self.leave not in LEAVE_MODES:
+            raise LeaveConfigError(f"leave must be one of {', '.join(map(repr, LEAVE_MODES))}, not {self.leave!r}")
+        if not self.leave_lead_s >= 0:
+            raise LeaveConfigError(f"leave_lead_s must be zero or more seconds before the VM's deadline, "
+                                   f"not {self.leave_lead_s}")
+
+
+__all__ = ["DEFAULT_LEAVE_LEAD_S", "FINAL_SAVE_CHECK_TIMEOUT_S", "HOUSEKEEPING_TIMEOUT_S", "LEASE_MOVE_TIMEOUT_S",
+           "LEAVE_EVENT_WAIT_S", "LEAVE_FLUSH_MAX_S", "LEAVE_MODES", "NOTICE_EVENT_SHARE", "LeaveConfigError",
+           "TransientConfig"]

@@ -1,0 +1,93 @@
+"""What every rank does when a notice round shows a rank newly under notice: publish the leaving
+record (in the background), cancel a background save, elect a master not leaving and move the
+lease to it, take the emergency checkpoint before the deadline, and let the noticed ranks leave.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from ckpt_service.manager import ShareSnapshot
+from hvd_transient.core.election import NoticeRound, elect_master
+from hvd_transient.core.interfaces import ProtocolParts
+from hvd_transient.core.leaving import Departure, planned_leave_at
+from hvd_transient.core.notice_round import EarlyWarnings, StepOutcome, notice_event_wait_s
+from hvd_transient.core.ring import move_lease
+from hvd_transient.core.saves import Saves, take_snapshot
+from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
+from hvd_transient.telemetry import schema as ev
+
+
+class Emergency:
+    """The emergency path of one rank; :meth:`handle` runs on every rank at the same step boundary."""
+
+    def __init__(self, parts: ProtocolParts, saves: Saves, warnings: EarlyWarnings, departure: Departure) -> None:
+        self.p = parts
+        self._saves = saves
+        self._warnings = warnings
+        self._departure = departure
+
+    def handle(self, step: int, round_: NoticeRound, new: list[int],
+               snapshot: Callable[[], Mapping[str, Any]], metadata: Callable[[], dict[str, Any]],
+               share_snapshot: ShareSnapshot | None) -> StepOutcome:
+        """``new``: the ranks whose notice no earlier round handled.
+
+        Every store call on this path ends by ``deadline`` (the save's): the lease moves and the
+        save are bounded by it, and durable events wait for their writes only a small share of
+        it. The leaving record, written first, is retried in the background until its own VM's
+        deadline.
+        """
+        p = self.p
+        rank, size = p.comm.rank(), p.comm.size()
+        window = p.config.notice_window_s or GCE_NOTICE_WINDOW_S
+        now = p.clocks.wall()
+        # Every rank still in the ring writes a share, earlier leavers too: the save must end
+        # before the first of them is gone.
+        deadline = (round_.deadline or now + window) - p.config.leave_margin_s
+        leaving_hosts = [p.run.hosts[r] for r in new]
+        was_master = rank == p.run.master
+        # One record per VM, written once, by its lowest rank, with its own notice's deadline
+        # (not another VM's, nor one written again when a later notice comes in).
+        own_deadline = round_.deadline_of(rank) if rank in new else None
+        writes_record = rank in new and rank == min(r for r in new if p.run.hosts[r] == p.host)
+        leave_at = planned_leave_at(p.config, p.run.hosts, round_,
+                                    own_deadline if own_deadline is not None else now + window, now)
+        if writes_record:
+            self._departure.publish_record(step, own_deadline, was_master,
+                                           until=own_deadline if own_deadline is not None else now + window,
+                                           leave_at=leave_at)
+        p.events.emit(ev.NoticeAgreed(step=step, leaving=tuple(leaving_hosts), deadline=deadline, size=size),
+                      wait_s=notice_event_wait_s(p.events, p.clocks, deadline))
+
+        # A background save still in flight is cancelled, on every rank: the emergency step
+        # supersedes it, and its uploads must not compete with this save's for a slow store
+        # (those it already sent end on its own threads; this save uploads on others).
+        if p.manager.cancel_inflight(f"an emergency save of step {step} needs the store"):
+            p.events.emit(ev.InflightCancelled(step=step, reason="emergency"))
+
+        new_master = self._elect(step, round_, rank, size, deadline)
+
+        tensors, meta = take_snapshot(rank, step, snapshot, metadata)
+        self._warnings.save_started(step)
+        committed = self._saves.save_now(step, tensors, meta, coordinator=new_master, deadline=deadline,
+                                         kind="emergency", share_snapshot=share_snapshot)
+        p.run.handled_leavers.update(leaving_hosts)
+        p.run.departure_pending = True
+        if rank in new:
+            self._departure.leave(step, until=own_deadline if own_deadline is not None else now + window,
+                                  own_deadline=own_deadline, was_master=was_master, leave_at=leave_at,
+                                  wrote_record=writes_record)
+        return StepOutcome(emergency_step=step, committed=committed, leaving=p.run.leaving,
+                           departure_pending=True, leave_at=leave_at if rank in new else None)
+
+    def _elect(self, step: int, round_: NoticeRound, rank: int, size: int, deadline: float) -> int:
+        """The master is the lowest rank not leaving; a new one takes the lease by ``deadline``."""
+        p = self.p
+        new_master = elect_master(size, round_.leaving)
+        if new_master != p.run.master:
+            move_lease(p.lease, p.events, take=rank == new_master, until=deadline)
+            p.events.emit(ev.Election(step=step, old_master=p.run.master, new_master=new_master,
+                                      old_master_host=p.run.hosts[p.run.master],
+                                      new_master_host=p.run.hosts[new_master],
+                                      lease_generation=p.lease.generation if rank == new_master else None))
+            p.run.master = new_master
+        return new_master

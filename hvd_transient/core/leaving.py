@@ -1,0 +1,163 @@
+"""How a VM under notice leaves the ring: when (at once, or near its deadline), its leaving record
+written in the background so host discovery drops it, the ``leave_published`` event, the last copy
+of its events as Horovod resets it away, and the master's pruning of expired records.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+from ckpt_service.deadline import Deadline
+from ckpt_service.stores.base import ObjectStore
+from hvd_transient.core.background import BackgroundCalls
+from hvd_transient.core.config import HOUSEKEEPING_TIMEOUT_S, LEAVE_EVENT_WAIT_S, LEAVE_FLUSH_MAX_S, TransientConfig
+from hvd_transient.core.election import NoticeRound
+from hvd_transient.core.interfaces import ProtocolParts
+from hvd_transient.core.membership import prune_leaving, publish_leaving_until
+from hvd_transient.core.notice_round import notice_event_wait_s
+from hvd_transient.telemetry import schema as ev
+from hvd_transient.telemetry.events import EventLog
+
+log = logging.getLogger(__name__)
+
+
+def planned_leave_at(config: TransientConfig, hosts: list[str], round_: NoticeRound, vm_deadline: float,
+                     now: float) -> float | None:
+    """When discovery should drop a VM whose window ends at ``vm_deadline``; None: at once (pure).
+
+    ``near_deadline`` only pays while some host of the ring is not under notice: a wave that
+    takes every host leaves nobody to carry the state, and the checkpoint is what counts.
+    """
+    if config.leave != "near_deadline":
+        return None
+    if {hosts[r] for r in round_.leaving} >= set(hosts):
+        return None
+    leave_at = vm_deadline - config.leave_lead_s
+    return leave_at if leave_at > now else None
+
+
+class LeavingRecord:
+    """The moment this VM's leaving record counts as published, for the event log.
+
+    ``leave_published`` (which the report reads as the moment the host left, or, with a
+    ``leave_at``, the moment it was to leave) is logged once
+    the record is in the store *and* this rank is done with its emergency: by the training
+    thread (:meth:`left`) if the record landed first, else by the background thread that
+    wrote it (:meth:`landed`).
+    """
+
+    def __init__(self, log_it: Callable[[float | None], object]) -> None:
+        self._log_it = log_it
+        self._lock = threading.Lock()
+        self._landed = threading.Event()
+        self._left = False
+
+    def landed(self) -> None:
+        with self._lock:
+            self._landed.set()
+            now = self._left
+        if now:
+            self._log_it(None)
+
+    def left(self, wait_s: float) -> None:
+        """The emergency is over; a record still being written gets up to ``wait_s`` to land first."""
+        self._landed.wait(wait_s)
+        with self._lock:
+            self._left = True
+            now = self._landed.is_set()
+        if now:
+            self._log_it(wait_s)
+
+
+class Departure:
+    """This VM's way out of the ring, once every rank agreed on its notice."""
+
+    def __init__(self, parts: ProtocolParts, background: BackgroundCalls) -> None:
+        self.p = parts
+        self._background = background
+        self._record: LeavingRecord | None = None
+        self.publishing: Future[None] | None = None  # the background write of this VM's leaving record
+        self.until: float | None = None  # when this rank's VM is gone (epoch seconds)
+
+    def publish_record(self, step: int, own_deadline: float | None, was_master: bool, *,
+                       until: float, leave_at: float | None = None) -> None:
+        """Write this VM's leaving record in the background, retried until ``until`` (its own deadline).
+
+        A record that cannot be written in time is logged: discovery then keeps the host until
+        its VM is gone, and Horovod sees its worker fail.
+        """
+        p = self.p
+        store, host = p.manager.store, p.host
+        instance_id = p.watcher.instance_id if p.watcher is not None else None
+        record = self._record = LeavingRecord(
+            lambda wait_s: p.events.emit(ev.LeavePublished(step=step, deadline=own_deadline,
+                                                           was_master=was_master, leave_at=leave_at),
+                                         wait_s=wait_s))
+
+        def publish() -> None:
+            try:
+                publish_leaving_until(store, host, until=until, deadline=own_deadline, instance_id=instance_id,
+                                      stop=self._background.stopping, leave_at=leave_at)
+            except Exception as exc:  # every rank already agreed on the departure; nothing may raise
+                log.error("could not publish %s as leaving before its deadline: %s; discovery keeps the host "
+                          "until its VM is gone", host, exc)
+                return
+            record.landed()
+
+        self.publishing = self._background.submit(publish)
+
+    def leave(self, step: int, *, until: float, own_deadline: float | None, was_master: bool,
+              leave_at: float | None, wrote_record: bool) -> None:
+        """This rank's emergency is over and it leaves (its VM is gone at ``until``): log ``leave_published``,
+        once its record landed if this rank writes it (:class:`LeavingRecord`), at once if another rank does."""
+        p = self.p
+        p.run.leaving = True
+        self.until = until
+        wait_s = min(LEAVE_EVENT_WAIT_S, notice_event_wait_s(p.events, p.clocks, self.until))
+        if self._record is not None and wrote_record:
+            self._record.left(wait_s)
+        else:  # another rank of this VM writes its record
+            p.events.emit(ev.LeavePublished(step=step, deadline=own_deadline, was_master=was_master,
+                                            leave_at=leave_at), wait_s=wait_s)
+
+    def before_leaving(self) -> threading.Thread:
+        """This leaving rank is being reset out of the ring: the process ends inside Horovod soon
+        after, with no Python after it, and its events must get out first. The event log's
+        writer may be stuck on a slow write, so they are also copied in one write of their own
+        (:meth:`EventLog.write_final`, bounded by ``LEAVE_FLUSH_MAX_S`` and the VM's deadline).
+        Nothing here waits: Horovod resets the survivors only once this rank has reset too."""
+        p = self.p
+        until = self.until if self.until is not None else p.clocks.wall()
+        timeout = max(0.0, min(LEAVE_FLUSH_MAX_S, until - p.clocks.wall() - 0.5))
+        writer = threading.Thread(target=p.events.write_final, args=(timeout,), name="hvdt-last-events",
+                                  daemon=True)  # the process may end before it does
+        writer.start()
+        return writer
+
+
+def prune_expired(background: BackgroundCalls, store: ObjectStore, events: EventLog,
+                  running: "Future[None] | None") -> "Future[None] | None":
+    """Delete leaving records whose VM is gone by now (discovery already ignores them), in the
+    background with every call bounded: a ring's start must not wait on a slow store.
+
+    Returns the pruning under way: ``running`` itself if the previous ring's is still at it.
+    """
+    if running is not None and not running.done():
+        return running  # the previous ring's pruning is still at it
+
+    def prune() -> None:
+        try:
+            pruned = prune_leaving(store.within(Deadline(time.time() + HOUSEKEEPING_TIMEOUT_S, margin_s=0.0)))
+        except Exception as exc:  # housekeeping: an unreachable store must not stop training
+            log.warning("could not prune expired leaving records: %s", exc)
+            return
+        if pruned:
+            events.emit(ev.LeavingPruned(hosts=tuple(sorted(pruned))))
+
+    return background.submit(prune)
+
+
+__all__ = ["Departure", "LeavingRecord", "planned_leave_at", "prune_expired"]

@@ -1,0 +1,93 @@
+"""The ring a rank trains on: its shared state (:class:`RunState`: members, master, step timing,
+save attempt ids), how a new ring is learnt at its start, and the store lease that follows its master.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_service.deadline import Deadline
+from ckpt_service.lease import Lease
+from hvd_transient.core.election import elect_master
+from hvd_transient.telemetry import schema as ev
+from hvd_transient.telemetry.events import EventLog
+
+log = logging.getLogger(__name__)
+
+
+def ring_id(members: list[tuple[str, str]]) -> str:
+    """A short id of a ring from its members' ``(host, token)`` in rank order (pure)."""
+    return hashlib.sha256(json.dumps(members).encode()).hexdigest()[:12]
+
+
+@dataclass
+class RunState:
+    master: int = 0
+    hosts: list[str] = field(default_factory=list)
+    handled_leavers: set[str] = field(default_factory=set)
+    departure_pending: bool = False
+    leaving: bool = False
+    last_step: int = -1
+    last_step_at: float | None = None   # wall time the last step completed on this rank
+    begun_at_step: int | None = None
+    next_check_step: int = 0            # adaptive cadence: the next step with a notice round
+    last_round_step: int = 0
+    last_round_at: float = 0.0          # time.monotonic() of this rank's previous round
+    step_done_at: float | None = None   # time.monotonic() when this rank last went back to training
+    slowest_step_s: float = 0.0         # this rank's longest step since its previous round
+    ring_slowest_step_s: float = 0.0    # the longest step any rank took on this ring (agreed)
+    ring_id: str = "ring"               # the same on every rank of this ring, new at each begin()
+    saves_started: int = 0              # saves this ring started: part of each save's attempt id
+
+    def start_ring(self, step: int, members: list[Any], *, now: float) -> int | None:
+        """Take on the ring whose members said ``[host, leaving, token]`` in rank order (the same list on
+        every rank), starting at ``step`` at monotonic time ``now``; returns the previous ring's master
+        (None on the first ring)."""
+        self.hosts = [str(m[0]) for m in members]
+        leaving = [r for r, m in enumerate(members) if m[1]]
+        self.ring_id = ring_id([(str(m[0]), str(m[2])) for m in members])
+        self.saves_started = 0
+        self.handled_leavers = ({h for h in self.handled_leavers if h not in self.hosts}
+                                | {self.hosts[r] for r in leaving})
+        previous_master = self.master if self.begun_at_step is not None else None
+        self.master = elect_master(len(members), leaving)
+        self.departure_pending = bool(leaving)
+        self.begun_at_step = step
+        self.last_step = step
+        # a new ring checks at its first step, then adapts to the step rate it measures
+        self.next_check_step = step + 1
+        self.last_round_step, self.last_round_at = step, now
+        return previous_master
+
+    def next_attempt(self, step: int) -> str:
+        """The attempt id of the next save this ring starts: every rank starts the same saves in the
+        same order, so every rank computes the same id without communicating."""
+        n, self.saves_started = self.saves_started, self.saves_started + 1
+        return f"{self.ring_id}-{step}-{n}"
+
+
+def move_lease(lease: Lease, events: EventLog, *, take: bool, until: float) -> None:
+    """Take the lease if this rank is the master (``take``), else release it (all ranks agreed).
+
+    Every store call ends by ``until`` (epoch seconds). ``lease.held`` is trusted: a release or
+    steal here outdates any fence of a background save still in flight
+    (:class:`~ckpt_service.lease.Lease`), whose late reply can no longer make a released lease
+    look held. A failure here is logged, never raised: a master without the lease cannot commit
+    (its saves are abandoned and reported), but training goes on.
+    """
+    try:
+        bound = Deadline(until)
+        if take:
+            if not lease.held:
+                lease.acquire(steal=True, deadline=bound)
+        elif lease.held:
+            lease.release(deadline=bound)
+    except Exception as exc:  # whatever the store raised: every rank goes on to the same collectives
+        log.error("checkpoint-master lease hand-over failed: %s", exc)
+        events.emit(ev.LeaseError(error=str(exc)))
+
+
+__all__ = ["RunState", "move_lease", "ring_id"]
