@@ -15,6 +15,8 @@ from ckpt_service.errors import BadRankError, BadStepError
 
 def exact_int(value: Any) -> int | None:
     """``value`` as an int if it is an integer (not a bool), else None."""
+    if type(value) is int:  # the usual case, answered before the checks an async save's stall would pay
+        return value
     if isinstance(value, (bool, np.bool_)):
         return None
     try:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping  # not typing's alias: its isinstance goes through typing first
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -179,11 +180,34 @@ def checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(metadata, Mapping):
         raise BadMetadataError(f"metadata must be a dict, got {type(metadata).__name__}")
+    flat = _flat_copy(metadata)
+    if flat is not None:
+        return flat
     _check_json_value(metadata, "metadata", set())
     try:
         copied: dict[str, Any] = json.loads(json.dumps(dict(metadata), allow_nan=False))
     except (TypeError, ValueError) as exc:  # not expected after the walk; kept as a last line
         raise BadMetadataError(f"checkpoint metadata must be strict JSON ({exc})") from exc
+    return copied
+
+
+#: Types whose values a JSON round trip gives back equal and of the same type (exact types: a subclass,
+#: numpy.float64 or an IntEnum member, takes the walk and the round trip).
+_PLAIN_SCALARS = frozenset({str, int, bool, type(None)})
+
+
+def _flat_copy(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``checked_metadata``'s result for flat metadata (string keys, plain scalars or finite floats),
+    which the JSON round trip would copy unchanged; None where any entry needs the full check.
+
+    A periodic save's metadata (step, world size, learning rate) is such a dict, and it is checked
+    on the training thread during the save's stall: the round trip cost more than the copy.
+    """
+    copied = dict(metadata)
+    for key, value in copied.items():
+        kind = type(value)
+        if type(key) is not str or not (kind in _PLAIN_SCALARS or (kind is float and math.isfinite(value))):
+            return None
     return copied
 
 

@@ -6,7 +6,7 @@ one call instead of one host copy per tensor (:data:`ShareSnapshot`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, TypeGuard, Union, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -28,6 +28,13 @@ class DeferredShare(Protocol):
 
     def assemble(self) -> Sequence[NDArray[Any]]:
         ...
+
+
+def is_deferred(taken: object) -> TypeGuard[DeferredShare]:
+    """``isinstance(taken, DeferredShare)`` by the runtime protocol's own rule (an ``assemble`` that is
+    not None), without typing's walk of the protocol's members on every call: an asynchronous save
+    asks on the training thread, during its stall."""
+    return getattr(taken, "assemble", None) is not None
 
 
 #: Supplies this rank's share of a save: ``snapshot(plan, rank)`` returns one host array per

@@ -27,7 +27,7 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence, cast
 
 from ckpt_service import layout
 from ckpt_service.arguments import checked_ranks, checked_step
@@ -48,7 +48,7 @@ from ckpt_service.piece_io import Parts, piece_objects
 from ckpt_service.plan import SavePlan, TensorSpec, TensorSpecs
 from ckpt_service.plan_cache import PlanCache
 from ckpt_service.shard_records import ShardRecord
-from ckpt_service.share import DeferredShare, Piece, Share, ShareSnapshot, checked_share, prepare_share, specs_to_save
+from ckpt_service.share import Piece, Share, ShareSnapshot, checked_share, is_deferred, prepare_share, specs_to_save
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.stores.local import LocalStore
 
@@ -118,10 +118,10 @@ class CheckpointWriter:
         if snapshot is None:
             return prepare_share(plan, rank, tensors)
         taken = snapshot(plan, rank)
-        if isinstance(taken, DeferredShare):
+        if is_deferred(taken):
             deferred = taken
             return lambda: checked_share(plan, rank, deferred.assemble())
-        return checked_share(plan, rank, taken)
+        return checked_share(plan, rank, cast("Sequence[Any]", taken))  # not deferred: the arrays
 
     def save(
         self,

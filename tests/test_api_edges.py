@@ -2,6 +2,7 @@
 concurrent and failing background saves are reported, and one rank's bad input ends the save at once."""
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import threading
@@ -22,6 +23,7 @@ from ckpt_service.errors import (
     WriterFailedError,
 )
 from ckpt_service.manager import CheckpointManager, prepare_share
+from ckpt_service.manifest import checked_metadata
 from ckpt_service.plan import SavePlan, UnsupportedDtypeError, spec_of
 from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore
 from hvd_transient.cli.ckpt import main as ckpt_main
@@ -208,6 +210,31 @@ def test_strict_json_metadata_round_trips(mgr) -> None:
     metadata = {"epoch": 3, "lr": np.float64(0.5), "ok": True, "none": None, "t": (1, 2), "d": {"x": [1.5]}}
     mgr.save(1, STATE, metadata)
     assert mgr.restore().metadata == {"epoch": 3, "lr": 0.5, "ok": True, "none": None, "t": [1, 2], "d": {"x": [1.5]}}
+
+
+class Epochs(enum.IntEnum):
+    THIRD = 3
+
+
+@pytest.mark.parametrize("metadata", [
+    {"step": 1200, "world_size": 2, "lr": 0.01, "ok": True, "none": None, "name": "run\u00e9", "big": 2**70,
+     "neg": -0.0},
+    {"lr": np.float64(0.5), "epoch": Epochs.THIRD},  # subclasses of float and int: the full check
+    {"t": (1, 2), "d": {"x": [1.5]}},
+    {},
+])
+def test_checked_metadata_is_the_json_round_trip(metadata) -> None:
+    """Flat metadata is copied without the round trip (the common case, on the training thread): same result."""
+    expected = json.loads(json.dumps(metadata, allow_nan=False))
+    copied = checked_metadata(metadata)
+    assert copied == expected and copied is not metadata
+    assert [type(v) for v in copied.values()] == [type(v) for v in expected.values()]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_flat_metadata_with_a_non_finite_float_is_refused(value: float) -> None:
+    with pytest.raises(BadMetadataError, match=r"metadata\['loss'\]"):
+        checked_metadata({"step": 1, "loss": value})
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

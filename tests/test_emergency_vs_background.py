@@ -17,6 +17,7 @@ from fake_collectives import FakeCollectives, ThreadGroup
 from test_protocol_agreement import STATE, events, make_ranks, notice, step_all
 
 from ckpt_service import layout
+from ckpt_service.cancel import CancelToken
 from ckpt_service.deadline import Deadline
 from ckpt_service.errors import (
     CheckpointError,
@@ -120,6 +121,30 @@ def memory() -> MemoryStore:
 def test_a_cancelled_save_is_a_typed_abandoned_save() -> None:
     assert issubclass(SaveCancelledError, SaveAbandonedError)
     assert issubclass(SaveCancelledError, CheckpointError) and issubclass(SaveCancelledError, TimeoutError)
+
+
+def test_a_cancel_token_fires_whether_it_is_waited_on_before_or_after_the_cancel() -> None:
+    before, after = CancelToken(), CancelToken()
+    waiting = before.fired  # made before the cancel: the cancel fails it
+    assert not before.cancelled and not waiting.done() and before.reason == ""
+    for token in (before, after):
+        assert token.cancel("first") and not token.cancel("second")
+        assert token.cancelled and token.reason == "first"
+        assert isinstance(token.fired.exception(timeout=0), SaveCancelledError)  # after: made already failed
+        t0 = time.monotonic()
+        token.sleep(30)  # a poll's pause ends at once
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(SaveCancelledError, match=r"step 3: the save was cancelled here \(first\)"):
+            token.check(3, "here")
+    assert before.fired is waiting
+
+
+def test_an_uncancelled_token_sleeps_its_pause() -> None:
+    token = CancelToken()
+    t0 = time.monotonic()
+    token.sleep(0.05)
+    assert time.monotonic() - t0 >= 0.04 and not token.cancelled
+    token.check(1, "here")  # does not raise
 
 
 def test_cancel_inflight_without_a_save_in_flight_does_nothing() -> None:

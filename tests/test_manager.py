@@ -32,9 +32,16 @@ from ckpt_service.errors import (
     StructureMismatchError,
     WriterFailedError,
 )
-from ckpt_service.manager import BadMetadataError, BadSnapshotError, CheckpointManager, CommitConflictError
+from ckpt_service.manager import (
+    BadMetadataError,
+    BadSnapshotError,
+    CheckpointManager,
+    CommitConflictError,
+    DeferredShare,
+)
 from ckpt_service.manifest import CommitMarker, crc32c
 from ckpt_service.plan import SavePlan, TensorSpecs, spec_of
+from ckpt_service.share import is_deferred
 from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import WriteOutcomeUnknownError
 from ckpt_service.testing.store_conformance import LostReplies
@@ -469,6 +476,20 @@ class TakenShare:
     def assemble(self) -> list[np.ndarray]:
         self.threads.append(threading.current_thread())
         return self.make()
+
+
+class NotAssembled:
+    assemble = None  # blocked, as a protocol member can be
+
+
+def test_is_deferred_answers_as_isinstance_of_the_protocol() -> None:
+    class Declared(DeferredShare):
+        def assemble(self) -> list[np.ndarray]:
+            return []
+
+    taken = [TakenShare(list), Declared(), NotAssembled(), [np.zeros(3)], (np.zeros(3),), np.zeros(3), None]
+    assert [is_deferred(t) for t in taken] == [isinstance(t, DeferredShare) for t in taken]
+    assert [is_deferred(t) for t in taken] == [True, True] + [False] * 5
 
 
 def test_a_deferred_share_is_assembled_on_the_background_thread() -> None:
