@@ -57,9 +57,9 @@ from hvd_transient.cluster.rest_plan import instance_body, worker_body
 from hvd_transient.cluster.spec import ClusterSpec, plan_instances
 from hvd_transient.cluster.vm_failures import ERROR, GONE, QUOTA, classify_failure
 from hvd_transient.cluster.worker_vms import Observation, WorkerVM
-from hvd_transient.core.membership import Incarnation
 from hvd_transient.discovery.ready import ReadyRecord
 from hvd_transient.gcp.compute_api import ComputeAPI
+from hvd_transient.gcp.instances import Incarnation
 from hvd_transient.join.user_dirs import try_lock
 from hvd_transient.telemetry.events import EventLog, read_events, read_records
 from hvd_transient.telemetry.schema import KeeperRefill

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hvd_transient.core.membership import Incarnation
-from hvd_transient.discovery.gce import incarnation
+from hvd_transient.gcp.instances import Incarnation, incarnation
 
 #: a VM that bills (or is about to): it holds its slot
 LIVE = frozenset({"PROVISIONING", "STAGING", "RUNNING", "REPAIRING"})

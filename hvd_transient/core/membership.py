@@ -47,6 +47,7 @@ from ckpt_service.deadline import Deadline
 from ckpt_service.errors import BadStoreKeyError, ObjectNotFoundError
 from ckpt_service.stores.base import ObjectStore, check_key
 from hvd_transient import store_keys as keys
+from hvd_transient.gcp.instances import Incarnation
 from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
 
 log = logging.getLogger(__name__)
@@ -102,14 +103,6 @@ class LeavingRecord:
                    reason=str(doc.get("reason", "preemption-notice")),
                    instance_id=str(instance_id) if instance_id not in (None, "") else None,
                    leave_at=number("leave_at"))
-
-
-@dataclass(frozen=True)
-class Incarnation:
-    """What the cloud says about the VM now listed under a host name."""
-
-    instance_id: str | None = None
-    started_at: float | None = None  # Unix seconds of its last start
 
 
 def still_leaving(record: LeavingRecord, now: float, *, grace_s: float = DEFAULT_GRACE_S,

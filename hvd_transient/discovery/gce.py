@@ -12,12 +12,11 @@ The ``*_hosts`` functions are pure (Compute JSON in, hosts out);
 from __future__ import annotations
 
 import logging
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
-from hvd_transient.core.membership import Incarnation
 from hvd_transient.discovery.errors import DiscoveryConfigError
 from hvd_transient.discovery.hosts import Host
+from hvd_transient.gcp.instances import Incarnation, gpu_count, incarnation, internal_ip
 
 if TYPE_CHECKING:  # the client imports requests/tenacity; only the gce backend needs it
     from hvd_transient.gcp.compute_api import ComputeAPI
@@ -54,30 +53,6 @@ def label_filter(labels: Mapping[str, str]) -> str:
     return " ".join(terms)
 
 
-def internal_ip(instance: Mapping[str, Any]) -> str | None:
-    for nic in instance.get("networkInterfaces") or []:
-        if nic.get("networkIP"):
-            return str(nic["networkIP"])
-    return None
-
-
-def gpu_count(instance: Mapping[str, Any]) -> int:
-    return sum(int(acc.get("acceleratorCount", 0)) for acc in instance.get("guestAccelerators") or [])
-
-
-def incarnation(instance: Mapping[str, Any]) -> Incarnation | None:
-    """The instance's id and last start (RFC 3339 ``lastStartTimestamp``) as Unix seconds."""
-    started = instance.get("lastStartTimestamp")
-    started_at = None
-    if started:
-        try:
-            started_at = datetime.fromisoformat(str(started).replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            log.warning("instance %s: unreadable lastStartTimestamp %r", instance.get("name"), started)
-    instance_id = instance.get("id")
-    if not instance_id and started_at is None:
-        return None
-    return Incarnation(instance_id=str(instance_id) if instance_id else None, started_at=started_at)
 
 
 def _host(instance: Mapping[str, Any], *, slots: int | None, use_ip: bool) -> Host | None:

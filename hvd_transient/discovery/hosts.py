@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 from hvd_transient.discovery.errors import DiscoveryConfigError
 
 if TYPE_CHECKING:
-    from hvd_transient.core.membership import Incarnation, LeavingRecord
+    from hvd_transient.core.membership import LeavingRecord
+    from hvd_transient.gcp.instances import Incarnation
 
 # Host names, IPv4 addresses and DNS names; no ':' (Horovod splits on it), no spaces or commas.
 _HOST_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -115,7 +116,7 @@ def parse_state_document(text: str, default_slots: int = 1, *, origin: str = "")
 
 
 def _incarnation(item: dict[str, Any], where: str) -> "Incarnation | None":
-    from hvd_transient.core.membership import Incarnation
+    from hvd_transient.gcp.instances import Incarnation
 
     started_at, instance_id = item.get("started_at"), item.get("instance_id")
     if started_at is None and instance_id is None:

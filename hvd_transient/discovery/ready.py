@@ -40,7 +40,7 @@ from hvd_transient.discovery.hosts import Host
 
 if TYPE_CHECKING:
     from ckpt_service.stores.base import ObjectStore
-    from hvd_transient.core.membership import Incarnation
+    from hvd_transient.gcp.instances import Incarnation
 
 log = logging.getLogger(__name__)
 
