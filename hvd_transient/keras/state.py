@@ -44,7 +44,8 @@ def state_variables(model: tf.keras.Model) -> dict[str, tf.Variable]:
 def learning_rate_of(optimizer: Any) -> float | None:
     """The optimizer's current learning rate if it is held in a variable (one eager read), else None."""
     lr = getattr(optimizer, "learning_rate", None)
-    return float(lr.numpy()) if isinstance(lr, tf.Variable) else None
+    # value() rather than numpy(): numpy() reads through read_value(), one more op on the training thread
+    return float(lr.value()) if isinstance(lr, tf.Variable) else None
 
 
 def build_optimizer_slots(model: tf.keras.Model) -> None:
