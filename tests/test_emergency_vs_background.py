@@ -7,6 +7,7 @@ request down), on the real manager, lease and protocol with in-process ranks.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 import uuid
@@ -317,9 +318,14 @@ def test_fences_on_other_threads_never_leave_the_lease_believed_held_when_it_is_
     for thread in threads:
         thread.start()
     rng = random.Random(seed)
+    give_up = time.monotonic() + 30
     try:
-        for _ in range(150):
-            lease.release() if rng.random() < 0.5 else lease.acquire(steal=True)
+        # at least 150 moves, and on until the fencers have fenced (a loaded machine may starve them);
+        # a steal retries its compare-and-swap for as long as the hammering fencers keep winning it
+        for n in itertools.count():
+            if n >= 150 and (sum(fenced) > 0 or time.monotonic() > give_up):
+                break
+            lease.release() if rng.random() < 0.5 else lease.acquire(steal=True, attempts=1000)
     finally:
         stop.set()
         for thread in threads:
