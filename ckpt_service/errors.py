@@ -19,6 +19,15 @@ class StoreUnavailableError(CheckpointError, ConnectionError):
     """The store (bucket, directory) does not exist or cannot be reached."""
 
 
+class MissingBucketError(StoreUnavailableError):
+    """The bucket does not exist or these credentials cannot see it: the URL or the set-up is wrong."""
+
+    @classmethod
+    def naming(cls, what: str, bucket: str) -> MissingBucketError:
+        return cls(f"{what}: bucket {bucket!r} does not exist or is not visible to these credentials; create it "
+                   f"with `gcloud storage buckets create gs://{bucket}` or fix the URL")
+
+
 class StoreDeadlineError(StoreUnavailableError, TimeoutError):
     """A store call bounded by a deadline ran out of time.
 

@@ -9,9 +9,9 @@ import pytest
 from fault_proxy import FaultProxy
 from gcs_emulator import GCSEmulator
 
-from ckpt_service.errors import ObjectNotFoundError, StoreUnavailableError
+from ckpt_service.errors import MissingBucketError, ObjectNotFoundError, StoreUnavailableError
 from ckpt_service.stores.gcs import GCSStore
-from ckpt_service.stores.gcs_json import GCSReadOnlyStore, MissingBucketError, ReadOnlyStoreError
+from ckpt_service.stores.gcs_json import GCSReadOnlyStore, ReadOnlyStoreError
 
 
 @pytest.fixture

@@ -49,6 +49,7 @@ from ckpt_service.deadline import Deadline, call_window
 from ckpt_service.errors import (
     BadStoreURLError,
     CorruptCheckpointError,
+    MissingBucketError,
     MissingCredentialsError,
     ObjectNotFoundError,
     PreconditionFailedError,
@@ -220,11 +221,8 @@ class GCSStore(ObjectStore):
         except (gexc.ServerError, gexc.TooManyRequests, requests.ConnectionError, requests.Timeout) as exc:
             raise StoreUnavailableError(f"{what}: {exc}; check that {self.url} is reachable") from exc
 
-    def _missing_bucket_error(self, what: str) -> StoreUnavailableError:
-        return StoreUnavailableError(
-            f"{what}: bucket {self.bucket_name!r} does not exist or is not visible to these credentials; "
-            f"create it with `gcloud storage buckets create gs://{self.bucket_name}` or fix the URL"
-        )
+    def _missing_bucket_error(self, what: str) -> MissingBucketError:
+        return MissingBucketError.naming(what, self.bucket_name)
 
     def _check_bucket_after_miss(self, what: str) -> None:
         """A 404 on an object: make sure it was the object, not the whole bucket, that is missing."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import datetime
-from typing import Any, Iterator, Mapping, NoReturn
+from typing import Any, Iterator, Mapping
 from urllib.parse import quote
 
 import requests
@@ -23,6 +23,7 @@ import tenacity
 from ckpt_service.errors import (
     BadStoreURLError,
     CheckpointError,
+    MissingBucketError,
     MissingCredentialsError,
     ObjectNotFoundError,
     StoreUnavailableError,
@@ -39,10 +40,6 @@ _RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 class ReadOnlyStoreError(CheckpointError):
     """A write was attempted on a store opened read-only."""
-
-
-class MissingBucketError(StoreUnavailableError):
-    """The bucket does not exist or these credentials cannot see it: the URL or the set-up is wrong."""
 
 
 class _Retryable(Exception):
@@ -110,11 +107,6 @@ class GCSReadOnlyStore(ObjectStore):
             raise StoreUnavailableError(f"{what}: HTTP {reply.status_code}: {reply.text[:200]}")
         return reply
 
-    def _missing_bucket(self, what: str) -> NoReturn:
-        raise MissingBucketError(
-            f"{what}: bucket {self.bucket!r} does not exist or is not visible to these credentials; create it "
-            f"with `gcloud storage buckets create gs://{self.bucket}` or fix the URL")
-
     def get(self, key: str) -> bytes:
         reply = self._request(f"/{quote(self._name(key), safe='')}", {"alt": "media"}, f"read {self.url}/{key}")
         if reply is None:
@@ -136,7 +128,7 @@ class GCSReadOnlyStore(ObjectStore):
         while True:
             reply = self._request("", params, f"list {self.url}/{prefix}")
             if reply is None:
-                self._missing_bucket(f"list {self.url}/{prefix}")
+                raise MissingBucketError.naming(f"list {self.url}/{prefix}", self.bucket)
             page: dict[str, Any] = reply.json()
             for item in page.get("items", []):
                 yield str(item["name"])[len(root):]

@@ -29,9 +29,9 @@ def leaving_from_url(url: str, *, timeout: float = 10.0) -> list["LeavingRecord"
 
 def read_from_url(url: str, read: Callable[["ObjectStore"], T], *, timeout: float = 10.0, what: str) -> T:
     """``read(store)`` on the run store at ``url``, which it may only list and read."""
-    from ckpt_service.errors import BadStoreURLError, CheckpointError, MissingCredentialsError
+    from ckpt_service.errors import BadStoreURLError, CheckpointError, MissingBucketError, MissingCredentialsError
     from ckpt_service.stores import open_store
-    from ckpt_service.stores.gcs_json import GCSReadOnlyStore, MissingBucketError
+    from ckpt_service.stores.gcs_json import GCSReadOnlyStore
 
     parsed = urlparse(url)
     try:
