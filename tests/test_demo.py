@@ -33,7 +33,10 @@ def test_demo_plays_the_default_story_and_reports(tmp_path: Path) -> None:
     # barely pausing (a cold join stops them for 7-10 s here)
     assert body["keeper"]["refills"] >= 1 and body["keeper"]["restarts"] == body["keeper"]["refills"]
     assert body["joins"] and {j["host"] for j in body["joins"]} <= {p["host"] for p in preemptions}
-    assert all(j["stall_s"] is not None and j["stall_s"] < 5.0 for j in body["joins"]), body["joins"]
+    # a host can rejoin at the last step, when the new ring only saves the final checkpoint: no stall to measure
+    trained_on = [j for j in body["joins"] if j["step"] < body["final_step"]]
+    assert trained_on and all(j["stall_s"] is not None and j["stall_s"] < 5.0 for j in trained_on), body["joins"]
+    assert all(j["stall_s"] is None for j in body["joins"] if j["step"] == body["final_step"]), body["joins"]
     assert "keeper:" in out.stdout and "== keeper ==" in out.stdout
     assert body["cost_transient_usd"] < body["cost_on_demand_usd"]
     assert "preemption notice to" in out.stdout and "== cost ==" in out.stdout

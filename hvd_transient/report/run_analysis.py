@@ -108,7 +108,8 @@ class Join:
     ``stall_s``: from the survivors' last completed step before the ring changed (their
     resets' ``last_step_at``; in logs without it, their last ``first_step``/``progress``,
     which overstates by up to the progress interval) to their first ``first_step`` on the
-    new ring.
+    new ring. None when that ring never trained: a host that joins at the run's last step
+    finds only the final save left.
     """
 
     host: str
