@@ -72,7 +72,7 @@ def worker_command(plan: RunPlan, cfg: Config) -> tuple[str, ...]:
               str(cfg.batches_per_commit), "--step-seconds", str(cfg.step_seconds), "--base-lr", str(BASE_LR)]
     if plan.variant == "ours":  # runs until told to stop; knows the cloud's notice window, as a user would
         script = [str(OURS_SCRIPT), "--store", plan.store, "--epochs", "100000", "--save-every", str(cfg.save_every),
-                  "--notice-window", str(cfg.window_s), *shared]
+                  "--notice-window", str(cfg.window_s), "--leave", "at_notice", *shared]  # the leave itself
     elif plan.scenario != "join" and plan.total_steps is None:
         raise bc.BenchError("the baseline needs a fixed number of steps: run 'ours' first or give --total-steps")
     else:  # a join run is stopped once the bigger ring trained

@@ -35,9 +35,9 @@ def main() -> None:
     p.add_argument("--batches-per-commit", type=int, default=10, help="Horovod in-memory commit cadence")
     p.add_argument("--notice-window", type=float, default=None,
                    help="seconds a notice gives (default: what the VM is configured with; GCE Spot: 30)")
-    p.add_argument("--leave", choices=("at_notice", "near_deadline"), default="at_notice",
-                   help="a worker under notice leaves after its emergency checkpoint, or trains on until "
-                        "--leave-lead seconds before its deadline")
+    p.add_argument("--leave", choices=("at_notice", "near_deadline"), default=None,
+                   help="a worker under notice trains on until --leave-lead seconds before its deadline "
+                        "(near_deadline, the default), or leaves after its emergency checkpoint (at_notice)")
     p.add_argument("--leave-lead", type=float, default=10.0,
                    help="with --leave near_deadline: seconds before the deadline that the worker leaves")
     p.add_argument("--cifar10-npz", help="real CIFAR-10 (.npz with x_train, y_train); synthetic if absent")

@@ -27,11 +27,14 @@ BASE_LR = 0.01
 
 
 def elastic_cmd(store: str, *, epochs: int, steps: int = 40, save_every: int = 25,
-                step_seconds: float = 0.05, notice_window: float = 30.0) -> tuple[str, ...]:
+                step_seconds: float = 0.05, notice_window: float = 30.0,
+                leave: str | None = "at_notice") -> tuple[str, ...]:
+    """The example's command; ``leave`` None: the product's default (``near_deadline``). These scenarios
+    time the departure at the notice, so they ask for ``at_notice``."""
     return (sys.executable, ELASTIC, "--store", store, "--model", "small_cnn", "--epochs", str(epochs),
             "--steps-per-epoch", str(steps), "--save-every", str(save_every), "--base-lr", str(BASE_LR),
             "--batches-per-commit", "5", "--step-seconds", str(step_seconds),
-            "--notice-window", str(notice_window))
+            "--notice-window", str(notice_window)) + (("--leave", leave) if leave else ())
 
 
 def cluster(tmp_path: Path, name: str, store: str, hosts: tuple[str, ...], command: tuple[str, ...],

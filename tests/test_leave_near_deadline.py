@@ -78,7 +78,8 @@ def test_bad_leave_options_fail_with_a_typed_error(bad: dict[str, object]) -> No
     assert isinstance(info.value, CheckpointError) and isinstance(info.value, ValueError)
 
 
-def test_the_default_still_leaves_at_the_notice() -> None:
+def test_the_protocols_default_leaves_at_the_notice() -> None:
+    """The framework-free default suits static (MPI) jobs; the Keras callback picks near_deadline for elastic ones."""
     assert TransientConfig(store="memory://x").leave == "at_notice"
     group, impls, _ = make_ranks()
     deadline = time.time() + 30
@@ -118,6 +119,38 @@ def test_near_deadline_checkpoints_at_the_notice_and_trains_on_until_leave_at() 
         assert [o.leaving for o in later] == [False, False, True]
     assert group.calls[0] == group.calls[1] == group.calls[2]
     assert CheckpointManager(url).all_steps() == [1]
+
+
+@pytest.mark.parametrize("leave", ["near_deadline", "at_notice"])
+def test_the_host_check_runs_at_every_step_only_for_a_departure_at_once(leave: str) -> None:
+    """Horovod's host check is a collective: every rank must run it at the same steps. A departure
+    at the notice is looked for at every step; one that waits for its leave_at, at the notice rounds
+    only (here every 3rd step), so the window's steps pay no broadcast each."""
+    group, impls, _ = make_ranks(leave=leave, leave_lead_s=10.0, check_every_steps=3)
+    assert [o.check_hosts for o in step_all(group, impls, 1)] == [False] * 3  # nobody leaving
+    impls[2].watcher.notice = notice(30.0)
+    outcomes = step_all(group, impls, 3)
+    assert [o.emergency_step for o in outcomes] == [3] * 3 and all(o.check_hosts for o in outcomes)
+    checked = []
+    for step in range(4, 10):
+        later = step_all(group, impls, step)
+        assert len({o.check_hosts for o in later}) == 1, f"step {step}: the ranks disagree"
+        checked.append(later[0].check_hosts)
+    assert checked == ([False, False, True] * 2 if leave == "near_deadline" else [True] * 6)
+
+
+def test_a_wave_that_takes_every_host_makes_the_host_check_per_step_again() -> None:
+    """Notices that end up covering every host of the ring leave at once: the check is per step."""
+    group, impls, _ = make_ranks(leave="near_deadline", leave_lead_s=10.0, check_every_steps=3, size=3)
+    impls[2].watcher.notice = notice(30.0)
+    step_all(group, impls, 3)
+    assert [o.check_hosts for o in step_all(group, impls, 4)] == [False] * 3
+    impls[0].watcher.notice = notice(30.0)  # the rest of the ring: a wave that takes all but h1
+    step_all(group, impls, 6)
+    assert [o.check_hosts for o in step_all(group, impls, 7)] == [False] * 3  # h1 carries the state
+    impls[1].watcher.notice = notice(30.0)  # now every host: the checkpoint is what counts
+    step_all(group, impls, 9)
+    assert [o.check_hosts for o in step_all(group, impls, 10)] == [True] * 3
 
 
 def test_a_master_under_notice_that_trains_on_is_never_elected_again() -> None:
@@ -180,13 +213,13 @@ def test_the_goodput_bench_passes_the_leave_option_to_our_workers_only() -> None
 
     import bench.goodput as goodput
 
-    args = goodput.build_parser().parse_args(["--leave", "near_deadline", "--leave-lead", "8"])
+    args = goodput.build_parser().parse_args(["--leave", "at_notice", "--leave-lead", "8"])
     cfg = goodput.Config(**{f.name: getattr(args, f.name) for f in fields(goodput.Config)})
     ours = goodput.worker_command("ours", "/store", cfg, 30.0)
-    assert ours[ours.index("--leave"):ours.index("--leave") + 4] == ("--leave", "near_deadline", "--leave-lead", "8")
+    assert ours[ours.index("--leave"):ours.index("--leave") + 4] == ("--leave", "at_notice", "--leave-lead", "8")
     assert "--leave" not in goodput.worker_command("horovod_elastic", "/store", cfg, 30.0)
     default = goodput.build_parser().parse_args([])
-    assert (default.leave, default.leave_lead) == ("at_notice", 10.0)
+    assert (default.leave, default.leave_lead) == ("near_deadline", 10.0)  # the product's default
 
 
 # ------------------------------------------------------------------ the Keras callback
@@ -203,5 +236,9 @@ def test_the_keras_callback_passes_the_options_and_a_static_job_leaves_at_the_no
     assert (elastic.config.leave, elastic.config.leave_lead_s) == ("near_deadline", 7.0)
     # a static job is relaunched at the notice: a host still listed would be given to the relaunch
     assert hvdt.TransientCallback(None, store=store, leave="near_deadline").config.leave == "at_notice"
+    # the default: an elastic job trains through its window, a static one leaves at the notice
+    assert hvdt.TransientCallback(Elastic(), store=store).config.leave == "near_deadline"
+    assert hvdt.TransientCallback(None, store=store).config.leave == "at_notice"
+    assert hvdt.TransientCallback(Elastic(), store=store, leave="at_notice").config.leave == "at_notice"
     with pytest.raises(LeaveConfigError, match="'later'"):
         hvdt.TransientCallback(None, store=store, leave="later")

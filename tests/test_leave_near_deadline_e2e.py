@@ -1,4 +1,4 @@
-"""End to end under real `horovodrun`: with ``--leave near_deadline`` a worker under a 30 s notice
+"""End to end under real `horovodrun`: with the default ``leave`` (``near_deadline``) a worker under a 30 s notice
 checkpoints at the notice, trains on for about 20 s, then leaves gracefully through discovery with
 nothing rolled back, and the run ends at exactly epochs x steps_per_epoch."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_a_worker_under_notice_trains_through_its_window_then_leaves_gracefully(
     epochs, per_epoch, batch = 7, 40, 32
     hosts = ("localhost", "127.0.0.1")
     command = elastic_cmd(store, epochs=epochs, steps=per_epoch, save_every=100000, step_seconds=0.1,
-                          notice_window=WINDOW_S) + ("--leave", "near_deadline", "--leave-lead", str(LEAD_S))
+                          notice_window=WINDOW_S, leave=None) + ("--leave-lead", str(LEAD_S))  # the default
     c = cluster(tmp_path, "run", store, hosts, command)
     with c:
         c.wait_for_step(10, 180, size=2)

@@ -66,7 +66,7 @@ STEP_BOUND_S = 5.0
 GATHER_TIMEOUT_S = 1.0
 LEAVE_MARGIN_S = 1.0
 #: the outcome fields every rank must agree on
-AGREED = ("emergency_step", "committed", "stop", "departure_pending")
+AGREED = ("emergency_step", "committed", "stop", "departure_pending", "check_hosts")
 #: notice windows: GCE Spot's and AWS's
 WINDOWS_S = {"gce-notice": 30.0, "aws-notice": 120.0}
 #: how much longer each store call of a slow rank takes

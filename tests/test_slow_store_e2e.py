@@ -53,7 +53,7 @@ def command(store: str, proxy: FaultProxy) -> tuple[str, ...]:
     return ("env", f"STORAGE_EMULATOR_HOST={proxy.url}", sys.executable, ELASTIC, "--store", store,
             "--model", "small_cnn", "--epochs", "1000", "--steps-per-epoch", "40", "--save-every", "20",
             "--base-lr", str(BASE_LR), "--batches-per-commit", "5", "--step-seconds", str(STEP_S),
-            "--notice-window", str(WINDOW_S))
+            "--notice-window", str(WINDOW_S), "--leave", "at_notice")  # the emergency save's leave
 
 
 def step_times(run: RunAnalysis, start: float, end: float) -> list[float]:

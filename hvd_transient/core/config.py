@@ -4,6 +4,7 @@ time bounds that keep a slow store from holding up training (see :mod:`hvd_trans
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 from ckpt_service.errors import CheckpointError
 from hvd_transient.core.election import SLOWDOWN_ALLOWANCE
@@ -64,7 +65,8 @@ class TransientConfig:
     progress_every_steps: int = 10
     #: ``at_notice``: a VM under notice leaves the ring as soon as its emergency checkpoint is
     #: taken; ``near_deadline``: it trains on until ``leave_lead_s`` before its deadline (elastic
-    #: jobs: a static job stops at the notice, and its relaunch must not get the host)
+    #: jobs: a static job stops at the notice, and its relaunch must not get the host). The Keras
+    #: callback picks ``near_deadline`` for an elastic job; an MPI job is static.
     leave: str = "at_notice"
     leave_lead_s: float = DEFAULT_LEAVE_LEAD_S
 
@@ -83,6 +85,12 @@ class TransientConfig:
         if not self.leave_lead_s >= 0:
             raise LeaveConfigError(f"leave_lead_s must be zero or more seconds before the VM's deadline, "
                                    f"not {self.leave_lead_s}")
+
+    def trains_through(self, hosts: Collection[str], leaving: Collection[str]) -> bool:
+        """Whether the VMs under notice (``leaving``) of a ring of ``hosts`` train on until their
+        ``leave_at``: with ``near_deadline``, while some host of the ring is not under notice (a wave
+        that takes every host leaves nobody to carry the state, and the checkpoint is what counts)."""
+        return self.leave == "near_deadline" and not set(leaving) >= set(hosts)
 
 
 __all__ = ["DEFAULT_LEAVE_LEAD_S", "FINAL_SAVE_CHECK_TIMEOUT_S", "HOUSEKEEPING_TIMEOUT_S", "LEASE_MOVE_TIMEOUT_S",

@@ -26,14 +26,9 @@ log = logging.getLogger(__name__)
 
 def planned_leave_at(config: TransientConfig, hosts: list[str], round_: NoticeRound, vm_deadline: float,
                      now: float) -> float | None:
-    """When discovery should drop a VM whose window ends at ``vm_deadline``; None: at once (pure).
-
-    ``near_deadline`` only pays while some host of the ring is not under notice: a wave that
-    takes every host leaves nobody to carry the state, and the checkpoint is what counts.
-    """
-    if config.leave != "near_deadline":
-        return None
-    if {hosts[r] for r in round_.leaving} >= set(hosts):
+    """When discovery should drop a VM whose window ends at ``vm_deadline``; None: at once (pure;
+    see :meth:`TransientConfig.trains_through`)."""
+    if not config.trains_through(hosts, {hosts[r] for r in round_.leaving}):
         return None
     leave_at = vm_deadline - config.leave_lead_s
     return leave_at if leave_at > now else None

@@ -27,6 +27,9 @@ class StepOutcome:
     departure_pending: bool = False     # some rank published itself as leaving
     stop: bool = False                  # the operator asked the job to stop (every rank agrees)
     leave_at: float | None = None       # this leaving rank stays in the ring until then (near_deadline)
+    #: every rank runs the framework's host check (a collective) at this step: a departure is pending,
+    #: and it is due at once, or this step had a notice round (a departure that waits for its leave_at)
+    check_hosts: bool = False
 
 
 def notice_event_wait_s(events: EventLog, clocks: Clocks, until: float) -> float:

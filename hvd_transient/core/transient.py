@@ -147,6 +147,7 @@ class TransientImpl:
         # replay the same steps after a reset or a relaunch: its saves get attempt ids of their own.
         members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8)])
         previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic())
+        self.run.departures_wait = self.config.trains_through(self.run.hosts, [str(m[0]) for m in members if m[1]])
         move_lease(self.lease, self.events, take=rank == self.run.master,
                    until=self.clocks.wall() + LEASE_MOVE_TIMEOUT_S)
         if rank == self.run.master:
@@ -253,25 +254,32 @@ class TransientImpl:
             check_due = step >= self.run.next_check_step
         if check_due or save_due:
             round_ = self._rounds.agree(step)
+            check_hosts = self.run.departure_pending  # this step's round is agreed: a safe step to check
             new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
             if new:
                 return self._emergency.handle(step, round_, new, snapshot, metadata, share_snapshot)
             if round_.stop:
                 self.events.emit(ev.StopRequested(step=step))
-                return StepOutcome(stop=True, leaving=self.run.leaving, departure_pending=self.run.departure_pending)
+                return StepOutcome(stop=True, leaving=self.run.leaving, departure_pending=self.run.departure_pending,
+                                   check_hosts=check_hosts)
             if round_.early_warning and not round_.busy and not self.run.departure_pending:
                 # Some VM is at elevated risk: every rank takes a checkpoint now (in the
                 # background, as a periodic one) so a notice that follows finds a recent one.
                 # Not while a rank is leaving: it would be a writer, and the ring re-forms soon.
                 self._saves.start_background(step, snapshot, metadata, share_snapshot, kind="early")
-                return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending)
+                return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending,
+                                   check_hosts=check_hosts)
             # Every rank takes the same decision: a save starts only if no rank is still busy,
             # so the writers of one step always meet in its gather.
             if save_due and not round_.busy:
                 self._saves.start_background(step, snapshot, metadata, share_snapshot)
             elif save_due:
                 self.events.emit(ev.SaveSkipped(step=step, reason="previous save still in flight"))
-        return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending)
+            return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending,
+                               check_hosts=check_hosts)
+        # a departure at once is looked for at every step; one that waits for its leave_at, at the rounds
+        return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending,
+                           check_hosts=self.run.departure_pending and not self.run.departures_wait)
 
 
 # The names this module held before its parts moved out; users import them from here.
