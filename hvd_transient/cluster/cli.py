@@ -31,12 +31,12 @@ from hvd_transient.cluster.spec import (
     ClusterSpec,
     plan_instances,
 )
+from hvd_transient.cluster.worker_vms import RESTARTABLE, is_spot, provisioning
 from hvd_transient.commandline import command
 
 if TYPE_CHECKING:
     from hvd_transient.gcp.compute_api import ComputeAPI
 
-RESTARTABLE = frozenset({"TERMINATED", "STOPPED", "SUSPENDED"})
 
 
 def _connect(args: argparse.Namespace, *, write: bool) -> "ComputeAPI":
@@ -170,15 +170,13 @@ def describe(instance: dict[str, Any]) -> dict[str, Any]:
     """One row of ``status`` from a Compute instance resource (pure)."""
     from hvd_transient.gcp.compute_api import last_segment
 
-    scheduling = instance.get("scheduling") or {}
-    spot = scheduling.get("provisioningModel") == "SPOT" or bool(scheduling.get("preemptible"))
     nics = instance.get("networkInterfaces") or [{}]
     return {
         "name": instance.get("name"),
         "zone": last_segment(instance.get("zone", "")),
         "role": (instance.get("labels") or {}).get(ROLE_LABEL, "?"),
         "status": instance.get("status"),
-        "provisioning": "spot" if spot else "on-demand",
+        "provisioning": provisioning(is_spot(instance)),
         "machine_type": last_segment(instance.get("machineType", "")),
         "gpus": sum(int(a.get("acceleratorCount", 0)) for a in instance.get("guestAccelerators") or []),
         "internal_ip": nics[0].get("networkIP"),

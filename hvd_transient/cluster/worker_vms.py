@@ -50,13 +50,19 @@ def provisioning(spot: bool) -> str:
     return "spot" if spot else "on-demand"
 
 
+def is_spot(instance: Mapping[str, Any]) -> bool:
+    """Whether a Compute instance resource is a Spot (or legacy preemptible) VM."""
+    scheduling = instance.get("scheduling") or {}
+    return scheduling.get("provisioningModel") == "SPOT" or bool(scheduling.get("preemptible"))
+
+
 def worker_from_resource(instance: Mapping[str, Any]) -> WorkerVM:
     """A Compute instance resource as the keeper sees it."""
-    scheduling = instance.get("scheduling") or {}
-    spot = scheduling.get("provisioningModel") == "SPOT" or bool(scheduling.get("preemptible"))
+    spot = is_spot(instance)
     zone = str(instance.get("zone", "")).rstrip("/").rsplit("/", 1)[-1]
     return WorkerVM(name=str(instance.get("name")), zone=zone, status=str(instance.get("status", "")), spot=spot,
                     incarnation=incarnation(instance))
 
 
-__all__ = ["LIVE", "RESTARTABLE", "TRANSITIONAL", "Observation", "WorkerVM", "provisioning", "worker_from_resource"]
+__all__ = ["LIVE", "RESTARTABLE", "TRANSITIONAL", "Observation", "WorkerVM", "is_spot", "provisioning",
+           "worker_from_resource"]
