@@ -71,9 +71,6 @@ class Emergency:
         committed = self._saves.save_now(step, tensors, meta, coordinator=new_master, deadline=deadline,
                                          kind="emergency", share_snapshot=share_snapshot)
         p.run.handled_leavers.update(leaving_hosts)
-        # agreed: every rank has the round; one departure at once makes the host check per step
-        waits = p.config.trains_through(p.run.hosts, [p.run.hosts[r] for r in round_.leaving])
-        p.run.departures_wait = waits and (p.run.departures_wait or not p.run.departure_pending)
         p.run.departure_pending = True
         if rank in new:
             self._departure.leave(step, until=own_deadline if own_deadline is not None else now + window,

@@ -29,11 +29,6 @@ class RunState:
     hosts: list[str] = field(default_factory=list)
     handled_leavers: set[str] = field(default_factory=set)
     departure_pending: bool = False
-    #: every pending departure waits for its ``leave_at`` (agreed): Horovod's host check, a
-    #: collective, can wait for the next notice round instead of running at every step. Decided from
-    #: the mode and the ring's hosts only: a window shorter than ``leave_lead_s`` (a record that leaves
-    #: at once) still counts as waiting, since a choice by the clock could split the ranks
-    departures_wait: bool = False
     leaving: bool = False
     last_step: int = -1
     last_step_at: float | None = None   # wall time the last step completed on this rank

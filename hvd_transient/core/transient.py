@@ -147,7 +147,6 @@ class TransientImpl:
         # replay the same steps after a reset or a relaunch: its saves get attempt ids of their own.
         members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8)])
         previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic())
-        self.run.departures_wait = self.config.trains_through(self.run.hosts, [str(m[0]) for m in members if m[1]])
         move_lease(self.lease, self.events, take=rank == self.run.master,
                    until=self.clocks.wall() + LEASE_MOVE_TIMEOUT_S)
         if rank == self.run.master:
@@ -279,7 +278,14 @@ class TransientImpl:
                                check_hosts=check_hosts)
         # a departure at once is looked for at every step; one that waits for its leave_at, at the rounds
         return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending,
-                           check_hosts=self.run.departure_pending and not self.run.departures_wait)
+                           check_hosts=self.run.departure_pending and not self._departures_wait())
+
+    def _departures_wait(self) -> bool:
+        """Every pending departure waits for its ``leave_at``, so Horovod's host check (a collective) can
+        wait for the next notice round. Agreed: from the mode and this ring's hosts handled as leaving (the
+        set only grows until the ring re-forms), never from the clock, which could split the ranks; a
+        window shorter than ``leave_lead_s`` therefore still counts as waiting."""
+        return self.config.trains_through(self.run.hosts, self.run.handled_leavers & set(self.run.hosts))
 
 
 # The names this module held before its parts moved out; users import them from here.
