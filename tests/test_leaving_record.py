@@ -147,8 +147,9 @@ def test_a_stop_ends_the_retries() -> None:
 
 # ------------------------------------------------------------------ the notice protocol
 
-def test_the_leaving_record_is_in_the_store_before_the_emergency_save_writes() -> None:
-    """Discovery can drop the host while the save is still writing (Horovod acts at its next check)."""
+def test_the_leaving_record_lands_while_the_emergency_save_is_still_writing() -> None:
+    """Discovery can drop the host while the save is still writing (Horovod acts at its next check):
+    the record is written on its own thread, so it lands while every write of the save is held."""
     memory = MemoryStore.named(uuid.uuid4().hex)
     gated = GatedStore(memory, lambda key: key.startswith(layout.STEPS_PREFIX))
     group, impls, url = make_ranks(stores=[gated] * 3)
@@ -158,7 +159,10 @@ def test_the_leaving_record_is_in_the_store_before_the_emergency_save_writes() -
     stepping.start()
     try:
         assert gated.held.wait(10), "the emergency save never wrote"
-        assert leaving_hosts(memory) == {"h2"}  # while the save's writes are held
+        # submitted before the save began; it must not wait for the save's writes
+        assert impls[2].publishing is not None
+        impls[2].publishing.result(timeout=10)
+        assert not gated.gate.is_set() and leaving_hosts(memory) == {"h2"}
     finally:
         gated.gate.set()
         stepping.join(30)
