@@ -67,7 +67,7 @@ class Config:  # field names are the command line's
     variants: tuple[str, ...]
     instance_type: str | None
     leave: str = "near_deadline"
-    leave_lead: float = DEFAULT_LEAVE_LEAD_S
+    leave_lead: float | None = None  # None: the product's measured lead
 
 
 def worker_command(variant: str, store: str, cfg: Config, window_s: float) -> tuple[str, ...]:
@@ -77,8 +77,9 @@ def worker_command(variant: str, store: str, cfg: Config, window_s: float) -> tu
     if variant == "horovod_elastic":
         return (sys.executable, str(BASELINE_SCRIPT), "--events-store", store, *shared)
     every = cfg.restart_save_every if variant == "restart" else cfg.save_every
+    lead = ("--leave-lead", f"{cfg.leave_lead:g}") if cfg.leave_lead is not None else ()
     return (sys.executable, str(OURS_SCRIPT), "--store", store, "--save-every", str(every),
-            "--notice-window", f"{window_s:g}", "--leave", cfg.leave, "--leave-lead", f"{cfg.leave_lead:g}", *shared)
+            "--notice-window", f"{window_s:g}", "--leave", cfg.leave, *lead, *shared)
 
 
 def _spec(variant: str, store: str, hosts: Sequence[str], workdir: Path, cfg: Config, plan: TracePlan
@@ -294,7 +295,8 @@ def summarize(out: dict[str, Any], plan: TracePlan, cfg: Config) -> dict[str, An
         "cost_per_m_samples_on_demand": on_demand_cost_per_m_samples(out["rates"], price.on_demand_per_hour),
         "instance_type": price.name,
         "ours_steps_rolled_back": results["ours"].steps_rolled_back if "ours" in results else None,
-        "ours_leave": cfg.leave, "ours_leave_lead_s": cfg.leave_lead,
+        "ours_leave": cfg.leave, "ours_leave_lead_s": cfg.leave_lead,  # None: measured by the product
+        "ours_leave_leads_s": list(results["ours"].leave_leads_s) if "ours" in results else None,
         "preemptions": plan.preemptions, "waves": len(plan.waves), "launches": out["launches"],
         "errors": out["errors"]}
 
@@ -312,7 +314,15 @@ def table(out: dict[str, Any], summary: dict[str, Any]) -> str:
                                "steps rolled back (max)", "steps trained twice", "launches", "spot $ / M samples",
                                "lost time"), rows)
             + f"\n\nSame work on demand: {od:.3f} $ / M samples ({summary['instance_type']}). r(k) samples/s: "
-            + ", ".join(f"{k}: {r:,.1f}" for k, r in out["rates"].items()) + "\n")
+            + ", ".join(f"{k}: {r:,.1f}" for k, r in out["rates"].items()) + _leads(summary) + "\n")
+
+
+def _leads(summary: dict[str, Any]) -> str:
+    leads = summary.get("ours_leave_leads_s")
+    if not leads:
+        return ""
+    said = ", ".join("at once" if s is None else f"{s:.1f}" for s in leads)
+    return f". hvd-transient left its VMs this many seconds before their deadlines, in order: {said}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -342,8 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--leave", choices=LEAVE_MODES, default="near_deadline",
                    help="ours: a worker under notice trains on until --leave-lead seconds before its deadline "
                         "(near_deadline, the product's default) or leaves after its emergency checkpoint (at_notice)")
-    p.add_argument("--leave-lead", type=float, default=DEFAULT_LEAVE_LEAD_S,
-                   help="ours, with --leave near_deadline: seconds before the deadline that a worker leaves")
+    p.add_argument("--leave-lead", type=float, default=None,
+                   help="ours, with --leave near_deadline: seconds before the deadline that a worker leaves "
+                        f"(default: the product's, measured: {DEFAULT_LEAVE_LEAD_S:g} s until a departure was timed)")
     return p
 
 
@@ -354,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
     if cfg.calibration_s <= 0 or cfg.warmup_steps < 1:
         p.error("--calibration-s must be > 0 and --warmup-steps >= 1")
-    if not cfg.leave_lead >= 0:
+    if cfg.leave_lead is not None and not cfg.leave_lead >= 0:
         p.error(f"--leave-lead must be zero or more seconds, not {cfg.leave_lead}")
     plan = load_plan(args, HOST_ALIASES, window_s=args.window)  # a TraceError names the line or option
     print(f"trace: {plan.describe()}", file=sys.stderr, flush=True)

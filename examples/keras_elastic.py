@@ -38,8 +38,9 @@ def main() -> None:
     p.add_argument("--leave", choices=("at_notice", "near_deadline"), default=None,
                    help="a worker under notice trains on until --leave-lead seconds before its deadline "
                         "(near_deadline, the default), or leaves after its emergency checkpoint (at_notice)")
-    p.add_argument("--leave-lead", type=float, default=10.0,
-                   help="with --leave near_deadline: seconds before the deadline that the worker leaves")
+    p.add_argument("--leave-lead", type=float, default=None,
+                   help="with --leave near_deadline: seconds before the deadline that the worker leaves "
+                        "(default: measured, 10 s until a departure was timed)")
     p.add_argument("--cifar10-npz", help="real CIFAR-10 (.npz with x_train, y_train); synthetic if absent")
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="extra time per step, to stretch a tiny run over a preemption schedule")

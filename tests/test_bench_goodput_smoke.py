@@ -35,6 +35,7 @@ def test_goodput_bench_on_a_tiny_trace(tmp_path: Path) -> None:
     summary, params = doc["summary"], doc["params"]
     assert summary["trace"].startswith("tiny.csv (parcae)") and summary["preemptions"] == 1
     assert summary["ours_steps_rolled_back"] == 0
+    assert summary["ours_leave_leads_s"] == [None]  # a 6 s window is shorter than the first lead: at once
     assert 0.0 < summary["ours_goodput"] <= 1.0
     assert summary["horovod_elastic_goodput"] is None and summary["restart_goodput"] is None  # not run
     rates = {int(k): v for k, v in summary["calibration_samples_per_s"].items()}

@@ -11,13 +11,17 @@ import time
 import uuid
 
 import pytest
+from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 from test_protocol_agreement import events, make_ranks, notice, step_all
 from test_report import T0, preempted_worker_log
 
 from ckpt_service.errors import CheckpointError
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
-from hvd_transient.core.config import LeaveConfigError, TransientConfig
+from hvd_transient.core.config import DEFAULT_LEAVE_LEAD_S, LeaveConfigError, TransientConfig
+from hvd_transient.core.interfaces import Clocks
+from hvd_transient.core.ring import RunState
+from hvd_transient.core.transient import TransientImpl
 from hvd_transient.core.membership import (
     LeavingRecord,
     excluded,
@@ -76,6 +80,72 @@ def test_bad_leave_options_fail_with_a_typed_error(bad: dict[str, object]) -> No
     with pytest.raises(LeaveConfigError, match="leave") as info:
         TransientConfig(store="memory://x", **bad)  # type: ignore[arg-type]
     assert isinstance(info.value, CheckpointError) and isinstance(info.value, ValueError)
+
+
+def test_the_lead_is_fixed_when_given_else_measured() -> None:
+    """None (the default): 10 s until a departure was timed, then twice the slowest timed plus 2 s, which
+    may be longer than 10 s on a cluster that leaves slowly; a number is used as it is."""
+    measured = TransientConfig(store="memory://x", leave="near_deadline")
+    assert measured.leave_lead_s is None
+    assert measured.lead_s(None) == DEFAULT_LEAVE_LEAD_S == 10.0
+    assert measured.lead_s(1.5) == pytest.approx(5.0) and measured.lead_s(6.0) == pytest.approx(14.0)
+    assert measured.lead_s(0.0) == pytest.approx(2.0)
+    fixed = TransientConfig(store="memory://x", leave="near_deadline", leave_lead_s=7.0)
+    assert fixed.lead_s(None) == fixed.lead_s(1.5) == fixed.lead_s(60.0) == 7.0
+
+
+def test_a_departure_is_timed_from_its_leave_at_to_the_ring_that_no_longer_has_it() -> None:
+    run = RunState()
+    run.start_ring(0, [["h0", False, "a"], ["h1", False, "b"], ["h2", False, "c"], ["h3", False, "d"]], now=0.0)
+    run.handled_leavers |= {"h1", "h2", "h3"}
+    run.leave_at_of = {"h1": 100.0, "h2": 103.0, "h3": 200.0}
+    # h1 left, h2 left before its leave_at (its VM died: not timed), h3 still trains on to its leave_at
+    run.start_ring(5, [["h0", False, "e"], ["h3", True, "f"]], now=1.0)
+    assert run.time_departures(101.5) == {"h1": pytest.approx(1.5)} and run.departure_s == pytest.approx(1.5)
+    assert run.leave_at_of == {"h3": 200.0}
+    # a later, faster departure keeps the slowest; a host back under its own name is a new VM, not timed
+    run.start_ring(9, [["h0", False, "g"]], now=2.0)
+    assert run.time_departures(200.5) == {"h3": pytest.approx(0.5)} and run.departure_s == pytest.approx(1.5)
+    run.leave_at_of = {"h0": 300.0}
+    run.start_ring(12, [["h0", False, "h"]], now=3.0)
+    assert run.time_departures(301.0) == {} and run.leave_at_of == {}
+
+
+def test_the_measured_lead_is_agreed_by_every_rank_and_taught_to_a_vm_that_joined() -> None:
+    """h2 trains on to its leave_at (10 s before its deadline: nothing timed yet) and the ring re-forms
+    without it 1.5 s later; h3 joins. At the next round every rank, h3 too, holds 1.5 s, and h3's own
+    notice then leaves 2 x 1.5 + 2 = 5 s before its deadline."""
+    t = {"wall": time.time()}
+    clocks = Clocks(wall=lambda: t["wall"])
+    t0 = t["wall"]
+    group, impls, url = make_ranks(leave="near_deadline", clocks=clocks)
+    impls[2].watcher.notice = notice(30.0, now=t0)
+    outcomes = step_all(group, impls, 1)
+    assert outcomes[2].leave_at == pytest.approx(t0 + 20.0)
+    assert [impl.run.leave_at_of for impl in impls] == [{"h2": pytest.approx(t0 + 20.0)}] * 3
+    step_all(group, impls, 2)
+    # Horovod re-forms the ring at leave_at + 1.5 s: h0, h1 and a new VM, h3
+    t["wall"] = t0 + 21.5
+    newcomer = TransientImpl(impls[0].config, FakeCollectives(ThreadGroup(1), 0), host="h3", watcher=FakeWatcher(),
+                             clocks=clocks)
+    ring = [impls[0], impls[1], newcomer]
+    group2 = ThreadGroup(3, timeout_s=10)
+    for rank, impl in enumerate(ring):
+        impl.comm = FakeCollectives(group2, rank)
+    group2.run(lambda r: ring[r].begin(3))
+    assert [impl.run.departure_s for impl in ring] == [pytest.approx(1.5), pytest.approx(1.5), None]
+    step_all(group2, ring, 4)  # a round
+    assert len({impl.run.departure_s for impl in ring}) == 1 and newcomer.run.departure_s == pytest.approx(1.5)
+    t["wall"] = t0 + 30.0
+    newcomer.watcher.notice = notice(30.0, now=t0 + 30.0)
+    outcomes = step_all(group2, ring, 5)
+    assert outcomes[2].leaving and outcomes[2].leave_at == pytest.approx(t0 + 55.0, abs=1e-3)
+    newcomer.publishing.result(timeout=10)  # type: ignore[union-attr]
+    assert {r.host: r.leave_at for r in read_leaving(impls[0].manager.store)}["h3"] == outcomes[2].leave_at
+    [published] = events(newcomer, "leave_published")
+    assert published["deadline"] - published["leave_at"] == pytest.approx(5.0, abs=1e-3)
+    for impl in (*impls, newcomer):
+        impl.close()
 
 
 def test_the_protocols_default_leaves_at_the_notice() -> None:
@@ -204,6 +274,7 @@ def test_the_report_times_the_departure_from_the_actual_leave() -> None:
     assert p.departed_at == pytest.approx(T0 + 7.5)
     assert p.resume_ms == pytest.approx(1000.0, abs=1)
     assert p.steps_rolled_back == 0 and p.checkpoint_committed
+    assert p.leave_lead_s == pytest.approx(35.0 - 7.5)  # its deadline less its leave_at
 
 
 # ------------------------------------------------------------------ the goodput benchmark
@@ -218,8 +289,12 @@ def test_the_goodput_bench_passes_the_leave_option_to_our_workers_only() -> None
     ours = goodput.worker_command("ours", "/store", cfg, 30.0)
     assert ours[ours.index("--leave"):ours.index("--leave") + 4] == ("--leave", "at_notice", "--leave-lead", "8")
     assert "--leave" not in goodput.worker_command("horovod_elastic", "/store", cfg, 30.0)
-    default = goodput.build_parser().parse_args([])
-    assert (default.leave, default.leave_lead) == ("near_deadline", 10.0)  # the product's default
+    # by default ours measures its lead: the option is not passed
+    args = goodput.build_parser().parse_args([])
+    cfg = goodput.Config(**{f.name: getattr(args, f.name) for f in fields(goodput.Config)})
+    ours = goodput.worker_command("ours", "/store", cfg, 30.0)
+    assert ours[ours.index("--leave"):ours.index("--leave") + 2] == ("--leave", "near_deadline")
+    assert "--leave-lead" not in ours and (args.leave, args.leave_lead) == ("near_deadline", None)
 
 
 # ------------------------------------------------------------------ the Keras callback

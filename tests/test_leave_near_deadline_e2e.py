@@ -1,6 +1,7 @@
-"""End to end under real `horovodrun`: with the default ``leave`` (``near_deadline``) a worker under a 30 s notice
-checkpoints at the notice, trains on for about 20 s, then leaves gracefully through discovery with
-nothing rolled back, and the run ends at exactly epochs x steps_per_epoch."""
+"""End to end under real `horovodrun`: with the defaults (``leave="near_deadline"``, the lead measured) a worker
+under a 30 s notice checkpoints at the notice, trains on for about 20 s (the job's first departure: nothing timed
+yet, so the lead is 10 s), then leaves gracefully through discovery with nothing rolled back, and the run ends at
+exactly epochs x steps_per_epoch."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,11 +9,12 @@ from pathlib import Path
 import pytest
 from test_elastic_e2e import cluster, current_master, elastic_cmd, expected_samples, steps_by_host
 
+from hvd_transient.core.config import DEFAULT_LEAVE_LEAD_S
 from hvd_transient.testing.local_cluster import of
 
 pytestmark = pytest.mark.horovod
 
-WINDOW_S, LEAD_S = 30.0, 10.0
+WINDOW_S, LEAD_S = 30.0, DEFAULT_LEAVE_LEAD_S
 
 
 def test_a_worker_under_notice_trains_through_its_window_then_leaves_gracefully(tmp_path: Path) -> None:
@@ -21,7 +23,7 @@ def test_a_worker_under_notice_trains_through_its_window_then_leaves_gracefully(
     epochs, per_epoch, batch = 7, 40, 32
     hosts = ("localhost", "127.0.0.1")
     command = elastic_cmd(store, epochs=epochs, steps=per_epoch, save_every=100000, step_seconds=0.1,
-                          notice_window=WINDOW_S, leave=None) + ("--leave-lead", str(LEAD_S))  # the default
+                          notice_window=WINDOW_S, leave=None)  # the defaults
     c = cluster(tmp_path, "run", store, hosts, command)
     with c:
         c.wait_for_step(10, 180, size=2)

@@ -241,6 +241,14 @@ def test_memory_store_is_isolated_per_url() -> None:
 
 # ------------------------------------------------------------------ adaptive notice cadence
 
+@pytest.mark.parametrize("timed,expected", [({}, None), ({2: 0.0}, 0.0), ({0: 1.25, 2: 3.5}, 3.5)])
+def test_notice_vector_carries_the_slowest_departure_any_rank_timed(timed: dict[int, float],
+                                                                      expected: float | None) -> None:
+    """A rank that timed none says nothing; one that timed a 0 s departure still counts."""
+    summed = sum(encode_notice(r, 3, None, departure_s=timed.get(r)) for r in range(3))
+    assert decode_notice(summed, 3).departure_s == (None if expected is None else pytest.approx(expected, abs=1e-6))
+
+
 def test_notice_vector_carries_the_mean_elapsed_time_exactly() -> None:
     size = 3
     summed = sum(encode_notice(r, size, None, elapsed_s=0.1 * (r + 1)) for r in range(size))

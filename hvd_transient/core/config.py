@@ -26,10 +26,16 @@ NOTICE_EVENT_SHARE = 0.05
 #: how a VM under notice leaves: as soon as its emergency checkpoint is taken, or by training on
 #: until ``leave_lead_s`` before its deadline
 LEAVE_MODES = ("at_notice", "near_deadline")
-#: ``leave="near_deadline"``: seconds before the VM's deadline that discovery drops it. Leaving
-#: takes Horovod's host check (about 1 s) and the ring's reset (a few seconds on a loaded box),
-#: and the rest is margin: the VM must be out of the ring before it is stopped
+#: ``leave="near_deadline"``: seconds before the VM's deadline that discovery drops it, until this
+#: job has timed a departure (or always, if ``leave_lead_s`` is given). Leaving takes Horovod's host
+#: check (about 1 s) and the ring's reset (a few seconds on a loaded box), and the rest is margin:
+#: the VM must be out of the ring before it is stopped
 DEFAULT_LEAVE_LEAD_S = 10.0
+#: once a departure was timed (its ``leave_at`` -> the survivors' new ring), the lead is the
+#: slowest one timed so far, times this factor, plus this pad: the margin scales with what leaving
+#: took on this job, up as well as down (a cluster whose discovery is slow gets a longer lead)
+LEAVE_LEAD_FACTOR = 2.0
+LEAVE_LEAD_PAD_S = 2.0
 #: a leaving rank's ``leave_published`` waits for its write at most this long: every rank waits
 #: for the leaving one in the next collective, and it copies its events once more as Horovod
 #: resets it out of the ring (:meth:`~hvd_transient.core.transient.TransientImpl.before_leaving`)
@@ -68,7 +74,8 @@ class TransientConfig:
     #: jobs: a static job stops at the notice, and its relaunch must not get the host). The Keras
     #: callback picks ``near_deadline`` for an elastic job; an MPI job is static.
     leave: str = "at_notice"
-    leave_lead_s: float = DEFAULT_LEAVE_LEAD_S
+    #: ``near_deadline``: seconds before its deadline that a VM leaves; None: measured (:meth:`lead_s`)
+    leave_lead_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.check_every_steps is not None and self.check_every_steps < 1:
@@ -82,9 +89,19 @@ class TransientConfig:
                              f"not {self.check_slowdown_allowance}")
         if self.leave not in LEAVE_MODES:
             raise LeaveConfigError(f"leave must be one of {', '.join(map(repr, LEAVE_MODES))}, not {self.leave!r}")
-        if not self.leave_lead_s >= 0:
-            raise LeaveConfigError(f"leave_lead_s must be zero or more seconds before the VM's deadline, "
-                                   f"not {self.leave_lead_s}")
+        if self.leave_lead_s is not None and not self.leave_lead_s >= 0:
+            raise LeaveConfigError(f"leave_lead_s must be None (measured) or zero or more seconds before "
+                                   f"the VM's deadline, not {self.leave_lead_s}")
+
+    def lead_s(self, slowest_departure_s: float | None) -> float:
+        """How long before its deadline a VM under notice leaves (pure): ``leave_lead_s`` if given; else
+        ``DEFAULT_LEAVE_LEAD_S`` until a departure of this job was timed, then the slowest departure
+        timed (``leave_at`` -> the survivors' new ring) times ``LEAVE_LEAD_FACTOR`` plus ``LEAVE_LEAD_PAD_S``."""
+        if self.leave_lead_s is not None:
+            return self.leave_lead_s
+        if slowest_departure_s is None:
+            return DEFAULT_LEAVE_LEAD_S
+        return LEAVE_LEAD_FACTOR * slowest_departure_s + LEAVE_LEAD_PAD_S
 
     def trains_through(self, hosts: Collection[str], leaving: Collection[str]) -> bool:
         """Whether the VMs under notice (``leaving``) of a ring of ``hosts`` train on until their
@@ -94,5 +111,5 @@ class TransientConfig:
 
 
 __all__ = ["DEFAULT_LEAVE_LEAD_S", "FINAL_SAVE_CHECK_TIMEOUT_S", "HOUSEKEEPING_TIMEOUT_S", "LEASE_MOVE_TIMEOUT_S",
-           "LEAVE_EVENT_WAIT_S", "LEAVE_FLUSH_MAX_S", "LEAVE_MODES", "NOTICE_EVENT_SHARE", "LeaveConfigError",
-           "TransientConfig"]
+           "LEAVE_EVENT_WAIT_S", "LEAVE_FLUSH_MAX_S", "LEAVE_LEAD_FACTOR", "LEAVE_LEAD_PAD_S", "LEAVE_MODES",
+           "NOTICE_EVENT_SHARE", "LeaveConfigError", "TransientConfig"]

@@ -26,6 +26,8 @@ class NoticeRound:
     vm_deadlines: tuple[float | None, ...] = ()
     slowest_step_s: float = 0.0  # the longest single step any rank took since its previous round
     committed_step: int | None = None  # the latest step the master knows committed
+    #: the slowest departure any rank timed on this job (``leave_at`` -> its new ring), None: none yet
+    departure_s: float | None = None
 
     @property
     def any(self) -> bool:
@@ -36,27 +38,31 @@ class NoticeRound:
         return self.vm_deadlines[rank] if rank < len(self.vm_deadlines) else None
 
 
-#: scalar slots after the three per-rank blocks
+#: per-rank blocks, then these scalar slots
+_BLOCKS = 4
 _STOP, _BUSY, _ELAPSED, _WARNING, _COMMITTED = range(5)
 
 
 def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = False,
                   busy: bool = False, elapsed_s: float = 0.0, early_warning: bool = False, *,
-                  slowest_step_s: float = 0.0, committed_step: int | None = None) -> np.ndarray[Any, Any]:
+                  slowest_step_s: float = 0.0, committed_step: int | None = None,
+                  departure_s: float | None = None) -> np.ndarray[Any, Any]:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
-    Layout: ``[leaving flag per rank | deadline per rank | slowest step us per rank | stop | busy |
-    elapsed us | early warning | committed step + 1]``. Times travel in whole microseconds and steps
-    as integers, so the sum is exact and every rank derives the same decisions from it. Only the
-    master gives ``committed_step``; per-rank slots keep what a sum would lose (the earliest deadline,
-    the slowest step).
+    Layout: ``[leaving flag per rank | deadline per rank | slowest step us per rank | slowest departure
+    us per rank | stop | busy | elapsed us | early warning | committed step + 1]``. Times travel in whole
+    microseconds and steps as integers, so the sum is exact and every rank derives the same decisions
+    from it. Only the master gives ``committed_step``; per-rank slots keep what a sum would lose (the
+    earliest deadline, the slowest step, the slowest departure).
     """
-    vec = np.zeros(3 * size + 5, dtype=np.float64)
+    vec = np.zeros(_BLOCKS * size + 5, dtype=np.float64)
     if deadline is not None:
         vec[rank] = 1.0
         vec[size + rank] = deadline
     vec[2 * size + rank] = float(round(max(0.0, slowest_step_s) * 1e6))
-    base = 3 * size
+    if departure_s is not None:  # + 1 us: a departure timed at 0 s is still one that was timed
+        vec[3 * size + rank] = float(round(max(0.0, departure_s) * 1e6)) + 1.0
+    base = _BLOCKS * size
     vec[base + _STOP] = 1.0 if stop else 0.0
     vec[base + _BUSY] = 1.0 if busy else 0.0
     vec[base + _ELAPSED] = float(round(max(0.0, elapsed_s) * 1e6))
@@ -73,8 +79,8 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
     one rank per VM polls the metadata server). The round's deadline is the earliest given; each
     leaving rank's own VM deadline is the earliest given to a rank of that VM.
     """
-    if summed.shape != (3 * size + 5,):
-        raise ValueError(f"a notice vector of {size} ranks has {3 * size + 5} values, not {summed.shape}")
+    if summed.shape != (_BLOCKS * size + 5,):
+        raise ValueError(f"a notice vector of {size} ranks has {_BLOCKS * size + 5} values, not {summed.shape}")
     noticed = [int(i) for i in np.flatnonzero(summed[:size] > 0.5)]
     deadline = min((float(summed[size + i]) for i in noticed), default=None)
     vm_of = list(hosts) if hosts is not None else [str(r) for r in range(size)]
@@ -82,13 +88,15 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
     for i in noticed:
         vm_deadline[vm_of[i]] = min(vm_deadline.get(vm_of[i], float("inf")), float(summed[size + i]))
     leaving = tuple(r for r in range(size) if vm_of[r] in vm_deadline)
-    base = 3 * size
+    base = _BLOCKS * size
     committed = int(round(summed[base + _COMMITTED]))
+    departure_us = float(np.max(summed[3 * size:4 * size]))
     return NoticeRound(leaving, deadline, bool(summed[base + _STOP] > 0.5), bool(summed[base + _BUSY] > 0.5),
                        float(summed[base + _ELAPSED]) / 1e6 / size, bool(summed[base + _WARNING] > 0.5),
                        vm_deadlines=tuple(vm_deadline.get(vm_of[r]) for r in range(size)),
                        slowest_step_s=float(np.max(summed[2 * size:3 * size])) / 1e6,
-                       committed_step=committed - 1 if committed > 0 else None)
+                       committed_step=committed - 1 if committed > 0 else None,
+                       departure_s=(departure_us - 1.0) / 1e6 if departure_us > 0.5 else None)
 
 
 #: default for how many check intervals a round may be apart when steps are as slow as the

@@ -49,8 +49,11 @@ class Emergency:
         # (not another VM's, nor one written again when a later notice comes in).
         own_deadline = round_.deadline_of(rank) if rank in new else None
         writes_record = rank in new and rank == min(r for r in new if p.run.hosts[r] == p.host)
-        leave_at = planned_leave_at(p.config, p.run.hosts, round_,
-                                    own_deadline if own_deadline is not None else now + window, now)
+        # Every rank plans every leaver's leave_at, to time its departure when the ring re-forms without it.
+        planned = {p.run.hosts[r]: planned_leave_at(p.config, p.run.hosts, round_,
+                                                    round_.deadline_of(r) or now + window, now) for r in new}
+        p.run.leave_at_of.update({host: at for host, at in planned.items() if at is not None})
+        leave_at = planned[p.host] if rank in new else None
         if writes_record:
             self._departure.publish_record(step, own_deadline, was_master,
                                            until=own_deadline if own_deadline is not None else now + window,

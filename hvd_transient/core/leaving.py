@@ -27,10 +27,11 @@ log = logging.getLogger(__name__)
 def planned_leave_at(config: TransientConfig, hosts: list[str], round_: NoticeRound, vm_deadline: float,
                      now: float) -> float | None:
     """When discovery should drop a VM whose window ends at ``vm_deadline``; None: at once (pure;
-    see :meth:`TransientConfig.trains_through`)."""
+    see :meth:`TransientConfig.trains_through`, and :meth:`TransientConfig.lead_s` for the lead, from
+    the slowest departure the round says this job timed)."""
     if not config.trains_through(hosts, {hosts[r] for r in round_.leaving}):
         return None
-    leave_at = vm_deadline - config.leave_lead_s
+    leave_at = vm_deadline - config.lead_s(round_.departure_s)
     return leave_at if leave_at > now else None
 
 

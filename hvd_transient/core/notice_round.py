@@ -123,8 +123,11 @@ class NoticeRounds:
         committed = self._saves.committed_step if rank == run.master else None
         summed = p.comm.allreduce_sum(
             encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
-                          slowest_step_s=slowest, committed_step=committed), name="notice")
+                          slowest_step_s=slowest, committed_step=committed, departure_s=run.departure_s),
+            name="notice")
         round_ = decode_notice(summed, size, run.hosts if len(run.hosts) == size else None)
+        if round_.departure_s is not None:  # the ring's slowest, so a VM that joined since knows it too
+            run.departure_s = round_.departure_s
         self.count += 1
         self.warnings.settle(round_)
         # Every rank got the same sum, so every rank picks the same next check step.

@@ -41,6 +41,10 @@ class RunState:
     ring_slowest_step_s: float = 0.0    # the longest step any rank took on this ring (agreed)
     ring_id: str = "ring"               # the same on every rank of this ring, new at each begin()
     saves_started: int = 0              # saves this ring started: part of each save's attempt id
+    #: VMs under notice that train on: when each is to leave (epoch seconds), to time its departure
+    leave_at_of: dict[str, float] = field(default_factory=dict)
+    #: the slowest departure timed on this job (``leave_at`` -> the survivors' new ring), agreed at rounds
+    departure_s: float | None = None
 
     def start_ring(self, step: int, members: list[Any], *, now: float) -> int | None:
         """Take on the ring whose members said ``[host, leaving, token]`` in rank order (the same list on
@@ -61,6 +65,19 @@ class RunState:
         self.next_check_step = step + 1
         self.last_round_step, self.last_round_at = step, now
         return previous_master
+
+    def time_departures(self, wall: float) -> dict[str, float]:
+        """Call after :meth:`start_ring`, at epoch time ``wall``: the VMs that trained on to their
+        ``leave_at`` and are gone from this ring, with the seconds from their ``leave_at`` to now (the
+        slowest so far is kept in ``departure_s``). A VM gone before its ``leave_at`` left for another
+        reason (its VM died, a failure reset the ring) and is not timed."""
+        gone = {h: wall - at for h, at in self.leave_at_of.items() if h not in self.hosts}
+        staying = set(self.hosts) & self.handled_leavers  # still training on to their leave_at
+        self.leave_at_of = {h: at for h, at in self.leave_at_of.items() if h in staying}
+        timed = {h: s for h, s in gone.items() if s >= 0.0}
+        if timed:
+            self.departure_s = max(self.departure_s or 0.0, *timed.values())
+        return timed
 
     def next_attempt(self, step: int) -> str:
         """The attempt id of the next save this ring starts: every rank starts the same saves in the

@@ -147,6 +147,9 @@ class TransientImpl:
         # replay the same steps after a reset or a relaunch: its saves get attempt ids of their own.
         members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8)])
         previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic())
+        for host, seconds in self.run.time_departures(self.clocks.wall()).items():
+            log.info("%s left %.1f s after its leave_at; the next VM under notice leaves %.1f s before its deadline",
+                     host, seconds, self.config.lead_s(self.run.departure_s))
         move_lease(self.lease, self.events, take=rank == self.run.master,
                    until=self.clocks.wall() + LEASE_MOVE_TIMEOUT_S)
         if rank == self.run.master:

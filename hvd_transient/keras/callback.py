@@ -19,7 +19,7 @@ from hvd_transient.collectives.horovod import HorovodCollectives
 from hvd_transient.core.checksums import state_crc
 from hvd_transient.core.data_position import epoch_and_batch
 from hvd_transient.core.lr_scaling import scaled_lr
-from hvd_transient.core.transient import DEFAULT_LEAVE_LEAD_S, StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
 from hvd_transient.keras.resume import ResumeAt
 from hvd_transient.keras.snapshot import FusedSnapshot
 from hvd_transient.keras.state import learning_rate_of, optimizer_variables, state_variables, weights_crc
@@ -48,9 +48,11 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
             work is kept (a notice to every host leaves at once). ``at_notice``: as soon as the
             emergency checkpoint is taken (what a static job, ``state=None``, always does: it
             is relaunched at the notice).
-        leave_lead_s: with ``near_deadline``, how long before its VM's deadline a worker leaves
-            (default 10 s: Horovod's host check, about 1 s, the ring's reset, a few seconds on a
-            loaded box, and a margin).
+        leave_lead_s: with ``near_deadline``, how long before its VM's deadline a worker leaves.
+            None (the default): measured. 10 s until this job timed a departure (Horovod's host
+            check, about 1 s, the ring's reset, a few seconds on a loaded box, and a margin); then
+            twice the slowest departure timed (its ``leave_at`` -> the survivors' new ring) plus 2 s,
+            shorter or longer than 10 s as this cluster leaves. A number fixes it.
         lr_scaling: ``linear`` | ``sqrt`` | ``none``: learning rate = f(active workers) x ``base_lr``.
         base_lr: the single-worker learning rate (None: leave the learning rate alone).
         watcher: ``auto`` | ``gce`` | ``aws`` | ``azure`` | ``local`` (env ``HVDT_WATCHER`` overrides).
@@ -65,7 +67,7 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
                  lr_scaling: str = "linear", base_lr: float | None = None, watcher: str = "auto",
                  max_to_keep: int | None = 3, keep_every_n_steps: int | None = None,
                  save_on_train_end: bool = True, resume_position: bool | None = None,
-                 leave: str | None = None, leave_lead_s: float = DEFAULT_LEAVE_LEAD_S) -> None:
+                 leave: str | None = None, leave_lead_s: float | None = None) -> None:
         super().__init__()
         scaled_lr(1.0, 1, lr_scaling)  # validate early
         self.state = state

@@ -43,6 +43,14 @@ def worker_of(key: ProcessKey, evs: Sequence[AnyRecord], rings: Sequence[Ring],
     )
 
 
+def _leave_lead_s(own: Sequence[AnyRecord]) -> float | None:
+    """How long before its VM's deadline a worker that trained on through its window was to leave."""
+    leave = next(iter(_of(own, ev.LeavePublished)), None)
+    if leave is None or leave.body.leave_at is None or leave.body.deadline is None:
+        return None
+    return float(leave.body.deadline) - float(leave.body.leave_at)
+
+
 def _departure(worker: Worker, own: Sequence[AnyRecord], kills: Mapping[str, float]) -> float:
     leave = next(iter(_of(own, ev.LeavePublished)), None)
     if leave is not None:
@@ -131,6 +139,7 @@ def preemptions_of(events: Sequence[AnyRecord], workers: Mapping[ProcessKey, Wor
             survivor_resets=max(per_host.values(), default=0),
             last_step_before_reset=resets[0].body.last_step if resets else None,
             step_after_reset=resets[0].body.step if resets else None,
+            leave_lead_s=_leave_lead_s(own),
         ))
     return tuple(sorted(out, key=lambda p: (p.departed_at, p.host)))
 

@@ -204,6 +204,8 @@ class Goodput:
     preemptions_seen: int
     lost_phases_s: Mapping[str, float] = field(default_factory=dict)
     steps_redone: int = 0  # every step trained twice, relaunches included (:func:`steps_redone`)
+    #: each departure's lead before its VM's deadline, in order (near_deadline; None: it left at once)
+    leave_leads_s: tuple[float | None, ...] = ()
 
     @property
     def goodput(self) -> float:
@@ -227,7 +229,7 @@ def goodput(variant: str, run: RunAnalysis, *, t0: float, duration_s: float, ava
     gaps = (in_window / mean_rate, elsewhere / mean_rate) if mean_rate > 0 else (0.0, 0.0)
     return Goodput(variant, useful, ideal, step, max((p.steps_rolled_back for p in inside), default=0),
                    len(inside), lost_phases(run, t0, t0 + duration_s, max(0.0, lost), gaps_s=gaps),
-                   steps_redone(run, t0 + duration_s))
+                   steps_redone(run, t0 + duration_s), tuple(p.leave_lead_s for p in inside))
 
 
 def cost_per_m_samples(useful: int, availability: Availability, duration_s: float,

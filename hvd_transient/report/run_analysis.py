@@ -86,6 +86,7 @@ class Preemption:
     survivor_resets: int = 0          # resets the survivors went through until then (most on one host)
     last_step_before_reset: int | None = None  # the first reset's last_step and step
     step_after_reset: int | None = None
+    leave_lead_s: float | None = None  # trained on until this long before its VM's deadline (near_deadline)
 
     @property
     def agreed_to_left_ms(self) -> float | None:
