@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
-from test_protocol_agreement import events, make_ranks, notice, step_all
+from test_protocol_agreement import events, make_ranks, notice, published, step_all
 from test_report import T0, preempted_worker_log
 
 from ckpt_service.errors import CheckpointError
@@ -20,8 +20,6 @@ from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
 from hvd_transient.core.config import DEFAULT_LEAVE_LEAD_S, LeaveConfigError, TransientConfig
 from hvd_transient.core.interfaces import Clocks
-from hvd_transient.core.ring import RunState
-from hvd_transient.core.transient import TransientImpl
 from hvd_transient.core.membership import (
     LeavingRecord,
     excluded,
@@ -30,6 +28,8 @@ from hvd_transient.core.membership import (
     publish_leaving,
     read_leaving,
 )
+from hvd_transient.core.ring import RunState
+from hvd_transient.core.transient import TransientImpl
 from hvd_transient.discovery.hosts import Host, exclude_leaving
 from hvd_transient.report.analysis import analyze
 
@@ -156,6 +156,7 @@ def test_the_protocols_default_leaves_at_the_notice() -> None:
     impls[2].watcher.notice = notice(30.0, now=deadline - 30)
     outcomes = step_all(group, impls, 1)
     assert outcomes[2].leaving and outcomes[2].leave_at is None
+    published(impls)
     [record] = read_leaving(impls[0].manager.store)
     assert record.leave_at is None and listed([record], time.time()) == ["h0", "h1"]
     assert "leave_at" not in events(impls[2], "leave_published")[0]

@@ -13,7 +13,7 @@ import uuid
 from typing import Any, Callable
 
 import pytest
-from test_protocol_agreement import events, make_ranks, notice, step_all
+from test_protocol_agreement import events, make_ranks, notice, published, step_all
 
 from ckpt_service import layout
 from ckpt_service.deadline import Deadline
@@ -229,6 +229,7 @@ def test_the_lease_move_at_the_election_ends_by_the_notice_deadline() -> None:
     assert [i.run.master for i in impls] == [1, 1, 1]
     assert events(impls[1], "lease_error"), "the failed takeover must be reported"
     assert CheckpointManager(url).all_steps() == []
+    published(impls)
     assert leaving_hosts(memory) == {"h0"}  # the leave itself did not depend on the lease
 
 

@@ -136,6 +136,13 @@ def events(impl: TransientImpl, name: str) -> list[dict[str, Any]]:
     return [e for e in impl.events.events if e["event"] == name]
 
 
+def published(impls: list[TransientImpl]) -> None:
+    """Wait until every leaving record these ranks write in the background has landed (or given up)."""
+    for impl in impls:
+        if impl.publishing is not None:
+            impl.publishing.result(timeout=30)
+
+
 def wait_all(impls: list[TransientImpl]) -> None:
     for impl in impls:
         try:
@@ -193,6 +200,7 @@ def test_a_snapshot_failing_on_one_rank_fails_the_emergency_save_on_every_rank(f
         assert f"rank {failing} could not take its snapshot of step 3" in failed["error"]
         assert not events(impl, "commit")
     assert CheckpointManager(url).all_steps() == []
+    published(impls)
     assert {r.host for r in read_leaving(impls[0].manager.store)} == {"h2"}  # it still leaves
     assert group.calls[0] == group.calls[1] == group.calls[2]
     assert [c.name for c in group.calls[0][-3:]] == ["notice", "gather", "save-outcome"]
@@ -300,6 +308,7 @@ def test_a_slow_store_during_a_notice_still_commits_on_every_rank() -> None:
     outcomes = step_all(group, impls, 3)
     assert [o.committed for o in outcomes] == [True, True, True]
     assert CheckpointManager(url).all_steps() == [3]
+    published(impls)
     assert [r.host for r in read_leaving(memory)] == ["h1"]
     assert group.calls[0] == group.calls[1] == group.calls[2]
 
@@ -327,6 +336,7 @@ def test_each_leaving_record_carries_its_own_deadline_and_is_written_once() -> N
     impls[1].watcher.notice = notice(150.0, now=t0 + 2)
     outcomes = step_all(group, impls, 2)
     assert [o.emergency_step for o in outcomes] == [2, 2, 2]
+    published(impls)
     records = {r.host: r.deadline for r in read_leaving(counting)}
     assert records == {"h2": pytest.approx(t0 + 30), "h1": pytest.approx(t0 + 152)}
     assert counting.puts[keys.leaving_key("h2")] == 1 and counting.puts[keys.leaving_key("h1")] == 1
@@ -345,6 +355,7 @@ def test_a_later_shorter_notice_does_not_rewrite_an_earlier_record() -> None:
     step_all(group, impls, 1)
     impls[2].watcher.notice = notice(30.0, now=t0 + 2)
     step_all(group, impls, 2)
+    published(impls)
     records = {r.host: r.deadline for r in read_leaving(counting)}
     assert records == {"h1": pytest.approx(t0 + 150), "h2": pytest.approx(t0 + 32)}
     assert counting.puts[keys.leaving_key("h1")] == 1

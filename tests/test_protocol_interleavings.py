@@ -402,6 +402,10 @@ class NoticeProtocol(RuleBasedStateMachine):
 
     @invariant()
     def each_leaving_record_has_its_own_deadline_once(self) -> None:
+        for host in self.handled:  # the records are written in the background
+            publishing = self.ranks[host].impl.publishing
+            if publishing is not None:
+                publishing.result(timeout=GROUP_TIMEOUT_S)
         records = {r.host: r.deadline for r in read_leaving(self.memory)}
         assert set(records) == self.handled, f"leaving records of {sorted(records)}, leavers {sorted(self.handled)}"
         for host, deadline in records.items():

@@ -7,6 +7,7 @@ import uuid
 import numpy as np
 import pytest
 from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
+from test_protocol_agreement import published
 
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager
@@ -71,6 +72,7 @@ def test_notice_to_a_worker(ranks) -> None:
     assert [o.leaving for o in outcomes] == [False, False, True]
     assert all(o.departure_pending for o in outcomes)
     store = impls[0].manager.store
+    published(impls)
     assert leaving_hosts(store) == {"h2"}
     [record] = read_leaving(store)  # the record names the VM incarnation that left
     assert (record.host, record.instance_id) == ("h2", "id-h2")
@@ -116,6 +118,7 @@ def test_every_rank_under_notice_still_commits(ranks) -> None:
         impl.watcher.notice = notice()
     outcomes = step_all(group, impls, 9)
     assert all(o.committed and o.leaving for o in outcomes)
+    published(impls)
     assert leaving_hosts(impls[0].manager.store) == set(HOSTS)
     assert CheckpointManager(url).latest_step() == 9
 
@@ -126,6 +129,7 @@ def test_a_missed_deadline_abandons_cleanly_on_every_rank(ranks) -> None:
     outcomes = step_all(group, impls, 4)
     assert [o.committed for o in outcomes] == [False, False, False]
     assert CheckpointManager(url).all_steps() == []
+    published(impls)
     assert leaving_hosts(impls[0].manager.store) == {"h1"}  # it still leaves gracefully
     assert any(e["event"] == "save_failed" for e in impls[0].events.events)
 
