@@ -95,13 +95,14 @@ def test_wave_takes_every_worker_and_the_keeper_relaunches_the_run_at_the_exact_
     relaunch, = of(events, "keeper_job", phase="relaunch")
     assert relaunch["attempt"] == 2 and sorted(relaunch["workers"]) == new_hosts
 
-    # the first run: one emergency checkpoint, at the step every rank agreed on
+    # the first run: every VM's notice agreed, in one round or, when the wave's notices reach the watchers
+    # a round apart (each is seen within about a second), in two; an emergency checkpoint at each step agreed
     first = [e for e in events if first_run <= e["t"] < relaunched_at and not e["event"].startswith("keeper_")]
-    agreed = {e["step"] for e in of(first, "notice_agreed")}
-    assert len(agreed) == 1 and {e["host"] for e in of(first, "notice_agreed")} == set(HOSTS)
-    (cut,) = agreed
-    (emergency,) = of(first, "commit", kind="emergency")
-    assert emergency["step"] == cut and 0 < cut < nominal
+    agreed = sorted({e["step"] for e in of(first, "notice_agreed")})
+    assert {h for e in of(first, "notice_agreed") for h in e["leaving"]} == set(HOSTS), agreed
+    assert sorted({e["step"] for e in of(first, "commit", kind="emergency")}) == agreed
+    cut = agreed[-1]
+    assert 0 < cut < nominal
 
     # the relaunch: every worker starts from that checkpoint, on the refilled VMs; nothing is lost
     second = [e for e in events if e["t"] >= relaunched_at and not e["event"].startswith("keeper_")]
@@ -112,7 +113,10 @@ def test_wave_takes_every_worker_and_the_keeper_relaunches_the_run_at_the_exact_
     final = of(second, "weights")
     assert {e["step"] for e in final} == {nominal} and len(final) == 2 and len({e["crc"] for e in final}) == 1
     # every step took the next size x batch samples, across the wave
-    rings = ([e for e in of(first, "ring", host="localhost") if e["step"] < cut]
+    first_rings: dict[str, dict] = {}  # one ring event per ring, whichever member logged it
+    for e in of(first, "ring"):
+        first_rings.setdefault(e["ring"], e)
+    rings = (sorted((e for e in first_rings.values() if e["step"] < cut), key=lambda e: e["t"])
              + of(second, "ring", host=new_hosts[0]))
     for e in of(first, "progress") + of(first, "first_step"):
         if e["step"] <= cut:
