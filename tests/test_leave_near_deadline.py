@@ -140,10 +140,10 @@ def test_the_measured_lead_is_agreed_by_every_rank_and_taught_to_a_vm_that_joine
     newcomer.watcher.notice = notice(30.0, now=t0 + 30.0)
     outcomes = step_all(group2, ring, 5)
     assert outcomes[2].leaving and outcomes[2].leave_at == pytest.approx(t0 + 55.0, abs=1e-3)
-    newcomer.publishing.result(timeout=10)  # type: ignore[union-attr]
+    published([newcomer])
     assert {r.host: r.leave_at for r in read_leaving(impls[0].manager.store)}["h3"] == outcomes[2].leave_at
-    [published] = events(newcomer, "leave_published")
-    assert published["deadline"] - published["leave_at"] == pytest.approx(5.0, abs=1e-3)
+    [leave] = events(newcomer, "leave_published")
+    assert leave["deadline"] - leave["leave_at"] == pytest.approx(5.0, abs=1e-3)
     for impl in (*impls, newcomer):
         impl.close()
 

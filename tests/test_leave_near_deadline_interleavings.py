@@ -16,6 +16,7 @@ import test_protocol_interleavings as base
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
+from test_protocol_agreement import published
 
 from hvd_transient.core.membership import read_leaving
 
@@ -37,9 +38,7 @@ class NearDeadlineProtocol(base.NoticeProtocol):
             event("whole ring under notice: leave at once" if whole_ring else "train on until leave_at")
 
     def _leave_at(self, host: str) -> float | None:
-        publishing = self.ranks[host].impl.publishing
-        if publishing is not None:
-            publishing.result(timeout=base.GROUP_TIMEOUT_S)
+        published([self.ranks[host].impl], base.GROUP_TIMEOUT_S)
         return {r.host: r.leave_at for r in read_leaving(self.memory)}[host]
 
     @base.running

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pytest
@@ -136,11 +136,11 @@ def events(impl: TransientImpl, name: str) -> list[dict[str, Any]]:
     return [e for e in impl.events.events if e["event"] == name]
 
 
-def published(impls: list[TransientImpl]) -> None:
+def published(impls: Iterable[TransientImpl], timeout_s: float = 30.0) -> None:
     """Wait until every leaving record these ranks write in the background has landed (or given up)."""
     for impl in impls:
         if impl.publishing is not None:
-            impl.publishing.result(timeout=30)
+            impl.publishing.result(timeout=timeout_s)
 
 
 def wait_all(impls: list[TransientImpl]) -> None:

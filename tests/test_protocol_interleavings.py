@@ -39,6 +39,7 @@ from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_protocol_agreement import published
 
 from ckpt_service import layout
 from ckpt_service.errors import StoreUnavailableError
@@ -402,10 +403,7 @@ class NoticeProtocol(RuleBasedStateMachine):
 
     @invariant()
     def each_leaving_record_has_its_own_deadline_once(self) -> None:
-        for host in self.handled:  # the records are written in the background
-            publishing = self.ranks[host].impl.publishing
-            if publishing is not None:
-                publishing.result(timeout=GROUP_TIMEOUT_S)
+        published((self.ranks[host].impl for host in self.handled), GROUP_TIMEOUT_S)  # written in the background
         records = {r.host: r.deadline for r in read_leaving(self.memory)}
         assert set(records) == self.handled, f"leaving records of {sorted(records)}, leavers {sorted(self.handled)}"
         for host, deadline in records.items():

@@ -15,6 +15,7 @@ from hvd_transient.report.run_analysis import FINISHED, KILLED, LOST, PREEMPTED,
 from hvd_transient.report.run_analysis import ms_between as _ms
 from hvd_transient.report.run_analysis import ring_at as _ring_at
 from hvd_transient.telemetry import schema as ev
+from hvd_transient.telemetry.schema import Record
 
 
 def worker_of(key: ProcessKey, evs: Sequence[AnyRecord], rings: Sequence[Ring],
@@ -43,16 +44,15 @@ def worker_of(key: ProcessKey, evs: Sequence[AnyRecord], rings: Sequence[Ring],
     )
 
 
-def _leave_lead_s(own: Sequence[AnyRecord]) -> float | None:
+def _leave_lead_s(leave: Record[ev.LeavePublished] | None) -> float | None:
     """How long before its VM's deadline a worker that trained on through its window was to leave."""
-    leave = next(iter(_of(own, ev.LeavePublished)), None)
     if leave is None or leave.body.leave_at is None or leave.body.deadline is None:
         return None
     return float(leave.body.deadline) - float(leave.body.leave_at)
 
 
-def _departure(worker: Worker, own: Sequence[AnyRecord], kills: Mapping[str, float]) -> float:
-    leave = next(iter(_of(own, ev.LeavePublished)), None)
+def _departure(worker: Worker, leave: Record[ev.LeavePublished] | None, kills: Mapping[str, float]) -> float:
+    """``leave``: the worker's ``leave_published``, if it logged one."""
     if leave is not None:
         # a VM that trained on through its window (leave="near_deadline") left at its leave_at
         leave_at = leave.body.leave_at
@@ -75,7 +75,8 @@ def preemptions_of(events: Sequence[AnyRecord], workers: Mapping[ProcessKey, Wor
         if worker.outcome not in (PREEMPTED, KILLED):
             continue
         own = by_proc[key]
-        departed_at = _departure(worker, own, kills)
+        leave = next(iter(_of(own, ev.LeavePublished)), None)
+        departed_at = _departure(worker, leave, kills)
         notice = next((e for e in _of(own, ev.Notice) if e.t <= departed_at), None)
         agreed = [e for e in agreements if worker.host in e.body.leaving and worker.started_at <= e.t <= departed_at]
         agreement = agreed[-1] if agreed else None
@@ -139,7 +140,7 @@ def preemptions_of(events: Sequence[AnyRecord], workers: Mapping[ProcessKey, Wor
             survivor_resets=max(per_host.values(), default=0),
             last_step_before_reset=resets[0].body.last_step if resets else None,
             step_after_reset=resets[0].body.step if resets else None,
-            leave_lead_s=_leave_lead_s(own),
+            leave_lead_s=_leave_lead_s(leave),
         ))
     return tuple(sorted(out, key=lambda p: (p.departed_at, p.host)))
 
