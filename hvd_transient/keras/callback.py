@@ -20,6 +20,7 @@ from hvd_transient.core.checksums import state_crc
 from hvd_transient.core.data_position import epoch_and_batch
 from hvd_transient.core.lr_scaling import scaled_lr
 from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.keras.autograph import skip_horovod_conversion
 from hvd_transient.keras.resume import ResumeAt
 from hvd_transient.keras.snapshot import FusedSnapshot
 from hvd_transient.keras.state import learning_rate_of, optimizer_variables, state_variables, weights_crc
@@ -70,6 +71,7 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
                  leave: str | None = None, leave_lead_s: float | None = None) -> None:
         super().__init__()
         scaled_lr(1.0, 1, lr_scaling)  # validate early
+        skip_horovod_conversion()  # before fit traces its step: a cold start's first step comes sooner
         self.state = state
         if leave is None:  # the default: train through the window where the ring can shrink
             leave = "near_deadline" if state is not None else "at_notice"

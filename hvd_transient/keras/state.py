@@ -18,6 +18,7 @@ from hvd_transient.core.checksums import state_crc
 from hvd_transient.core.control import clear_stop
 from hvd_transient.core.data_position import SampleCursor
 from hvd_transient.join import standby
+from hvd_transient.keras.autograph import skip_horovod_conversion
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ def elastic_state(model: tf.keras.Model, *, store: str, **state_kwargs: Any) -> 
     """
     import horovod.tensorflow.keras as hvd
 
+    skip_horovod_conversion()  # before fit traces its step: a cold start's first step comes sooner
     build_optimizer_slots(model)
     restored = None
     state_kwargs.setdefault("samples", 0)
