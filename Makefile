@@ -50,10 +50,12 @@ test: setup
 	$(BIN)/mypy ckpt_service hvd_transient
 	# the package's layers (pyproject.toml [tool.importlinter])
 	$(BIN)/lint-imports --no-cache
-	# unit and emulator tests in two processes, then the end-to-end runs (real horovodrun and mpirun,
-	# several processes each, with time bounds) one at a time, with the machine to themselves
-	$(BIN)/python -m pytest -m "not horovod and not mpi" -n 2
-	$(BIN)/python -m pytest -m "horovod or mpi"
+	# unit and emulator tests in four processes (they mostly wait: on emulators, faults, timeouts);
+	# then the end-to-end runs (real horovodrun and mpirun, several processes each) two at a time;
+	# last, alone, the runs that compare timings taken within one run (marked solo)
+	$(BIN)/python -m pytest -m "not horovod and not mpi" -n 4
+	$(BIN)/python -m pytest -m "(horovod or mpi) and not solo" -n 2
+	$(BIN)/python -m pytest -m "solo"
 
 demo: setup
 	$(BIN)/hvd-transient demo

@@ -302,8 +302,13 @@ def summarize(out: dict[str, Any], plan: TracePlan, cfg: Config) -> dict[str, An
 
 
 def table(out: dict[str, Any], summary: dict[str, Any]) -> str:
-    rows = []
-    for v, g in out["results"].items():
+    rows: list[list[Any]] = []
+    for v in (v for v in VARIANTS if v in out["results"] or v in out["errors"]):
+        if v not in out["results"]:  # it ran and failed: the table says so, with why
+            rows.append([LABELS[v], "failed", "-", "-", "-", "-", "-", out["launches"].get(v, "-"), "-",
+                         out["errors"][v]])
+            continue
+        g = out["results"][v]
         lost = "; ".join(f"{k} {s:.0f} s" for k, s in g.lost_phases_s.items() if s >= 0.5)
         cost = summary["cost_per_m_samples_spot_by_variant"].get(v)
         rows.append([LABELS[v], f"{g.goodput:.3f}", f"{g.useful_samples:,}", f"{g.ideal_samples:,.0f}",

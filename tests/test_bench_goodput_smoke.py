@@ -20,6 +20,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.horovod
+@pytest.mark.solo  # the calibration and the run must see the same machine, or goodput can pass 1
 def test_goodput_bench_on_a_tiny_trace(tmp_path: Path) -> None:
     trace = tmp_path / "tiny.csv"
     trace.write_text("0,add,a\n0,add,b\n15000,remove,b\n60000,remove,a\n")
@@ -51,3 +52,25 @@ def test_goodput_bench_on_a_tiny_trace(tmp_path: Path) -> None:
     assert "| hvd-transient |" in out.with_suffix(".md").read_text()
     work = tmp_path / "work"
     assert not any(work.iterdir()), f"left behind: {list(work.iterdir())}"
+
+
+def test_the_table_names_a_variant_that_failed_and_why() -> None:
+    """A variant whose run failed (plain Horovod's driver can stop after three worker failures) is a row of the
+    table, in the variants' order, with its error: a reader must not take two rows for the whole comparison."""
+    from bench import goodput as gp
+    from hvd_transient.report.goodput import Goodput
+
+    ours = Goodput("ours", useful_samples=900, ideal_samples=1000.0, final_step=10, steps_rolled_back=0,
+                   preemptions_seen=1)
+    restart = Goodput("restart", useful_samples=600, ideal_samples=1000.0, final_step=7, steps_rolled_back=0,
+                      preemptions_seen=1)
+    out = {"results": {"restart": restart, "ours": ours}, "launches": {"ours": 1, "restart": 2},
+           "errors": {"horovod_elastic": "ClusterError: failure count == 3 -> stop running"},
+           "rates": {1: 10.0, 2: 18.0}}
+    summary = {"cost_per_m_samples_spot_by_variant": {"ours": 0.1, "restart": 0.2},
+               "cost_per_m_samples_on_demand": 0.3, "instance_type": "n1", "ours_leave_leads_s": [None]}
+    lines = [line for line in gp.table(out, summary).splitlines() if line.startswith("| ")]
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]  # below the header and rule
+    assert [c[0] for c in cells] == ["hvd-transient", "plain Horovod elastic", "checkpoint-restart"]
+    assert cells[0][1] == "0.900" and cells[2][1] == "0.600"
+    assert cells[1][1] == "failed" and cells[1][-1] == "ClusterError: failure count == 3 -> stop running"
