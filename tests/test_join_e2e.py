@@ -25,9 +25,10 @@ ELASTIC = str(REPO / "examples" / "keras_elastic.py")
 NEW = "127.0.1"
 #: What a join may stall the survivors for with a standby (their last step before the reset -> their
 #: first step on the bigger ring). Without one, the newcomer's cold start (interpreter, TensorFlow,
-#: model build, the first step's trace) stalls them 5-15 s on 2 cores (bench/preemption_cost.py's
-#: join scenario); with one, 0.6-1.2 s there. The bound leaves room for a loaded machine.
-STALL_BOUND_S = 3.0
+#: model build, the first step's trace) stalls them 7-11 s on 2 cores (bench/preemption_cost.py's
+#: join scenario, in make test's runs); with one, 0.6-1.2 s on an idle machine and 1.1-1.8 s with
+#: another end-to-end run beside it, as make test runs it. The bound leaves room for that load.
+STALL_BOUND_S = 4.0
 
 
 def test_a_host_joins_through_its_standby_quickly_and_the_run_ends_at_the_nominal_step(tmp_path: Path) -> None:
