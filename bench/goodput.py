@@ -305,8 +305,7 @@ def table(out: dict[str, Any], summary: dict[str, Any]) -> str:
     rows: list[list[Any]] = []
     for v in (v for v in VARIANTS if v in out["results"] or v in out["errors"]):
         if v not in out["results"]:  # it ran and failed: the table says so, with why
-            rows.append([LABELS[v], "failed", "-", "-", "-", "-", "-", out["launches"].get(v, "-"), "-",
-                         out["errors"][v]])
+            rows.append([LABELS[v], "failed", "-", "-", "-", "-", "-", "-", "-", out["errors"][v]])
             continue
         g = out["results"][v]
         lost = "; ".join(f"{k} {s:.0f} s" for k, s in g.lost_phases_s.items() if s >= 0.5)

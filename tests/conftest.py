@@ -23,4 +23,14 @@ os.environ.setdefault("HOROVOD_CYCLE_TIME", "10")
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+
+@pytest.fixture(scope="session")
+def hvd():
+    """Horovod's Keras API in a world of one (this test process, rank 0), for tests that compile with it."""
+    import horovod.tensorflow.keras as hvd
+
+    hvd.init()
+    return hvd
+
+
 from gcs_emulator import gcs_emulator_session  # noqa: E402,F401  (session fixture for every module)

@@ -21,14 +21,6 @@ def rules(monkeypatch: pytest.MonkeyPatch) -> tuple:
     return original
 
 
-@pytest.fixture(scope="module")
-def hvd():
-    import horovod.tensorflow.keras as hvd
-
-    hvd.init()  # a world of one
-    return hvd
-
-
 def users_function(x):
     return x + 1
 

@@ -62,14 +62,6 @@ def test_stream_batches_gather_the_arrays_and_reject_bad_input():
         stream_indices(10, 2, offset=0, rank=2, size=2)
 
 
-@pytest.fixture(scope="module")
-def hvd():
-    import horovod.tensorflow.keras as hvd
-
-    hvd.init()
-    return hvd
-
-
 def _model(hvd):
     tf.random.set_seed(3)
     model = tf.keras.Sequential([tf.keras.Input(shape=(3,)), tf.keras.layers.Dense(2, name="out")])
