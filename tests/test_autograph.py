@@ -8,8 +8,9 @@ tf = pytest.importorskip("tensorflow")
 
 from tensorflow.python.autograph.core import config  # noqa: E402
 from tensorflow.python.autograph.impl import conversion  # noqa: E402
+from tensorflow.python.autograph.impl.api import is_autograph_artifact  # noqa: E402
 
-from hvd_transient.keras.autograph import skip_horovod_conversion  # noqa: E402
+from hvd_transient.keras.autograph import horovod_functions, skip_horovod_conversion  # noqa: E402
 
 
 @pytest.fixture
@@ -37,11 +38,17 @@ def test_horovod_is_left_unconverted_and_nothing_else_changes(rules: tuple, hvd)
     assert conversion.is_allowlisted(tf.nn.relu) and not conversion.is_allowlisted(users_function)
 
 
-def _trained_weights(hvd, steps: int = 3) -> list[np.ndarray]:
+def _trained_weights(hvd, steps: int = 3, *, skip: bool = False) -> list[np.ndarray]:
     tf.keras.utils.set_random_seed(5)
     model = tf.keras.Sequential([tf.keras.Input(shape=(4,)), tf.keras.layers.Dense(3)])
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9)),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    (allreduce,) = horovod_functions(model.optimizer)  # the gradient allreduce, a tf.function of its own
+    vars(allreduce).pop("autograph_info__", None)  # Horovod caches it per settings: another test may have marked it
+    assert not is_autograph_artifact(allreduce)
+    if skip:
+        assert skip_horovod_conversion(model.optimizer)
+        assert is_autograph_artifact(allreduce)  # AutoGraph calls it as it is
     x = np.random.default_rng(0).standard_normal((8 * steps, 4)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int64)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
@@ -50,8 +57,7 @@ def _trained_weights(hvd, steps: int = 3) -> list[np.ndarray]:
 
 def test_a_step_traced_without_converting_horovod_trains_the_same(rules: tuple, hvd) -> None:
     converted = _trained_weights(hvd)
-    skip_horovod_conversion()
-    unconverted = _trained_weights(hvd)
+    unconverted = _trained_weights(hvd, skip=True)
     assert len(converted) == len(unconverted) == 2
     for a, b in zip(converted, unconverted):
         np.testing.assert_array_equal(a, b)
@@ -61,3 +67,13 @@ def test_a_step_traced_without_converting_horovod_trains_the_same(rules: tuple, 
 def _initial_kernel() -> np.ndarray:
     tf.keras.utils.set_random_seed(5)
     return tf.keras.Sequential([tf.keras.Input(shape=(4,)), tf.keras.layers.Dense(3)]).weights[0].numpy()
+
+
+def test_only_horovods_own_step_functions_are_marked(hvd) -> None:
+    """A user's optimizer, or a tf.function of the user's kept on one, is never touched."""
+    plain = tf.keras.optimizers.SGD(0.1)
+    assert horovod_functions(plain) == [] and horovod_functions(None) == []
+    plain.users_step = tf.function(users_function)
+    assert horovod_functions(plain) == []
+    skip_horovod_conversion(plain)
+    assert not is_autograph_artifact(users_function)

@@ -7,18 +7,28 @@ is 2-3 s of every cold start (a relaunch, a join without a standby, a standby's 
 are written for graph mode (they build their own ``tf.cond``), so calling them unconverted builds the same
 graph. TensorFlow offers no public switch for a whole package; its conversion rules are the one place, and
 where they are missing (another TensorFlow) the step is traced as before.
+
+The rules only cover calls made from converted code. The optimizer's gradient allreduce is a ``tf.function``
+of its own, which AutoGraph converts whatever the rules say (as if the user had asked for it): 2 s of CPU per
+worker start, for a function whose loops and branches are over Python lists and flags, never tensors.
+:func:`skip_horovod_conversion` given the optimizer marks that function as AutoGraph's own output, which
+AutoGraph calls as it is (what ``tf.autograph.experimental.do_not_convert`` does to the function it wraps).
 """
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 PACKAGE = "horovod"
 
 
-def skip_horovod_conversion() -> bool:
-    """Have AutoGraph call Horovod's functions as they are (idempotent). True if the rule is in place."""
+def skip_horovod_conversion(optimizer: Any = None) -> bool:
+    """Have AutoGraph call Horovod's functions as they are (idempotent). True if the rule is in place.
+
+    ``optimizer``: a Horovod ``DistributedOptimizer`` whose own ``tf.function`` (the gradient allreduce) is
+    to be traced unconverted too; anything else is left alone."""
     try:
         from tensorflow.python.autograph.core import config
     except ImportError:  # pragma: no cover - a TensorFlow without the module
@@ -30,4 +40,27 @@ def skip_horovod_conversion() -> bool:
         return False
     if not any(isinstance(rule, config.DoNotConvert) and rule.matches(PACKAGE) for rule in rules):
         config.CONVERSION_RULES = (config.DoNotConvert(PACKAGE),) + rules
+    if optimizer is not None:
+        _mark_horovod_functions(optimizer)
     return True
+
+
+def horovod_functions(optimizer: Any) -> list[Any]:
+    """The Python functions behind the ``tf.function`` attributes of ``optimizer`` that Horovod defined."""
+    found = []
+    for value in vars(optimizer).values() if hasattr(optimizer, "__dict__") else ():
+        python_function = getattr(value, "python_function", None)  # a tf.function's own
+        module = getattr(python_function, "__module__", None) or ""
+        if callable(python_function) and (module == PACKAGE or module.startswith(PACKAGE + ".")):
+            found.append(python_function)
+    return found
+
+
+def _mark_horovod_functions(optimizer: Any) -> None:
+    try:
+        from tensorflow.python.autograph.impl.api import autograph_artifact
+    except ImportError:  # pragma: no cover - a TensorFlow without it
+        log.debug("AutoGraph's artifact marker is not available: the optimizer's allreduce stays converted")
+        return
+    for function in horovod_functions(optimizer):
+        autograph_artifact(function)

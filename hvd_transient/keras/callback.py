@@ -170,6 +170,7 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._fits += 1  # the model's variables may differ from the previous fit's
+        skip_horovod_conversion(getattr(self.model, "optimizer", None))  # fit traces its step after this
         if self.impl is None:
             self.impl = TransientImpl(self.config, HorovodCollectives())
             self._closer = weakref.finalize(self, self.impl.close)  # at exit at the latest

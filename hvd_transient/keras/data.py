@@ -25,6 +25,10 @@ from hvd_transient.core.data_position import pass_and_index
 #: passes of the stream; large enough to be endless
 _PASSES = 2 ** 40
 
+# tf.data traces the functions below with AutoGraph, which would rewrite them (0.4 s of every worker's start);
+# they are straight-line tensor code, with nothing for it to convert.
+_as_is = tf.autograph.experimental.do_not_convert
+
 
 def _num_samples(arrays: Any) -> int:
     sizes = {int(len(leaf)) for leaf in tf.nest.flatten(arrays)}
@@ -47,9 +51,9 @@ def stream_indices(num_samples: int, batch_size: int, *, offset: int, rank: int,
         return tf.data.Dataset.from_tensor_slices(order[tf.where(k == first_pass, skip, 0):])
 
     lo, hi = rank * batch_size, (rank + 1) * batch_size
-    return (tf.data.Dataset.range(first_pass, _PASSES).flat_map(one_pass)
+    return (tf.data.Dataset.range(first_pass, _PASSES).flat_map(_as_is(one_pass))
             .batch(size * batch_size, drop_remainder=True)
-            .map(lambda block: block[lo:hi]))
+            .map(_as_is(lambda block: block[lo:hi])))
 
 
 def stream_batches(arrays: Any, batch_size: int, *, offset: int, rank: int, size: int,
@@ -61,7 +65,7 @@ def stream_batches(arrays: Any, batch_size: int, *, offset: int, rank: int, size
     # on a busy CPU, and an elastic reset destroys the iterator while a notice window runs.
     options = tf.data.Options()
     options.autotune.enabled = False
-    return (ids.map(lambda idx: tf.nest.map_structure(lambda t: tf.gather(t, idx), tensors))
+    return (ids.map(_as_is(lambda idx: tf.nest.map_structure(lambda t: tf.gather(t, idx), tensors)))
             .prefetch(2).with_options(options))
 
 

@@ -96,7 +96,7 @@ def elastic_state(model: tf.keras.Model, *, store: str, **state_kwargs: Any) -> 
     """
     import horovod.tensorflow.keras as hvd
 
-    skip_horovod_conversion()  # before fit traces its step: a cold start's first step comes sooner
+    skip_horovod_conversion(model.optimizer)  # before fit traces its step: a cold start's first step comes sooner
     build_optimizer_slots(model)
     restored = None
     state_kwargs.setdefault("samples", 0)
