@@ -1058,3 +1058,32 @@ def test_local_fleet_fails_over_to_another_zone_when_one_is_exhausted(tmp_path):
     clock.advance(1)
     assert keeper.reconcile().actions == ()  # whole again: the stopped VMs in local-a stay stopped
     cluster.close()
+
+
+def test_local_fleet_zone_with_room_for_one_vm_restarts_one_and_fails_the_other_over(tmp_path):
+    from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
+    from hvd_transient.testing.local_fleet import LocalFleet
+
+    work = tmp_path / "work"
+    work.mkdir()
+    cluster = LocalCluster(LocalClusterSpec(store=str(tmp_path / "store"), hosts=("localhost", "127.0.0.1"),
+                                            command=("true",), workdir=work))
+    for host in cluster.spec.hosts:
+        cluster.add_host(host)
+    fleet = LocalFleet(cluster, zones=("local-a", "local-b"))
+    with pytest.raises(ValueError, match="after must be >= 0"):
+        fleet.exhaust("local-a", after=-1)
+    clock = Clock()
+    keeper = Keeper(fleet, fleet.policy(2), clock=clock, sleep=clock.advance, out=lambda _line: None)
+    fleet.exhaust("local-a", after=1)
+    for host in cluster.spec.hosts:
+        cluster._vm_stopped(host)  # a wave: both VMs stopped
+    first = keeper.reconcile()
+    assert [(o.action.name, o.failure) for o in first.outcomes] == [("127.0.0.1", None), ("localhost", "stockout")]
+    clock.advance(1)
+    moved = keeper.reconcile()
+    assert moved.actions == (Create("127.0.1", "local-b", True, RECREATE, ("local-a",)),)
+    assert sorted(fleet.listed()) == ["127.0.0.1", "127.0.1"] and fleet.zone_of("127.0.1") == "local-b"
+    clock.advance(1)
+    assert keeper.reconcile().actions == ()
+    cluster.close()

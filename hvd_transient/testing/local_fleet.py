@@ -11,9 +11,10 @@ host discovery - and with it ``horovodrun`` - picks it up.
 Everything is a Spot VM. Zones are labels: each host is in one (the cluster's own hosts in
 the first zone unless placed otherwise; a created one where the keeper created it), and
 :meth:`LocalFleet.exhaust` makes a zone answer every start and create with a stock-out
-(``ZONE_RESOURCE_POOL_EXHAUSTED``) until :meth:`LocalFleet.restore`, so the keeper's zone
-failover runs as on Compute Engine. By default there is one zone, ``local``, always with
-capacity: ``Keeper(LocalFleet(cluster), LocalFleet.policy(...))`` refills preempted hosts.
+(``ZONE_RESOURCE_POOL_EXHAUSTED``) until :meth:`LocalFleet.restore`, at once or once a given number of
+VMs more have started there, so the keeper's zone failover runs as on Compute Engine. By default there
+is one zone, ``local``, always with capacity: ``Keeper(LocalFleet(cluster), LocalFleet.policy(...))``
+refills preempted hosts.
 
 :class:`LocalClusterJob` is the training job: ``horovodrun`` of the same cluster, launched
 again on the hosts listed now, as the driver VM would launch it.
@@ -51,7 +52,7 @@ class LocalFleet:
         self.names = tuple(dict.fromkeys([*cluster.spec.hosts, *spares]))
         self.zones = tuple(zones)
         self._zone_of = dict(placement or {})
-        self._exhausted: set[str] = set()
+        self._capacity: dict[str, int] = {}  # zone -> starts and creates it still takes (absent: unlimited)
         self._lock = threading.Lock()  # the keeper's thread applies, a test exhausts or restores
 
     def policy(self, workers: int, **settings: Any) -> KeeperPolicy:
@@ -61,14 +62,17 @@ class LocalFleet:
     def zone_of(self, host: str) -> str:
         return self._zone_of.get(host, self.zones[0])
 
-    def exhaust(self, zone: str) -> None:
-        """No capacity in ``zone`` from now on: starts and creates there fail with a stock-out."""
+    def exhaust(self, zone: str, *, after: int = 0) -> None:
+        """No capacity in ``zone`` once ``after`` more VMs have started or been created there: starts and
+        creates fail with a stock-out from then on."""
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
         with self._lock:
-            self._exhausted.add(zone)
+            self._capacity[zone] = after
 
     def restore(self, zone: str) -> None:
         with self._lock:
-            self._exhausted.discard(zone)
+            self._capacity.pop(zone, None)
 
     def listed(self) -> list[str]:
         """The hosts the state file lists now (what discovery sees)."""
@@ -91,7 +95,10 @@ class LocalFleet:
                 outcomes.append(Outcome(action, "the local simulator cannot delete a host", "unsupported"))
                 continue
             with self._lock:
-                exhausted = action.zone in self._exhausted
+                left = self._capacity.get(action.zone)
+                exhausted = left == 0
+                if left:
+                    self._capacity[action.zone] = left - 1
             if exhausted:
                 outcomes.append(Outcome(action, f"no Spot capacity in {action.zone}", STOCKOUT))
                 continue
