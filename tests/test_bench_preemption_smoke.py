@@ -3,6 +3,11 @@
 No timing is asserted: only that each benchmark measures what it says and writes a valid JSON
 with its summary keys (and a PNG). How the preemption benchmark reads a run (RunAnalysis) is
 also checked on hand-made event logs, where the right answers are known.
+
+Real runs: ours on a worker's notice, both variants on a join (the baseline's plain-Horovod worker
+included), and a cold restart against a fresh start. The baseline's kill at the deadline is read on a
+hand-made log only: what it adds to a real run is Horovod's own recovery from a lost worker, which
+``test_elastic_e2e.py::test_kill_without_notice_rolls_back_and_completes`` runs.
 """
 from __future__ import annotations
 
@@ -152,22 +157,6 @@ def test_preemption_cost_ours_worker(tmp_path: Path) -> None:
     assert row["variant"] == "ours" and row["target"] != row["master"] and not row["killed"]
     assert {"agreed", "left", "last_step", "first_step"} <= set(row["phases_ms"])
     assert doc["machine"]["load_average_at_start"] is not None
-
-
-@pytest.mark.horovod
-def test_preemption_cost_baseline_master(tmp_path: Path) -> None:
-    doc = run_bench("preemption_cost", tmp_path / "results" / "preemption_cost.json",
-                    "--repeats", "1", "--variants", "baseline", "--scenarios", "master", "--warmup-steps", "10",
-                    "--total-steps", "140", "--window-s", "3", "--gloo-timeout-seconds", "5")
-    summary = doc["summary"]
-    for key in PREEMPTION_KEYS:
-        assert key in summary, key
-    assert summary["baseline_runs"] == {"ok": 1, "failed": 0}
-    assert summary["baseline_resume_ms_median"] > 0 and summary["ours_resume_ms_median"] is None
-    row = doc["rows"][0]
-    assert row["target"] == row["master"] and row["killed"]  # rank 0's host, killed at the deadline
-    assert row["resets"] >= 1 and row["steps_rolled_back"] >= 0
-    assert summary["scenarios"]["master"]["baseline"]["runs"] == 1
 
 
 @pytest.mark.horovod

@@ -563,10 +563,6 @@ def test_cli_prices_file_overrides(tmp_path: Path) -> None:
     assert doc["cost_transient_usd"] == pytest.approx(doc["cost_on_demand_usd"] / 2, rel=0.05)
 
 
-# ----------------------------------------------------------------------------- a real run
-
-
-@pytest.mark.horovod
 def test_bytes_written_counts_periodic_commits_and_synchronous_shares() -> None:
     from hvd_transient.report.analysis import analyze
 
