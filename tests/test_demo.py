@@ -8,9 +8,19 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_service.stores import LocalStore
+from hvd_transient.discovery.ready import read_ready
+from hvd_transient.report.analysis import analyze
+from hvd_transient.telemetry.events import read_records
+
 pytestmark = pytest.mark.horovod
 
 CLI = str(Path(sys.executable).parent / "hvd-transient")
+#: What a rejoin through a standby may stall the survivors for (their last step before the reset -> their first
+#: step on the bigger ring): 0.8-1.1 s alone here, 1.1-1.8 s with another end-to-end run beside it, as make test
+#: runs it. Without a standby the newcomer's cold start (interpreter, TensorFlow, model, the first step's trace)
+#: stalls them 7-11 s on 2 cores (bench/preemption_cost.py's join scenario).
+JOIN_STALL_BOUND_S = 4.0
 
 
 def test_demo_plays_the_default_story_and_reports(tmp_path: Path) -> None:
@@ -31,14 +41,26 @@ def test_demo_plays_the_default_story_and_reports(tmp_path: Path) -> None:
     for p in preemptions:
         assert p["notice"] and p["checkpoint_committed"] and p["steps_rolled_back"] == 0
         assert p["resume_ms"] > 0
-    # the keeper started the preempted VMs again; each rejoined through its standby, the survivors
-    # barely pausing (a cold join stops them for 7-10 s here)
+    # the keeper started the preempted VMs again; each rejoined through its standby, the survivors barely pausing
     assert body["keeper"]["refills"] >= 1 and body["keeper"]["restarts"] == body["keeper"]["refills"]
     assert body["joins"] and {j["host"] for j in body["joins"]} <= {p["host"] for p in preemptions}
     # a host can rejoin at the last step, when the new ring only saves the final checkpoint: no stall to measure
     trained_on = [j for j in body["joins"] if j["step"] < body["final_step"]]
-    assert trained_on and all(j["stall_s"] is not None and j["stall_s"] < 5.0 for j in trained_on), body["joins"]
+    assert trained_on and all(j["stall_s"] is not None and j["stall_s"] < JOIN_STALL_BOUND_S for j in trained_on), \
+        body["joins"]
     assert all(j["stall_s"] is None for j in body["joins"] if j["step"] == body["final_step"]), body["joins"]
+    # each host that rejoined was listed only once its standby was ready, and the worker that joined is the
+    # standby's: it took the job the launcher handed it, warmed up by a rehearsed step
+    (run,) = (tmp_path / "runs").glob("run-*")
+    store = LocalStore(str(run / "store"))
+    ready = {r.host: r for r in read_ready(store)}
+    joins = [j for j in analyze(read_records(store)).joins if j.step < body["final_step"]]
+    assert {j.host for j in joins} == {j["host"] for j in trained_on}
+    for join in joins:
+        assert ready[join.host].pid == join.pid and ready[join.host].ready_at < join.t, (ready, join)
+        standby_log = (run / f"standby-{join.host}.log").read_text(errors="replace")
+        assert "took the job of launcher" in standby_log and "warm-up (rehearsed)" in standby_log
+        assert join.steps_rolled_back == 0
     assert "keeper:" in out.stdout and "== keeper ==" in out.stdout
     assert body["cost_transient_usd"] < body["cost_on_demand_usd"]
     assert "preemption notice to" in out.stdout and "== cost ==" in out.stdout
