@@ -392,12 +392,14 @@ def test_discover_hosts_script_reports_misconfiguration(tmp_path):
 
 
 def test_discovery_does_not_import_heavy_modules():
+    """It runs every second on the launcher: a local store's records need no HTTP client either."""
     code = (
         "import sys, io, contextlib\n"
         "from hvd_transient.discovery import cli\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    cli.main(['--backend', 'local', '--hosts', 'a', '--store', sys.argv[1]])\n"
-        "heavy = [m for m in ('tensorflow', 'horovod', 'zarr', 'numpy', 'google.cloud.storage') if m in sys.modules]\n"
+        "heavy = [m for m in ('tensorflow', 'horovod', 'zarr', 'numpy', 'google.cloud.storage', 'requests')\n"
+        "         if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
     result = subprocess.run([sys.executable, "-c", code, "/nonexistent-store-dir"], capture_output=True, text=True,
