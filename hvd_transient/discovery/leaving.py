@@ -3,8 +3,8 @@
 Any store URL works through :func:`ckpt_service.stores.open_store`, except that a ``gs://`` store
 is opened read-only through the JSON API (:mod:`ckpt_service.stores.gcs_json`): the full client
 would cost discovery about 0.6 s of imports every second. Any other store does without an HTTP client
-(``requests`` is 0.08 s of imports, a third of a discovery call on a local store). The key layout and record formats stay
-defined in one place (the leaving hosts of :func:`hvd_transient.core.membership.read_leaving`, the
+(``requests`` is 0.08 s of imports, a third of a discovery call on a local store). The key layout and
+record formats stay defined in one place (the leaving hosts of :func:`hvd_transient.core.membership.read_leaving`, the
 standbys' readiness of :func:`hvd_transient.discovery.ready.read_ready`).
 """
 from __future__ import annotations
