@@ -1,6 +1,6 @@
 """`bench goodput` end to end on a tiny trace: what a broken benchmark would get wrong.
 
-Two VMs, one preempted with a notice 15 s into a 30 s window, hvd-transient only (the baselines take as long
+Two VMs, one preempted with a notice 10 s into a 20 s window, hvd-transient only (the baselines take as long
 again each). The figures must hold together: 0 steps rolled back, goodput in [0, 1], the ideal recomputed
 from the calibration and n(t) the bench wrote, the useful samples those of the ideal times the goodput.
 """
@@ -23,11 +23,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.mark.solo  # the calibration and the run must see the same machine, or goodput can pass 1
 def test_goodput_bench_on_a_tiny_trace(tmp_path: Path) -> None:
     trace = tmp_path / "tiny.csv"
-    trace.write_text("0,add,a\n0,add,b\n15000,remove,b\n60000,remove,a\n")
+    trace.write_text("0,add,a\n0,add,b\n10000,remove,b\n60000,remove,a\n")
     out = tmp_path / "results" / "goodput.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.goodput", "--trace", str(trace), "--trace-start", "0", "--trace-hours",
-         str(30 / 3600), "--time-scale", "1", "--max-nodes", "2", "--window", "6", "--calibration-s", "3",
+         str(20 / 3600), "--time-scale", "1", "--max-nodes", "2", "--window", "6", "--calibration-s", "3",
          "--warmup-steps", "5", "--gloo-timeout-seconds", "5", "--step-seconds", "0.05", "--variants", "ours",
          "--out", str(out), "--tmpdir", str(tmp_path / "work")],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
@@ -42,8 +42,8 @@ def test_goodput_bench_on_a_tiny_trace(tmp_path: Path) -> None:
     rates = {int(k): v for k, v in summary["calibration_samples_per_s"].items()}
     assert set(rates) == {1, 2} and all(r > 0 for r in rates.values())
     availability = [tuple(x) for x in params["availability"]]
-    assert availability == [(0.0, 2), (15.0, 1)]
-    assert summary["ideal_samples"] == pytest.approx(ideal_samples(availability, rates, 30.0))
+    assert availability == [(0.0, 2), (10.0, 1)]
+    assert summary["ideal_samples"] == pytest.approx(ideal_samples(availability, rates, 20.0))
     (row,) = doc["rows"]
     assert row["useful_samples"] == pytest.approx(summary["ours_goodput"] * summary["ideal_samples"])
     assert row["useful_samples"] % 32 == 0  # whole steps of whole batches
