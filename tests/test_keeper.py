@@ -1029,7 +1029,10 @@ def test_keep_dry_run_says_what_the_job_would_do(compute, capsys):
 # ---- the local simulator's zones ------------------------------------------------------------------------
 
 
-def test_local_fleet_fails_over_to_another_zone_when_one_is_exhausted(tmp_path):
+@pytest.fixture
+def two_zone_fleet(tmp_path):
+    """A LocalFleet over two running VMs in zone local-a (of local-a and local-b), and a keeper of two on a fake
+    clock."""
     from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
     from hvd_transient.testing.local_fleet import LocalFleet
 
@@ -1042,6 +1045,12 @@ def test_local_fleet_fails_over_to_another_zone_when_one_is_exhausted(tmp_path):
     fleet = LocalFleet(cluster, zones=("local-a", "local-b"))
     clock = Clock()
     keeper = Keeper(fleet, fleet.policy(2), clock=clock, sleep=clock.advance, out=lambda _line: None)
+    yield cluster, fleet, keeper, clock
+    cluster.close()
+
+
+def test_local_fleet_fails_over_to_another_zone_when_one_is_exhausted(two_zone_fleet):
+    cluster, fleet, keeper, clock = two_zone_fleet
     assert keeper.reconcile().actions == ()
     fleet.exhaust("local-a")
     for host in cluster.spec.hosts:
@@ -1057,24 +1066,12 @@ def test_local_fleet_fails_over_to_another_zone_when_one_is_exhausted(tmp_path):
     fleet.restore("local-a")
     clock.advance(1)
     assert keeper.reconcile().actions == ()  # whole again: the stopped VMs in local-a stay stopped
-    cluster.close()
 
 
-def test_local_fleet_zone_with_room_for_one_vm_restarts_one_and_fails_the_other_over(tmp_path):
-    from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec
-    from hvd_transient.testing.local_fleet import LocalFleet
-
-    work = tmp_path / "work"
-    work.mkdir()
-    cluster = LocalCluster(LocalClusterSpec(store=str(tmp_path / "store"), hosts=("localhost", "127.0.0.1"),
-                                            command=("true",), workdir=work))
-    for host in cluster.spec.hosts:
-        cluster.add_host(host)
-    fleet = LocalFleet(cluster, zones=("local-a", "local-b"))
+def test_local_fleet_zone_with_room_for_one_vm_restarts_one_and_fails_the_other_over(two_zone_fleet):
+    cluster, fleet, keeper, clock = two_zone_fleet
     with pytest.raises(ValueError, match="after must be >= 0"):
         fleet.exhaust("local-a", after=-1)
-    clock = Clock()
-    keeper = Keeper(fleet, fleet.policy(2), clock=clock, sleep=clock.advance, out=lambda _line: None)
     fleet.exhaust("local-a", after=1)
     for host in cluster.spec.hosts:
         cluster._vm_stopped(host)  # a wave: both VMs stopped
@@ -1086,4 +1083,3 @@ def test_local_fleet_zone_with_room_for_one_vm_restarts_one_and_fails_the_other_
     assert sorted(fleet.listed()) == ["127.0.0.1", "127.0.1"] and fleet.zone_of("127.0.1") == "local-b"
     clock.advance(1)
     assert keeper.reconcile().actions == ()
-    cluster.close()
