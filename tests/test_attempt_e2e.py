@@ -6,7 +6,8 @@ periodic save is still being committed when its master is killed with SIGKILL; t
 shard records of that attempt stay in the store. Horovod rolls the survivors back to their last
 in-memory commit, before the saved step, and the ring of two saves the step again (another ring
 size: another state). Every rank prints a checksum of its replicated state at every periodic save
-step; every committed step must restore to one of the states printed for it.
+step; every committed step must restore to one of the states printed for it. After the rollback the
+input stream restarts at the offset committed with the weights, and the survivors end on one state.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from fault_proxy import FaultProxy
+from test_elastic_e2e import expected_samples
 
 from ckpt_service import layout
 from ckpt_service.manager import CheckpointManager
@@ -73,6 +75,16 @@ def test_a_step_saved_again_after_its_master_was_killed_commits_one_attempt(tmp_
     [commit] = [e for e in of(events, "commit", step=SAVE_EVERY)]
     assert commit["host"] != master and commit["size"] == 2 and commit["t"] > save["t"]
     assert of(events, "reset"), "Horovod's rollback must have run"
+    assert not of(events, "leave_published"), "a kill gives no notice: nobody published leaving"
+    # after the rollback the input stream restarts at the offset committed with the weights
+    survivor = next(h for h in hosts if h != master)
+    rings = of(events, "ring", host=survivor)
+    assert [r["size"] for r in rings] == [3, 2]
+    after = [e for e in of(events, "progress", host=survivor) + of(events, "first_step", host=survivor)
+             if e["t"] > rings[1]["t"]]
+    assert after and all(e["samples"] == expected_samples(rings, e["step"], 32) for e in after), after
+    final = of(events, "weights")
+    assert {e["host"] for e in final} == set(hosts) - {master} and len({e["crc"] for e in final}) == 1
     with CheckpointManager(store, max_to_keep=None) as mgr:
         attempts = {k.split("/")[3] for k in mgr.store.list(layout.step_prefix(SAVE_EVERY) + "records/")}
         assert len(attempts) == 2, attempts  # the killed attempt's records are still there

@@ -7,7 +7,7 @@ also checked on hand-made event logs, where the right answers are known.
 Real runs: ours on a worker's notice, both variants on a join (the baseline's plain-Horovod worker
 included), and a cold restart against a fresh start. The baseline's kill at the deadline is read on a
 hand-made log only: what it adds to a real run is Horovod's own recovery from a lost worker, which
-``test_elastic_e2e.py::test_kill_without_notice_rolls_back_and_completes`` runs.
+``test_attempt_e2e.py`` runs (a master killed mid-save, the survivors rolled back).
 """
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def run_bench(module: str, out: Path, *args: str, timeout: float = 300) -> dict[
     work = out.parent / "work"
     assert not any(work.iterdir()), f"left behind: {list(work.iterdir())}"
     doc: dict[str, Any] = json.loads(out.read_text())
+    # a run that failed is a row with its error's first line; the bench's log has the rest (horovodrun's log tail)
+    failed = [(r.get("variant"), r.get("scenario"), r["error"]) for r in doc.get("rows", []) if r.get("error")]
+    assert not failed, f"{failed}\nthe bench's log:\n{proc.stderr[-8000:]}"
     return doc
 
 

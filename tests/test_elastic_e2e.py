@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,81 +62,6 @@ def assert_all_committed_steps_verify(store: str) -> list[int]:
 
 def current_master(events: list[dict]) -> str:
     return of(events, "ring")[-1]["master_host"]
-
-
-def test_worker_notice_join_and_master_notice(tmp_path: Path) -> None:
-    """Faulty metadata server, notice to a worker, a new host joins, notice to the master."""
-    store = str(tmp_path / "store")
-    hosts = ("localhost", "127.0.0.1", "127.0.1")
-    c = cluster(tmp_path, "run", store, hosts, elastic_cmd(store, epochs=1000),
-                instances=hosts + ("127.1",))
-    with c:
-        c.wait_for_step(10, 180, size=3)
-        master = current_master(c.events())
-        worker = next(h for h in hosts if h != master)
-        # A misbehaving metadata server must not disturb training, and the watcher must recover.
-        for mode in ("500", "garbage", "hang"):
-            c.set_metadata_fault(worker, mode)
-            reached = c.wait_for_step(0, 5)
-            c.wait_for_step(reached + 20, 120, size=3)
-        c.set_metadata_fault(worker, "ok")
-
-        # 1. a worker that is not the checkpoint master gets a notice
-        c.preempt(worker, window_s=40)
-        c.wait_for(lambda ev: of(ev, "ring", size=2, host=master), 120, "the ring to shrink to 2")
-        # 5. a new host appears
-        c.add_host("127.1")
-        c.wait_for(lambda ev: of(ev, "ring", size=3, host="127.1"), 180, "127.1 to join")
-        c.wait_for_step(max(e["step"] for e in of(c.events(), "ring", host="127.1")) + 10, 120, size=3)
-        # 2. the checkpoint master gets a notice
-        assert current_master(c.events()) == master
-        c.preempt(master, window_s=40)
-        c.wait_for(lambda ev: [e for e in of(ev, "ring", size=2) if e["t"] > of(ev, "election")[0]["t"]]
-                   if of(ev, "election") else None, 120, "a new master on a ring of 2")
-        c.request_stop()
-        assert c.wait(300) == 0, c.log_tail()
-        events = c.events()
-    survivors = {h for h in hosts + ("127.1",)} - {worker, master}
-
-    # no notice was invented while the metadata server misbehaved
-    assert {e["host"] for e in of(events, "notice")} == {worker, master}
-    observer = sorted(survivors)[0]
-    agreed = {e["leaving"][0]: e for e in of(events, "notice_agreed", host=observer)}
-    assert set(agreed) == {worker, master}
-
-    # emergency checkpoints committed before each deadline, by the master of the moment
-    commits = sorted(of(events, "commit", kind="emergency"), key=lambda e: e["t"])
-    assert len(commits) == 2, commits
-    first, second = commits
-    assert first["host"] == master and first["t"] < agreed[worker]["deadline"]
-    assert second["host"] in survivors, "the departing master must not be the one committing"
-    assert second["t"] < agreed[master]["deadline"]
-    election = of(events, "election", host=observer)
-    assert len(election) == 1
-    assert election[0]["old_master_host"] == master and election[0]["new_master_host"] == second["host"]
-    assert second["lease_generation"] > first["lease_generation"]  # the fencing token moved on
-
-    # both preempted hosts left gracefully: published, removed, no rollback for the survivors
-    assert {e["host"] for e in of(events, "leave_published")} == {worker, master}
-    assert all(e["rolled_back"] == 0 for e in of(events, "reset")), of(events, "reset")
-    for host, steps in steps_by_host(events).items():
-        assert steps == sorted(steps), f"{host}: step counter went back: {steps}"
-
-    # the ring followed the schedule and the LR followed the ring: 3 -> 2 -> 3 -> 2 workers
-    sizes = [e["size"] for e in of(events, "ring", host=observer)]
-    assert sizes == [3, 2, 3, 2], sizes
-    for e in of(events, "lr"):
-        assert e["lr"] == pytest.approx(BASE_LR * e["size"])
-
-    # the stop request ended the job on every rank at one step, after a final checkpoint;
-    # survivors finished with identical replicated state, and every committed step verifies
-    stop_steps = {e["step"] for e in of(events, "stop_requested")}
-    assert len(stop_steps) == 1
-    final = of(events, "weights")
-    assert {e["host"] for e in final} == survivors
-    assert len({e["crc"] for e in final}) == 1
-    steps = assert_all_committed_steps_verify(store)
-    assert steps[-1] == final[0]["step"]
 
 
 def test_whole_cluster_notice_during_async_save_then_cold_restart(tmp_path: Path, gcs_emulator_session) -> None:
@@ -214,7 +140,11 @@ def test_aws_rebalance_checkpoints_in_place_then_the_interruption_notice_removes
     assert notice["source"] == "aws"
     assert [e["host"] for e in of(events, "leave_published")] == [worker]
     assert all(e["rolled_back"] == 0 for e in of(events, "reset"))
-    assert early["step"] in assert_all_committed_steps_verify(store)
+    # the stop request ended the job at one step, after a final checkpoint; every committed step verifies
+    (stop_step,) = {e["step"] for e in of(events, "stop_requested")}
+    (final,) = of(events, "weights")
+    steps = assert_all_committed_steps_verify(store)
+    assert early["step"] in steps and steps[-1] == final["step"] >= stop_step
     # what `hvd-transient report` makes of the run's own log
     report = tmp_path / "report.json"
     assert report_main([store, "--json", str(report)]) == 0
@@ -224,30 +154,6 @@ def test_aws_rebalance_checkpoints_in_place_then_the_interruption_notice_removes
     assert p["steps_rolled_back"] == 0 and p["checkpoint_committed"] is True
     assert p["resume_ms"] is not None and p["resume_ms"] > 0
     assert doc["completed"] is True and [r["size"] for r in doc["rings"]] == [2, 1]
-
-
-def test_kill_without_notice_rolls_back_and_completes(tmp_path: Path) -> None:
-    store = str(tmp_path / "store")
-    c = cluster(tmp_path, "run", store, ("localhost", "127.0.0.1", "127.0.1"), elastic_cmd(store, epochs=1000),
-                gloo_timeout_s=5)
-    with c:
-        c.wait_for_step(20, 180, size=3)
-        c.kill("127.0.1")
-        ring = c.wait_for(lambda ev: of(ev, "ring", size=2, host="localhost"), 120, "the ring to shrink to 2")
-        c.wait_for_step(ring[0]["step"] + 10, 120, size=2)
-        c.request_stop()
-        assert c.wait(300) == 0, c.log_tail()
-        events = c.events()
-    assert not of(events, "leave_published")
-    assert of(events, "reset", host="localhost"), "Horovod's rollback path must run our reset hook"
-    # after the rollback the input stream restarts at the offset committed with the weights
-    rings = of(events, "ring", host="localhost")
-    assert [r["size"] for r in rings] == [3, 2]
-    for e in of(events, "progress", host="localhost") + of(events, "first_step", host="localhost"):
-        if e["t"] > rings[1]["t"]:
-            assert e["samples"] == expected_samples(rings, e["step"], 32), e
-    final = of(events, "weights")
-    assert {e["host"] for e in final} == {"localhost", "127.0.0.1"} and len({e["crc"] for e in final}) == 1
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
@@ -296,46 +202,81 @@ def expected_samples(rings: list[dict], step: int, batch: int) -> int:
     return total
 
 
-def test_whole_run_exact_steps_and_samples_through_leave_join_loss_and_relaunch(tmp_path: Path) -> None:
-    """A run's life: a worker leaves, a VM joins, every VM is preempted at once and the cluster is
-    lost, then horovodrun is relaunched on the same host names (one more than were left): every
-    host gets a worker once the leaving records expire, training resumes at the emergency
-    checkpoint's exact step and sample offset on the new worker count, and the run ends at exactly
-    epochs x steps_per_epoch, every step having taken the next size x batch samples."""
+def test_whole_run_through_metadata_faults_leave_join_master_leave_loss_and_relaunch(tmp_path: Path) -> None:
+    """A run's life: the metadata server misbehaves (no notice is invented, training goes on), a worker
+    leaves, a VM joins, the checkpoint master leaves (a new master is elected, fenced), every VM left is
+    preempted at once and the cluster is lost, then horovodrun is relaunched on every host name: every host
+    gets a worker once the leaving records expire, training resumes at the emergency checkpoint's exact step
+    and sample offset on the new worker count, and the run ends at exactly epochs x steps_per_epoch, every
+    step having taken the next size x batch samples."""
     store = str(tmp_path / "store")
-    epochs, per_epoch, batch = 6, 40, 32
+    epochs, per_epoch, batch = 10, 40, 32
     hosts = ("localhost", "127.0.0.1", "127.0.1")
+    newcomer = "127.1"
     grace = (("HVDT_LEAVING_GRACE_S", "1"),)
     # a short notice window, so that the leaving records expire soon after the whole cluster is lost
     window = 10.0  # the emergency commit gets the 5 s before leave_margin_s; leaving takes ~1.5 s
     c = cluster(tmp_path, "first", store, hosts,
                 elastic_cmd(store, epochs=epochs, steps=per_epoch, notice_window=window),
-                instances=hosts + ("127.1",), extra_env=grace)
+                instances=hosts + (newcomer,), extra_env=grace)
     with c:
         c.wait_for_step(10, 180, size=3)
-        c.preempt("127.0.1", window_s=window)  # its VM stops when the window ends  # a worker leaves
-        c.wait_for(lambda ev: of(ev, "ring", size=2, host="localhost"), 120, "the ring to shrink to 2")
-        c.add_host("127.1")  # a new VM joins
-        c.wait_for(lambda ev: of(ev, "ring", size=3, host="127.1"), 180, "127.1 to join")
-        c.wait_for_step(max(e["step"] for e in of(c.events(), "ring", host="127.1")) + 10, 120, size=3)
-        live = ("localhost", "127.0.0.1", "127.1")
-        for host in live:  # a wave: every VM is preempted at once
+        master = current_master(c.events())
+        worker, observer = [h for h in hosts if h != master]  # the observer stays until the wave
+        # A misbehaving metadata server must not disturb training, and the watcher must recover.
+        for mode in ("500", "garbage", "hang"):
+            c.set_metadata_fault(observer, mode)
+            reached = c.wait_for_step(0, 5)
+            c.wait_for_step(reached + 20, 120, size=3)
+        c.set_metadata_fault(observer, "ok")
+        c.preempt(worker, window_s=window)  # its VM stops when the window ends: a worker leaves
+        c.wait_for(lambda ev: of(ev, "ring", size=2, host=master), 120, "the ring to shrink to 2")
+        c.add_host(newcomer)  # a new VM joins
+        c.wait_for(lambda ev: of(ev, "ring", size=3, host=newcomer), 180, f"{newcomer} to join")
+        c.wait_for_step(max(e["step"] for e in of(c.events(), "ring", host=newcomer)) + 10, 120, size=3)
+        assert current_master(c.events()) == master
+        c.preempt(master, window_s=window)  # the checkpoint master leaves
+        (ring,) = c.wait_for(lambda ev: [e for e in of(ev, "ring", size=2, host=observer)
+                                          if e["t"] > of(ev, "election")[0]["t"]] if of(ev, "election") else None,
+                             120, "a new master on a ring of 2")
+        c.wait_for_step(ring["step"] + 5, 60, size=2)
+        live = (observer, newcomer)
+        wave_at = time.time()
+        for host in live:  # a wave: every VM left is preempted at once
             c.preempt(host, window_s=window, kill_at_deadline=False)
-        c.wait_for(lambda ev: {e["host"] for e in of(ev, "leave_published")} == set(hosts + ("127.1",)), 120,
+        c.wait_for(lambda ev: {e["host"] for e in of(ev, "leave_published")} == set(hosts + (newcomer,)), 120,
                    "every worker to publish leaving")
         first_events = c.events()
         c.stop()  # the whole cluster is gone
-    [emergency] = [e for e in of(first_events, "commit", kind="emergency") if e["t"] > of(first_events, "ring",
-                   host="127.1")[0]["t"]]
+
+    # no notice was invented while the metadata server misbehaved
+    assert {e["host"] for e in of(first_events, "notice") if e["t"] < wave_at} == {worker, master}
+    agreed = {e["leaving"][0]: e for e in of(first_events, "notice_agreed", host=observer) if e["t"] < wave_at}
+    assert set(agreed) == {worker, master}
+    # emergency checkpoints committed before each deadline, by the master of the moment
+    commits = sorted(of(first_events, "commit", kind="emergency"), key=lambda e: e["t"])
+    assert len(commits) == 3, commits
+    first, second, emergency = commits
+    assert first["host"] == master and first["t"] < agreed[worker]["deadline"]
+    assert second["host"] in live, "the departing master must not be the one committing"
+    assert second["t"] < agreed[master]["deadline"]
+    (election,) = of(first_events, "election", host=observer)
+    assert election["old_master_host"] == master and election["new_master_host"] == second["host"]
+    assert second["lease_generation"] > first["lease_generation"]  # the fencing token moved on
+    # every host left gracefully: published, removed, no rollback for the survivors
+    assert all(e["rolled_back"] == 0 for e in of(first_events, "reset")), of(first_events, "reset")
+    for host, steps in steps_by_host(first_events).items():
+        assert steps == sorted(steps), f"{host}: step counter went back: {steps}"
     cut = emergency["step"]
-    assert 0 < cut < epochs * per_epoch
+    assert emergency["t"] > wave_at and 0 < cut < epochs * per_epoch
     records_end = max(e["deadline"] for e in of(first_events, "leave_published")) + 1
     with CheckpointManager(store) as mgr:  # read now: retention removes it once the relaunch saves
         meta = mgr.restore(step=cut).metadata
 
-    # relaunched on the same names, plus the host that had left earlier: the same VMs (no new
+    # relaunched on the same names, those that had left earlier included: the same VMs (no new
     # incarnation), so each is admitted when its record's deadline + grace has passed
-    relaunch = cluster(tmp_path, "second", store, live + ("127.0.1",),
+    everyone = hosts + (newcomer,)
+    relaunch = cluster(tmp_path, "second", store, everyone,
                        elastic_cmd(store, epochs=epochs, steps=per_epoch, step_seconds=0.0), extra_env=grace)
     relaunch.start(vm_started=c.vm_started)
     try:
@@ -343,18 +284,20 @@ def test_whole_run_exact_steps_and_samples_through_leave_join_loss_and_relaunch(
         events = relaunch.events()
     finally:
         relaunch.close()
-    second = [e for e in events if e["t"] >= relaunch.started_at]
-    starts = of(second, "start")
-    assert {e["host"] for e in starts} == set(live + ("127.0.1",)), "every host must get a worker"
+    second_events = [e for e in events if e["t"] >= relaunch.started_at]
+    starts = of(second_events, "start")
+    assert {e["host"] for e in starts} == set(everyone), "every host must get a worker"
     assert min(e["t"] for e in starts) >= records_end - 0.5  # none was admitted while its record held
     assert [e["restored_step"] for e in starts if e.get("restored_step") is not None] == [cut]
-    [resumed] = [e for e in of(second, "resume_at") if e["step"] == cut][:1]
+    [resumed] = [e for e in of(second_events, "resume_at") if e["step"] == cut][:1]
 
-    # the trajectory: the first launch's rings up to the emergency step, then the relaunch's
-    observer = "localhost"
+    # the trajectory: the first launch's rings up to the emergency step, then the relaunch's;
+    # the ring followed the schedule (3 -> 2 -> 3 -> 2 workers, then 4) and the LR followed the ring
     first_rings = [e for e in of(first_events, "ring", host=observer) if e["step"] < cut]
-    rings = first_rings + of(second, "ring", host=observer)
-    assert [r["size"] for r in rings][:3] == [3, 2, 3] and rings[-1]["size"] == 4
+    rings = first_rings + of(second_events, "ring", host=observer)
+    assert [r["size"] for r in rings] == [3, 2, 3, 2, 4], rings
+    for e in of(first_events, "lr") + of(second_events, "lr"):
+        assert e["lr"] == pytest.approx(BASE_LR * e["size"])
     assert meta["samples"] == expected_samples(first_rings, cut, batch)
     assert (resumed["epoch"], resumed["batch"]) == divmod(cut, per_epoch)
     assert resumed["samples"] == meta["samples"]
@@ -362,11 +305,12 @@ def test_whole_run_exact_steps_and_samples_through_leave_join_loss_and_relaunch(
     for e in of(first_events, "progress") + of(first_events, "first_step"):
         if e["step"] <= cut:
             assert e["samples"] == expected_samples(first_rings, e["step"], batch), e
-    for e in of(second, "progress") + of(second, "first_step"):
+    for e in of(second_events, "progress") + of(second_events, "first_step"):
         assert e["samples"] == expected_samples(rings, e["step"], batch), e
-    # exactly the nominal number of steps, on every worker, with identical weights
-    final = of(second, "weights")
+    # exactly the nominal number of steps, on every worker, with identical weights; every committed step verifies
+    final = of(second_events, "weights")
     assert {e["step"] for e in final} == {epochs * per_epoch}
     assert len(final) == 4 and len({e["crc"] for e in final}) == 1
     done = f"done at step {epochs * per_epoch} on 4 workers, {expected_samples(rings, epochs * per_epoch, batch)}"
     assert done in relaunch.log_tail(200)
+    assert assert_all_committed_steps_verify(store)[-1] == epochs * per_epoch
