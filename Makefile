@@ -10,6 +10,11 @@ PIP := $(BIN)/pip install --disable-pip-version-check -c $(CONSTRAINTS)
 
 .PHONY: setup test demo bench clean
 
+# Keep Python's bytecode cache on for what make runs, even where the environment turns it off
+# (PYTHONDONTWRITEBYTECODE=1, as in many container images): the tests and the demo start hundreds of
+# Python processes that import the same modules, and each would compile them again (36 s of make test).
+unexport PYTHONDONTWRITEBYTECODE
+
 setup: $(STAMP)
 
 # Horovod with both controllers: Gloo (elastic jobs) and MPI (static jobs under mpirun).
@@ -52,10 +57,14 @@ test: setup
 	$(BIN)/lint-imports --no-cache
 	# unit and emulator tests in four processes (they mostly wait: on emulators, faults, timeouts);
 	# then the end-to-end runs (real horovodrun and mpirun, several processes each) two at a time;
-	# last, alone, the runs that compare timings taken within one run (marked solo)
-	$(BIN)/python -m pytest -m "not horovod and not mpi" -n 4
-	$(BIN)/python -m pytest -m "(horovod or mpi) and not solo" -n 2
-	$(BIN)/python -m pytest -m "solo"
+	# last, the runs that compare timings taken within one run (marked solo), with nothing else beside
+	# them: the alike pair marked twins side by side (started together, each phase meets its twin's
+	# same phase), then the others one at a time. A process that runs out of tests takes some of
+	# another's queue (worksteal): the long ones do not end a pass alone.
+	$(BIN)/python -m pytest -m "not horovod and not mpi" -n 4 --dist worksteal
+	$(BIN)/python -m pytest -m "(horovod or mpi) and not solo" -n 2 --dist worksteal
+	$(BIN)/python -m pytest -m "solo and twins" -n 2
+	$(BIN)/python -m pytest -m "solo and not twins"
 
 demo: setup
 	$(BIN)/hvd-transient demo

@@ -36,7 +36,9 @@ from hvd_transient.report.analysis import analyze
 from hvd_transient.report.run_analysis import PREEMPTED, RunAnalysis
 from hvd_transient.testing.local_cluster import LocalCluster, LocalClusterSpec, of
 
-pytestmark = [pytest.mark.horovod, pytest.mark.solo]  # step times of one run's two phases compared
+# step times of one run's two phases compared; the two scenarios are alike (same launch, same phases, same
+# notice) and, started together, meet each other's same phase: make test runs them side by side
+pytestmark = [pytest.mark.horovod, pytest.mark.solo, pytest.mark.twins]
 
 HOSTS = ("localhost", "127.0.0.1")
 WINDOW_S = 20.0      # the notice's window; the emergency save gets all but the 5 s leave margin
