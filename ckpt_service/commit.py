@@ -32,6 +32,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Sequence
 
 from ckpt_service import layout
@@ -80,7 +81,9 @@ def build_manifest(step: int, plan: SavePlan, records: Sequence[ShardRecord], me
 def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence[ShardRecord],
                 metadata: dict[str, Any], lease: Lease | None, deadline: Deadline | None = None, *,
                 attempt: str | None = None, cancel: CancelToken | None = None) -> Manifest:
-    """Commit ``step`` from every writer's record of save ``attempt``; returns its manifest.
+    """Commit ``step`` from every writer's record of save ``attempt``; returns its manifest, whose
+    ``lease_generation`` is the one the commit's fence wrote (its marker's). The manifest in the store,
+    written before the fence, holds the generation held then: the marker's is the one that orders commits.
 
     Raises WriterFailedError, IncompleteShardRecordsError or its MismatchedShardRecordsError
     (bad records, or records of another step, attempt or plan), OutOfOrderSaveError (older than
@@ -127,7 +130,7 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
         raise SaveAbandonedError(f"step {step}: the commit marker could not be written before the deadline, and "
                                  f"it is not in the store; nothing was committed ({exc})") from exc
     log.info("committed step %d (%d bytes, %d writers) to %s", step, manifest.nbytes, plan.world_size, store.url)
-    return manifest
+    return replace(manifest, lease_generation=generation)
 
 
 def _check_order(store: ObjectStore, step: int, lease: Lease | None) -> None:
