@@ -52,6 +52,20 @@ class FlakyPuts(DelegatingStore):
         return super().put(key, data, if_generation_match=if_generation_match)
 
 
+class Announcing(DelegatingStore):
+    """Sets ``landed`` once a put of a matching key has succeeded."""
+
+    def __init__(self, inner: ObjectStore, match: Callable[[str], bool]) -> None:
+        super().__init__(inner)
+        self.match, self.landed = match, threading.Event()
+
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        generation = super().put(key, data, if_generation_match=if_generation_match)
+        if self.match(key):
+            self.landed.set()
+        return generation
+
+
 class GatedStore(DelegatingStore):
     """Calls on matching keys wait while ``gate`` is closed (a store that stopped answering them).
 
@@ -152,14 +166,16 @@ def test_the_leaving_record_lands_while_the_emergency_save_is_still_writing() ->
     the record is written on its own thread, so it lands while every write of the save is held."""
     memory = MemoryStore.named(uuid.uuid4().hex)
     gated = GatedStore(memory, lambda key: key.startswith(layout.STEPS_PREFIX))
-    group, impls, url = make_ranks(stores=[gated] * 3)
+    leaver = Announcing(gated, is_leaving_key)
+    group, impls, url = make_ranks(stores=[gated, gated, leaver])
     impls[2].watcher.notice = notice(30.0)
     outcomes: list[Any] = []
     stepping = threading.Thread(target=lambda: outcomes.extend(step_all(group, impls, 1)))
     stepping.start()
     try:
         assert gated.held.wait(10), "the emergency save never wrote"
-        # submitted before the save began; it must not wait for the save's writes
+        # the record, submitted before the leaving rank's save began, must not wait for the save's writes
+        assert leaver.landed.wait(10), "the leaving record did not land while the save's writes were held"
         assert impls[2].publishing is not None
         impls[2].publishing.result(timeout=10)
         assert not gated.gate.is_set() and leaving_hosts(memory) == {"h2"}
