@@ -1,15 +1,31 @@
 """Shared bits for checkpoint-service tests: stores per backend, sample states, corruption."""
 from __future__ import annotations
 
+import threading
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore
-from ckpt_service.testing.delegating import DelegatingStore  # noqa: F401  (re-exported for the tests)
+from ckpt_service.testing.delegating import DelegatingStore  # also re-exported for the tests
 
 BACKENDS = ["memory", "local", "gcs"]
+
+
+class PutSeenStore(DelegatingStore):
+    """Sets ``seen`` once a put of a key that ``match`` accepts has succeeded (an event to wait on)."""
+
+    def __init__(self, inner: ObjectStore, match: Callable[[str], bool]) -> None:
+        super().__init__(inner)
+        self.match, self.seen = match, threading.Event()
+
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        generation = super().put(key, data, if_generation_match=if_generation_match)
+        if self.match(key):
+            self.seen.set()
+        return generation
 
 
 def make_backend_store(kind: str, tmp_path: Path, request) -> ObjectStore:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from ckpt_helpers import PutSeenStore
 from fake_collectives import FakeCollectives, ThreadGroup
 from test_protocol_agreement import STATE, events, make_ranks, notice, step_all
 
@@ -97,20 +98,6 @@ class LateFenceStore(DelegatingStore):
         if key == layout.LEASE_KEY and threading.current_thread().name.startswith(("ckpt-persist", "fence")):
             self.holding.set()
             assert self.deliver.wait(30), "the test never delivered the held reply"
-        return generation
-
-
-class RecordSeenStore(DelegatingStore):
-    """Sets ``written`` once a shard record of a save is put (the coordinator then polls)."""
-
-    def __init__(self, inner: ObjectStore) -> None:
-        super().__init__(inner)
-        self.written = threading.Event()
-
-    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
-        generation = super().put(key, data, if_generation_match=if_generation_match)
-        if "/records/" in key:
-            self.written.set()
         return generation
 
 
@@ -205,10 +192,10 @@ def test_a_cancel_between_uploads_sends_no_further_upload() -> None:
 
 
 def test_a_cancel_ends_a_gather_waiting_for_a_rank_that_never_comes() -> None:
-    seen = RecordSeenStore(memory())
+    seen = PutSeenStore(memory(), lambda key: "/records/" in key)  # a shard record of the save
     with CheckpointManager(seen, gather_timeout_s=300) as mgr:
         assert mgr.save_async(1, STATE, rank=0, world_size=2, attempt="a-1")
-        assert seen.written.wait(10)  # rank 0 wrote its record and polls for rank 1's
+        assert seen.seen.wait(10)  # rank 0 wrote its record and polls for rank 1's
         t0 = time.monotonic()
         assert mgr.cancel_inflight("the ring is gone")
         with pytest.raises(SaveCancelledError, match="while the coordinator waited for the shard records"):

@@ -13,6 +13,7 @@ import uuid
 from typing import Any, Callable
 
 import pytest
+from ckpt_helpers import PutSeenStore
 from test_protocol_agreement import events, make_ranks, notice, published, step_all
 
 from ckpt_service import layout
@@ -50,20 +51,6 @@ class FlakyPuts(DelegatingStore):
             if fail:
                 raise StoreUnavailableError(f"{key}: the store did not answer (injected)")
         return super().put(key, data, if_generation_match=if_generation_match)
-
-
-class Announcing(DelegatingStore):
-    """Sets ``landed`` once a put of a matching key has succeeded."""
-
-    def __init__(self, inner: ObjectStore, match: Callable[[str], bool]) -> None:
-        super().__init__(inner)
-        self.match, self.landed = match, threading.Event()
-
-    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
-        generation = super().put(key, data, if_generation_match=if_generation_match)
-        if self.match(key):
-            self.landed.set()
-        return generation
 
 
 class GatedStore(DelegatingStore):
@@ -166,7 +153,7 @@ def test_the_leaving_record_lands_while_the_emergency_save_is_still_writing() ->
     the record is written on its own thread, so it lands while every write of the save is held."""
     memory = MemoryStore.named(uuid.uuid4().hex)
     gated = GatedStore(memory, lambda key: key.startswith(layout.STEPS_PREFIX))
-    leaver = Announcing(gated, is_leaving_key)
+    leaver = PutSeenStore(gated, is_leaving_key)
     group, impls, url = make_ranks(stores=[gated, gated, leaver])
     impls[2].watcher.notice = notice(30.0)
     outcomes: list[Any] = []
@@ -175,7 +162,7 @@ def test_the_leaving_record_lands_while_the_emergency_save_is_still_writing() ->
     try:
         assert gated.held.wait(10), "the emergency save never wrote"
         # the record, submitted before the leaving rank's save began, must not wait for the save's writes
-        assert leaver.landed.wait(10), "the leaving record did not land while the save's writes were held"
+        assert leaver.seen.wait(10), "the leaving record did not land while the save's writes were held"
         assert impls[2].publishing is not None
         impls[2].publishing.result(timeout=10)
         assert not gated.gate.is_set() and leaving_hosts(memory) == {"h2"}

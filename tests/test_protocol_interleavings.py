@@ -73,7 +73,6 @@ WINDOWS_S = {"gce-notice": 30.0, "aws-notice": 120.0}
 #: how much longer each store call of a slow rank takes
 SLOW_S = {"store-recovers": 0.0, "store-slow": 0.005, "store-very-slow": 0.05}
 FAULTS = ["snapshot-raises", "share-raises", "store-fails-1", "store-fails-3", *SLOW_S]
-#: the kinds of save that every rank runs to its end at the step boundary
 
 
 class RecordingStore(DelegatingStore):
