@@ -101,12 +101,12 @@ class Saves:
         attempt = p.run.next_attempt(step)
         p.events.emit(ev.SaveStart(step=step, kind=kind, size=size))
         t0 = p.clocks.monotonic()
-        error, already = None, False
+        error, already, manifest = None, False, None
         try:
-            p.manager.save(step, tensors, meta, rank=rank, world_size=size,
-                           gather=p.comm.allgather_json, coordinator=coordinator,
-                           lease=p.lease if rank == coordinator else None, deadline=deadline,
-                           snapshot=share_snapshot, attempt=attempt)
+            manifest = p.manager.save(step, tensors, meta, rank=rank, world_size=size,
+                                      gather=p.comm.allgather_json, coordinator=coordinator,
+                                      lease=p.lease if rank == coordinator else None, deadline=deadline,
+                                      snapshot=share_snapshot, attempt=attempt)
         except CommitConflictError:
             already = True  # the step is already durable (a periodic save of the same step got there first)
         except Exception as exc:  # reported below; training goes on either way
@@ -120,8 +120,8 @@ class Saves:
             self._note_committed(step)
             if outcome["already"]:  # this save wrote no commit: say so, not that it committed
                 p.events.emit(ev.SaveSkipped(step=step, reason="already committed"))
-            elif rank == coordinator:
-                p.events.emit(ev.Commit(step=step, kind=kind, size=size, lease_generation=p.lease.generation))
+            elif manifest is not None:  # the coordinator; the generation its commit's fence wrote
+                p.events.emit(ev.Commit(step=step, kind=kind, size=size, lease_generation=manifest.lease_generation))
         else:
             p.events.emit(ev.SaveFailed(step=step, kind=kind, error=outcome["error"]))
         return bool(outcome["ok"])
