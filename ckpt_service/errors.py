@@ -136,3 +136,15 @@ class BadRankError(CheckpointError, ValueError):
 
 class BadPartitionError(CheckpointError, ValueError):
     """A restore's ``partition`` is not ``(reader, readers)`` with integers 0 <= reader < readers."""
+
+
+class BadDeadlineError(CheckpointError, ValueError, TypeError):
+    """A save's ``deadline`` is not a finite number of epoch seconds (NaN, infinity, a string...)."""
+
+
+class BadCompressionError(CheckpointError, ValueError):
+    """A compression the checkpoint format does not know (the allowed values are named)."""
+
+
+class BadNamesError(CheckpointError, TypeError, ValueError):
+    """A restore's ``names`` is not a collection of tensor names (one string would read as its characters)."""

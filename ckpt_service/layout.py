@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 
-from ckpt_service.errors import BadAttemptError
+from ckpt_service.errors import BadAttemptError, BadStepError
 
 # ---- checkpoints --------------------------------------------------------------------------------
 
@@ -31,22 +31,45 @@ STEPS_PREFIX = "steps/"
 COMMITS_PREFIX = "commits/"
 LEASE_KEY = "lease/master.json"
 
+#: a step is written as this many decimal digits in its keys, so that keys sort as steps do
+STEP_DIGITS = 12
+#: the first step that no longer fits those digits
+STEP_LIMIT = 10 ** STEP_DIGITS
+#: what a step looks like in a key: exactly STEP_DIGITS ASCII digits (str.isdigit would also take
+#: '²' or Arabic-Indic digits, which int() refuses or reads as another step's key)
+_STEP_TEXT = re.compile(rf"[0-9]{{{STEP_DIGITS}}}")
+
 
 def step_prefix(step: int) -> str:
-    if step < 0:
-        raise ValueError(f"checkpoint steps are non-negative integers, got {step}")
-    return f"{STEPS_PREFIX}{step:012d}/"
+    if not 0 <= step < STEP_LIMIT:
+        raise BadStepError(f"step {describe_int(step)} does not fit the store's keys: steps are integers from 0 "
+                           f"to {STEP_LIMIT - 1} ({STEP_DIGITS} digits)")
+    return f"{STEPS_PREFIX}{step:0{STEP_DIGITS}d}/"
+
+
+def describe_int(value: int) -> str:
+    """``value`` as a message shows it: a number too long to read is shown by its length (str()
+    refuses to convert more than 4300 digits at all)."""
+    if -STEP_LIMIT ** 2 < value < STEP_LIMIT ** 2:
+        return str(value)
+    try:
+        digits = str(len(str(abs(value))))
+    except ValueError:
+        digits = "more than 4300"
+    return f"{'-' if value < 0 else ''}<an integer of {digits} digits>"
 
 
 def commit_key(step: int) -> str:
     step_prefix(step)  # validates
-    return f"{COMMITS_PREFIX}{step:012d}.json"
+    return f"{COMMITS_PREFIX}{step:0{STEP_DIGITS}d}.json"
 
 
 def parse_commit_key(key: str) -> int | None:
+    """The step of a commit marker's key; None for any other name (a foreign object is ignored, never
+    an error: anyone may drop a file into ``commits/``)."""
     name = key[len(COMMITS_PREFIX):]
     stem = name[: -len(".json")] if name.endswith(".json") else ""
-    return int(stem) if stem.isdigit() else None
+    return parse_step_dir(stem)
 
 
 def manifest_key(step: int, token: str) -> str:
@@ -82,4 +105,5 @@ def piece_prefix(step: int, group: str, index: int, nonce: str) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    return int(name) if name.isdigit() else None
+    """The step a folder name of ``steps/`` stands for, as :func:`step_prefix` writes it; None otherwise."""
+    return int(name) if _STEP_TEXT.fullmatch(name) else None

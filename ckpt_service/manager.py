@@ -28,12 +28,13 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
 
-from ckpt_service.arguments import checked_step
+from ckpt_service.arguments import checked_deadline, checked_names, checked_step
 from ckpt_service.collector import StepCollector
 from ckpt_service.errors import BadMetadataError, BadSnapshotError, CommitConflictError
 from ckpt_service.gather import Gather
 from ckpt_service.lease import Lease
 from ckpt_service.manifest import CommitMarker, Manifest
+from ckpt_service.piece_io import checked_compression
 from ckpt_service.plan import DEFAULT_CHUNK_BYTES, SavePlan, TensorSpec, TensorSpecs
 from ckpt_service.plan_cache import PLAN_CACHE_SIZE, PlanCache
 from ckpt_service.read_plan import checked_partition
@@ -71,6 +72,7 @@ class CheckpointManager:
         are measured on the store's own clock (the one its mtimes come from), so a manager whose
         clock is off cannot take another process's save in flight for abandoned; ``clock`` replaces
         it (tests move it)."""
+        compression = checked_compression(compression)  # refused here, not at the first save
         self.store = open_store(store) if isinstance(store, str) else store
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ckpt-io")
         # saves with a deadline upload here, never queued behind a background save's uploads
@@ -180,6 +182,7 @@ class CheckpointManager:
         marker was sent but neither its answer nor reading it back came in time, so the step may
         or may not be committed (list the steps to know).
         """
+        deadline = checked_deadline(deadline)  # NaN or infinity would never expire or overflow timeouts
         return self._writer.save(step, tensors, metadata, rank=rank, world_size=world_size, gather=gather,
                                  coordinator=coordinator, lease=lease, deadline=deadline, snapshot=snapshot,
                                  attempt=attempt)
@@ -282,7 +285,7 @@ class CheckpointManager:
         """
         step = None if step is None else checked_step(step)
         partition = None if partition is None else checked_partition(partition)
-        names = None if names is None else list(names)  # read once, however many steps are tried
+        names = checked_names(names)  # read once, however many steps are tried; one string is refused
         return self._reader.restore(step, names=names, partition=partition, expected=expected)
 
     def verify(self, step: int) -> VerifyReport:

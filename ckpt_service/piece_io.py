@@ -18,9 +18,10 @@ crc32c by combining its chunks' (:func:`crc32c_combine`) instead of reading it a
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import google_crc32c
 import numpy as np
@@ -31,11 +32,20 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 from zarr.core.buffer import Buffer, default_buffer_prototype
 from zarr.storage import MemoryStore
 
-from ckpt_service.errors import CorruptCheckpointError
+from ckpt_service.errors import BadCompressionError, CorruptCheckpointError
 from ckpt_service.manifest import crc32c
 
 METADATA_KEY = "zarr.json"
 COMPRESSIONS = ("none", "zstd", "blosc")
+
+
+def checked_compression(compression: Any) -> str:
+    """``compression`` if pieces can be written with it; BadCompressionError naming the allowed values."""
+    if not isinstance(compression, str) or compression not in COMPRESSIONS:
+        raise BadCompressionError(
+            f"compression {compression!r} is not one the checkpoint format knows: choose one of "
+            f"{', '.join(repr(c) for c in COMPRESSIONS)} ('none', the default, suits weights, which barely compress)")
+    return compression
 
 
 def _compressors(compression: str) -> tuple[BytesBytesCodec, ...]:
@@ -46,7 +56,7 @@ def _compressors(compression: str) -> tuple[BytesBytesCodec, ...]:
     elif compression == "blosc":
         codecs = (BloscCodec(cname="lz4", clevel=1, shuffle="shuffle"),)
     else:
-        raise ValueError(f"unknown compression {compression!r}; choose one of {', '.join(COMPRESSIONS)}")
+        checked_compression(compression)  # raises: not one of COMPRESSIONS
     return codecs + (Crc32cCodec(),)
 
 
@@ -197,13 +207,15 @@ def _decode_plain(plain: tuple[int, int, np.dtype[Any]], get: Callable[[str], by
         lo, hi = max(start, i * chunk), min(stop, (i + 1) * chunk)
         if get_into is not None and hi - lo == chunk:
             target = out[lo - start:hi - start]
-            got = get_into(f"c/{i}", target.data.cast("B"))
+            with _folder_is_corrupt(where, f"c/{i}"):
+                got = get_into(f"c/{i}", target.data.cast("B"))
             if got is None or got[0] != target.nbytes or len(got[1]) != 4:
                 raise CorruptCheckpointError(f"{where}: chunk c/{i} is missing or has the wrong length")
             if crc32c(target) != int.from_bytes(got[1], "little"):
                 raise CorruptCheckpointError(f"{where}: chunk c/{i} fails its crc32c")
             continue
-        data = get(f"c/{i}")
+        with _folder_is_corrupt(where, f"c/{i}"):
+            data = get(f"c/{i}")
         if data is None or len(data) != chunk * dtype.itemsize + 4:
             raise CorruptCheckpointError(f"{where}: chunk c/{i} is missing or has the wrong length")
         body = np.frombuffer(data, dtype=np.uint8, count=len(data) - 4)
@@ -212,6 +224,19 @@ def _decode_plain(plain: tuple[int, int, np.dtype[Any]], get: Callable[[str], by
         skip = (lo - i * chunk) * dtype.itemsize
         out[lo - start:hi - start] = np.frombuffer(data, dtype=dtype, count=hi - lo, offset=skip)
     return out
+
+
+@contextlib.contextmanager
+def _folder_is_corrupt(where: str, key: str) -> Iterator[None]:
+    """A folder where a local piece's chunk file belongs is a damaged piece, not a failed read: it
+    is reported as corrupt (verify lists it, restore falls back) like a missing chunk. Other
+    OSErrors (EIO, a stale NFS handle) may pass, so they are not taken for corruption."""
+    try:
+        yield
+    except IsADirectoryError:
+        raise CorruptCheckpointError(
+            f"{where}: chunk {key} is a folder, not a file; the piece cannot be read (restore an earlier step)"
+        ) from None
 
 
 #: scatter-reads an object into buffers in order: (bytes read, the object's size), or None if there
@@ -228,7 +253,8 @@ def read_plain_chunk(get_into_parts: GetIntoParts, index: int, parts: Sequence[N
     pad, tail = np.empty(padding, np.uint8), np.empty(4, np.uint8)
     buffers = [p.data.cast("B") for p in (*parts, pad, tail) if p.nbytes]
     want = sum(len(b) for b in buffers)
-    got = get_into_parts(f"c/{index}", buffers)
+    with _folder_is_corrupt(where, f"c/{index}"):
+        got = get_into_parts(f"c/{index}", buffers)
     if got is None or got != (want, want):
         raise CorruptCheckpointError(f"{where}: chunk c/{index} is missing or has the wrong length")
     crc = 0
