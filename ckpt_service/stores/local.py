@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import stat
 import tempfile
 import time
 import uuid
@@ -51,8 +52,7 @@ class LocalStore(ObjectStore):
         self.url = str(self.root)
         self.fsync = fsync
         self.deadline = deadline
-        if self.root.exists() and not self.root.is_dir():
-            raise StoreUnavailableError(f"{self.root} exists and is not a directory; pick another path")
+        _check_root(self.root)
 
     def within(self, deadline: Deadline) -> LocalStore:
         """The same directory, waiting for the store lock no longer than ``deadline`` allows."""
@@ -255,6 +255,24 @@ class LocalStore(ObjectStore):
         if removed:
             log.info("removed %d stale temp files from %s", removed, self.root)
         return removed
+
+
+def _check_root(root: Path) -> None:
+    """StoreUnavailableError unless ``root`` is a directory or can be made one: a file at it, or at
+    any folder above it, would fail every write (NotADirectoryError) and read as an empty store."""
+    for folder in (root, *root.parents):
+        try:
+            is_dir = stat.S_ISDIR(folder.stat().st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there yet: the first write makes it
+        except OSError:
+            return  # unreadable here (permissions): the calls that use it report that
+        if is_dir:
+            return
+        if folder == root:
+            raise StoreUnavailableError(f"{root} exists and is not a directory; pick another path")
+        raise StoreUnavailableError(
+            f"{root} cannot be a store directory: {folder} above it is a file, not a directory; pick another path")
 
 
 def _preadv_all(fd: int, buffers: Sequence[memoryview]) -> int:
