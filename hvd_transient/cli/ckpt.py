@@ -21,7 +21,8 @@ import numpy as np
 from numpy.lib.format import write_array
 from numpy.typing import NDArray
 
-from ckpt_service.errors import BadTensorNameError, CheckpointError, NothingToRestoreError
+from ckpt_service.arguments import checked_step
+from ckpt_service.errors import BadStepError, BadTensorNameError, CheckpointError, NothingToRestoreError
 from hvd_transient.commandline import (
     ArgumentParser,
     command,
@@ -35,6 +36,15 @@ if TYPE_CHECKING:
     from ckpt_service.manager import CheckpointManager
 
 PROG = "hvd-transient ckpt"
+
+
+def checkpoint_step(text: str) -> int:
+    """argparse type: a step the store's keys can hold (0 to 10**12 - 1); a longer one is refused
+    here, naming ``--step``, rather than becoming a file name the file system refuses."""
+    try:
+        return checked_step(non_negative_int(text))
+    except BadStepError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _manager(url: str) -> CheckpointManager:
@@ -175,13 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
                                   ("verify", cmd_verify, "check stored data against its checksums")):
         p = add(name, func, help_text)
         if name != "ls":
-            p.add_argument("--step", type=non_negative_int, help="a committed step (default: latest; verify: all)")
+            p.add_argument("--step", type=checkpoint_step, help="a committed step (default: latest; verify: all)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add("gc", cmd_gc, "delete all but the newest K committed steps")
     p.add_argument("--keep", type=positive_int, required=True,
                    help="committed steps to keep, at least 1 (the latest is never deleted)")
     p = add("export", cmd_export, "write one step's tensors to a .npz file")
-    p.add_argument("--step", type=non_negative_int, required=True, help="the committed step to export")
+    p.add_argument("--step", type=checkpoint_step, required=True, help="the committed step to export")
     p.add_argument("out", type=output_file, help="the .npz file to write")
     return parser
 
