@@ -5,23 +5,28 @@
 about two minutes ahead; AWS suggests polling every 5 s.
 ``events/recommendations/rebalance`` (``{"noticeTime": "..."}``) appears earlier,
 when the instance is at elevated risk of interruption: an early warning.
-Every request times out after ``request_timeout`` (1 s), and failures are
+Every request ends within ``request_timeout`` (1 s) in all, and failures are
 retried about once a second (base.py), so neither errors nor a hung IMDS
 delay a notice by more than about that once the service answers again.
+
+The deadline is the notice's ``time``, in any form a server could send
+(``deadline.parse_time``), and never later than two minutes (``window``) after
+the read that saw it. A ``time`` that cannot be read does not drop the notice:
+its deadline is then the window from the last read that found no notice, or,
+with none, the read that saw it (leave at once).
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-import requests
-
 from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
+from .deadline import CLOUD_TIME, DETECTED_AT, Deadline, from_cloud, parse_time
 from .errors import MetadataGarbageError, WatcherConfigError
-from .metadata_http import expect_status, json_object, new_session, printable_text
+from .metadata_http import MetadataClient, MetadataReply, expect_status, json_object, printable_text
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +35,27 @@ ENDPOINT_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore read
 TOKEN_TTL_S = 21600
 
 
-def parse_iso8601_z(text: str) -> float:
-    """``2026-11-22T08:22:00Z`` -> epoch seconds."""
-    try:
-        parsed = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise MetadataGarbageError(f"IMDS time {text!r} is not ISO 8601") from None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=timezone.utc)
-    return parsed.timestamp()
+def action_deadline(time_field: object, read_started: float, detected_at: float,
+                    last_clear: float | None, window: float) -> Deadline:
+    """The deadline of an ``instance-action`` whose ``time`` is ``time_field`` (pure)."""
+    deadline = from_cloud(parse_time(time_field), read_started, last_clear, window)
+    if deadline.basis == CLOUD_TIME and deadline.at > detected_at + window:
+        # a time past the two minutes AWS gives is no deadline to trust
+        log.warning("instance-action time %r is more than %.0f s away: taking the window from now",
+                    time_field, window)
+        return Deadline(detected_at + window, DETECTED_AT)
+    if deadline.basis != CLOUD_TIME:
+        log.warning("instance-action time %r cannot be read: deadline from %s", time_field, deadline.basis)
+    return deadline
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A JSON document read from IMDS, with the epoch start and end of its read."""
+
+    document: dict[str, Any]
+    started: float
+    detected_at: float
 
 
 class AwsWatcher(Watcher):
@@ -58,6 +75,7 @@ class AwsWatcher(Watcher):
             raise WatcherConfigError(f"IMDS endpoint {self.endpoint!r} needs an http:// scheme")
         self.interval = float(interval)
         self.request_timeout = float(request_timeout)
+        self.client = MetadataClient(total_timeout=self.request_timeout)
 
     def _pollers(self) -> Sequence[Poller]:
         return [_InstanceActionPoller(self), _RebalancePoller(self)]
@@ -68,9 +86,10 @@ class _InstanceActionPoller(Poller):
 
     def __init__(self, watcher: AwsWatcher) -> None:
         self.w = watcher
-        self.session = new_session()
         self.token: str | None = None
         self.token_expiry = 0.0
+        #: epoch start of the last read that found no document (what dates one without a time)
+        self.last_clear: float | None = None
 
     def poll(self) -> Notice | None:
         try:
@@ -87,37 +106,37 @@ class _InstanceActionPoller(Poller):
         found = self._document("spot/instance-action", "action")
         if found is None:
             return None
-        action, detected_at = found
-        deadline = parse_iso8601_z(action["time"]) if isinstance(action.get("time"), str) else None
-        return self.w.make_notice(f"spot-interruption {action['action']}", detected_at=detected_at,
-                                  deadline=deadline)
+        deadline = action_deadline(found.document.get("time"), found.started, found.detected_at,
+                                   self.last_clear, self.w.window)
+        return self.w.make_notice(f"spot-interruption {found.document['action']}",
+                                  detected_at=found.detected_at, deadline=deadline)
 
-    def _document(self, key: str, field: str) -> tuple[dict[str, Any], float] | None:
-        """The JSON object at ``key`` and when it was read, or None while the key is absent (404);
-        an object without a string ``field`` is garbage."""
+    def _document(self, key: str, field: str) -> _Read | None:
+        """The JSON object at ``key``, or None while the key is absent (404); an object without
+        a string ``field`` is garbage."""
+        started = time.time()
         reply = self._get(key)
         detected_at = time.time()
         if reply.status_code == 404:
+            self.last_clear = started
             return None
         expect_status(reply, 200)
         document = json_object(reply)
         if not isinstance(document.get(field), str):
             raise MetadataGarbageError(f"{key} has no {field!r}: {document!r:.120}")
-        return document, detected_at
+        return _Read(document, started, detected_at)
 
     def pause(self) -> float:
         return self.w.interval
 
-    def _get(self, key: str) -> requests.Response:
-        return self.session.get(f"{self.w.endpoint}/latest/meta-data/{key}",
-                                headers={"X-aws-ec2-metadata-token": self._token()},
-                                timeout=self.w.request_timeout)
+    def _get(self, key: str) -> MetadataReply:
+        return self.w.client.get(f"{self.w.endpoint}/latest/meta-data/{key}",
+                                 headers={"X-aws-ec2-metadata-token": self._token()})
 
     def _token(self) -> str:
         if self.token is None or time.monotonic() >= self.token_expiry:
-            reply = self.session.put(f"{self.w.endpoint}/latest/api/token",
-                                     headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)},
-                                     timeout=self.w.request_timeout)
+            reply = self.w.client.put(f"{self.w.endpoint}/latest/api/token",
+                                      headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)})
             expect_status(reply, 200)
             self.token = printable_text(reply, "IMDSv2 token")
             self.token_expiry = time.monotonic() + TOKEN_TTL_S - 60
@@ -133,6 +152,5 @@ class _RebalancePoller(_InstanceActionPoller):
         found = self._document("events/recommendations/rebalance", "noticeTime")
         if found is None:
             return None
-        recommendation, detected_at = found
-        parse_iso8601_z(recommendation["noticeTime"])  # garbage is an error, as for instance-action
-        return self.w.make_notice("rebalance-recommendation", detected_at=detected_at, early=True)
+        # a warning gives no deadline: its time is not needed, and an odd one does not lose it
+        return self.w.make_notice("rebalance-recommendation", detected_at=found.detected_at, early=True)

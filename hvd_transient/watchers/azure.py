@@ -1,21 +1,32 @@
 """Azure Spot eviction watcher: poll Scheduled Events for a ``Preempt`` naming this VM.
 
-The deadline is the event's ``NotBefore`` (RFC 1123, at least 30 s ahead).
-Every request times out after ``request_timeout`` (1 s), and failures are
+An event names the VMs it affects in ``Resources``: this VM's resource name (IMDS
+``compute/name``; a scale set's instance name, e.g. ``vmss_3``). The Horovod host name
+the watcher may be given (``instance``) is often something else (an address, the OS
+host name), so the watcher asks IMDS for the VM's own names (``compute/name`` and
+``compute/osProfile/computerName``) and matches an event naming any of them, or
+``instance``, ignoring case.
+
+The deadline is the event's ``NotBefore`` (RFC 1123, at least 30 s ahead). An event
+that has started (``EventStatus: Started``; its ``NotBefore`` is then blank) is under
+way: leave at once. A ``NotBefore`` that cannot be read does not drop the notice: the
+window (30 s) counts from the last read that found no event for this VM, or, with
+none, the deadline is the read that saw it (``deadline.py``).
+Every request ends within ``request_timeout`` (1 s) in all, and failures are
 retried about once a second (base.py), so neither errors nor a hung IMDS
 delay a notice by more than about that once the service answers again.
 """
 from __future__ import annotations
 
-import email.utils
 import logging
 import os
 import time
-from typing import Sequence
+from typing import Any, Iterable, Sequence
 
 from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
-from .errors import MetadataGarbageError, WatcherConfigError
-from .metadata_http import expect_status, json_object, new_session, printable_text
+from .deadline import EVENT_STARTED, Deadline, from_cloud, parse_time
+from .errors import MetadataGarbageError, WatcherConfigError, WatcherError
+from .metadata_http import MetadataClient, expect_status, json_object
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +35,38 @@ ENDPOINT_ENV = "HVDT_AZURE_METADATA_ENDPOINT"
 EVENTS_API_VERSION = "2020-07-01"
 INSTANCE_API_VERSION = "2021-02-01"
 HEADERS = {"Metadata": "true"}
+#: the VM's names are asked again at most this often while IMDS cannot tell them
+NAMES_RETRY_S = 10.0
 
 
-def parse_rfc1123(text: str) -> float | None:
-    """``Mon, 19 Sep 2016 18:29:47 GMT`` -> epoch seconds; None for an empty NotBefore."""
-    if not text.strip():
-        return None
-    try:
-        return email.utils.parsedate_to_datetime(text).timestamp()
-    except (TypeError, ValueError, IndexError):
-        raise MetadataGarbageError(f"NotBefore {text!r} is not an RFC 1123 date") from None
+def vm_names(compute: dict[str, Any]) -> set[str]:
+    """The names an event may call this VM by, from the IMDS ``compute`` document (pure)."""
+    os_profile = compute.get("osProfile")
+    found = [compute.get("name"), os_profile.get("computerName") if isinstance(os_profile, dict) else None]
+    return {name for name in found if isinstance(name, str) and name.strip()}
+
+
+def event_for(events: Iterable[Any], names: set[str], event_types: Sequence[str]) -> dict[str, Any] | None:
+    """The first event of ``event_types`` whose ``Resources`` name this VM (pure)."""
+    wanted = {name.casefold() for name in names}
+    for event in events:
+        if not isinstance(event, dict):
+            raise MetadataGarbageError(f"scheduled event is not an object: {event!r:.120}")
+        resources = event.get("Resources")
+        if event.get("EventType") not in event_types or not isinstance(resources, list):
+            continue
+        if any(isinstance(r, str) and r.casefold() in wanted for r in resources):
+            return event
+    return None
+
+
+def event_deadline(event: dict[str, Any], read_started: float, last_clear: float | None,
+                   window: float) -> Deadline:
+    """When the VM an ``event`` names must be gone (pure)."""
+    not_before = event.get("NotBefore")
+    if str(event.get("EventStatus") or "").casefold() == "started" or not str(not_before or "").strip():
+        return Deadline(read_started, EVENT_STARTED)
+    return from_cloud(parse_time(not_before), read_started, last_clear, window)
 
 
 class AzureWatcher(Watcher):
@@ -46,8 +79,8 @@ class AzureWatcher(Watcher):
                  event_types: Sequence[str] = ("Preempt",), instance: str | None = None,
                  on_notice: NoticeCallback | None = None, initial_backoff: float = INITIAL_BACKOFF_S,
                  max_backoff: float = MAX_BACKOFF_S) -> None:
-        # ``instance`` is the VM name the events must list; asked from IMDS if not given.
-        # ``window`` is only used for an event with an empty NotBefore.
+        # ``instance``: a name of this VM events may list, besides those IMDS gives.
+        # ``window``: Azure's notice, used only for an event whose NotBefore cannot be read.
         super().__init__(window=window, instance=instance, on_notice=on_notice,
                          initial_backoff=initial_backoff, max_backoff=max_backoff)
         self.endpoint = (endpoint or os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT).rstrip("/")
@@ -56,6 +89,9 @@ class AzureWatcher(Watcher):
         self.interval = float(interval)
         self.request_timeout = float(request_timeout)
         self.event_types = tuple(event_types)
+        self.client = MetadataClient(total_timeout=self.request_timeout)
+        #: the VM's own names from IMDS (None until they are known)
+        self.vm_names: set[str] | None = None
 
     def _pollers(self) -> Sequence[Poller]:
         return [_ScheduledEventsPoller(self)]
@@ -66,31 +102,58 @@ class _ScheduledEventsPoller(Poller):
 
     def __init__(self, watcher: AzureWatcher) -> None:
         self.w = watcher
-        self.session = new_session()
+        self.names_tried_at: float | None = None  # monotonic
+        #: epoch start of the last read that found no event for this VM
+        self.last_clear: float | None = None
 
     def poll(self) -> Notice | None:
         w = self.w
-        if w.instance is None:
-            reply = self.session.get(f"{w.endpoint}/metadata/instance/compute/name", headers=HEADERS,
-                                     params={"api-version": INSTANCE_API_VERSION, "format": "text"},
-                                     timeout=w.request_timeout)
-            expect_status(reply, 200)
-            w.instance = printable_text(reply, "VM name")
-        reply = self.session.get(f"{w.endpoint}/metadata/scheduledevents", headers=HEADERS,
-                                 params={"api-version": EVENTS_API_VERSION}, timeout=w.request_timeout)
+        names = self._names()
+        started = time.time()
+        reply = w.client.get(f"{w.endpoint}/metadata/scheduledevents", headers=HEADERS,
+                             params={"api-version": EVENTS_API_VERSION})
         detected_at = time.time()
         expect_status(reply, 200)
         events = json_object(reply).get("Events")
         if not isinstance(events, list):
             raise MetadataGarbageError(f"scheduled events document has no 'Events' list: {reply.text[:120]!r}")
-        for event in events:
-            if not isinstance(event, dict):
-                raise MetadataGarbageError(f"scheduled event is not an object: {event!r:.120}")
-            if event.get("EventType") in w.event_types and w.instance in (event.get("Resources") or []):
-                deadline = parse_rfc1123(str(event.get("NotBefore") or ""))
-                return w.make_notice(f"scheduled-event {event['EventType']} {event.get('EventId', '')}".strip(),
-                                     detected_at=detected_at, deadline=deadline)
-        return None
+        event = event_for(events, names, w.event_types)
+        if event is None:
+            self.last_clear = started
+            return None
+        deadline = event_deadline(event, started, self.last_clear, w.window)
+        return w.make_notice(f"scheduled-event {event['EventType']} {event.get('EventId', '')}".strip(),
+                             detected_at=detected_at, deadline=deadline,
+                             instance=w.instance or min(names))
+
+    def _names(self) -> set[str]:
+        """Every name of this VM known so far: the given one and, once IMDS told them, its own.
+        A failure to learn them is not fatal while a name is known (asked again later)."""
+        w = self.w
+        given = {w.instance} if w.instance else set()
+        now = time.monotonic()
+        if w.vm_names is None and (self.names_tried_at is None or now - self.names_tried_at >= NAMES_RETRY_S
+                                   or not given):
+            self.names_tried_at = now
+            try:
+                reply = w.client.get(f"{w.endpoint}/metadata/instance/compute", headers=HEADERS,
+                                     params={"api-version": INSTANCE_API_VERSION})
+                expect_status(reply, 200)
+                compute = json_object(reply)
+                w.vm_names = vm_names(compute)
+                if w.instance is None and isinstance(compute.get("name"), str):
+                    w.instance = compute["name"]  # what its notices are reported under
+                log.info("Azure watcher: events naming %s are for this VM",
+                         ", ".join(sorted(given | w.vm_names)))
+            except (WatcherError, OSError) as exc:
+                if not given:
+                    raise
+                log.warning("Azure watcher: IMDS did not tell this VM's names (%s); matching %s only "
+                            "for now", exc, w.instance)
+        names = given | (w.vm_names or set())
+        if not names:
+            raise MetadataGarbageError("IMDS compute metadata names no VM: no event can be matched")
+        return names
 
     def pause(self) -> float:
         return self.w.interval

@@ -28,6 +28,8 @@ import tenacity
 
 from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
 
+from .deadline import CLOUD_TIME, DETECTED_AT, Deadline
+
 log = logging.getLogger(__name__)
 
 #: Longest wait between the starts of two requests of a poller while they fail (the default
@@ -45,11 +47,13 @@ NoticeCallback = Callable[["Notice"], None]
 class Notice:
     """A preemption (or terminating maintenance) notice for this machine.
 
-    ``detected_at`` and ``deadline`` are epoch seconds; the deadline is when
-    the machine may be gone (notice time + window on GCE, the ``time`` field
-    on AWS, ``NotBefore`` on Azure). An ``early`` notice is a warning that
-    the machine is at elevated risk, with no deadline yet (its ``deadline`` is
-    only the earliest a real notice could end): checkpoint, keep training, stay.
+    ``detected_at`` and ``deadline`` are epoch seconds: when the watcher read the notice, and
+    the earliest the machine may be gone (the ``time`` field on AWS, ``NotBefore`` on Azure,
+    the window counted from the last read without a notice on GCE; see ``deadline.py``).
+    ``deadline_basis`` names the bound the deadline was taken from (``deadline.CLOUD_TIME``,
+    ``LAST_CLEAR_READ``, ``FIRST_READ``, ``EVENT_STARTED``, ``DETECTED_AT``). An ``early``
+    notice is a warning that the machine is at elevated risk, with no deadline yet (its
+    ``deadline`` is only the earliest a real notice could end): checkpoint, keep training, stay.
     """
 
     source: str
@@ -58,6 +62,7 @@ class Notice:
     deadline: float
     reason: str
     early: bool = False
+    deadline_basis: str = DETECTED_AT
 
     def seconds_left(self, now: float | None = None) -> float:
         return self.deadline - (time.time() if now is None else now)
@@ -113,11 +118,17 @@ class Watcher(abc.ABC):
         """Hook run in ``stop()`` on the caller's thread."""
 
     def make_notice(self, reason: str, *, detected_at: float | None = None,
-                    deadline: float | None = None, instance: str | None = None, early: bool = False) -> Notice:
+                    deadline: float | Deadline | None = None, instance: str | None = None,
+                    early: bool = False) -> Notice:
+        """A notice seen at ``detected_at`` (now); without a ``deadline``, the window from then."""
         now = time.time() if detected_at is None else detected_at
+        if deadline is None:
+            deadline = Deadline(now + self.window, DETECTED_AT)
+        elif not isinstance(deadline, Deadline):  # a time the notice itself gave
+            deadline = Deadline(deadline, CLOUD_TIME)
         return Notice(source=self.source, instance=instance or self.instance or "unknown",
-                      detected_at=now, deadline=now + self.window if deadline is None else deadline,
-                      reason=reason, early=early)
+                      detected_at=now, deadline=deadline.at, reason=reason, early=early,
+                      deadline_basis=deadline.basis)
 
     # ---- public API -----------------------------------------------------------------------
     def start(self) -> "Watcher":

@@ -17,3 +17,7 @@ class MetadataServerError(WatcherError, ConnectionError):
 
 class MetadataGarbageError(WatcherError, ValueError):
     """The metadata server answered 200 with a body that is not what the API returns."""
+
+
+class MetadataTimeoutError(WatcherError, TimeoutError):
+    """A metadata request did not end (connection, headers and whole body) within its bound."""

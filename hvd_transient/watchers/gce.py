@@ -12,30 +12,42 @@ margin), not minutes; the server is on the VM, so one request a second per key
 costs nothing, and a change still comes back the moment it happens. After a
 failed request the poller reads the key plainly (``request_timeout``, 1 s)
 until the server answers again, retrying about once a second (``base.py``).
-Every request's timeouts are bounded, so a notice is seen within about 2 s of
-its appearance even when the request in flight at that moment is never answered.
+Every request's total time is bounded (``metadata_http.py``), so a notice is seen
+within about 2 s of its appearance even when the request in flight at that moment
+is never answered, or answered a byte at a time.
+
+``instance/preempted`` gives no time: a notice is dated by the poller's own
+history (``deadline.py``): the window from the start of the last read that said
+FALSE, or, with no such read, the start of the read that saw it (leave at once).
+
+The VM's name, id and configured window are optional: they are read after a read
+of the watched key succeeded (so a broken one never delays or stops that poll), a
+value that is no answer (empty, garbage) falls back to the default, and a failed
+read is tried again later.
 """
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Callable, Mapping, Sequence
-
-import requests
 
 from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S, NOTICE_ATTRIBUTE
 
 from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
-from .errors import MetadataGarbageError, WatcherConfigError
-from .metadata_http import expect_status, new_session, printable_text
+from .deadline import from_history
+from .errors import MetadataGarbageError, WatcherConfigError, WatcherError
+from .metadata_http import MetadataClient, MetadataReply, expect_status, printable_text
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "http://metadata.google.internal/computeMetadata/v1/"
 HEADERS = {"Metadata-Flavor": "Google"}
 MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
+#: an optional key that could not be read is asked again at most this often
+IDENTITY_RETRY_S = 10.0
 
 
 def gce_base_url(base_url: str | None = None, env: Mapping[str, str] | None = None) -> str:
@@ -62,8 +74,8 @@ class GceWatcher(Watcher):
                  connect_timeout: float = 0.5, watch_maintenance: bool = True,
                  instance: str | None = None, on_notice: NoticeCallback | None = None,
                  initial_backoff: float = INITIAL_BACKOFF_S, max_backoff: float = MAX_BACKOFF_S) -> None:
-        # long_poll_timeout (whole seconds) + request_margin: a long-poll's read timeout, the most
-        # a hung long-poll can blind the watcher; request_timeout: the read timeout of plain reads
+        # long_poll_timeout (whole seconds) + request_margin: a long-poll's total time, the most
+        # a hung long-poll can blind the watcher; request_timeout: the total time of plain reads
         # window None: the VM's configured notice (read once, with the instance name), else 30 s
         super().__init__(window=GCE_NOTICE_WINDOW_S if window is None else window, instance=instance,
                          on_notice=on_notice, initial_backoff=initial_backoff, max_backoff=max_backoff)
@@ -75,6 +87,10 @@ class GceWatcher(Watcher):
         self.request_timeout = float(request_timeout)
         self.connect_timeout = float(connect_timeout)
         self.watch_maintenance = watch_maintenance
+        self.client = MetadataClient(connect_timeout=self.connect_timeout, total_timeout=self.request_timeout)
+        self._id_known = False
+        self._identity_lock = threading.Lock()
+        self._identity_tried_at: float | None = None  # monotonic
 
     def _pollers(self) -> Sequence[Poller]:
         pollers: list[Poller] = [_KeyPoller(self, "instance/preempted", _preempted_reason)]
@@ -82,55 +98,95 @@ class GceWatcher(Watcher):
             pollers.append(_KeyPoller(self, "instance/maintenance-event", _maintenance_reason))
         return pollers
 
-    def resolve_instance(self, session: requests.Session) -> str:
-        """This VM's name (asked once; the host name if the server has no ``instance/name``), its id
-        and, unless given, its notice window."""
-        if not self._window_known:
-            self.window = self._configured_window(session)
-            self._window_known = True
-        if self.instance_id is None:
-            reply = self._get(session, "instance/id")
-            if reply.status_code == 200:
-                self.instance_id = printable_text(reply, "instance id") or None
-        if self.instance is None:
-            reply = self._get(session, "instance/name")
-            if reply.status_code == 404:
-                self.instance = socket.gethostname()
-            else:
-                expect_status(reply, 200)
-                self.instance = printable_text(reply, "instance name")
-        return self.instance
+    @property
+    def identity_known(self) -> bool:
+        return self._window_known and self._id_known and self.instance is not None
 
-    def _configured_window(self, session: requests.Session) -> float:
-        reply = self._get(session, f"instance/attributes/{NOTICE_ATTRIBUTE}")
-        if reply.status_code == 404:
-            return GCE_NOTICE_WINDOW_S
-        expect_status(reply, 200)  # a failing server says nothing about the window: ask again
-        text = printable_text(reply, NOTICE_ATTRIBUTE)
+    def resolve_identity(self, *, force: bool = False) -> None:
+        """Best effort: this VM's configured notice window, id and (unless given) name. Never
+        raises; what could not be read is asked again after ``IDENTITY_RETRY_S`` (or when forced:
+        then another poller already asking is waited for, as its answer is needed)."""
+        if self.identity_known:
+            return
+        now = time.monotonic()
+        if not force and self._identity_tried_at is not None and now - self._identity_tried_at < IDENTITY_RETRY_S:
+            return
+        if not self._identity_lock.acquire(blocking=force):
+            return
         try:
-            seconds = float(text)
-        except ValueError:
-            seconds = -1.0
-        if not seconds > 0:
-            log.warning("metadata attribute %s is %r, not a positive number of seconds: assuming a %.0f s notice",
-                        NOTICE_ATTRIBUTE, text, GCE_NOTICE_WINDOW_S)
-            return GCE_NOTICE_WINDOW_S
-        log.info("this VM gets a %.0f s preemption notice (%s)", seconds, NOTICE_ATTRIBUTE)
-        return seconds
+            self._identity_tried_at = time.monotonic()
+            if not self._window_known:
+                self._optional(NOTICE_ATTRIBUTE, self._learn_window, f"instance/attributes/{NOTICE_ATTRIBUTE}")
+            if not self._id_known:
+                self._optional("instance id", self._learn_id, "instance/id")
+            if self.instance is None:
+                self._optional("instance name", self._learn_name, "instance/name")
+        finally:
+            self._identity_lock.release()
 
-    def _get(self, session: requests.Session, key: str, params: dict[str, str] | None = None,
-             read_timeout: float | None = None) -> requests.Response:
-        """GET ``key``; the read timeout is ``request_timeout`` unless given (a long-poll's)."""
-        return session.get(self.base_url + key, headers=HEADERS, params=params,
-                           timeout=(self.connect_timeout, read_timeout or self.request_timeout))
+    def _optional(self, what: str, learn: Callable[[MetadataReply | None], None], key: str) -> None:
+        """Read an optional ``key`` and hand its reply to ``learn`` (None when the key is absent);
+        a server error or timeout leaves it for the next try."""
+        try:
+            reply = self._get(key)
+            if reply.status_code == 404:
+                learn(None)
+                return
+            expect_status(reply, 200)
+        except (WatcherError, OSError) as exc:
+            log.debug("could not read the %s (%s); asking again later", what, exc)
+            return
+        learn(reply)
+
+    def _learn_window(self, reply: MetadataReply | None) -> None:
+        self._window_known = True
+        self.window = GCE_NOTICE_WINDOW_S if reply is None else configured_window(reply)
+
+    def _learn_id(self, reply: MetadataReply | None) -> None:
+        self._id_known = True
+        self.instance_id = _text_or_none(reply, "instance id")
+
+    def _learn_name(self, reply: MetadataReply | None) -> None:
+        self.instance = _text_or_none(reply, "instance name") or socket.gethostname()
+
+    def _get(self, key: str, params: dict[str, str] | None = None, total: float | None = None) -> MetadataReply:
+        """GET ``key``, bounded by ``request_timeout`` in all unless given (a long-poll's)."""
+        return self.client.get(self.base_url + key, headers=HEADERS, params=params, total=total)
+
+
+def configured_window(reply: MetadataReply) -> float:
+    """The notice window the VM was created with; anything but a positive number (empty
+    included) is the default 30 s, never a longer guess."""
+    try:
+        text = printable_text(reply, NOTICE_ATTRIBUTE)
+        seconds = float(text)
+    except (MetadataGarbageError, ValueError):
+        text, seconds = reply.text[:40], -1.0
+    if not seconds > 0:
+        log.warning("metadata attribute %s is %r, not a positive number of seconds: assuming a %.0f s notice",
+                    NOTICE_ATTRIBUTE, text, GCE_NOTICE_WINDOW_S)
+        return GCE_NOTICE_WINDOW_S
+    log.info("this VM gets a %.0f s preemption notice (%s)", seconds, NOTICE_ATTRIBUTE)
+    return seconds
+
+
+def _text_or_none(reply: MetadataReply | None, what: str) -> str | None:
+    if reply is None:
+        return None
+    try:
+        return printable_text(reply, what)
+    except MetadataGarbageError as exc:
+        log.warning("%s; going without it", exc)
+        return None
 
 
 class _KeyPoller(Poller):
     def __init__(self, watcher: GceWatcher, key: str, interpret: Callable[[str], str | None]) -> None:
         self.watcher, self.key, self.interpret = watcher, key, interpret
         self.name = key.rsplit("/", 1)[-1]
-        self.session = new_session()
         self.etag: str | None = None
+        #: epoch start of the last read that said "no notice" (what dates a notice)
+        self.last_clear: float | None = None
 
     def poll(self) -> Notice | None:
         try:
@@ -143,13 +199,13 @@ class _KeyPoller(Poller):
 
     def _poll(self) -> Notice | None:
         w = self.watcher
-        instance = w.resolve_instance(self.session)
+        started = time.time()
         if self.etag is None:
-            reply = w._get(self.session, self.key)
+            reply = w._get(self.key)
         else:
-            reply = w._get(self.session, self.key, params={
+            reply = w._get(self.key, params={
                 "wait_for_change": "true", "last_etag": self.etag,
-                "timeout_sec": str(w.long_poll_timeout)}, read_timeout=w.read_timeout)
+                "timeout_sec": str(w.long_poll_timeout)}, total=w.read_timeout)
         detected_at = time.time()
         expect_status(reply, 200)
         if reply.headers.get("Metadata-Flavor") != "Google":
@@ -157,10 +213,15 @@ class _KeyPoller(Poller):
                                        "not a GCE metadata server")
         value = printable_text(reply, f"value of {self.key}")
         reason = self.interpret(value)  # raises MetadataGarbageError on a value the API never has
-        if reason is not None:
-            return w.make_notice(reason, detected_at=detected_at, instance=instance)
-        self.etag = reply.headers.get("ETag")
-        return None
+        if reason is None:
+            self.last_clear = started
+            self.etag = reply.headers.get("ETag")
+            w.resolve_identity()
+            return None
+        w.resolve_identity(force=True)  # the notice names the VM and, after a clear read, uses its window
+        deadline = from_history(started, self.last_clear, w.window)
+        return w.make_notice(reason, detected_at=detected_at, deadline=deadline,
+                             instance=w.instance or socket.gethostname())
 
     def pause(self) -> float:
         # Without an ETag the server cannot long-poll for us: fall back to plain polling.

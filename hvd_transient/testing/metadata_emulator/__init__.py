@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .cli import main
 from .model import (
+    AWS_TIME_FORMATS,
     DEFAULT_WINDOW_S,
     MAINTENANCE_EVENTS,
     AlreadyPreemptedError,
@@ -27,7 +28,7 @@ from .model import (
 from .server import MetadataEmulator
 
 __all__ = [
-    "DEFAULT_WINDOW_S", "MAINTENANCE_EVENTS", "AlreadyPreemptedError", "ConflictError",
+    "AWS_TIME_FORMATS", "DEFAULT_WINDOW_S", "MAINTENANCE_EVENTS", "AlreadyPreemptedError", "ConflictError",
     "EmulatorError", "Fault", "InstanceExistsError", "InstanceSnapshot", "InvalidRequestError",
     "MetadataEmulator", "UnknownInstanceError", "main",
 ]

@@ -14,24 +14,32 @@ Paths::
     PUT  [/i/<inst>]/latest/api/token                    (X-aws-ec2-metadata-token-ttl-seconds)
     GET  [/i/<inst>]/latest/meta-data/<key>              (X-aws-ec2-metadata-token)
     GET  [/i/<inst>]/metadata/scheduledevents?api-version=2020-07-01   (Metadata: true)
+    GET  [/i/<inst>]/metadata/instance/compute?api-version=...        (JSON: name, osProfile...)
     GET  [/i/<inst>]/metadata/instance/compute/name?api-version=...&format=text
 
     GET  /control/instances                   every instance's state
     GET  /control/instances/<inst>            one instance's state
-    POST /control/instances                   {"name", "hostname"?, "zone"?, "project_id"?}
-    POST /control/instances/<inst>/preempt    {"at"? | "delay"?, "window"?, "kill_pid"?, "signal"?}
+    POST /control/instances                   {"name", "hostname"?, "zone"?, "project_id"?, "vm_name"?}
+    POST /control/instances/<inst>/preempt    {"at"? | "delay"? | "ago"?, "window"?, "kill_pid"?, "signal"?,
+                                               "aws_time_format"?}   ("ago": a notice that came
+                                               that many seconds ago)
+    POST /control/instances/<inst>/vm-name    {"vm_name"}  the VM's own name, apart from the host's
+    POST /control/instances/<inst>/azure-start  the Azure eviction event starts now
     POST /control/instances/<inst>/maintenance {"event": "TERMINATE_ON_HOST_MAINTENANCE"}
     POST /control/instances/<inst>/rebalance  AWS rebalance recommendation now
-    POST /control/instances/<inst>/fault      {"mode": "hang" | "lose" | "500" | "503" | "garbage" | "ok",
-                                               "duration"?: seconds}
+    POST /control/instances/<inst>/fault      {"mode": "hang" | "lose" | "500" | "503" | "garbage" |
+                                               "trickle" | "ok", "duration"?: seconds,
+                                               "interval"?: seconds between trickled bytes}
 
 A fault applies to every metadata path of the instance (GCE, AWS, Azure; not ``/control``).
 Without ``duration`` it lasts until another mode is set; with one it ends by itself after that
 many seconds (``fault_until`` in the instance's state). ``500``/``503``: that error at once
 (GCE's carry ``Metadata-Flavor: Google``); ``garbage``: 200 with a nonsense body; ``hang``: no
 answer until the fault ends, then the answer of that moment; ``lose``: no answer ever, even after
-the fault ends (the request is held until its client hangs up or the emulator stops). A GCE
-long-poll already waiting when a fault begins is hit by it too, as by a restarting server.
+the fault ends (the request is held until its client hangs up or the emulator stops);
+``trickle``: the real answer, its headers at once and then its body one byte every ``interval``
+seconds (0.5 by default). A GCE long-poll already waiting when a fault begins is hit by it too,
+as by a restarting server.
     POST /control/instances/<inst>/reset      a fresh VM under the same name
 """
 from __future__ import annotations
@@ -63,6 +71,7 @@ AWS_TOKEN_PATH = "/latest/api/token"
 AWS_META_PREFIX = "/latest/meta-data/"
 AZURE_EVENTS_PATH = "/metadata/scheduledevents"
 AZURE_NAME_PATH = "/metadata/instance/compute/name"
+AZURE_COMPUTE_PATH = "/metadata/instance/compute"
 MAX_BODY = 1 << 20
 #: how often a lost request's handler looks whether its client has hung up or the emulator stops
 LOST_CHECK_S = 0.2
@@ -74,6 +83,8 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
     server_version = "Metadata-Server-Emulator"
     sys_version = ""
+    #: seconds between two body bytes of this request's reply; None: all at once
+    trickle_s: float | None = None
 
     @property
     def registry(self) -> "Registry":
@@ -109,6 +120,7 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
             if fault is Fault.LOSE:
                 self._never_answer()
                 return
+            self.trickle_s = self.registry.trickle_interval(name)
             if _is_gce_path(rest):
                 self._gce(method, name, rest[1:], query, fault)
             elif rest == AWS_TOKEN_PATH or rest.startswith(AWS_META_PREFIX):
@@ -123,7 +135,7 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
     # ---- GCE --------------------------------------------------------------------------
     def _gce(self, method: str, name: str, path: str, query: dict[str, str], fault: Fault) -> None:
         """``path`` is server-root-relative: ``computeMetadata/v1/...``, or a directory above it."""
-        if fault is not Fault.OK:
+        if not fault.answers:
             self._fault_reply(fault, gce=True)
             return
         url_path = urlsplit(self.path).path
@@ -152,6 +164,7 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
                         self._fault_reply(waited, gce=True)
                     return
                 found = waited
+                self.trickle_s = self.registry.trickle_interval(name)  # a fault may have begun meanwhile
             else:
                 found = self.registry.gce_read(name, path, recursive=q.recursive, alt=q.alt)
         except UnknownKeyError:
@@ -174,7 +187,7 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
 
     # ---- AWS IMDSv2 -------------------------------------------------------------------
     def _aws(self, method: str, name: str, path: str, fault: Fault) -> None:
-        if fault is not Fault.OK:
+        if not fault.answers:
             self._fault_reply(fault, gce=False)
             return
         if path == AWS_TOKEN_PATH:
@@ -210,7 +223,7 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
 
     # ---- Azure ------------------------------------------------------------------------
     def _azure(self, method: str, name: str, path: str, query: dict[str, str], fault: Fault) -> None:
-        if fault is not Fault.OK:
+        if not fault.answers:
             self._fault_reply(fault, gce=False)
             return
         if self.headers.get("Metadata", "").lower() != "true":
@@ -224,11 +237,14 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
             return
         if path.rstrip("/") == AZURE_EVENTS_PATH:
             self._reply_json(200, self.registry.azure_document(name))
+        elif path.rstrip("/") == AZURE_COMPUTE_PATH:
+            self._reply_json(200, self.registry.azure_compute(name))
         elif path == AZURE_NAME_PATH:
+            vm_name = self.registry.azure_compute(name)["name"]
             if query.get("format") == "text":
-                self._reply(200, name)
+                self._reply(200, vm_name)
             else:
-                self._reply_json(200, name)
+                self._reply_json(200, vm_name)
         else:
             self._reply_json(404, {"error": f"{path} is not emulated"})
 
@@ -249,7 +265,8 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
         body = self._read_json()
         if len(parts) == 1:
             snap = reg.add(str(body.get("name", "")), hostname=body.get("hostname"),
-                           zone=body.get("zone"), project_id=body.get("project_id"))
+                           zone=body.get("zone"), project_id=body.get("project_id"),
+                           vm_name=body.get("vm_name"))
             self._reply_json(201, snap.to_json())
             return
         if len(parts) != 3:
@@ -259,19 +276,27 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
         if action == "preempt":
             window = _opt_float(body, "window")
             snap = reg.preempt(name, at=_opt_float(body, "at"), delay=_opt_float(body, "delay"),
+                               ago=_opt_float(body, "ago"),
                                window=DEFAULT_WINDOW_S if window is None else window,
-                               kill_pid=body.get("kill_pid"), kill_signal=body.get("signal"))
+                               kill_pid=body.get("kill_pid"), kill_signal=body.get("signal"),
+                               aws_time_format=str(body.get("aws_time_format") or "iso8601"))
         elif action == "maintenance":
             snap = reg.set_maintenance(name, str(body.get("event", "")))
         elif action == "rebalance":
             snap = reg.recommend_rebalance(name)
         elif action == "fault":
-            snap = reg.set_fault(name, str(body.get("mode", "")), duration=_opt_float(body, "duration"))
+            snap = reg.set_fault(name, str(body.get("mode", "")), duration=_opt_float(body, "duration"),
+                                 trickle_s=_opt_float(body, "interval"))
+        elif action == "vm-name":
+            snap = reg.set_vm_name(name, str(body.get("vm_name", "")))
+        elif action == "azure-start":
+            snap = reg.start_azure_event(name)
         elif action == "reset":
             snap = reg.reset(name)
         else:
             self._reply_json(404, {"error": f"unknown action {action!r}: "
-                                            "use preempt, maintenance, rebalance, fault or reset"})
+                                            "use preempt, maintenance, rebalance, fault, vm-name, "
+                                            "azure-start or reset"})
             return
         self._reply_json(200, snap.to_json())
 
@@ -326,7 +351,13 @@ class MetadataRequestHandler(BaseHTTPRequestHandler):
         for key, value in (headers or {}).items():
             self.send_header(key, value)
         self.end_headers()
-        self.wfile.write(data)
+        if self.trickle_s is None:
+            self.wfile.write(data)
+            return
+        for i in range(len(data)):  # the headers are out; now the body, a byte at a time
+            if i and self.registry.wait_stopping(self.trickle_s):
+                return
+            self.wfile.write(data[i:i + 1])
 
 
 def _is_gce_path(path: str) -> bool:

@@ -6,8 +6,16 @@ semantics here means they can be read (and tested) without a server.
 
 Faults (``Fault``) model a metadata server that misbehaves: every reply of one instance, on
 every cloud's API, is an error, garbage, late (``hang``: held until the fault ends, then
-answered) or never sent (``lose``). A fault lasts until it is cleared, or ends by itself at
-``fault_until`` when it was set for a given time.
+answered), never sent (``lose``) or sent a byte at a time (``trickle``: the headers at once,
+then one byte of the real body every ``trickle_s`` seconds). A fault lasts until it is cleared,
+or ends by itself at ``fault_until`` when it was set for a given time.
+
+A VM's name (``vm_name``: GCE ``instance/name``, Azure ``compute/name`` and the ``Resources``
+of its events) may differ from the name the emulator knows it by (the Horovod host name, which
+is also its OS host name, Azure ``osProfile.computerName``). A notice may have started before
+now (``preempt(ago=...)``: a watcher that starts after it). An Azure event is ``Started``,
+with a blank ``NotBefore``, once its ``NotBefore`` has passed or once it is started early
+(``start_azure_event``, what approving it does on Azure).
 
 Timeline of a preemption (all times are epoch seconds)::
 
@@ -27,7 +35,7 @@ import signal
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 DEFAULT_WINDOW_S = 30.0
 DEFAULT_PROJECT_ID = "hvd-transient-local"
@@ -81,6 +89,13 @@ class Fault(str, enum.Enum):
     ERROR_500 = "500"    # 500 Internal Server Error
     ERROR_503 = "503"    # 503 Service Unavailable (a metadata server that is restarting)
     GARBAGE = "garbage"  # 200 with a nonsense body
+    TRICKLE = "trickle"  # the real answer: its headers at once, then one byte of body every
+                         # ``trickle_s`` seconds
+
+    @property
+    def answers(self) -> bool:
+        """Whether a request under this fault gets the real answer (perhaps slowly)."""
+        return self in (Fault.OK, Fault.TRICKLE)
 
     @classmethod
     def parse(cls, value: str) -> "Fault":
@@ -104,6 +119,23 @@ def iso8601_z(epoch: float) -> str:
 def rfc1123(epoch: float) -> str:
     """Azure ``NotBefore`` format, e.g. ``Mon, 19 Sep 2016 18:29:47 GMT``."""
     return email.utils.formatdate(epoch, usegmt=True)
+
+
+#: how AWS ``instance-action`` ``time`` may be written (``preempt(aws_time_format=...)``); the
+#: real service sends ``iso8601``, the rest are what a server could send too
+AWS_TIME_FORMATS: dict[str, Callable[[float], Any]] = {
+    "iso8601": iso8601_z,
+    "iso8601-lower-z": lambda t: iso8601_z(t).replace("Z", "z"),
+    "iso8601-fraction": lambda t: datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+    "iso8601-offset": lambda t: datetime.fromtimestamp(int(t), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S+0000"),
+    "iso8601-no-zone": lambda t: datetime.fromtimestamp(int(t), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S"),
+    "iso8601-minutes": lambda t: datetime.fromtimestamp(int(t), tz=timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+    "epoch": lambda t: str(int(t)),
+    "epoch-number": int,
+    "rfc1123": rfc1123,
+    "unreadable": lambda t: "in two minutes",
+    "missing": lambda t: None,
+}
 
 
 def parse_signal(value: int | str | None) -> signal.Signals:
@@ -142,6 +174,10 @@ class InstanceSnapshot:
     requests: int
     fault_hits: dict[str, int]
     path_hits: dict[str, int]
+    vm_name: str = ""
+    trickle_s: float = 0.0
+    aws_time_format: str = "iso8601"
+    azure_started_at: float | None = None  # an Azure event started early (approved)
 
     def to_json(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
@@ -173,6 +209,15 @@ class InstanceState:
     path_hits: dict[str, int] = field(default_factory=dict)   # API path (no query) -> requests
     attributes: dict[str, str] = field(default_factory=dict)  # custom metadata (instance/attributes/)
     rebalance_at: float | None = None  # AWS: when a rebalance recommendation was issued
+    vm_name: str | None = None  # the VM's own name where it is not ``name``
+    trickle_s: float = 0.5  # seconds between two bytes of a trickled reply
+    aws_time_format: str = "iso8601"
+    azure_started_at: float | None = None
+
+    @property
+    def vm(self) -> str:
+        """The VM's name (GCE ``instance/name``, Azure ``compute/name``)."""
+        return self.vm_name or self.name
 
     # ---- preemption life cycle -------------------------------------------------
     @property
@@ -186,7 +231,10 @@ class InstanceState:
         return self.notice_at + self.window
 
     def schedule_preemption(self, at: float, window: float, kill_pid: int | None,
-                            kill_signal: signal.Signals) -> None:
+                            kill_signal: signal.Signals, aws_time_format: str = "iso8601") -> None:
+        if aws_time_format not in AWS_TIME_FORMATS:
+            raise InvalidRequestError(f"unknown AWS time format {aws_time_format!r}: use one of "
+                                      f"{', '.join(AWS_TIME_FORMATS)}")
         if self.preempted or self.scheduled_at is not None:
             raise AlreadyPreemptedError(
                 f"instance {self.name!r} is already preempted or scheduled for preemption; "
@@ -195,6 +243,23 @@ class InstanceState:
             raise InvalidRequestError(f"notice window must be >= 0 seconds, got {window}")
         self.scheduled_at, self.window = at, window
         self.kill_pid, self.kill_signal = kill_pid, kill_signal
+        self.aws_time_format = aws_time_format
+
+    def backdate_notice(self, at: float, now: float) -> None:
+        """Make a scheduled notice one that came at ``at``, before ``now`` (a watcher that starts
+        after it never saw it come)."""
+        if self.scheduled_at is None or self.preempted or at > now:
+            raise InvalidRequestError("only a notice scheduled for a time already past can be backdated")
+        self.notice_at = at
+        self.azure_incarnation += 1
+
+    def start_azure_event(self, now: float) -> None:
+        """Azure: the eviction starts now, before its ``NotBefore`` (as approving the event does)."""
+        if not self.preempted:
+            raise InvalidRequestError(f"instance {self.name!r} has no notice whose event could start")
+        if self.azure_started_at is None:
+            self.azure_started_at = now
+            self.azure_incarnation += 1
 
     def activate_if_due(self, now: float) -> bool:
         """Turn a scheduled preemption into a visible notice once its time has come."""
@@ -218,8 +283,14 @@ class InstanceState:
         return min((d for d in dues if d is not None), default=None)
 
     # ---- faults -------------------------------------------------------------------
-    def set_fault(self, fault: Fault, *, now: float, duration: float | None = None) -> None:
-        """Apply ``fault`` until cleared or, with ``duration``, for that many seconds from ``now``."""
+    def set_fault(self, fault: Fault, *, now: float, duration: float | None = None,
+                  trickle_s: float | None = None) -> None:
+        """Apply ``fault`` until cleared or, with ``duration``, for that many seconds from ``now``;
+        ``trickle_s``: the seconds between two bytes of a trickled reply."""
+        if trickle_s is not None:
+            if not math.isfinite(trickle_s) or trickle_s <= 0:
+                raise InvalidRequestError(f"trickle interval must be a positive number of seconds, got {trickle_s}")
+            self.trickle_s = trickle_s
         if duration is not None:
             if fault is Fault.OK:
                 raise InvalidRequestError("a duration needs a fault mode other than 'ok'")
@@ -239,7 +310,8 @@ class InstanceState:
         """A fresh VM reusing the name: no notice, no maintenance, no fault."""
         changed = self.preempted
         self.maintenance_event, self.fault, self.fault_until = "NONE", Fault.OK, None
-        self.window = self.scheduled_at = self.notice_at = self.rebalance_at = None
+        self.window = self.scheduled_at = self.notice_at = self.rebalance_at = self.azure_started_at = None
+        self.aws_time_format = "iso8601"
         self.kill_pid = self.kill_signal = self.killed_at = self.kill_error = None
         self.aws_tokens.clear()
         if changed:
@@ -259,7 +331,7 @@ class InstanceState:
             "instance/preempted": "TRUE" if self.preempted else "FALSE",
             "instance/maintenance-event": self.maintenance_event,
             "instance/hostname": self.hostname,
-            "instance/name": self.name,
+            "instance/name": self.vm,
             "instance/id": str(int(hashlib.sha256(self.name.encode()).hexdigest()[:15], 16)),
             "instance/zone": f"projects/{self.project_number}/zones/{self.zone}",
             "instance/machine-type": f"projects/{self.project_number}/machineTypes/n1-standard-8",
@@ -305,26 +377,48 @@ class InstanceState:
         if self.rebalance_at is not None:
             values["events/recommendations/rebalance"] = json.dumps({"noticeTime": iso8601_z(self.rebalance_at)})
         if self.preempted and self.deadline is not None:
+            when = AWS_TIME_FORMATS[self.aws_time_format](self.deadline)
             values["spot/instance-action"] = json.dumps(
-                {"action": "terminate", "time": iso8601_z(self.deadline)})
+                {"action": "terminate", **({} if when is None else {"time": when})})
         return values
 
     # ---- Azure Scheduled Events -------------------------------------------------
-    def azure_document(self) -> dict[str, Any]:
+    def azure_started(self, now: float) -> bool:
+        """An event starts once its NotBefore has passed, or once started early."""
+        return self.azure_started_at is not None or (self.deadline is not None and now >= self.deadline)
+
+    def azure_events(self, now: float) -> list[dict[str, Any]]:
+        """This VM's Scheduled Events (the registry shows every VM's to every VM, as Azure does
+        within an availability set)."""
         events = []
         if self.preempted and self.deadline is not None:
+            started = self.azure_started(now)
             events.append({
                 "EventId": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{self.name}/{self.notice_at}")).upper(),
                 "EventType": "Preempt",
                 "ResourceType": "VirtualMachine",
-                "Resources": [self.name],
-                "EventStatus": "Scheduled",
-                "NotBefore": rfc1123(self.deadline),
+                "Resources": [self.vm],
+                "EventStatus": "Started" if started else "Scheduled",
+                "NotBefore": "" if started else rfc1123(self.deadline),
                 "Description": "The virtual machine is being evicted (Spot).",
                 "EventSource": "Platform",
                 "DurationInSeconds": -1,
             })
-        return {"DocumentIncarnation": self.azure_incarnation, "Events": events}
+        return events
+
+    def azure_compute(self) -> dict[str, Any]:
+        """The part of IMDS ``/metadata/instance/compute`` the watchers read (and a little more)."""
+        return {
+            "name": self.vm,
+            "osProfile": {"computerName": self.hostname, "adminUsername": "azureuser"},
+            "location": "eastus",
+            "priority": "Spot",
+            "resourceGroupName": self.project_id,
+            "vmId": str(uuid.uuid5(uuid.NAMESPACE_URL, f"azure/{self.name}")),
+            "vmScaleSetName": "",
+            "vmSize": "Standard_NC6s_v3",
+            "zone": "",
+        }
 
     # ---- views ------------------------------------------------------------------
     def snapshot(self) -> InstanceSnapshot:
@@ -337,4 +431,6 @@ class InstanceState:
             kill_signal=self.kill_signal.name if self.kill_signal else None,
             killed_at=self.killed_at, kill_error=self.kill_error,
             requests=self.requests, fault_hits=dict(self.fault_hits), path_hits=dict(self.path_hits),
+            vm_name=self.vm, trickle_s=self.trickle_s, aws_time_format=self.aws_time_format,
+            azure_started_at=self.azure_started_at,
         )

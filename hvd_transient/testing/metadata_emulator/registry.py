@@ -9,6 +9,7 @@ given time), and ``wait_for`` callers in tests. Nothing here sleeps.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import signal
@@ -37,6 +38,12 @@ class UnknownKeyError(KeyError):
     """A metadata key the emulator does not serve (a 404)."""
 
 
+def _vm_name(vm_name: str) -> str:
+    if not isinstance(vm_name, str) or not vm_name or vm_name != vm_name.strip():
+        raise InvalidRequestError(f"bad VM name {vm_name!r}: use a non-empty name")
+    return vm_name
+
+
 class Registry:
     def __init__(self, names: Iterable[str], default: str | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -54,18 +61,29 @@ class Registry:
 
     # ---- control ------------------------------------------------------------------
     def add(self, name: str, *, hostname: str | None = None, zone: str | None = None,
-            project_id: str | None = None) -> InstanceSnapshot:
+            project_id: str | None = None, vm_name: str | None = None) -> InstanceSnapshot:
         if not name or "/" in name or name != name.strip():
             raise InvalidRequestError(f"bad instance name {name!r}: use a non-empty name without '/'")
         with self._cond:
             if name in self._instances:
                 raise InstanceExistsError(f"instance {name!r} already exists")
             inst = InstanceState(name=name, hostname=hostname or name)
+            if vm_name:
+                inst.vm_name = _vm_name(vm_name)
             if zone:
                 inst.zone = zone
             if project_id:
                 inst.project_id = project_id
             self._instances[name] = inst
+            self._cond.notify_all()
+            return inst.snapshot()
+
+    def set_vm_name(self, name: str, vm_name: str) -> InstanceSnapshot:
+        """Name the VM apart from the host: GCE ``instance/name``, Azure ``compute/name`` and the
+        ``Resources`` of its events (the host name stays ``osProfile.computerName``)."""
+        with self._cond:
+            inst = self._get(name)
+            inst.vm_name = _vm_name(vm_name)
             self._cond.notify_all()
             return inst.snapshot()
 
@@ -80,15 +98,19 @@ class Registry:
             return inst.snapshot()
 
     def preempt(self, name: str, *, at: float | None = None, delay: float | None = None,
-                window: float = DEFAULT_WINDOW_S, kill_pid: int | None = None,
-                kill_signal: int | str | None = None) -> InstanceSnapshot:
-        """Schedule a preemption notice at ``at`` (epoch), after ``delay`` seconds, or now.
+                ago: float | None = None, window: float = DEFAULT_WINDOW_S, kill_pid: int | None = None,
+                kill_signal: int | str | None = None, aws_time_format: str = "iso8601") -> InstanceSnapshot:
+        """Schedule a preemption notice at ``at`` (epoch), after ``delay`` seconds, or now; or
+        give one that came ``ago`` seconds before now (its window counts from then).
 
         ``window`` seconds after the notice the deadline passes and, if given,
-        ``kill_pid`` receives ``kill_signal`` (SIGTERM by default).
+        ``kill_pid`` receives ``kill_signal`` (SIGTERM by default). ``aws_time_format``: how
+        ``instance-action`` writes its ``time`` (``model.AWS_TIME_FORMATS``).
         """
-        if at is not None and delay is not None:
-            raise InvalidRequestError("give either 'at' (epoch seconds) or 'delay' (seconds), not both")
+        if sum(v is not None for v in (at, delay, ago)) > 1:
+            raise InvalidRequestError("give at most one of 'at' (epoch seconds), 'delay' or 'ago' (seconds)")
+        if ago is not None and not (math.isfinite(ago) and ago >= 0):
+            raise InvalidRequestError(f"'ago' must be a number of seconds >= 0, got {ago}")
         sig = parse_signal(kill_signal)
         try:
             pid = int(kill_pid) if kill_pid is not None else None
@@ -100,12 +122,23 @@ class Registry:
         with self._cond:
             inst = self._get(name)
             now = self._clock()
-            when = at if at is not None else now + (delay or 0.0)
-            inst.schedule_preemption(float(when), window, pid, sig)
-            if inst.activate_if_due(now):
+            when = at if at is not None else now - ago if ago is not None else now + (delay or 0.0)
+            inst.schedule_preemption(float(when), window, pid, sig, aws_time_format)
+            if ago is not None:
+                inst.backdate_notice(float(when), now)
+                log.info("instance %s: preemption notice %.1f s ago, deadline %.3f", name, ago, inst.deadline)
+            elif inst.activate_if_due(now):
                 log.info("instance %s: preemption notice now, deadline %.3f", name, inst.deadline)
             else:
                 log.info("instance %s: preemption scheduled at %.3f", name, when)
+            self._cond.notify_all()
+            return inst.snapshot()
+
+    def start_azure_event(self, name: str) -> InstanceSnapshot:
+        """Azure: start the instance's eviction event now (``EventStatus: Started``, no ``NotBefore``)."""
+        with self._cond:
+            inst = self._get(name)
+            inst.start_azure_event(self._clock())
             self._cond.notify_all()
             return inst.snapshot()
 
@@ -125,13 +158,15 @@ class Registry:
             self._cond.notify_all()
             return inst.snapshot()
 
-    def set_fault(self, name: str, mode: str | Fault, *, duration: float | None = None) -> InstanceSnapshot:
+    def set_fault(self, name: str, mode: str | Fault, *, duration: float | None = None,
+                  trickle_s: float | None = None) -> InstanceSnapshot:
         """Apply fault ``mode`` to every metadata reply of ``name``, until cleared (``ok``) or, with
-        ``duration``, for that many seconds; the scheduler then ends it and releases hung requests."""
+        ``duration``, for that many seconds; the scheduler then ends it and releases hung requests.
+        ``trickle_s``: the seconds between two bytes of a ``trickle`` reply."""
         fault = mode if isinstance(mode, Fault) else Fault.parse(mode)
         with self._cond:
             inst = self._get(name)
-            inst.set_fault(fault, now=self._clock(), duration=duration)
+            inst.set_fault(fault, now=self._clock(), duration=duration, trickle_s=trickle_s)
             self._cond.notify_all()
             return inst.snapshot()
 
@@ -194,6 +229,12 @@ class Registry:
             self._cond.wait_for(lambda: self._stopping or inst.fault is not Fault.HANG)
             return None if self._stopping else inst.fault
 
+    def trickle_interval(self, name: str) -> float | None:
+        """Seconds between two bytes of a reply to ``name`` now, None unless it trickles."""
+        with self._cond:
+            inst = self._get(name)
+            return inst.trickle_s if inst.fault is Fault.TRICKLE else None
+
     def gce_read(self, name: str, path: str, *, recursive: bool = False,
                  alt: str | None = None) -> tuple[Reply, str]:
         """The reply and ETag for ``GET /<path>`` (``computeMetadata/v1/...``, or a directory above it)."""
@@ -217,11 +258,11 @@ class Registry:
             baseline = last_etag if last_etag else start_etag
 
             def failing() -> bool:
-                return inst.fault not in (Fault.OK, Fault.HANG)
+                return not inst.fault.answers and inst.fault is not Fault.HANG
 
             self._cond.wait_for(
                 lambda: self._stopping or failing() or (
-                    inst.fault is Fault.OK and self._gce_value(inst, path, recursive, alt)[1] != baseline),
+                    inst.fault.answers and self._gce_value(inst, path, recursive, alt)[1] != baseline),
                 timeout)
             self._cond.wait_for(lambda: self._stopping or inst.fault is not Fault.HANG)
             if self._stopping:
@@ -252,8 +293,17 @@ class Registry:
             return inst.aws_values().get(key)
 
     def azure_document(self, name: str) -> dict[str, Any]:
+        """Scheduled Events as ``name`` sees them: every instance's, as in one availability set
+        (a VM must pick out the events that name it); the incarnation changes with any of them."""
         with self._cond:
-            return self._get(name).azure_document()
+            self._get(name)
+            now = self._clock()
+            return {"DocumentIncarnation": sum(i.azure_incarnation for i in self._instances.values()),
+                    "Events": [e for i in self._instances.values() for e in i.azure_events(now)]}
+
+    def azure_compute(self, name: str) -> dict[str, Any]:
+        with self._cond:
+            return self._get(name).azure_compute()
 
     # ---- scheduler and life cycle --------------------------------------------------------
     def run_scheduler(self) -> None:

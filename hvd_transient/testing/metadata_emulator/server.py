@@ -7,6 +7,10 @@ Usage::
         emu.preempt("a", delay=1.0, window=30.0, kill_pid=worker.pid)
         emu.set_fault("b", "hang")                      # until set_fault("b", "ok")
         emu.set_fault("a", "503", duration=25.0)        # 25 s of 503s on every API of a
+        emu.set_fault("a", "trickle", trickle_s=0.5)    # replies a byte every 0.5 s
+        emu.preempt("b", ago=15.0)                      # a notice that came 15 s ago
+        emu.set_vm_name("a", "spot-vm-7")               # the VM's own name, not the host's
+        emu.start_azure_event("a")                      # Azure: EventStatus Started, no NotBefore
 
 Every control method also exists over HTTP under ``/control/`` (see handler.py),
 so processes that did not start the emulator can drive it.
@@ -126,14 +130,26 @@ class MetadataEmulator:
 
     # ---- control (the same as /control/ over HTTP) -----------------------------------------
     def add_instance(self, name: str, *, hostname: str | None = None, zone: str | None = None,
-                     project_id: str | None = None) -> InstanceSnapshot:
-        return self.registry.add(name, hostname=hostname, zone=zone, project_id=project_id)
+                     project_id: str | None = None, vm_name: str | None = None) -> InstanceSnapshot:
+        return self.registry.add(name, hostname=hostname, zone=zone, project_id=project_id, vm_name=vm_name)
 
     def preempt(self, instance: str, *, at: float | None = None, delay: float | None = None,
-                window: float = DEFAULT_WINDOW_S, kill_pid: int | None = None,
-                kill_signal: int | str | None = None) -> InstanceSnapshot:
-        return self.registry.preempt(instance, at=at, delay=delay, window=window,
-                                     kill_pid=kill_pid, kill_signal=kill_signal)
+                ago: float | None = None, window: float = DEFAULT_WINDOW_S, kill_pid: int | None = None,
+                kill_signal: int | str | None = None, aws_time_format: str = "iso8601") -> InstanceSnapshot:
+        """A notice at ``at`` (epoch), after ``delay`` seconds, now, or one that came ``ago``
+        seconds before now; ``aws_time_format``: how AWS writes its ``time`` (``AWS_TIME_FORMATS``)."""
+        return self.registry.preempt(instance, at=at, delay=delay, ago=ago, window=window,
+                                     kill_pid=kill_pid, kill_signal=kill_signal,
+                                     aws_time_format=aws_time_format)
+
+    def set_vm_name(self, instance: str, vm_name: str) -> InstanceSnapshot:
+        """The VM's own name (GCE ``instance/name``, Azure ``compute/name`` and event
+        ``Resources``), apart from ``instance``, its host name."""
+        return self.registry.set_vm_name(instance, vm_name)
+
+    def start_azure_event(self, instance: str) -> InstanceSnapshot:
+        """Azure: the eviction event starts now (``EventStatus: Started``, blank ``NotBefore``)."""
+        return self.registry.start_azure_event(instance)
 
     def set_attribute(self, instance: str, key: str, value: str) -> InstanceSnapshot:
         return self.registry.set_attribute(instance, key, value)
@@ -144,11 +160,13 @@ class MetadataEmulator:
     def set_maintenance(self, instance: str, event: str) -> InstanceSnapshot:
         return self.registry.set_maintenance(instance, event)
 
-    def set_fault(self, instance: str, mode: str | Fault, *, duration: float | None = None) -> InstanceSnapshot:
+    def set_fault(self, instance: str, mode: str | Fault, *, duration: float | None = None,
+                  trickle_s: float | None = None) -> InstanceSnapshot:
         """Make every metadata reply of ``instance`` fail as ``mode`` says (``Fault``: ``hang``,
-        ``lose``, ``500``, ``503``, ``garbage``; ``ok`` clears it), until cleared or, with
-        ``duration``, for that many seconds from now."""
-        return self.registry.set_fault(instance, mode, duration=duration)
+        ``lose``, ``500``, ``503``, ``garbage``, ``trickle``; ``ok`` clears it), until cleared or,
+        with ``duration``, for that many seconds from now; ``trickle_s``: seconds between two
+        bytes of a trickled reply (0.5 unless set)."""
+        return self.registry.set_fault(instance, mode, duration=duration, trickle_s=trickle_s)
 
     def reset(self, instance: str) -> InstanceSnapshot:
         return self.registry.reset(instance)
