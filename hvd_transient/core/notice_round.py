@@ -110,7 +110,8 @@ class NoticeRounds:
                 self._notice_logged = True
                 # inside the notice already: its write waits only a share of the window (best effort)
                 p.events.emit(ev.Notice(source=notice.source, reason=notice.reason,
-                                        detected_at=notice.detected_at, deadline=notice.deadline),
+                                        detected_at=notice.detected_at, deadline=notice.deadline,
+                                        deadline_basis=notice.deadline_basis),
                               wait_s=None if notice.deadline is None else notice_event_wait_s(
                                   p.events, p.clocks, notice.deadline - p.config.leave_margin_s))
         deadline = notice.deadline if notice is not None else None

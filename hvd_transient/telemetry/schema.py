@@ -203,6 +203,8 @@ class Notice(EventBody):
     reason: str
     detected_at: float | None
     deadline: float | None
+    #: which bound the deadline was taken from (``hvd_transient.watchers.deadline``); older logs lack it
+    deadline_basis: str | None = None
 
 
 @_declare("early_warning", durable=True)
