@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from hvd_transient.testing.metadata_emulator import InvalidRequestError, MetadataEmulator
+from hvd_transient.testing.metadata_emulator import AWS_TIME_FORMATS, InvalidRequestError, MetadataEmulator
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -651,6 +651,137 @@ def test_control_api_signals_a_pid_with_a_chosen_signal(emu):
     finally:
         child.kill()
         child.wait()
+
+
+# ---- notices in the past, started Azure events, VM names, AWS time formats, trickled replies -----------
+AZURE = {"Metadata": "true"}
+EVENTS_API = {"api-version": "2020-07-01"}
+
+
+def azure_events(emu: MetadataEmulator, inst: str) -> list[dict]:
+    reply = requests.get(f"{emu.root_url(inst)}/metadata/scheduledevents", headers=AZURE, params=EVENTS_API,
+                         timeout=AT_ONCE)
+    assert reply.status_code == 200
+    return reply.json()["Events"]
+
+
+def aws_action(emu: MetadataEmulator, inst: str) -> requests.Response:
+    root = emu.root_url(inst)
+    token = requests.put(f"{root}/latest/api/token", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"},
+                         timeout=AT_ONCE).text
+    return requests.get(f"{root}/latest/meta-data/spot/instance-action",
+                        headers={"X-aws-ec2-metadata-token": token}, timeout=AT_ONCE)
+
+
+def test_a_notice_can_start_in_the_past(emu):
+    before = time.time()
+    snap = emu.preempt("a", ago=15.0, window=30)
+    assert snap.preempted and before - 15 <= snap.notice_at <= time.time() - 15
+    assert snap.deadline == pytest.approx(snap.notice_at + 30)
+    assert gce(emu, "a", "instance/preempted").text == "TRUE"
+    assert aws_action(emu, "a").json()["time"] == iso8601(snap.deadline)
+    [event] = azure_events(emu, "a")
+    assert event["EventStatus"] == "Scheduled"
+    assert email.utils.parsedate_to_datetime(event["NotBefore"]).timestamp() == int(snap.deadline)
+    with pytest.raises(InvalidRequestError):
+        emu.preempt("b", ago=5.0, delay=1.0)
+    with pytest.raises(InvalidRequestError):
+        emu.preempt("b", ago=-1.0)
+
+
+def iso8601(epoch: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(epoch)))
+
+
+def test_an_azure_event_starts_when_approved_or_once_its_not_before_passes(emu):
+    with pytest.raises(InvalidRequestError):
+        emu.start_azure_event("a")  # no notice, no event
+    emu.preempt("a", window=30)
+    [scheduled] = azure_events(emu, "a")
+    assert scheduled["EventStatus"] == "Scheduled" and scheduled["NotBefore"]
+    snap = emu.start_azure_event("a")
+    assert snap.azure_started_at is not None
+    [started] = azure_events(emu, "a")
+    assert started["EventStatus"] == "Started" and started["NotBefore"] == ""
+    assert started["EventId"] == scheduled["EventId"]
+    emu.preempt("b", ago=31.0, window=30)  # NotBefore is past: Azure shows the event under way
+    [_, past] = azure_events(emu, "b")  # (a's event too: every VM of the set sees every event)
+    assert past["Resources"] == ["b"] and past["EventStatus"] == "Started" and past["NotBefore"] == ""
+    assert emu.reset("a").azure_started_at is None
+
+
+def test_a_vm_is_named_apart_from_its_host(emu):
+    emu.add_instance("10.128.0.7", vm_name="spot-vm-7")
+    assert gce(emu, "10.128.0.7", "instance/name").text == "spot-vm-7"
+    assert gce(emu, "10.128.0.7", "instance/hostname").text == "10.128.0.7"
+    root = emu.root_url("10.128.0.7")
+    compute = requests.get(f"{root}/metadata/instance/compute", headers=AZURE,
+                           params={"api-version": "2021-02-01"}, timeout=AT_ONCE).json()
+    assert compute["name"] == "spot-vm-7" and compute["osProfile"]["computerName"] == "10.128.0.7"
+    name = requests.get(f"{root}/metadata/instance/compute/name", headers=AZURE,
+                        params={"api-version": "2021-02-01", "format": "text"}, timeout=AT_ONCE)
+    assert name.text == "spot-vm-7"
+    emu.preempt("10.128.0.7")
+    assert [e["Resources"] for e in azure_events(emu, "a")] == [["spot-vm-7"]]  # seen by a VM of the set too
+    assert emu.set_vm_name("b", "vm-b").vm_name == "vm-b" and gce(emu, "b", "instance/name").text == "vm-b"
+    with pytest.raises(InvalidRequestError):
+        emu.set_vm_name("b", "")
+
+
+def test_aws_instance_action_time_in_each_format(emu):
+    expected = {
+        "iso8601": r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", "iso8601-lower-z": r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dz",
+        "iso8601-fraction": r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z",
+        "iso8601-offset": r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+0000", "iso8601-no-zone": r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d",
+        "iso8601-minutes": r"\d{4}-\d\d-\d\dT\d\d:\d\dZ", "epoch": r"\d{10}",
+        "rfc1123": r"\w{3}, \d\d \w{3} \d{4} \d\d:\d\d:\d\d GMT", "unreadable": r"in two minutes",
+    }
+    for fmt in AWS_TIME_FORMATS:
+        emu.reset("c")
+        emu.preempt("c", window=120, aws_time_format=fmt)
+        body = aws_action(emu, "c").json()
+        if fmt == "missing":
+            assert "time" not in body and body["action"] == "terminate"
+        elif fmt == "epoch-number":
+            assert body["time"] == int(emu.instance("c").deadline)
+        else:
+            assert re.fullmatch(expected[fmt], body["time"]), (fmt, body)
+    emu.reset("c")
+    with pytest.raises(InvalidRequestError):
+        emu.preempt("c", aws_time_format="sundial")
+
+
+def test_trickle_sends_the_headers_at_once_then_a_byte_at_a_time(emu):
+    emu.set_fault("a", "trickle", trickle_s=0.2)
+    started = time.monotonic()
+    with requests.get(emu.gce_base_url("a") + "instance/preempted", headers=FLAVOR, stream=True,
+                      timeout=AT_ONCE) as reply:
+        headers_after = time.monotonic() - started
+        assert reply.status_code == 200 and reply.headers["Content-Length"] == "5"
+        body = b"".join(reply.iter_content(1))
+    assert body == b"FALSE" and reply.headers["Metadata-Flavor"] == "Google"
+    assert headers_after < 0.8 <= time.monotonic() - started  # four gaps of 0.2 s after the first byte
+    assert emu.instance("a").fault_hits["trickle"] == 1 and emu.instance("a").trickle_s == 0.2
+    with pytest.raises(InvalidRequestError):
+        emu.set_fault("a", "trickle", trickle_s=0)
+
+
+def test_control_api_for_past_notices_vm_names_started_events_and_trickles(emu):
+    ctl = f"{emu.url}/control/instances"
+    made = requests.post(ctl, json={"name": "d", "vm_name": "spot-vm-d"}, timeout=AT_ONCE).json()
+    assert made["vm_name"] == "spot-vm-d"
+    assert requests.post(f"{ctl}/a/vm-name", json={"vm_name": "spot-vm-a"}, timeout=AT_ONCE).json()["vm_name"] \
+        == "spot-vm-a"
+    assert requests.post(f"{ctl}/a/vm-name", json={}, timeout=AT_ONCE).status_code == 400
+    past = requests.post(f"{ctl}/b/preempt", json={"ago": 10, "window": 30, "aws_time_format": "epoch"},
+                         timeout=AT_ONCE).json()
+    assert past["notice_at"] == pytest.approx(time.time() - 10, abs=5) and past["aws_time_format"] == "epoch"
+    assert requests.post(f"{ctl}/b/azure-start", timeout=AT_ONCE).json()["azure_started_at"] is not None
+    assert requests.post(f"{ctl}/c/azure-start", timeout=AT_ONCE).status_code == 400
+    trickle = requests.post(f"{ctl}/c/fault", json={"mode": "trickle", "interval": 0.25}, timeout=AT_ONCE).json()
+    assert trickle["fault"] == "trickle" and trickle["trickle_s"] == 0.25
+    assert requests.post(f"{ctl}/c/fault", json={"mode": "trickle", "interval": -1}, timeout=AT_ONCE).status_code \
+        == 400
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------

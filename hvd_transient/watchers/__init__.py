@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+from . import deadline
 from .aws import AwsWatcher
 from .azure import AzureWatcher
 from .base import Notice, Poller, Watcher
@@ -18,5 +19,5 @@ from .local import LocalWatcher
 __all__ = [
     "AwsWatcher", "AzureWatcher", "GceWatcher", "LocalWatcher", "MetadataGarbageError",
     "MetadataServerError", "Notice", "Poller", "WATCHERS", "Watcher", "WatcherConfigError",
-    "WatcherError", "choose_kind", "make_watcher", "read_dmi",
+    "WatcherError", "choose_kind", "deadline", "make_watcher", "read_dmi",
 ]

@@ -28,6 +28,7 @@ read is tried again later.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -162,7 +163,7 @@ def configured_window(reply: MetadataReply) -> float:
         seconds = float(text)
     except (MetadataGarbageError, ValueError):
         text, seconds = reply.text[:40], -1.0
-    if not seconds > 0:
+    if not (math.isfinite(seconds) and seconds > 0):
         log.warning("metadata attribute %s is %r, not a positive number of seconds: assuming a %.0f s notice",
                     NOTICE_ATTRIBUTE, text, GCE_NOTICE_WINDOW_S)
         return GCE_NOTICE_WINDOW_S
