@@ -82,16 +82,22 @@ def test_bad_leave_options_fail_with_a_typed_error(bad: dict[str, object]) -> No
     assert isinstance(info.value, CheckpointError) and isinstance(info.value, ValueError)
 
 
-def test_the_lead_is_fixed_when_given_else_measured() -> None:
-    """None (the default): 10 s until a departure was timed, then twice the slowest timed plus 2 s, which
-    may be longer than 10 s on a cluster that leaves slowly; a number is used as it is."""
+def test_the_lead_is_one_wait_for_a_step_boundary_plus_a_departure_fixed_when_given_else_measured() -> None:
+    """The departure's part: 10 s until a departure was timed, then twice the slowest timed plus 2 s, which may
+    be longer than 10 s on a cluster that leaves slowly; a number is used as it is. Before it, one wait for a
+    step at which the VM can leave: the check interval at fast steps, the slowest step at slow ones."""
     measured = TransientConfig(store="memory://x", leave="near_deadline")
-    assert measured.leave_lead_s is None
-    assert measured.lead_s(None) == DEFAULT_LEAVE_LEAD_S == 10.0
-    assert measured.lead_s(1.5) == pytest.approx(5.0) and measured.lead_s(6.0) == pytest.approx(14.0)
-    assert measured.lead_s(0.0) == pytest.approx(2.0)
+    assert measured.leave_lead_s is None and measured.check_interval_s == 1.0
+    assert measured.departure_allowance_s(None) == DEFAULT_LEAVE_LEAD_S == 10.0
+    assert measured.lead_s(None) == 11.0 and measured.lead_s(None, 0.05) == 11.0
+    assert measured.lead_s(None, 15.0) == 25.0
+    assert measured.lead_s(1.5) == pytest.approx(6.0) and measured.lead_s(6.0, 3.0) == pytest.approx(17.0)
+    assert measured.lead_s(0.0) == pytest.approx(3.0)
     fixed = TransientConfig(store="memory://x", leave="near_deadline", leave_lead_s=7.0)
-    assert fixed.lead_s(None) == fixed.lead_s(1.5) == fixed.lead_s(60.0) == 7.0
+    assert fixed.lead_s(None) == fixed.lead_s(1.5) == fixed.lead_s(60.0) == 8.0
+    assert fixed.lead_s(None, 15.0) == 22.0
+    every_3 = TransientConfig(store="memory://x", leave="near_deadline", leave_lead_s=7.0, check_every_steps=3)
+    assert every_3.lead_s(None, 2.0) == 13.0  # a host check every third step
 
 
 def test_a_departure_is_timed_from_its_leave_at_to_the_ring_that_no_longer_has_it() -> None:
@@ -114,7 +120,7 @@ def test_a_departure_is_timed_from_its_leave_at_to_the_ring_that_no_longer_has_i
 def test_the_measured_lead_is_agreed_by_every_rank_and_taught_to_a_vm_that_joined() -> None:
     """h2 trains on to its leave_at (10 s before its deadline: nothing timed yet) and the ring re-forms
     without it 1.5 s later; h3 joins. At the next round every rank, h3 too, holds 1.5 s, and h3's own
-    notice then leaves 2 x 1.5 + 2 = 5 s before its deadline."""
+    notice then leaves 2 x 1.5 + 2 = 5 s before its deadline (and one of these fakes' instant steps)."""
     t = {"wall": time.time()}
     clocks = Clocks(wall=lambda: t["wall"])
     t0 = t["wall"]
@@ -133,13 +139,14 @@ def test_the_measured_lead_is_agreed_by_every_rank_and_taught_to_a_vm_that_joine
     for rank, impl in enumerate(ring):
         impl.comm = FakeCollectives(group2, rank)
     group2.run(lambda r: ring[r].begin(3))
-    assert [impl.run.departure_s for impl in ring] == [pytest.approx(1.5), pytest.approx(1.5), None]
+    assert [impl.run.departure_s for impl in ring] == [pytest.approx(1.5, abs=0.05)] * 2 + [None]
     step_all(group2, ring, 4)  # a round
-    assert len({impl.run.departure_s for impl in ring}) == 1 and newcomer.run.departure_s == pytest.approx(1.5)
+    assert len({impl.run.departure_s for impl in ring}) == 1
+    assert newcomer.run.departure_s == pytest.approx(1.5, abs=0.05)
     t["wall"] = t0 + 30.0
     newcomer.watcher.notice = notice(30.0, now=t0 + 30.0)
     outcomes = step_all(group2, ring, 5)
-    assert outcomes[2].leaving and outcomes[2].leave_at == pytest.approx(t0 + 55.0, abs=1e-3)
+    assert outcomes[2].leaving and outcomes[2].leave_at == pytest.approx(t0 + 55.0, abs=0.1)  # less one fake step
     published([newcomer])
     assert {r.host: r.leave_at for r in read_leaving(impls[0].manager.store)}["h3"] == outcomes[2].leave_at
     [leave] = events(newcomer, "leave_published")

@@ -26,13 +26,14 @@ NOTICE_EVENT_SHARE = 0.05
 #: how a VM under notice leaves: as soon as its emergency checkpoint is taken, or by training on
 #: until ``leave_lead_s`` before its deadline
 LEAVE_MODES = ("at_notice", "near_deadline")
-#: ``leave="near_deadline"``: seconds before the VM's deadline that discovery drops it, until this
-#: job has timed a departure (or always, if ``leave_lead_s`` is given). Leaving takes Horovod's host
-#: check (about 1 s) and the ring's reset (a few seconds on a loaded box), and the rest is margin:
-#: the VM must be out of the ring before it is stopped
+#: ``leave="near_deadline"``: a VM leaves at a step boundary, so its lead is one wait for a step at
+#: which it can leave (:meth:`TransientConfig.boundary_wait_s`), plus the time leaving takes and a
+#: margin: this long until this job has timed a departure (or ``leave_lead_s``, if given). Leaving takes
+#: Horovod's host check (about 1 s) and the ring's reset (a few seconds on a loaded box), and the rest
+#: is margin: the VM must be out of the ring before it is stopped
 DEFAULT_LEAVE_LEAD_S = 10.0
-#: once a departure was timed (its ``leave_at`` -> the survivors' new ring), the lead is the
-#: slowest one timed so far, times this factor, plus this pad: the margin scales with what leaving
+#: once a departure was timed (its ``leave_at`` -> the survivors' new ring), that part of the lead is
+#: the slowest one timed so far, times this factor, plus this pad: the margin scales with what leaving
 #: took on this job, up as well as down (a cluster whose discovery is slow gets a longer lead)
 LEAVE_LEAD_FACTOR = 2.0
 LEAVE_LEAD_PAD_S = 2.0
@@ -74,7 +75,8 @@ class TransientConfig:
     #: jobs: a static job stops at the notice, and its relaunch must not get the host). The Keras
     #: callback picks ``near_deadline`` for an elastic job; an MPI job is static.
     leave: str = "at_notice"
-    #: ``near_deadline``: seconds before its deadline that a VM leaves; None: measured (:meth:`lead_s`)
+    #: ``near_deadline``: seconds a VM keeps before its deadline for leaving, beyond one wait for a step
+    #: boundary (see :meth:`lead_s`); None: measured
     leave_lead_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -93,15 +95,34 @@ class TransientConfig:
             raise LeaveConfigError(f"leave_lead_s must be None (measured) or zero or more seconds before "
                                    f"the VM's deadline, not {self.leave_lead_s}")
 
-    def lead_s(self, slowest_departure_s: float | None) -> float:
-        """How long before its deadline a VM under notice leaves (pure): ``leave_lead_s`` if given; else
-        ``DEFAULT_LEAVE_LEAD_S`` until a departure of this job was timed, then the slowest departure
-        timed (``leave_at`` -> the survivors' new ring) times ``LEAVE_LEAD_FACTOR`` plus ``LEAVE_LEAD_PAD_S``."""
+    def boundary_wait_s(self, step_s: float) -> float:
+        """The longest a VM under notice waits for a step at which it can leave, at steps of ``step_s``
+        (pure). It leaves when Horovod's host check sees discovery drop it, and that check runs at the
+        notice rounds until its ``leave_at`` has passed (then at every step): a round every
+        ``check_every_steps`` steps, or (adaptive) within ``check_interval_s`` while steps are no slower
+        than the slowest seen, and at every step once a step is longer than that."""
+        step_s = max(0.0, step_s)
+        if self.check_every_steps:
+            return self.check_every_steps * step_s
+        return max(step_s, self.check_interval_s)
+
+    def departure_allowance_s(self, slowest_departure_s: float | None) -> float:
+        """What the lead keeps for leaving itself and a margin, beyond the wait for a step boundary
+        (pure): ``leave_lead_s`` if given; else ``DEFAULT_LEAVE_LEAD_S`` until a departure of this job was
+        timed, then the slowest departure timed (``leave_at`` -> the survivors' new ring) times
+        ``LEAVE_LEAD_FACTOR`` plus ``LEAVE_LEAD_PAD_S``."""
         if self.leave_lead_s is not None:
             return self.leave_lead_s
         if slowest_departure_s is None:
             return DEFAULT_LEAVE_LEAD_S
         return LEAVE_LEAD_FACTOR * slowest_departure_s + LEAVE_LEAD_PAD_S
+
+    def lead_s(self, slowest_departure_s: float | None, step_s: float = 0.0) -> float:
+        """How long before its deadline a VM under notice leaves (pure): one wait for a step boundary at
+        steps of ``step_s`` (the slowest this job timed, :meth:`boundary_wait_s`) plus
+        :meth:`departure_allowance_s`. A VM leaves only at a step boundary: a lead shorter than a step
+        could let the VM start a step that its deadline cuts short, inside the ring."""
+        return self.boundary_wait_s(step_s) + self.departure_allowance_s(slowest_departure_s)
 
     def trains_through(self, hosts: Collection[str], leaving: Collection[str]) -> bool:
         """Whether the VMs under notice (``leaving``) of a ring of ``hosts`` train on until their

@@ -28,6 +28,11 @@ class NoticeRound:
     committed_step: int | None = None  # the latest step the master knows committed
     #: the slowest departure any rank timed on this job (``leave_at`` -> its new ring), None: none yet
     departure_s: float | None = None
+    #: the slowest single step any rank timed on this job (0: none timed yet)
+    step_s: float = 0.0
+    #: the latest wall clock (epoch seconds) any rank read as the round began: one "now" that every
+    #: rank shares, so decisions taken on the clock (when a VM leaves) are the same on every rank
+    at: float = 0.0
 
     @property
     def any(self) -> bool:
@@ -39,21 +44,24 @@ class NoticeRound:
 
 
 #: per-rank blocks, then these scalar slots
-_BLOCKS = 4
+_BLOCKS = 6
 _STOP, _BUSY, _ELAPSED, _WARNING, _COMMITTED = range(5)
 
 
 def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = False,
                   busy: bool = False, elapsed_s: float = 0.0, early_warning: bool = False, *,
                   slowest_step_s: float = 0.0, committed_step: int | None = None,
-                  departure_s: float | None = None) -> np.ndarray[Any, Any]:
+                  departure_s: float | None = None, job_step_s: float = 0.0,
+                  wall: float = 0.0) -> np.ndarray[Any, Any]:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
     Layout: ``[leaving flag per rank | deadline per rank | slowest step us per rank | slowest departure
-    us per rank | stop | busy | elapsed us | early warning | committed step + 1]``. Times travel in whole
-    microseconds and steps as integers, so the sum is exact and every rank derives the same decisions
-    from it. Only the master gives ``committed_step``; per-rank slots keep what a sum would lose (the
-    earliest deadline, the slowest step, the slowest departure).
+    us per rank | job's slowest step us per rank | wall clock per rank | stop | busy | elapsed us |
+    early warning | committed step + 1]``. Times travel in whole microseconds (a wall clock and a
+    deadline as they are: one non-zero addend per slot) and steps as integers, so the sum is exact and
+    every rank derives the same decisions from it. Only the master gives ``committed_step``; per-rank
+    slots keep what a sum would lose (the earliest deadline, the slowest step, the slowest departure,
+    the latest clock).
     """
     vec = np.zeros(_BLOCKS * size + 5, dtype=np.float64)
     if deadline is not None:
@@ -62,6 +70,8 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
     vec[2 * size + rank] = float(round(max(0.0, slowest_step_s) * 1e6))
     if departure_s is not None:  # + 1 us: a departure timed at 0 s is still one that was timed
         vec[3 * size + rank] = float(round(max(0.0, departure_s) * 1e6)) + 1.0
+    vec[4 * size + rank] = float(round(max(0.0, job_step_s) * 1e6))
+    vec[5 * size + rank] = max(0.0, wall)
     base = _BLOCKS * size
     vec[base + _STOP] = 1.0 if stop else 0.0
     vec[base + _BUSY] = 1.0 if busy else 0.0
@@ -96,7 +106,9 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
                        vm_deadlines=tuple(vm_deadline.get(vm_of[r]) for r in range(size)),
                        slowest_step_s=float(np.max(summed[2 * size:3 * size])) / 1e6,
                        committed_step=committed - 1 if committed > 0 else None,
-                       departure_s=(departure_us - 1.0) / 1e6 if departure_us > 0.5 else None)
+                       departure_s=(departure_us - 1.0) / 1e6 if departure_us > 0.5 else None,
+                       step_s=float(np.max(summed[4 * size:5 * size])) / 1e6,
+                       at=float(np.max(summed[5 * size:6 * size])))
 
 
 #: default for how many check intervals a round may be apart when steps are as slow as the

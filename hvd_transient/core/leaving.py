@@ -16,6 +16,7 @@ from hvd_transient.core.background import BackgroundCalls
 from hvd_transient.core.config import HOUSEKEEPING_TIMEOUT_S, LEAVE_EVENT_WAIT_S, LEAVE_FLUSH_MAX_S, TransientConfig
 from hvd_transient.core.election import NoticeRound
 from hvd_transient.core.interfaces import ProtocolParts
+from hvd_transient.core.leave_plan import plan_for_round
 from hvd_transient.core.membership import prune_leaving, publish_leaving_until
 from hvd_transient.core.notice_round import notice_event_wait_s
 from hvd_transient.telemetry import schema as ev
@@ -26,13 +27,12 @@ log = logging.getLogger(__name__)
 
 def planned_leave_at(config: TransientConfig, hosts: list[str], round_: NoticeRound, vm_deadline: float,
                      now: float) -> float | None:
-    """When discovery should drop a VM whose window ends at ``vm_deadline``; None: at once (pure;
-    see :meth:`TransientConfig.trains_through`, and :meth:`TransientConfig.lead_s` for the lead, from
-    the slowest departure the round says this job timed)."""
-    if not config.trains_through(hosts, {hosts[r] for r in round_.leaving}):
-        return None
-    leave_at = vm_deadline - config.lead_s(round_.departure_s)
-    return leave_at if leave_at > now else None
+    """When discovery should drop a VM whose window ends at ``vm_deadline``; None: at once (pure; see
+    :func:`~hvd_transient.core.leave_plan.plan_leave`: the lead covers the slowest step the round says
+    this job timed, the slowest departure and a margin, or the VM leaves at once)."""
+    plan = plan_for_round(config, hosts, round_, vm_deadline, now)
+    log.debug("a VM whose deadline is %.1f leaves %s", vm_deadline, plan.why)
+    return plan.leave_at
 
 
 class LeavingRecord:

@@ -61,6 +61,11 @@ DEFAULT_GRACE_S = 60.0
 PUBLISH_CALL_S = 20.0
 #: no publishing call starts with less time than this left before the deadline
 MIN_PUBLISH_CALL_S = 0.2
+#: a record whose VM's deadline has passed (too little is left for one call) is still written, retried
+#: for this long:
+#: the deadline may have been dated early, the VM may still be in the ring, and without its record
+#: discovery would keep it there until it is stopped
+LATE_RECORD_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -144,11 +149,16 @@ def publish_leaving_until(store: ObjectStore, host: str, *, until: float, reason
     starts; a failed call is retried with jittered backoff while time is left. The record is the
     same bytes in every attempt, so an attempt whose answer was lost but which landed is simply
     written again. Raises the last error when ``until`` passes (or ``stop`` is set) first, and
-    :class:`~ckpt_service.errors.BadStoreKeyError` at once for a host name no key can hold.
+    :class:`~ckpt_service.errors.BadStoreKeyError` at once for a host name no key can hold. An ``until``
+    already past (too close for one call) is pushed out ``LATE_RECORD_S``: the record is written anyway.
     """
     if not call_s > 0:
         raise ValueError(f"call_s must be positive, not {call_s}")
     key = _key(host)
+    if until - clock() < MIN_PUBLISH_CALL_S:
+        log.warning("%s is leaving %.1f s after its deadline; its record still gets %.0f s to land",
+                    host, clock() - until, LATE_RECORD_S)
+        until = clock() + LATE_RECORD_S
     record = LeavingRecord(host=host, published_at=clock(), deadline=deadline, reason=reason,
                            instance_id=instance_id, leave_at=leave_at)
     data = record.to_json()

@@ -6,13 +6,15 @@ next round; plus :class:`StepOutcome`, what a step boundary tells the framework 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hvd_transient.core.config import NOTICE_EVENT_SHARE
 from hvd_transient.core.control import StopPoller
 from hvd_transient.core.election import NoticeRound, decode_notice, encode_notice, steps_until_next_check
 from hvd_transient.core.interfaces import Clocks, ProtocolParts
+from hvd_transient.core.leave_plan import departure_stale, departures_due
 from hvd_transient.core.saves import Saves
+from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import EventLog
 
@@ -95,6 +97,9 @@ class NoticeRounds:
         self._stop_poller = stop_poller
         self.count = 0
         self._notice_logged = False
+        #: the slowest single step this rank timed on this job (the rounds share the slowest of all ranks)
+        self._job_slowest_step_s = 0.0
+        self._due_in_ring: str | None = None  # the ring whose latest round found a departure due
 
     def agree(self, step: int) -> NoticeRound:
         """Every rank at the same step: share this rank's view, return the round every rank got."""
@@ -102,6 +107,7 @@ class NoticeRounds:
         now = p.clocks.monotonic()
         elapsed, steps = now - run.last_round_at, step - run.last_round_step
         slowest, run.slowest_step_s = run.slowest_step_s, 0.0
+        self._job_slowest_step_s = max(self._job_slowest_step_s, slowest)
         run.last_round_step, run.last_round_at = step, now
         notice = p.watcher.notice if p.watcher is not None else None
         rank, size = p.comm.rank(), p.comm.size()
@@ -124,9 +130,14 @@ class NoticeRounds:
         committed = self._saves.committed_step if rank == run.master else None
         summed = p.comm.allreduce_sum(
             encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
-                          slowest_step_s=slowest, committed_step=committed, departure_s=run.departure_s),
+                          slowest_step_s=slowest, committed_step=committed, departure_s=run.departure_s,
+                          job_step_s=self._job_slowest_step_s, wall=p.clocks.wall()),
             name="notice")
         round_ = decode_notice(summed, size, run.hosts if len(run.hosts) == size else None)
+        if round_.step_s <= 0.0 and steps > 0:
+            # no step timed yet (a ring's first step pays its set-up and is not timed): the mean time
+            # per step since the previous round, set-up included, errs long, so a lead errs long too
+            round_ = replace(round_, step_s=round_.elapsed_s / steps)
         if round_.departure_s is not None:  # the ring's slowest, so a VM that joined since knows it too
             run.departure_s = round_.departure_s
         self.count += 1
@@ -137,7 +148,25 @@ class NoticeRounds:
             round_.elapsed_s, steps, p.config.check_interval_s, p.config.max_check_every_steps,
             slowest_step_s=round_.slowest_step_s, ring_slowest_step_s=run.ring_slowest_step_s,
             allowance=p.config.check_slowdown_allowance)
+        hosts = run.hosts if len(run.hosts) == size else [str(r) for r in range(size)]
+        self._due_in_ring = run.ring_id if departures_due(p.config, hosts, round_, self._window_s()) else None
+        if run.departure_pending and departure_stale(round_):
+            # Its VM is past its deadline and grace yet still in the ring (its leaving record no longer
+            # keeps it out of discovery), or nobody is under notice any more: it will not leave this way,
+            # and periodic saves must not stay off for it. Agreed: from the round alone.
+            log.warning("a departure pending since the notice has not happened; periodic saves resume")
+            run.departure_pending = False
         return round_
+
+    @property
+    def departures_due(self) -> bool:
+        """Agreed at this ring's latest round: some VM under notice leaves at once or is past its
+        ``leave_at``, so Horovod's host check runs at every step until the next round. A new ring
+        (whose members may include a newcomer that saw no round) starts with none due."""
+        return self._due_in_ring is not None and self._due_in_ring == self.p.run.ring_id
+
+    def _window_s(self) -> float:
+        return self.p.config.notice_window_s or GCE_NOTICE_WINDOW_S
 
     def _stop_requested(self) -> bool:
         """The master looks at the store in the background; the collective shares its latest answer."""

@@ -286,9 +286,10 @@ class TransientImpl:
     def _departures_wait(self) -> bool:
         """Every pending departure waits for its ``leave_at``, so Horovod's host check (a collective) can
         wait for the next notice round. Agreed: from the mode and this ring's hosts handled as leaving (the
-        set only grows until the ring re-forms), never from the clock, which could split the ranks; a
-        window shorter than ``leave_lead_s`` therefore still counts as waiting."""
-        return self.config.trains_through(self.run.hosts, self.run.handled_leavers & set(self.run.hosts))
+        set only grows until the ring re-forms) and the latest round (whose clock every rank shares), never
+        from a rank's own clock, which could split the ranks."""
+        return (self.config.trains_through(self.run.hosts, self.run.handled_leavers & set(self.run.hosts))
+                and not self._rounds.departures_due)
 
 
 # The names this module held before its parts moved out; users import them from here.

@@ -1,0 +1,81 @@
+"""When a VM under notice leaves the ring (pure): at once, or near its deadline with a lead that covers
+one wait for a step boundary, its departure and a margin.
+
+A VM leaves only at a step boundary (Horovod's host check there sees discovery drop it), so a VM that
+trains on must be dropped early enough that the step it is in, the wait for the next host check and
+the ring's reset all end before its deadline. Where that does not fit before the deadline, the VM
+leaves at once, exactly as ``leave="at_notice"`` does: training through the window is only ever taken
+where it ends before the deadline, so it never does worse than leaving at the notice.
+
+Every input is agreed by the notice round (the deadlines, the slowest step and departure the ranks
+timed, one shared clock), so every rank plans the same thing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Sequence
+
+from hvd_transient.core.config import TransientConfig
+from hvd_transient.core.election import NoticeRound
+from hvd_transient.core.membership import DEFAULT_GRACE_S
+
+#: a departure that cannot happen keeps periodic saves off at most this long after the latest deadline
+#: of the VMs under notice in the ring: as long as their leaving records keep them out of discovery
+STALE_DEPARTURE_S = DEFAULT_GRACE_S
+
+
+@dataclass(frozen=True)
+class LeavePlan:
+    """How one VM under notice leaves: ``leave_at`` (epoch seconds, when discovery drops it), or None
+    to leave at once; ``lead_s``, the lead it was planned with; ``why``, in words."""
+
+    leave_at: float | None
+    lead_s: float
+    why: str
+
+    @property
+    def at_once(self) -> bool:
+        return self.leave_at is None
+
+
+def plan_leave(config: TransientConfig, hosts: Collection[str], leaving: Collection[str], deadline: float,
+               now: float, *, step_s: float, departure_s: float | None) -> LeavePlan:
+    """How a VM of the ring ``hosts`` whose window ends at ``deadline`` leaves, with the VMs ``leaving``
+    under notice, at ``now`` (every time epoch seconds): near its deadline where the mode and the ring
+    allow it (:meth:`TransientConfig.trains_through`) and the lead (:meth:`TransientConfig.lead_s`, from
+    the slowest step ``step_s`` and the slowest departure ``departure_s`` timed) fits before it, else at
+    once."""
+    lead = config.lead_s(departure_s, step_s)
+    if not config.trains_through(hosts, leaving):
+        return LeavePlan(None, lead, "at the notice" if config.leave == "at_notice" else "every host is leaving")
+    leave_at = deadline - lead
+    if leave_at <= now:
+        return LeavePlan(None, lead, f"a lead of {lead:.1f} s does not fit in the {deadline - now:.1f} s left")
+    return LeavePlan(leave_at, lead, f"{lead:.1f} s before its deadline")
+
+
+def plan_for_round(config: TransientConfig, hosts: Sequence[str], round_: NoticeRound, vm_deadline: float,
+                   now: float) -> LeavePlan:
+    """:func:`plan_leave` from a notice round: its agreed clock (``now`` if the round carries none), the
+    slowest step and departure it carries, and its leaving ranks' hosts."""
+    return plan_leave(config, hosts, {hosts[r] for r in round_.leaving}, vm_deadline, round_.at or now,
+                      step_s=round_.step_s, departure_s=round_.departure_s)
+
+
+def departures_due(config: TransientConfig, hosts: Sequence[str], round_: NoticeRound, window_s: float) -> bool:
+    """Whether some VM under notice in this round should be looked for at every step from now on: one
+    that leaves at once, or whose ``leave_at`` has passed (agreed: from the round alone)."""
+    return any(plan_for_round(config, hosts, round_, round_.deadline_of(r) or round_.at + window_s,
+                              round_.at).at_once
+               for r in round_.leaving if r < len(hosts))
+
+
+def departure_stale(round_: NoticeRound, *, grace_s: float = STALE_DEPARTURE_S) -> bool:
+    """Whether a departure marked pending can no longer happen (pure, agreed): no rank of the ring is
+    under notice any more, or every such VM's deadline passed more than ``grace_s`` ago (its leaving
+    record no longer keeps it out of discovery, and it is still in the ring)."""
+    deadlines = [d for r in round_.leaving if (d := round_.deadline_of(r)) is not None]
+    return not deadlines or round_.at > max(deadlines) + grace_s
+
+
+__all__ = ["LeavePlan", "STALE_DEPARTURE_S", "departure_stale", "departures_due", "plan_for_round", "plan_leave"]
