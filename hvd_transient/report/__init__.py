@@ -23,6 +23,7 @@ from hvd_transient.commandline import ArgumentParser, command, output_file
 from hvd_transient.report.analysis import analyze
 from hvd_transient.report.costs import DEFAULT_INSTANCE_TYPE, CostEstimate, estimate_costs
 from hvd_transient.report.run_analysis import NoEventsError, RunAnalysis
+from hvd_transient.telemetry.parsing import ParsedLog
 from hvd_transient.telemetry.schema import EventBody, Record
 
 log = logging.getLogger(__name__)
@@ -39,26 +40,28 @@ def no_events_message(url: str) -> str:
     return f"no event log under {url}: is this the --store of a run?"
 
 
-def load_events(url: str) -> list[Record[EventBody]]:
-    """Every event of the run at ``url``, typed; ReportError if there are none."""
+def load_events(url: str) -> ParsedLog:
+    """Every event of the run at ``url``, typed, and those skipped as unreadable; ReportError if there
+    are none at all."""
     from ckpt_service.errors import CheckpointError
     from ckpt_service.stores import open_store
-    from hvd_transient.telemetry.events import read_records
+    from hvd_transient.telemetry.events import read_log
 
     parsed = urlparse(url)
     if parsed.scheme in ("", "file") and not Path(parsed.path if parsed.scheme else url).expanduser().is_dir():
         raise ReportError(no_events_message(url))  # never create a directory for a mistyped path
     try:
-        events = read_records(open_store(url))
+        events = read_log(open_store(url))
     except (CheckpointError, OSError) as exc:
         raise ReportError(f"cannot read the event log under {url}: {exc}") from None
-    if not events:
+    if not events.records and not events.skipped:
         raise ReportError(no_events_message(url))
     return events
 
 
-def build(events: Sequence[Record[EventBody] | Mapping[str, Any]], *, instance_type: str = DEFAULT_INSTANCE_TYPE,
-          prices: str | None = None, driver_instance_type: str | None = None) -> tuple[RunAnalysis, CostEstimate]:
+def build(events: ParsedLog | Sequence[Record[EventBody] | Mapping[str, Any]], *,
+          instance_type: str = DEFAULT_INSTANCE_TYPE, prices: str | None = None,
+          driver_instance_type: str | None = None) -> tuple[RunAnalysis, CostEstimate]:
     from hvd_transient.gcp.pricing import PriceTableError, load_price_table
 
     try:

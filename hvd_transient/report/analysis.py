@@ -73,7 +73,7 @@ from hvd_transient.report.saves import (
 )
 from hvd_transient.report.timeline import timeline_of
 from hvd_transient.telemetry import schema as ev
-from hvd_transient.telemetry.events import parse_records
+from hvd_transient.telemetry.parsing import ParsedLog, parse_log
 from hvd_transient.telemetry.schema import EventBody
 
 log = logging.getLogger(__name__)
@@ -83,18 +83,21 @@ _STEP_KINDS: tuple[type[EventBody], ...] = (
     ev.StopRequested, ev.Start)
 
 
-def analyze(events: Iterable[AnyRecord | Mapping[str, Any]], *,
+def analyze(events: ParsedLog | Iterable[AnyRecord | Mapping[str, Any]], *,
             kills: Mapping[str, float] | None = None) -> RunAnalysis:
-    """Analyse a run's events: typed records (:func:`hvd_transient.telemetry.events.read_records`) or the
-    logged dicts (:func:`hvd_transient.telemetry.events.read_events`), in any order.
+    """Analyse a run's events: a parsed log (:func:`hvd_transient.telemetry.events.read_log`), typed records
+    or the logged dicts (:func:`hvd_transient.telemetry.events.read_events`), in any order. An event that
+    is not of its kind's declared types is skipped, and counted in ``skipped_events``.
 
     ``kills``: host -> when its worker was killed, where something outside the log knows
     (the benchmark that killed it): a worker of that host that vanished without notice
     departed then, not at its last event.
     """
-    every = parse_records(events)
+    parsed = events if isinstance(events, ParsedLog) else parse_log(events)
+    every = list(parsed.records)
     if not every:
-        raise NoEventsError("the event list is empty")
+        raise NoEventsError(f"none of the {parsed.skipped_count} events could be read" if parsed.skipped
+                            else "the event list is empty")
     # the keeper is no worker: its events count in no process, ring or wall time
     keeper_records = _of_any(every, ev.KEEPER_KINDS)
     records = [e for e in every if not isinstance(e.body, ev.KEEPER_KINDS)]
@@ -157,6 +160,7 @@ def analyze(events: Iterable[AnyRecord | Mapping[str, Any]], *,
         saves_failed=saves_failed_of(records),
         event_count=len(every),
         keeper=summarize_keeper(keeper_records, records) if keeper_records else None,
+        skipped_events=parsed.skipped,
     )
 
 

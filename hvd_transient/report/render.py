@@ -80,6 +80,9 @@ def render_summary(analysis: RunAnalysis) -> str:
         f"bytes written:        {a.bytes_written / 1e6:.2f} MB (all committed and attempted saves)",
         "learning rate:        " + (" -> ".join(f"{c.lr:g}" for c in a.lr_changes) or "-"),
         "final weights agree:  " + _yes(a.weights_consistent),
+        f"events:               {a.event_count} read" + (
+            f"; {a.skipped_count} skipped as unreadable ({', '.join(f'{k} {n}' for k, n in a.skipped_events.items())})"
+            if a.skipped_events else ""),
     ]
     return "\n".join(lines)
 
@@ -219,6 +222,8 @@ def to_json(analysis: RunAnalysis, cost: CostEstimate | None) -> dict[str, Any]:
         "saves_failed": a.saves_failed,
         "weights_consistent": a.weights_consistent,
         "event_count": a.event_count,
+        "skipped_event_count": a.skipped_count,
+        "skipped_events": dict(a.skipped_events),
         "keeper": _keeper_json(a, a.keeper) if a.keeper is not None else None,
         "instance_type": cost.instance_type if cost else None,
         "cost_transient_usd": cost.transient_usd if cost else None,

@@ -3,7 +3,7 @@ rings, preemptions, joins, commits and timeline, gathered in one :class:`RunAnal
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from hvd_transient.report.keeper_summary import KeeperSummary
@@ -183,6 +183,12 @@ class RunAnalysis:
     saves_failed: int
     event_count: int
     keeper: KeeperSummary | None = None
+    #: kind -> events of it the analysis skipped: unreadable, or not of their kind's declared types
+    skipped_events: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def skipped_count(self) -> int:
+        return sum(self.skipped_events.values())
 
     @property
     def wall_s(self) -> float:

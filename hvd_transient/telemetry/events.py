@@ -23,6 +23,9 @@ The kinds of event and their fields are declared in :mod:`hvd_transient.telemetr
 :func:`read_records` gives the log back as typed :class:`~hvd_transient.telemetry.schema.Record`
 objects (:func:`read_events`: the same as plain dicts). On disk every event is one JSON
 object with ``t`` (epoch seconds), ``event`` (the kind), ``host``, ``pid`` and its fields.
+Reading checks each event against its kind's declared field types
+(:mod:`hvd_transient.telemetry.parsing`): one that fails, or a line that is no JSON
+object, is skipped and counted (:func:`read_log`).
 """
 from __future__ import annotations
 
@@ -33,12 +36,14 @@ import math
 import os
 import threading
 import time
-from typing import Any, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Iterator, Mapping, TypeVar
 
 from ckpt_service.deadline import Deadline
 from ckpt_service.stores.base import ObjectStore
 from hvd_transient.store_keys import EVENTS_PREFIX, events_key, is_events_key
-from hvd_transient.telemetry.schema import KINDS, EventBody, Record, from_json_dict, to_json_dict
+from hvd_transient.telemetry.parsing import UNREADABLE_LINE, ParsedLog, is_real, parse_log
+from hvd_transient.telemetry.parsing import parse_records as parse_records  # where callers have found it
+from hvd_transient.telemetry.schema import KINDS, EventBody, Record, to_json_dict
 
 log = logging.getLogger(__name__)
 
@@ -225,46 +230,61 @@ class EventLog:
             return list(self._events)
 
 
+def read_log(store: ObjectStore) -> ParsedLog:
+    """Every process's events as typed records (see :func:`parse_log`), with the unreadable lines counted."""
+    events, unreadable = _read_objects(store)
+    parsed = parse_log(events)
+    if not unreadable:
+        return parsed
+    return ParsedLog(parsed.records, dict(sorted({**parsed.skipped, UNREADABLE_LINE: unreadable}.items())))
+
+
 def read_records(store: ObjectStore) -> list[Record[EventBody]]:
-    """Every process's events as typed records, merged and sorted by time (see
-    :func:`~hvd_transient.telemetry.schema.from_json_dict` for what is skipped)."""
-    return parse_records(read_events(store))
-
-
-def parse_records(events: Iterable[Record[EventBody] | Mapping[str, Any]]) -> list[Record[EventBody]]:
-    """Typed records of logged objects (records pass through), sorted by time."""
-    out: list[Record[EventBody]] = []
-    for e in events:
-        record = e if isinstance(e, Record) else from_json_dict(e) if isinstance(e, Mapping) else None
-        if record is not None:
-            out.append(record)
-    return sorted(out, key=lambda r: r.t)
+    """Every process's events as typed records, merged and sorted by time; what cannot be read is
+    skipped (:func:`read_log` counts it)."""
+    return list(read_log(store).records)
 
 
 def read_events(store: ObjectStore) -> list[dict[str, Any]]:
     """Every process's events (every segment) as the logged dicts, merged and sorted by time;
     an event found in two segments (a final copy, :meth:`EventLog.write_final`) counts once."""
+    return _read_objects(store)[0]
+
+
+def _read_objects(store: ObjectStore) -> tuple[list[dict[str, Any]], int]:
+    """:func:`read_events`, and how many lines were no JSON object."""
     events: list[dict[str, Any]] = []
     seen: set[str] = set()
+    unreadable = 0
     for key in store.list(EVENTS_PREFIX):
         if is_events_key(key):
             for event in _parse_lines(store.get(key)):
+                if event is None:
+                    unreadable += 1
+                    continue
                 identity = json.dumps(event, sort_keys=True, default=str)
                 if identity not in seen:
                     seen.add(identity)
                     events.append(event)
-    return sorted(events, key=lambda e: e.get("t", 0.0))
+    return sorted(events, key=_sort_time), unreadable
 
 
-def _parse_lines(data: bytes) -> Iterator[dict[str, Any]]:
+def _sort_time(event: Mapping[str, Any]) -> float:
+    # an event without a usable time sorts last (parsing skips it), never fails the sort
+    t = event.get("t")
+    return float(t) if is_real(t) else math.inf
+
+
+def _parse_lines(data: bytes) -> Iterator[dict[str, Any] | None]:
+    """Each line's object; None for a line that is no JSON object."""
     for line in data.decode(errors="replace").splitlines():
         line = line.strip()
         if not line:
             continue
         try:
             event = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             log.warning("skipping an unreadable event line: %.80s", line)
+            yield None
             continue
-        if isinstance(event, dict):
-            yield event
+        yield event if isinstance(event, dict) else None
