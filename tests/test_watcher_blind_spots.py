@@ -7,53 +7,35 @@ import calendar
 import time
 
 import pytest
+import test_watchers as shared
 
 from hvd_transient.core.config import TransientConfig
 from hvd_transient.core.interfaces import configured_watcher
 from hvd_transient.gcp.metadata import NOTICE_ATTRIBUTE
 from hvd_transient.testing.metadata_emulator import AWS_TIME_FORMATS, MetadataEmulator
-from hvd_transient.watchers import AwsWatcher, AzureWatcher, GceWatcher, Notice, Watcher, deadline
+from hvd_transient.watchers import AwsWatcher, AzureWatcher, GceWatcher, Watcher, deadline
 from hvd_transient.watchers.azure import event_for, vm_names
 from hvd_transient.watchers.errors import MetadataTimeoutError
 from hvd_transient.watchers.metadata_http import MetadataClient
 
 pytestmark = pytest.mark.timeout(120)
 
-WAIT = 30  # upper bound for something that should happen soon; never a timing assertion
-FAST = {"initial_backoff": 0.05, "max_backoff": 0.3}
-PREEMPTED = "/computeMetadata/v1/instance/preempted"
-MAINTENANCE = "/computeMetadata/v1/instance/maintenance-event"
-AWS_ACTION = "/latest/meta-data/spot/instance-action"
-AZURE_EVENTS = "/metadata/scheduledevents"
+emu, watchers = shared.emu, shared.watchers  # the fixtures
+AWS_ACTION, AZURE_EVENTS, PREEMPTED = shared.AWS_ACTION, shared.AZURE_EVENTS, shared.PREEMPTED
+FAST, WAIT, hits, seen = shared.FAST, shared.WAIT, shared.hits, shared.seen
+
 HOST, VM = "10.128.0.7", "spot-vm-7"
 
 
 @pytest.fixture
-def emu():
-    with MetadataEmulator(instances=["a", "b", HOST], port=0) as emulator:
-        yield emulator
-
-
-@pytest.fixture
-def watchers():
-    started: list[Watcher] = []
-    yield started
-    for w in started:
-        w.stop(timeout=0.1)
-
-
-def hits(emu: MetadataEmulator, inst: str, path: str, n: int) -> bool:
-    return emu.wait_for(lambda s: s[inst].path_hits.get(path, 0) >= n, timeout=WAIT)
-
-
-def seen(w: Watcher) -> Notice:
-    notice = w.wait(WAIT)
-    assert notice is not None
-    return notice
+def host(emu):
+    """An emulated VM known by its Horovod host name, an address."""
+    emu.add_instance(HOST)
+    return HOST
 
 
 # ---- Azure: the VM's own names ----------------------------------------------------------------------
-def test_azure_plugin_watcher_sees_an_eviction_naming_the_vm_not_the_host(emu, watchers, monkeypatch):
+def test_azure_plugin_watcher_sees_an_eviction_naming_the_vm_not_the_host(emu, host, watchers, monkeypatch):
     """The plugin passes the Horovod host name (an address here); the event names the VM."""
     emu.set_vm_name(HOST, VM)
     monkeypatch.setenv("HVDT_WATCHER", "azure")
@@ -97,7 +79,7 @@ def test_gce_bad_notice_attribute_falls_back_to_30_s_and_never_stops_the_poll(em
     assert notice.deadline <= emu.instance("a").deadline
 
 
-def test_gce_watcher_reports_the_vm_name_the_server_gives(emu, watchers):
+def test_gce_watcher_reports_the_vm_name_the_server_gives(emu, host, watchers):
     emu.set_vm_name(HOST, VM)
     w = GceWatcher(emu.gce_base_url(HOST), long_poll_timeout=1, request_margin=1.0, **FAST)
     watchers.append(w.start())
@@ -164,7 +146,7 @@ def test_aws_time_in_any_form_is_the_deadline(emu, watchers, fmt):
     cloud = emu.instance("b").deadline
     assert notice.deadline_basis == deadline.CLOUD_TIME
     slack = 60 if fmt == "iso8601-minutes" else 1  # whole minutes or seconds on the wire
-    assert cloud - slack < notice.deadline <= cloud
+    assert cloud - slack < notice.deadline <= cloud + 1e-6  # (microseconds through a float)
 
 
 @pytest.mark.parametrize("fmt", ["unreadable", "missing"])

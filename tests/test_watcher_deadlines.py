@@ -5,49 +5,16 @@ from __future__ import annotations
 import time
 
 import pytest
+import test_watchers as shared
 
 from hvd_transient.telemetry import schema as ev
-from hvd_transient.testing.metadata_emulator import MetadataEmulator
-from hvd_transient.watchers import AwsWatcher, AzureWatcher, GceWatcher, Notice, Watcher, deadline
+from hvd_transient.watchers import deadline
 
 pytestmark = pytest.mark.timeout(120)
 
-WAIT = 30  # upper bound for something that should happen soon; never a timing assertion
-FAST = {"initial_backoff": 0.05, "max_backoff": 0.3}
-PREEMPTED = "/computeMetadata/v1/instance/preempted"
-AWS_ACTION = "/latest/meta-data/spot/instance-action"
-AZURE_EVENTS = "/metadata/scheduledevents"
-
-
-@pytest.fixture
-def emu():
-    with MetadataEmulator(instances=["a", "b", "c"], port=0) as emulator:
-        yield emulator
-
-
-@pytest.fixture
-def watchers():
-    started: list[Watcher] = []
-    yield started
-    for w in started:
-        w.stop(timeout=0.1)
-
-
-def make(kind: str, emu: MetadataEmulator, inst: str, **kw) -> Watcher:
-    if kind == "gce":
-        return GceWatcher(emu.gce_base_url(inst), long_poll_timeout=1, request_margin=1.0, **{**FAST, **kw})
-    cls = AwsWatcher if kind == "aws" else AzureWatcher
-    return cls(emu.root_url(inst), interval=0.05, request_timeout=1.0, **{**FAST, **kw})
-
-
-def hits(emu: MetadataEmulator, inst: str, path: str, n: int) -> bool:
-    return emu.wait_for(lambda s: s[inst].path_hits.get(path, 0) >= n, timeout=WAIT)
-
-
-def seen(w: Watcher) -> Notice:
-    notice = w.wait(WAIT)
-    assert notice is not None
-    return notice
+emu, watchers = shared.emu, shared.watchers  # the fixtures
+PREEMPTED, WAIT = shared.PREEMPTED, shared.WAIT
+hits, make, seen = shared.hits, shared.make, shared.seen
 
 
 # ---- GCE: instance/preempted gives no time -------------------------------------------------------

@@ -68,6 +68,13 @@ def hits(emu: MetadataEmulator, inst: str, path: str, n: int) -> bool:
     return emu.wait_for(lambda s: s[inst].path_hits.get(path, 0) >= n, timeout=WAIT)
 
 
+def seen(w: Watcher) -> Notice:
+    """The notice ``w`` sees (within ``WAIT``)."""
+    notice = w.wait(WAIT)
+    assert notice is not None
+    return notice
+
+
 # ---- GCE -----------------------------------------------------------------------------------------
 def test_gce_watcher_sees_preemption_with_its_window(emu, watchers):
     seen: list[Notice] = []

@@ -121,12 +121,19 @@ def rfc1123(epoch: float) -> str:
     return email.utils.formatdate(epoch, usegmt=True)
 
 
+def _iso8601_micro(epoch: float) -> str:
+    """ISO 8601 with microseconds, never later than ``epoch`` (datetime would round to nearest)."""
+    micros = math.floor(epoch * 1_000_000)
+    whole = datetime.fromtimestamp(micros // 1_000_000, tz=timezone.utc)
+    return whole.strftime("%Y-%m-%dT%H:%M:%S") + f".{micros % 1_000_000:06d}Z"
+
+
 #: how AWS ``instance-action`` ``time`` may be written (``preempt(aws_time_format=...)``); the
 #: real service sends ``iso8601``, the rest are what a server could send too
 AWS_TIME_FORMATS: dict[str, Callable[[float], Any]] = {
     "iso8601": iso8601_z,
     "iso8601-lower-z": lambda t: iso8601_z(t).replace("Z", "z"),
-    "iso8601-fraction": lambda t: datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+    "iso8601-fraction": lambda t: _iso8601_micro(t),
     "iso8601-offset": lambda t: datetime.fromtimestamp(int(t), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S+0000"),
     "iso8601-no-zone": lambda t: datetime.fromtimestamp(int(t), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S"),
     "iso8601-minutes": lambda t: datetime.fromtimestamp(int(t), tz=timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
