@@ -1,10 +1,13 @@
 """Structured JSON-lines event log, one object per process under the run's store prefix.
 
-Object stores cannot append, so each process writes rolling segments,
-``events/<host>.<pid>.<seq>.jsonl``: a flush rewrites only the current segment,
+Object stores cannot append, so each log writes rolling segments,
+``events/<host>.<pid>.<log>.<seq>.jsonl``: a flush rewrites only the current segment,
 and a segment that holds ``segment_events`` events is sealed once written and
 dropped from memory, so neither memory nor the bytes of a flush grow with the
-length of the run. A background thread
+length of the run. ``log`` is random per :class:`EventLog`: a second log in one
+process, or a process that reuses a pid on one host (a container), never
+overwrites another's segments. Readers take every ``.jsonl`` under ``events/``,
+so older names (``<host>.<pid>.<seq>``) still read. A background thread
 does the writing, rate limited (GCS allows about one write per second per
 object) except for the events others follow while the job runs. The few that
 matter when a machine is about to disappear (durable kinds) are written at once,
@@ -34,13 +37,14 @@ import json
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from typing import Any, Iterator, Mapping, TypeVar
 
 from ckpt_service.deadline import Deadline
 from ckpt_service.stores.base import ObjectStore
-from hvd_transient.store_keys import EVENTS_PREFIX, events_key, is_events_key
+from hvd_transient.store_keys import EVENTS_PREFIX, EVENTS_SUFFIX, is_events_key
 from hvd_transient.telemetry.parsing import UNREADABLE_LINE, ParsedLog, is_real, parse_log
 from hvd_transient.telemetry.parsing import parse_records as parse_records  # where callers have found it
 from hvd_transient.telemetry.schema import KINDS, EventBody, Record, to_json_dict
@@ -67,6 +71,11 @@ RETRY_AFTER_S = 1.0
 FINAL_SEQ = 999_999
 
 
+def segment_key(host: str, pid: int, log_id: str, seq: int) -> str:
+    """Segment ``seq`` of the event log ``log_id`` of process ``pid`` on ``host``."""
+    return f"{EVENTS_PREFIX}{host}.{pid}.{log_id}.{seq:06d}{EVENTS_SUFFIX}"
+
+
 class EventLog:
     """Events of one process; a background thread writes them, so ``emit`` waits on the store
     only for a durable event, and then at most ``durable_wait_s``."""
@@ -83,6 +92,8 @@ class EventLog:
         self.min_flush_interval_s = min_flush_interval_s
         self.segment_events = segment_events
         self.durable_wait_s, self.write_timeout_s = durable_wait_s, write_timeout_s
+        #: tells this log's segments apart from any other's of the same host and pid
+        self.log_id = secrets.token_hex(4)
         self._seq = 0
         self._events: list[dict[str, Any]] = []  # the current segment's, not yet sealed
         self._emitted = 0  # events emitted so far, and how many of them are in the store
@@ -146,7 +157,7 @@ class EventLog:
         body = "".join(json.dumps(e, default=str) + "\n" for e in events).encode()
         try:
             self.store.within(Deadline(time.time() + timeout_s, margin_s=0.0)).put(
-                events_key(self.host, os.getpid(), FINAL_SEQ), body)
+                segment_key(self.host, os.getpid(), self.log_id, FINAL_SEQ), body)
         except Exception as exc:  # the log must never break the caller
             log.warning("could not write the last events to %s: %s", self.store.url, exc)
             return False
@@ -187,7 +198,7 @@ class EventLog:
     @property
     def key(self) -> str:
         """The current segment's object."""
-        return events_key(self.host, os.getpid(), self._seq)
+        return segment_key(self.host, os.getpid(), self.log_id, self._seq)
 
     def close(self) -> None:
         """Stop the background writer and write what is left."""
