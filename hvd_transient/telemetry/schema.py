@@ -204,7 +204,7 @@ class Notice(EventBody):
     detected_at: float | None
     deadline: float | None
     #: which bound the deadline was taken from (``hvd_transient.watchers.deadline``); older logs lack it
-    deadline_basis: str | None = None
+    deadline_basis: str | None = field(default=None, metadata=OMIT_NONE)
 
 
 @_declare("early_warning", durable=True)
