@@ -5,37 +5,43 @@ writes, by the store): the training side's objects in the same store are never t
 
 What one pass removes:
 
-* superseded steps (a lower step was committed under a newer lease generation, see
-  :mod:`ckpt_service.manifest`): they are never restored by default, so they go whatever the
-  policy; the marker first, and only while it is still the superseded one (a re-commit may
-  just have put its own in its place);
-* committed steps beyond the policy, marker first, so a step is never visible half-deleted;
+* superseded steps (a lower step was committed in their place, see :mod:`ckpt_service.manifest`),
+  once one of the commits that supersede them verifies: hiding is not deleting;
+* committed steps beyond the policy, below the newest restorable commit;
 * uncommitted steps older than the latest committed one, once untouched for ``abandoned_after_s``;
 * inside each kept committed step, the files no manifest refers to (the pieces of attempts
   killed before a later attempt committed the step, other attempts' manifests and shard
   records; the committed attempt's records stay with the step) once untouched for
-  ``abandoned_after_s``: a save of that step may still be writing them,
-  and a restore may still be reading a commit that a re-commit replaced.
+  ``abandoned_after_s``, and that long after the step's marker was last written: a save of that
+  step may still be writing them, and a restore may still be reading a commit that a re-commit
+  replaced.
 
-Never removed: the latest committed step, nor the step a save just committed (``protect``).
+Never removed: the newest restorable commit (the newest in commit order that verifies, or the
+step a save just committed, ``protect``, which its save wrote and checked) and every committed
+step above it; a commit that fails verification supersedes nothing. Deleting a committed step
+takes its marker first, and only while it is still the listed one (a compare-and-delete on its
+generation), then the files its manifest refers to; the step's other files stay until they are
+``abandoned_after_s`` old, since a save of the same step (a replay) may be writing them.
 
 Every age is measured on the store's own clock (:meth:`ObjectStore.store_time`), the one its
 objects' mtimes come from, not on this process's: a manager whose clock runs ahead would
 otherwise take the files of another process's save in flight for abandoned.
 
 Several collectors may run on one store at once (every save's retention, ``gc()``): each
-tolerates what another one deleted meanwhile.
+tolerates what another one deleted meanwhile. Commits found to verify are remembered (by marker
+token), so a step is read back in full once, not at every pass.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from ckpt_service import layout
 from ckpt_service.errors import CheckpointError
 from ckpt_service.manifest import CommitMarker, Manifest, crc32c
-from ckpt_service.reader import list_commits, read_marker
+from ckpt_service.reader import CheckpointReader, CommitListing, list_commits, parse_marker, read_marker
 from ckpt_service.retention import RetentionPolicy, is_abandoned, steps_to_delete, uncommitted_before_latest
 from ckpt_service.stores.base import ObjectStore
 
@@ -54,6 +60,7 @@ class StepCollector:
         # step -> (its marker's token, its files) when a pass found every file referenced: the
         # same files under the same commit need no second look at the manifest
         self._clean: dict[int, tuple[str, frozenset[str]]] = {}
+        self._verified: dict[tuple[int, str], bool] = {}  # (step, marker token) -> whether it verifies
 
     def now(self) -> float:
         """The time ages are measured against: the store's own unless a clock was given."""
@@ -68,23 +75,37 @@ class StepCollector:
         """Apply retention (``keep`` overrides ``max_to_keep``); also remove superseded steps,
         abandoned uncommitted steps and orphaned files. Returns the steps removed.
 
-        Never deletes the latest committed step, the step ``protect`` (the one a save just
-        committed), nor an uncommitted step that is newer than the latest or was written to
-        within ``abandoned_after_s`` (it may still be being written). Temp files of writes
-        killed midway (local store) go once that old too.
+        Never deletes the newest restorable commit nor a committed step above it, the step
+        ``protect`` (the one a save just committed, trusted to be restorable), a superseded step
+        none of whose superseders verifies, nor an uncommitted step that is newer than the latest
+        or was written to within ``abandoned_after_s`` (it may still be being written). Temp files
+        of writes killed midway (local store) go once that old too.
         """
         now = self.now()
         self.store.sweep_temporary(self.policy.abandoned_after_s, now=now)
         listing = list_commits(self.store, self._io)
-        doomed = [step for step in sorted(listing.superseded)
-                  if step != protect and self._delete_superseded(step, listing.markers[step])]
-        committed = listing.committed
-        if not committed:
-            return self._report(doomed)
+        newest, failed = self._newest_restorable(listing, protect)
+        if newest is None:
+            if listing.markers:
+                log.warning("no commit in %s verifies: retention deletes nothing", self.store.url)
+            return []
+        # a commit that fails verification supersedes nothing: what it hid counts again
+        effective = listing.without(failed)
+        doomed: list[int] = []
+        for step in sorted(effective.superseded):
+            marker = effective.markers[step]
+            if step == protect or marker is None:
+                continue
+            if any(self._restorable(s, effective.markers[s], protect) for s in effective.superseders(step)):
+                log.warning("step %d of %s is superseded (a lower step was committed in its place): deleting it",
+                            step, self.store.url)
+                if self._delete_committed(step, marker, now):
+                    doomed.append(step)
+        committed = effective.committed
         for step in steps_to_delete(committed, keep if keep is not None else self.policy.max_to_keep,
                                     self.policy.keep_every_n_steps):
-            if step != protect:
-                self.delete(step)
+            marker = effective.markers[step]
+            if step != protect and step < newest and marker is not None and self._delete_committed(step, marker, now):
                 doomed.append(step)
         files = _files_by_step(self.store.list(layout.STEPS_PREFIX))  # one listing for the rest
         unmarked = [s for s in files if s not in listing.markers]
@@ -93,7 +114,7 @@ class StepCollector:
                 self.store.delete_prefix(layout.step_prefix(step))
                 doomed.append(step)
         for step in committed:
-            marker = listing.markers[step]
+            marker = effective.markers[step]
             if step not in doomed and marker is not None and step in files:
                 self._remove_orphans(step, marker, files[step], now)
         self._clean = {s: seen for s, seen in self._clean.items() if s in listing.markers and s not in doomed}
@@ -104,46 +125,88 @@ class StepCollector:
             log.info("retention removed steps %s from %s", doomed, self.store.url)
         return doomed
 
-    def _delete_superseded(self, step: int, listed: CommitMarker | None) -> bool:
-        """Delete a superseded step unless its marker changed since the listing (a re-commit)."""
-        gone, now = read_marker(self.store, step)
-        if gone or now is None or listed is None or now.token != listed.token:
+    def _newest_restorable(self, listing: CommitListing, trusted: int | None) -> tuple[int | None, list[int]]:
+        """The newest commit (in commit order) that verifies, or ``trusted`` if it comes first, and the
+        commits above it that failed (None: none verifies)."""
+        failed: list[int] = []
+        while True:
+            committed = listing.without(failed).committed
+            if not committed:
+                return None, failed
+            top = committed[-1]
+            if self._restorable(top, listing.markers[top], trusted):
+                return top, failed
+            log.warning("step %d of %s fails verification: retention keeps it and the newest commit that verifies",
+                        top, self.store.url)
+            failed.append(top)
+
+    def _restorable(self, step: int, marker: CommitMarker | None, trusted: int | None) -> bool:
+        """Whether ``step`` (under ``marker``) is the step a save just committed or verifies in full."""
+        if step == trusted:
+            return True
+        if marker is None:
             return False
-        log.warning("step %d of %s is superseded (a lower step was committed under a newer lease generation "
-                    "than its %s): deleting it", step, self.store.url, listed.lease_generation)
-        self.delete(step)
+        known = self._verified.get((step, marker.token))
+        if known is None:
+            known = self._verify(step, marker)
+            self._verified[step, marker.token] = known
+        return known
+
+    def _verify(self, step: int, marker: CommitMarker) -> bool:
+        with contextlib.ExitStack() as stack:
+            io = self._io or stack.enter_context(ThreadPoolExecutor(4, thread_name_prefix="ckpt-gc-verify"))
+            report = CheckpointReader(self.store, io).verify(step)
+        if read_marker(self.store, step)[1] != marker:
+            return False  # re-committed meanwhile: that is another commit, looked at next time
+        return report.ok
+
+    def _delete_committed(self, step: int, marker: CommitMarker, now: float) -> bool:
+        """Delete a committed step while its marker is still ``marker``: the marker (compare-and-delete),
+        then the files its manifest refers to; its other files once ``abandoned_after_s`` old (a save
+        of the same step, a replay, may be writing them). Returns whether the marker was deleted."""
+        key = layout.commit_key(step)
+        stored = self.store.get_versioned(key)
+        if stored is None or parse_marker(stored[0], self.store, step) != marker:
+            return False  # gone or re-committed since the listing
+        manifest = self._manifest(marker)
+        if not self.store.delete_if_generation(key, stored[1]):
+            return False
+        keys = list(self.store.list(layout.step_prefix(step)))
+        # without a readable manifest nothing is known to be this commit's: every file waits for its age
+        if manifest is not None:
+            owned, others = _split_by_manifest(step, manifest, marker.manifest_key, keys)
+        else:
+            owned, others = [], _units(step, keys)
+        for k in owned:
+            self.store.delete(k)
+        for unit_keys in others.values():
+            if is_abandoned(self._last_written(unit_keys), now, self.policy.abandoned_after_s):
+                for k in unit_keys:
+                    self.store.delete(k)
         return True
 
     def _remove_orphans(self, step: int, marker: CommitMarker, keys: list[str], now: float) -> int:
-        """Delete the files of ``step`` (``keys``) its manifest does not refer to, once old; returns how many."""
+        """Delete the files of ``step`` (``keys``) its manifest does not refer to, once old; returns how many.
+
+        Old means untouched for ``abandoned_after_s`` and the marker not written for that long either:
+        the pieces of a commit that a re-commit just replaced may still be read by a restore."""
         listed = frozenset(keys)
         if self._clean.get(step) == (marker.token, listed):
             return 0
         manifest = self._manifest(marker)
         if manifest is None:
             return 0  # never guess what an unreadable commit refers to
-        prefix = layout.step_prefix(step)
-        referenced = {p.key for p in manifest.pieces}
-        # the committed attempt's shard records go with the step: no age to look up for each
-        records = layout.records_prefix(step, manifest.attempt) if manifest.attempt else None
-        units: dict[str, list[str]] = {}  # a piece prefix (or a lone object) no manifest refers to -> its keys
-        for key in keys:
-            parts = key[len(prefix):].split("/")
-            if parts[0] == "data" and len(parts) > 3:
-                unit = prefix + "/".join(parts[:3]) + "/"  # data/<group>/<index>.<nonce>/
-                if unit in referenced:
-                    continue
-            elif key == marker.manifest_key or (records is not None and key.startswith(records)):
-                continue
-            else:
-                unit = key  # another attempt's manifest, a shard record
-            units.setdefault(unit, []).append(key)
-        if units and read_marker(self.store, step)[1] != marker:
-            return 0  # re-committed since the listing: the files may be the new commit's; look next time
+        _owned, units = _split_by_manifest(step, manifest, marker.manifest_key, keys)
+        if units:
+            info = self.store.stat(layout.commit_key(step))
+            if info is None or read_marker(self.store, step)[1] != marker:
+                return 0  # re-committed since the listing: the files may be the new commit's; look next time
+            replaced_at = info.mtime
         removed, pending = 0, False
         for unit_keys in units.values():
             # a save of this step may still be writing them, a restore of a replaced commit reading them
-            if is_abandoned(self._last_written(unit_keys), now, self.policy.abandoned_after_s):
+            last = self._last_written(unit_keys)
+            if is_abandoned(None if last is None else max(last, replaced_at), now, self.policy.abandoned_after_s):
                 for key in unit_keys:
                     self.store.delete(key)
                 removed += len(unit_keys)
@@ -169,6 +232,34 @@ class StepCollector:
         """When the newest of some files was written (None if none is left)."""
         infos = [i for i in (self.store.stat(k) for k in keys) if i is not None]
         return max(i.mtime for i in infos) if infos else None
+
+
+def _units(step: int, keys: Iterable[str]) -> dict[str, list[str]]:
+    """Pure: ``step``'s files grouped into what is written together: a piece (its zarr prefix,
+    ``data/<group>/<index>.<nonce>/``) or a lone object (a manifest, a shard record)."""
+    prefix = layout.step_prefix(step)
+    units: dict[str, list[str]] = {}
+    for key in keys:
+        parts = key[len(prefix):].split("/")
+        unit = prefix + "/".join(parts[:3]) + "/" if parts[0] == "data" and len(parts) > 3 else key
+        units.setdefault(unit, []).append(key)
+    return units
+
+
+def _split_by_manifest(step: int, manifest: Manifest, manifest_key: str,
+                       keys: Iterable[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Pure: ``step``'s files that the commit of ``manifest`` (stored at ``manifest_key``) owns (its
+    pieces, the manifest, its attempt's shard records), and the others by unit (see :func:`_units`)."""
+    referenced = {p.key for p in manifest.pieces}
+    records = layout.records_prefix(step, manifest.attempt) if manifest.attempt else None
+    owned: list[str] = []
+    others: dict[str, list[str]] = {}
+    for unit, unit_keys in _units(step, keys).items():
+        if unit in referenced or unit == manifest_key or (records is not None and unit.startswith(records)):
+            owned += unit_keys
+        else:
+            others[unit] = unit_keys
+    return owned, others
 
 
 def _files_by_step(keys: Iterable[str]) -> dict[int, list[str]]:

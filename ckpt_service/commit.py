@@ -9,22 +9,30 @@ answer decides, or if none came, reading the marker back: this attempt's marker 
 (committed), it is not (SaveAbandonedError), or the read-back failed too, and then the
 outcome is unknown and is reported as such (WriteOutcomeUnknownError), never as a failure.
 
-Ordering. The marker records the lease generation its fence wrote; a lower step with a newer
-generation supersedes it (:mod:`ckpt_service.manifest`). A save without a lease of a step
-older than the latest committed one is refused before its manifest (OutOfOrderSaveError):
-nothing could order it after the newer step, which would stay the latest and whose retention
-would delete it. A save with a lease of a lower step is a rollback and supersedes the higher
-steps, unless one of them was committed without a lease (refused too).
+Ordering. The marker records the lease fence number its fence wrote and the number the lease
+held when the save began (``based_on``); a lower step whose save began at or after a higher
+step's fence supersedes it (:mod:`ckpt_service.manifest`): a rollback, or a successor's commit
+in place of an old master's. A save already under way when a higher step was committed
+supersedes nothing, so a slow background save can never hide the step committed after it.
+A save without a lease of a step older than the latest committed one is refused before its
+manifest (OutOfOrderSaveError): nothing could order it after the newer step, which would stay
+the latest. The exception is a newer step that fails verification (only a save without a
+deadline has time to read it): the save goes on, and the damaged step stays, never restored.
+A save with a lease of a lower step is a rollback and supersedes the higher steps, unless one
+of them was committed without a lease (refused too).
 
-Re-committing a step whose marker exists. The existing marker is replaced, by a
-compare-and-swap on its object generation, when it does not stand for a valid commit: it is
-unreadable, superseded, made before this lease holder's tenure began (an older master's), or
-its manifest is missing or does not match its checksum, or, for a save without a deadline,
-a piece fails verification (the whole step is read). Otherwise CommitConflictError: a
-genuine commit of the step stands. A save with a deadline (an emergency save) cannot afford
-to read the step back, and reporting "already committed" for a step that may be corrupt
-would lose it; its own commit is complete and fenced, so it always takes the existing one's
-place. The replaced commit's files are left to gc (a restore may be reading them).
+Re-committing a step whose marker exists. Only a commit whose fence is newer than the existing
+marker's may replace it (a marker without a fence is older than any fence), deadline or not:
+an old master that resumes after its successor committed the step gets CommitConflictError.
+Such a marker is then replaced, by a compare-and-swap on its object generation, when it does
+not stand for a valid commit: it is unreadable, superseded, made before this lease holder's
+tenure began (an older master's), or its manifest is missing or does not match its checksum,
+or, for a save without a deadline, a piece fails verification (the whole step is read).
+Otherwise CommitConflictError: a genuine commit of the step stands. A save with a deadline (an
+emergency save) cannot afford to read the step back, and reporting "already committed" for a
+step that may be corrupt would lose it; its own commit is complete and fenced under a newer
+fence, so it takes the existing one's place. The replaced commit's files are left to gc,
+which keeps them for ``abandoned_after_s`` after the replacement (a restore may be reading them).
 """
 from __future__ import annotations
 
@@ -80,7 +88,8 @@ def build_manifest(step: int, plan: SavePlan, records: Sequence[ShardRecord], me
 
 def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence[ShardRecord],
                 metadata: dict[str, Any], lease: Lease | None, deadline: Deadline | None = None, *,
-                attempt: str | None = None, cancel: CancelToken | None = None) -> Manifest:
+                attempt: str | None = None, cancel: CancelToken | None = None,
+                based_on: int | None = None) -> Manifest:
     """Commit ``step`` from every writer's record of save ``attempt``; returns its manifest, whose
     ``lease_generation`` is the one the commit's fence wrote (its marker's). The manifest in the store,
     written before the fence, holds the generation held then: the marker's is the one that orders commits.
@@ -92,7 +101,12 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
     WriteOutcomeUnknownError (the marker write's outcome is unknown), SaveCancelledError (``cancel``
     was set before the marker was sent; it is checked before each step). Nothing is committed
     unless it returns, or that last error says the outcome is unknown.
+
+    ``based_on`` is the fence number the lease held when the save began (default: the one it holds
+    now): the commit supersedes only higher steps fenced by then.
     """
+    if lease is not None and based_on is None:
+        based_on = lease.generation
     manifest = build_manifest(step, plan, records, metadata, lease.generation if lease is not None else None,
                               attempt)
     token = uuid.uuid4().hex
@@ -101,7 +115,7 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
     bounded = store if deadline is None else store.within(deadline)
     try:
         check(cancel, step, "before its commit")
-        _check_order(bounded, step, lease)
+        _check_order(store, bounded, step, lease, deadline)
         check(cancel, step, "before its manifest was written")
         bounded.put(mkey, body)
         check(cancel, step, "before the lease fence")
@@ -115,7 +129,8 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
     if deadline is not None and deadline.expired(time.time()):
         raise SaveAbandonedError(f"step {step}: the deadline passed before the commit; nothing was committed")
     check(cancel, step, "before its commit marker was written")  # the last point a cancel can stop it
-    marker = CommitMarker(step, mkey, crc32c(body), token, time.time(), generation)
+    marker = CommitMarker(step, mkey, crc32c(body), token, time.time(), generation,
+                          based_on if generation is not None else None)
     # A lost reply is resolved by reading the marker back (its token is this attempt's):
     # applied is committed, not applied raises the store's error, unknown says so.
     try:
@@ -133,28 +148,32 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
     return replace(manifest, lease_generation=generation)
 
 
-def _check_order(store: ObjectStore, step: int, lease: Lease | None) -> None:
+def _check_order(store: ObjectStore, bounded: ObjectStore, step: int, lease: Lease | None,
+                 deadline: Deadline | None) -> None:
     """Refuse a commit of ``step`` that the committed steps above it would outrank.
 
     One listing of ``commits/``; markers are read only when a step above this one is listed
     (a save in order reads none, which matters under a deadline).
     """
-    higher = [s for s in (layout.parse_commit_key(k) for k in store.list(layout.COMMITS_PREFIX))
+    higher = [s for s in (layout.parse_commit_key(k) for k in bounded.list(layout.COMMITS_PREFIX))
               if s is not None and s > step]
     if not higher:
         return
     if lease is None:
-        newer = [s for s in list_commits(store).committed if s > step]
-        if newer:
+        newer = [s for s in list_commits(bounded).committed if s > step]
+        restorable = newer if deadline is not None else _restorable(store, newer)
+        if restorable:
             raise OutOfOrderSaveError(
-                f"step {step} is older than step {newer[-1]}, the latest committed in {store.url}: a save without "
-                "a lease cannot be ordered after it, so it would never be restored and retention would delete it; "
-                "save a step after the latest, or pass the master lease to roll back")
+                f"step {step} is older than step {restorable[-1]}, the latest committed in {store.url}: a save "
+                "without a lease cannot be ordered after it, so it would never be restored; save a step after the "
+                "latest, or pass the master lease to roll back")
+        if newer:
+            log.warning("step %d: the newer committed steps %s of %s fail verification; committing below them",
+                        step, newer, store.url)
         return
-    # Holding the lease, this commit's fence will carry the newest generation of all: it supersedes
-    # every higher step that has one.
-    unordered = [s for s, (gone, marker) in ((s, read_marker(store, s)) for s in higher)
-                 if not gone and (marker is None or marker.lease_generation is None)]
+    # Holding the lease, this commit supersedes every higher step fenced before the save began.
+    unordered = [s for s, (gone, marker) in ((s, read_marker(bounded, s)) for s in higher)
+                 if not gone and (marker is None or marker.order is None)]
     if unordered:
         raise OutOfOrderSaveError(
             f"step {step} is older than step(s) {unordered} of {store.url}, committed without a lease: a rollback "
@@ -171,7 +190,7 @@ def _write_marker(store: ObjectStore, bounded: ObjectStore, marker: CommitMarker
         existing = bounded.get_versioned(key)
         if existing is None:
             continue  # deleted since (gc of a superseded step): create it again
-        reason = _why_replaceable(store, bounded, step, existing[0], lease, deadline)
+        reason = _why_replaceable(store, bounded, marker, existing[0], lease, deadline)
         if reason is None:
             raise CommitConflictError(f"step {step} is already committed in {store.url}; the existing commit stands")
         try:
@@ -184,17 +203,22 @@ def _write_marker(store: ObjectStore, bounded: ObjectStore, marker: CommitMarker
                               f"({MARKER_ATTEMPTS} tries); another master is committing it")
 
 
-def _why_replaceable(store: ObjectStore, bounded: ObjectStore, step: int, existing: bytes, lease: Lease | None,
-                     deadline: Deadline | None) -> str | None:
-    """Why the existing marker ``existing`` of ``step`` is no valid commit (None: it is one)."""
+def _why_replaceable(store: ObjectStore, bounded: ObjectStore, new: CommitMarker, existing: bytes,
+                     lease: Lease | None, deadline: Deadline | None) -> str | None:
+    """Why the existing marker ``existing`` of ``new.step`` may give way to ``new`` (None: it stands)."""
+    step = new.step
     where = f"{store.url}/{layout.commit_key(step)}"
     try:
         marker = CommitMarker.from_json(existing, where=where)
     except CorruptCheckpointError as exc:
         return f"it is unreadable ({exc})"
-    made, tenure = marker.lease_generation, lease.acquired_generation if lease is not None else None
-    if isinstance(made, int) and tenure is not None and made < tenure:
-        return f"it was made under lease generation {made}, before this holder's tenure (generation {tenure})"
+    if marker.fence is not None and (new.fence is None or new.fence <= marker.fence):
+        log.warning("step %d: its commit under fence %s stands; this commit's fence (%s) is not newer", step,
+                    marker.fence, new.fence)
+        return None  # a commit can only be replaced by one fenced after it
+    made, tenure = marker.fence, lease.acquired_generation if lease is not None else None
+    if made is not None and tenure is not None and made < tenure:
+        return f"it was made under lease fence {made}, before this holder's tenure (fence {tenure})"
     try:
         body = bounded.get(marker.manifest_key)
     except KeyError:
@@ -204,12 +228,25 @@ def _why_replaceable(store: ObjectStore, bounded: ObjectStore, step: int, existi
     if deadline is not None:
         return "it cannot be verified in the time the deadline leaves, and this commit is complete"
     if step in list_commits(bounded).superseded:
-        return "it is superseded by a lower step committed under a newer lease generation"
-    with ThreadPoolExecutor(max_workers=VERIFY_THREADS, thread_name_prefix="ckpt-verify") as io:
-        report = CheckpointReader(store, io).verify(step)
-    if not report.ok:
-        return "it fails verification: " + "; ".join(report.problems)
+        return "it is superseded by a lower step committed in its place"
+    problems = _problems(store, step)
+    if problems:
+        return "it fails verification: " + "; ".join(problems)
     return None
+
+
+def _problems(store: ObjectStore, step: int) -> tuple[str, ...]:
+    """What fails when ``step`` is read back in full (nothing: it verifies)."""
+    with ThreadPoolExecutor(max_workers=VERIFY_THREADS, thread_name_prefix="ckpt-verify") as io:
+        return CheckpointReader(store, io).verify(step).problems
+
+
+def _restorable(store: ObjectStore, steps: Sequence[int]) -> list[int]:
+    """The ``steps`` that verify in full, ascending; read newest first, stopping at the first that does."""
+    for step in sorted(steps, reverse=True):
+        if not _problems(store, step):
+            return [s for s in steps if s <= step]
+    return []
 
 
 def _out_of_time(exc: BaseException) -> bool:

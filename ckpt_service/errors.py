@@ -148,3 +148,16 @@ class BadCompressionError(CheckpointError, ValueError):
 
 class BadNamesError(CheckpointError, TypeError, ValueError):
     """A restore's ``names`` is not a collection of tensor names (one string would read as its characters)."""
+
+
+class StoreListingError(StoreUnavailableError):
+    """Listing the store failed part-way (an unreadable folder, an I/O error): what it holds is unknown,
+    so nothing may be taken as absent. Fix the store's permissions or mount, then try again."""
+
+
+class CheckpointChangedError(CheckpointError, RuntimeError):
+    """The step being read was re-committed or deleted while it was read; read it again."""
+
+
+class InconsistentRestoreError(CheckpointError, RuntimeError):
+    """Readers of one restore could not agree on one step; nothing was restored."""

@@ -17,10 +17,15 @@ unknown (:class:`WriteOutcomeUnknownError`) and the generation held is kept; if
 the next compare-and-swap is refused, finding that write's record stored means
 it landed, and the renewal is made on top of it.
 
-Every write of the lease (acquire, steal, fence, release) is a conditional write that
-moves the object to a new generation, and every store makes generations of one object
-strictly increase; so the generation a commit marker records orders commits by their
-fences (:func:`ckpt_service.manifest.superseded_steps`).
+The store's own generation is used for atomicity only (compare-and-swap). What orders
+commits is the lease's *fence number*, a counter kept in the lease object itself: every
+write of the lease (acquire, steal, fence, release) writes the stored number plus one, and
+each commit marker records the number its fence wrote
+(:func:`ckpt_service.manifest.superseded_steps`). It does not depend on the store's clock
+or generation scheme, so it keeps its order on a filesystem with coarse timestamps and in a
+copy of the run moved to another kind of store. A lease object that is absent (a fresh run,
+or a copy of the prefix without it) starts above the highest number any commit marker in
+the store carries.
 
 ``fence(deadline=...)`` (the fence inside a save that has a deadline) makes every
 request of the renewal, read-backs included, end by that deadline.
@@ -53,6 +58,7 @@ class LeaseRecord:
     expires_at: float
     released: bool
     write_id: str
+    fence: int = 0  # the fence number: +1 on every write of the lease
 
     def usable_by(self, holder: str, now: float) -> bool:
         return self.released or self.holder == holder or self.expires_at <= now
@@ -74,9 +80,10 @@ class Lease:
         self.store, self.holder, self.ttl_s, self.key, self.clock = store, holder, ttl_s, key, clock
         self._lock = threading.Lock()
         self._fencing = threading.Lock()  # held through a fence's requests (never by release or acquire)
-        self._generation: int | None = None
+        self._generation: int | None = None  # the store generation held (compare-and-swap only)
+        self._fence_no: int | None = None  # the fence number held (what orders commits)
         self._tenure = 0  # bumped by every acquire and release: older requests' replies are stale
-        #: the generation this holder's acquire (or steal) wrote: commit markers older than it
+        #: the fence number this holder's acquire (or steal) wrote: commit markers with a lower one
         #: were made before this tenure began
         self.acquired_generation: int | None = None
         # The bytes of this holder's last write whose outcome stayed unknown: if a later
@@ -85,18 +92,34 @@ class Lease:
 
     @property
     def generation(self) -> int | None:
-        """The generation this process last wrote and still holds (None: not held)."""
+        """The fence number this process last wrote and still holds (None: not held); a commit
+        marker records the one its fence wrote."""
+        with self._lock:
+            return self._fence_no if self._generation is not None else None
+
+    @property
+    def object_generation(self) -> int | None:
+        """The store's generation of the lease object this process last wrote and still holds
+        (compare-and-swap only: it orders nothing)."""
         with self._lock:
             return self._generation
 
-    @generation.setter
-    def generation(self, value: int | None) -> None:
-        with self._lock:
-            self._generation = value
-
     @property
     def held(self) -> bool:
-        return self.generation is not None
+        with self._lock:
+            return self._generation is not None
+
+    def adopt(self, other: Lease) -> None:
+        """Take what ``other`` (the same holder's lease in another process) holds, without writing."""
+        with other._lock:
+            held = other._generation, other._fence_no, other.acquired_generation
+        with self._lock:
+            self._generation, self._fence_no, self.acquired_generation = held
+
+    def drop(self) -> None:
+        """Forget the lease without writing (as a process that lost it would): its next fence raises."""
+        with self._lock:
+            self._generation = None
 
     def read(self, store: ObjectStore | None = None) -> tuple[LeaseRecord | None, int]:
         """The current record and its generation (0 when absent), through ``store`` if given."""
@@ -105,7 +128,10 @@ class Lease:
             return None, 0
         body, generation = stored
         try:
-            return LeaseRecord(**json.loads(body)), generation
+            record = LeaseRecord(**json.loads(body))
+            if not isinstance(record.fence, int) or isinstance(record.fence, bool) or record.fence < 0:
+                raise ValueError(f"fence {record.fence!r}")
+            return record, generation
         except (ValueError, TypeError):
             log.warning("lease object %s is unreadable; treating it as expired", self.key)
             return LeaseRecord("", 0.0, True, ""), generation
@@ -122,7 +148,7 @@ class Lease:
             raise ValueError(f"attempts must be at least 1, not {attempts}")
         store = self.store if deadline is None else self.store.within(deadline)
         tenure = self._new_tenure()
-        taken: int | None = None
+        taken: tuple[int, int] | None = None
         for attempt in range(attempts):
             record, generation = self.read(store)
             if record is not None and not steal and not record.usable_by(self.holder, self.clock()):
@@ -131,8 +157,11 @@ class Lease:
                     f"{time.strftime('%H:%M:%S', time.localtime(record.expires_at))}; wait for it to "
                     "expire or elect a new master"
                 )
+            counted = record.fence if record is not None else 0
+            if counted == 0:  # no number kept here: start above every commit already made
+                counted = highest_fence(store)
             try:
-                taken = self._write(store, generation, released=False)
+                taken = self._write(store, generation, released=False, fence=counted + 1)
                 break
             except PreconditionFailedError:
                 if attempt == attempts - 1:
@@ -144,8 +173,9 @@ class Lease:
         assert taken is not None  # the loop either took it or raised
         with self._lock:
             if self._tenure == tenure:  # else a release or another acquire came after this one
-                self._generation = self.acquired_generation = taken
-        return taken
+                self._generation, self._fence_no = taken
+                self.acquired_generation = taken[1]
+        return taken[1]
 
     def fence(self, *, deadline: Deadline | None = None) -> int:
         """Renew the lease if still held; raise LeaseLostError otherwise. Call right before a commit.
@@ -168,12 +198,12 @@ class Lease:
 
     def _fence(self, deadline: Deadline | None) -> int:
         with self._lock:
-            held, tenure = self._generation, self._tenure
-        if held is None:
+            held, number, tenure = self._generation, self._fence_no, self._tenure
+        if held is None or number is None:
             raise LeaseLostError(f"{self.holder} does not hold the checkpoint-master lease; acquire it first")
         store = self.store if deadline is None else self.store.within(deadline)
         try:
-            renewed = self._renew(store, held, released=False)
+            renewed = self._renew(store, held, number, released=False)
         except PreconditionFailedError:
             with self._lock:
                 if self._tenure == tenure and self._generation == held:
@@ -184,8 +214,8 @@ class Lease:
             ) from None
         with self._lock:
             if self._tenure == tenure:
-                self._generation = renewed
-                return renewed
+                self._generation, self._fence_no = renewed
+                return renewed[1]
         raise LeaseLostError(
             f"{self.holder} released or took the checkpoint-master lease again while this fence (of generation "
             f"{held}) was in flight: the fence is outdated, so this commit must not go on")
@@ -195,14 +225,14 @@ class Lease:
         flight is outdated by it (its commit fails with LeaseLostError). With a ``deadline``, every
         store request ends by it."""
         with self._lock:
-            held = self._generation
+            held, number = self._generation, self._fence_no
             self._generation = None
         self._new_tenure()
-        if held is None:
+        if held is None or number is None:
             return
         store = self.store if deadline is None else self.store.within(deadline)
         try:
-            self._renew(store, held, released=True)
+            self._renew(store, held, number, released=True)
         except PreconditionFailedError:
             # A fence of this process in flight may have moved the record on: release that one.
             record, generation = self.read(store)
@@ -210,7 +240,7 @@ class Lease:
                 log.info("lease already taken over; nothing to release")
                 return
             try:
-                self._write(store, generation, released=True)
+                self._write(store, generation, released=True, fence=record.fence + 1)
             except PreconditionFailedError:
                 log.info("lease changed while being released; nothing to release")
 
@@ -219,11 +249,12 @@ class Lease:
             self._tenure += 1
             return self._tenure
 
-    def _renew(self, store: ObjectStore, held: int, *, released: bool) -> int:
-        """Compare-and-swap on the generation ``held``, or on this holder's own earlier write whose
-        outcome was unknown if that is what is stored now."""
+    def _renew(self, store: ObjectStore, held: int, number: int, *, released: bool) -> tuple[int, int]:
+        """Compare-and-swap on the generation ``held`` (fence number ``number``), or on this holder's
+        own earlier write whose outcome was unknown if that is what is stored now; returns the
+        (generation, fence number) written."""
         try:
-            return self._write(store, held, released=released)
+            return self._write(store, held, released=released, fence=number + 1)
         except PreconditionFailedError:
             with self._lock:
                 landed = self._unresolved
@@ -236,10 +267,11 @@ class Lease:
             if stored is None or stored[0] != landed:
                 raise
             log.info("the lease write whose outcome was unknown had been applied (generation %d)", stored[1])
-            return self._write(store, stored[1], released=released)
+            return self._write(store, stored[1], released=released, fence=json.loads(landed)["fence"] + 1)
 
-    def _write(self, store: ObjectStore, expected_generation: int, *, released: bool) -> int:
-        record = LeaseRecord(self.holder, self.clock() + self.ttl_s, released, uuid.uuid4().hex)
+    def _write(self, store: ObjectStore, expected_generation: int, *, released: bool,
+               fence: int) -> tuple[int, int]:
+        record = LeaseRecord(self.holder, self.clock() + self.ttl_s, released, uuid.uuid4().hex, fence)
         data = json.dumps(asdict(record)).encode()
         # a write whose reply was lost is resolved by reading back (write_id makes data unique)
         try:
@@ -250,4 +282,12 @@ class Lease:
             raise
         with self._lock:
             self._unresolved = None
-        return generation
+        return generation, fence
+
+
+def highest_fence(store: ObjectStore) -> int:
+    """The highest fence number any commit marker in ``store`` carries (0: none)."""
+    from ckpt_service.reader import list_commits  # the reader's listing; imported here to keep lease.py its base
+
+    fences = [m.fence for m in list_commits(store).markers.values() if m is not None and m.fence is not None]
+    return max(fences, default=0)

@@ -3,12 +3,15 @@
 A step exists for readers only if ``COMMIT`` parses, names a manifest, and that
 manifest's crc32c matches the one recorded in the marker.
 
-A marker's ``lease_generation`` is the generation of the master lease its commit fenced.
-Every write of the lease gets a strictly larger generation, so these numbers order commits
-by their fences: a committed step is *superseded* when a lower committed step carries a
-newer lease generation (a successor committed after it was fenced, or a master rolled
-back). Markers without a generation (saves without a lease) neither supersede nor are
-superseded. See :func:`superseded_steps`.
+A marker's ``fence`` is the fence number its commit wrote into the master lease (a counter
+the lease object keeps, +1 on every write of it: :mod:`ckpt_service.lease`), and its
+``based_on`` the number the lease held when that save began. A committed step is
+*superseded* when a lower committed step's save began after the step's fence: the lower
+step knew of it and was committed in its place (a rollback, or a successor master's commit
+made after an old master's fence). A save that was already under way when a higher step
+was committed (a slow background save) supersedes nothing. Markers without a fence (saves
+without a lease, and markers of older versions) neither supersede nor are superseded. See
+:func:`superseded_steps`.
 """
 from __future__ import annotations
 
@@ -137,8 +140,16 @@ class CommitMarker:
     manifest_crc32c: int
     token: str
     committed_at: float
-    lease_generation: int | None = None
+    fence: int | None = None  # the lease fence number this commit wrote (None: no lease)
+    based_on: int | None = None  # the fence number the lease held when the save began
     format_version: int = FORMAT_VERSION
+
+    @property
+    def order(self) -> Order | None:
+        """(fence, based_on) when both are there: what orders this commit among the others."""
+        if self.fence is None or self.based_on is None:
+            return None
+        return Order(self.fence, self.based_on)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -146,25 +157,57 @@ class CommitMarker:
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> "CommitMarker":
         body = _load_json(data, where)
+        # a marker written by an older version records the store's own generation of the lease, which
+        # orders nothing across stores or coarse clocks: it is read as a marker without a fence
+        body.pop("lease_generation", None)
         try:
-            return cls(**body)
+            marker = cls(**body)
         except TypeError as exc:
             raise CorruptCheckpointError(f"{where} is malformed: {exc}") from exc
+        check_marker_fields(marker, where)
+        return marker
 
 
-def superseded_steps(generations: Mapping[int, int | None]) -> frozenset[int]:
-    """Pure: the steps of ``generations`` (step -> its marker's lease generation) that a lower
-    step with a newer lease generation supersedes. A step without a generation is never in it
-    and never supersedes another."""
+def check_marker_fields(marker: CommitMarker, where: str) -> None:
+    """CorruptCheckpointError unless every field of ``marker`` has its type (JSON gives any)."""
+    def integer(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    problems = [name for name, ok in (
+        ("step", integer(marker.step) and marker.step >= 0),
+        ("manifest_key", isinstance(marker.manifest_key, str) and bool(marker.manifest_key)),
+        ("manifest_crc32c", integer(marker.manifest_crc32c)),
+        ("token", isinstance(marker.token, str)),
+        ("committed_at", isinstance(marker.committed_at, (int, float)) and not isinstance(marker.committed_at, bool)),
+        ("fence", marker.fence is None or (integer(marker.fence) and marker.fence > 0)),
+        ("based_on", marker.based_on is None or (integer(marker.based_on) and marker.based_on >= 0)),
+        ("format_version", integer(marker.format_version)),
+    ) if not ok]
+    if problems:
+        raise CorruptCheckpointError(f"{where} is malformed: bad {', '.join(problems)}")
+
+
+@dataclass(frozen=True)
+class Order:
+    """Where a commit stands among the others: the fence number it wrote, and the one its save began at."""
+
+    fence: int
+    based_on: int
+
+
+def superseded_steps(orders: Mapping[int, Order | None]) -> frozenset[int]:
+    """Pure: the steps of ``orders`` (step -> its marker's order) that a lower step supersedes: a lower
+    step whose save began at or after this step's fence (``based_on >= fence``). A step without an
+    order is never in it and never supersedes another."""
     superseded: set[int] = set()
-    newest: int | None = None  # the newest generation among the lower steps seen so far
-    for step in sorted(generations):
-        generation = generations[step]
-        if generation is None:
+    latest_start: int | None = None  # the latest ``based_on`` among the lower steps seen so far
+    for step in sorted(orders):
+        order = orders[step]
+        if order is None:
             continue
-        if newest is not None and newest > generation:
+        if latest_start is not None and latest_start >= order.fence:
             superseded.add(step)
-        newest = generation if newest is None else max(newest, generation)
+        latest_start = order.based_on if latest_start is None else max(latest_start, order.based_on)
     return frozenset(superseded)
 
 

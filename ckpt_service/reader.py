@@ -5,14 +5,20 @@ against the checksums the manifest and its chunks carry.
 
 Committed steps are those with a marker that no lower step's marker supersedes (see
 :mod:`ckpt_service.manifest`): once a successor master has committed, a marker the old master
-writes afterwards carries an older lease generation than the successor's and is never listed,
+writes afterwards carries a fence older than the successor's save and is never listed,
 never the latest, and never restored by default. Asked for by number (``restore(step=N)``),
-a superseded step is still read while its files exist (gc removes it), so an operator can
-recover it deliberately. The markers of a listing are read in parallel.
+a superseded step is still read while its files exist, so an operator can recover it
+deliberately. The markers of a listing are read in parallel.
+
+A commit that fails verification supersedes nothing: when the latest fails, a restore
+recomputes the order without it, so the newest commit that verifies is the one read (a
+damaged rollback commit does not hide the step it meant to replace).
 
 A restore that overlaps retention or a re-commit may find the marker of the step it is
 reading deleted or replaced; that step is gone, not corrupt: the steps are listed again and
-the newest one is read.
+the newest one is read. Asked for by number, such a step raises CheckpointChangedError
+("read again"), never CorruptCheckpointError. Readers of one restore that each read a share
+(``partition``) never fall back on their own: one reader's fallback would mix two steps.
 """
 from __future__ import annotations
 
@@ -20,13 +26,13 @@ import functools
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ckpt_service import layout
-from ckpt_service.errors import CorruptCheckpointError, NothingToRestoreError
+from ckpt_service.errors import CheckpointChangedError, CorruptCheckpointError, NothingToRestoreError
 from ckpt_service.manifest import CommitMarker, Manifest, PieceRecord, TensorEntry, crc32c, superseded_steps
 from ckpt_service.piece_io import (
     METADATA_KEY,
@@ -49,7 +55,7 @@ from ckpt_service.read_plan import (
     place,
     select_tensors,
 )
-from ckpt_service.stores.base import ObjectStore
+from ckpt_service.stores.base import ObjectInfo, ObjectStore
 from ckpt_service.stores.local import LocalStore
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,8 @@ log = logging.getLogger(__name__)
 #: how many times a restore lists the steps again when the marker of the step it reads vanished
 #: or was replaced under it (retention or a re-commit running at the same time)
 RELIST_ATTEMPTS = 8
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -89,9 +97,21 @@ class CommitListing:
         """The committed steps that are not superseded, ascending."""
         return sorted(s for s in self.markers if s not in self.superseded)
 
-    def generation(self, step: int) -> int | None:
+    def without(self, failed: Iterable[int]) -> CommitListing:
+        """The listing as if the ``failed`` steps (commits that do not verify) were not there: what they
+        superseded comes back."""
+        gone = set(failed)
+        markers = {s: m for s, m in self.markers.items() if s not in gone}
+        return CommitListing(markers, superseded_steps({s: m.order if m else None for s, m in markers.items()}))
+
+    def superseders(self, step: int) -> list[int]:
+        """The lower steps that supersede ``step`` (their saves began at or after its fence)."""
         marker = self.markers.get(step)
-        return None if marker is None else marker.lease_generation
+        order = marker.order if marker is not None else None
+        if order is None:
+            return []
+        return [s for s, m in self.markers.items()
+                if s < step and m is not None and m.order is not None and m.order.based_on >= order.fence]
 
 
 def list_commits(store: ObjectStore, io: Executor | None = None) -> CommitListing:
@@ -104,29 +124,34 @@ def list_commits(store: ObjectStore, io: Executor | None = None) -> CommitListin
     else:
         read = list(io.map(lambda s: read_marker(store, s), steps))
     markers = {s: marker for s, (gone, marker) in zip(steps, read) if not gone}
-    superseded = superseded_steps({s: m.lease_generation if m is not None else None for s, m in markers.items()})
+    superseded = superseded_steps({s: m.order if m is not None else None for s, m in markers.items()})
     if superseded:
-        log.debug("superseded commits in %s (a lower step has a newer lease generation): %s",
+        log.debug("superseded commits in %s (a lower step was committed in their place): %s",
                   store.url, sorted(superseded))
     return CommitListing(markers, superseded)
 
 
 def read_marker(store: ObjectStore, step: int) -> tuple[bool, CommitMarker | None]:
     """(gone, marker): gone if it no longer exists; marker None if it exists but is unreadable."""
-    key = layout.commit_key(step)
     try:
-        data = store.get(key)
+        data = store.get(layout.commit_key(step))
     except KeyError:
         return True, None
+    return False, parse_marker(data, store, step)
+
+
+def parse_marker(data: bytes, store: ObjectStore, step: int) -> CommitMarker | None:
+    """The marker of ``step`` stored as ``data`` in ``store``; None if it is unreadable."""
+    key = layout.commit_key(step)
     try:
         marker = CommitMarker.from_json(data, where=f"{store.url}/{key}")
     except CorruptCheckpointError as exc:
         log.warning("unreadable commit marker: %s", exc)
-        return False, None
-    if marker.lease_generation is not None and not isinstance(marker.lease_generation, int):
-        log.warning("%s/%s has a lease generation that is not an integer; ignoring it", store.url, key)
-        return False, None
-    return False, marker
+        return None
+    if marker.step != step:
+        log.warning("%s/%s names step %s; it is taken for unreadable", store.url, key, marker.step)
+        return None
+    return marker
 
 
 def committed_steps(store: ObjectStore, io: Executor | None = None) -> list[int]:
@@ -192,31 +217,67 @@ class CheckpointReader:
         ``world_size`` readers read a byte-balanced share of whole tensors (any reader count
         can read any writer count). ``expected`` maps names to arrays or ``(shape, dtype)``
         and raises StructureMismatchError on any difference. When the latest step fails
-        verification and no step was asked for, the previous committed step is tried, with
-        a warning naming what failed. A step whose marker is deleted or replaced while it is
-        read is gone, not corrupt: the steps are listed again (``RELIST_ATTEMPTS`` times).
+        verification and no step was asked for, the newest commit that verifies is read instead
+        (the failed one supersedes nothing), with a warning naming what failed; with a
+        ``partition`` it raises instead, since the other readers may not fall back alike (pick
+        one step for all of them with :meth:`restorable_step`). A step whose marker is deleted or
+        replaced while it is read is gone, not corrupt: the steps are listed again
+        (``RELIST_ATTEMPTS`` times); asked for by number, it raises CheckpointChangedError.
         Superseded steps are never candidates; asked for by number, one is read all the same.
         """
         if step is not None:
-            return self._load(step, names, partition, expected)
-        failures: list[str] = []
-        failed: set[tuple[int, int]] = set()  # (step, marker generation) that failed verification
-        for _ in range(RELIST_ATTEMPTS):
-            candidates = list(reversed(self.all_steps()))
-            if not candidates and not failures:
+            return self._load_unchanged(step, names, partition, expected)
+        if partition is not None:
+            latest = self.latest_step()
+            if latest is None:
                 raise NothingToRestoreError(
                     f"no committed checkpoint in {self.url}: nothing to restore (start from scratch, or check "
                     "the URL)")
+            try:
+                return self._load_unchanged(latest, names, partition, expected)
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(
+                    f"{exc}; readers of a partitioned restore do not fall back on their own (they would mix "
+                    "steps): pick one step for all of them with restorable_step() and pass it as step=") from exc
+        return self._newest(lambda s: self._load(s, names, partition, expected))
+
+    def restorable_step(self) -> int | None:
+        """The newest committed step that verifies in full (every piece read and checked), as
+        :meth:`restore` would pick it; None when nothing is committed. Readers of one partitioned
+        restore pass it to all as ``step=``. Raises CorruptCheckpointError when no step verifies."""
+        def check(step: int) -> int:
+            report = self._verify(step)
+            if not report.ok:
+                raise CorruptCheckpointError("; ".join(report.problems))
+            return step
+
+        try:
+            return self._newest(check)
+        except NothingToRestoreError:
+            if self.list_commits().markers:
+                raise
+            return None
+
+    def _newest(self, attempt: Callable[[int], _T]) -> _T:
+        """``attempt`` on the newest committed step it succeeds on: a step it finds corrupt
+        (CorruptCheckpointError) supersedes nothing, so the order is recomputed without it."""
+        failures: list[str] = []
+        failed: dict[int, int] = {}  # step -> the generation of the marker that failed verification
+        for _ in range(RELIST_ATTEMPTS):
+            listing = self.list_commits()
             changed = False
-            for candidate in candidates:
+            while not changed:
+                excluded = [s for s in failed if s in listing.markers]
+                candidates = list(reversed(listing.without(excluded).committed))
+                if not candidates:
+                    break
+                candidate = candidates[0]
                 before = self.store.stat(layout.commit_key(candidate))
                 if before is None:
                     changed = True  # deleted since the listing
                     break
-                if (candidate, before.generation) in failed:
-                    continue
                 try:
-                    return self._load(candidate, names, partition, expected)
+                    return attempt(candidate)
                 except (CorruptCheckpointError, NothingToRestoreError) as exc:
                     after = self.store.stat(layout.commit_key(candidate))
                     if after is None or after.generation != before.generation:
@@ -227,17 +288,43 @@ class CheckpointReader:
                         break
                     if isinstance(exc, NothingToRestoreError):
                         raise
-                    failed.add((candidate, before.generation))
+                    failed[candidate] = before.generation
                     failures.append(f"step {candidate}: {exc}")
-                    log.warning("checkpoint step %d failed verification (%s); falling back to the previous "
-                                "committed step", candidate, exc)
+                    log.warning("checkpoint step %d failed verification (%s); falling back to the newest commit "
+                                "before it", candidate, exc)
             if not changed:
                 break
+            # a failed step whose marker was replaced since is a new commit: it gets its own try
+            failed = {s: g for s, g in failed.items()
+                      if (info := self.store.stat(layout.commit_key(s))) is not None and info.generation == g}
+        if not failures and not changed:
+            raise NothingToRestoreError(
+                f"no committed checkpoint in {self.url}: nothing to restore (start from scratch, or check "
+                "the URL)")
         if not failures:
             raise NothingToRestoreError(
                 f"the committed steps of {self.url} kept being removed or replaced while being restored "
                 f"({RELIST_ATTEMPTS} listings); try again once retention is done")
         raise CorruptCheckpointError("every committed step failed verification: " + "; ".join(failures))
+
+    def _load_unchanged(self, step: int, names: Iterable[str] | None, partition: tuple[int, int] | None,
+                        expected: Mapping[str, Any] | None) -> Checkpoint:
+        """:meth:`_load` of a step asked for by number: one that is re-committed or deleted while it is
+        read raises CheckpointChangedError, not CorruptCheckpointError."""
+        key = layout.commit_key(step)
+        before = self.store.stat(key)
+        try:
+            return self._load(step, names, partition, expected)
+        except (CorruptCheckpointError, NothingToRestoreError) as exc:
+            self._raise_if_changed(step, before, exc)
+            raise
+
+    def _raise_if_changed(self, step: int, before: ObjectInfo | None, exc: BaseException) -> None:
+        after = self.store.stat(layout.commit_key(step))
+        if before is not None and (after is None or after.generation != before.generation):
+            what = "deleted" if after is None else "re-committed"
+            raise CheckpointChangedError(
+                f"step {step} of {self.url} was {what} while it was being read ({exc}); read it again") from exc
 
     def _load(self, step: int, names: Iterable[str] | None, partition: tuple[int, int] | None,
               expected: Mapping[str, Any] | None) -> Checkpoint:
@@ -343,7 +430,15 @@ class CheckpointReader:
             return None
 
     def verify(self, step: int) -> VerifyReport:
-        """Read every piece of ``step`` and check every checksum; never raises for corruption."""
+        """Read every piece of ``step`` and check every checksum; never raises for corruption. A step
+        re-committed or deleted while it is read raises CheckpointChangedError (read it again)."""
+        before = self.store.stat(layout.commit_key(step))
+        report = self._verify(step)
+        if not report.ok:
+            self._raise_if_changed(step, before, CorruptCheckpointError("; ".join(report.problems)))
+        return report
+
+    def _verify(self, step: int) -> VerifyReport:
         try:
             manifest = self.manifest(step)
         except CorruptCheckpointError as exc:

@@ -139,11 +139,12 @@ class CheckpointWriter:
         rank, world_size, coordinator = checked_ranks(rank, world_size, coordinator)
         t0 = time.perf_counter()
         _check_attempt(step, attempt, world_size, gather)
+        based_on = lease.generation if lease is not None else None  # the commits this save knows of
         bound = Deadline(deadline) if deadline is not None else None
         plan, share, meta = self._prepare(step, tensors, metadata, rank, world_size, gather, coordinator, bound,
                                           attempt, snapshot)
         return self._save_planned(step, plan, share, meta, rank, gather, coordinator, lease, bound, attempt=attempt,
-                                  stall_start=t0)
+                                  stall_start=t0, based_on=based_on)
 
     def save_async(
         self,
@@ -183,6 +184,8 @@ class CheckpointWriter:
                 log.info("checkpoint of step %d waits for the previous save to be persisted", step)
                 wait_futures([previous])  # its error is logged below; it is no reason to drop this save
             self._log_background_error()
+            # the commits this save knows of: it supersedes none made while it runs in the background
+            based_on = lease.generation if lease is not None else None
             t0 = time.perf_counter()
             # The snapshot is exactly this rank's pieces, in contiguous host buffers.
             plan, share, meta = self._prepare(step, tensors, metadata, rank, world_size, gather, coordinator, None,
@@ -191,7 +194,7 @@ class CheckpointWriter:
             token = CancelToken()
             future = self._bg.submit(
                 self._save_planned, step, plan, share, meta, rank, gather, coordinator, lease, None,
-                attempt=attempt, stall_s=stall, cancel=token,
+                attempt=attempt, stall_s=stall, cancel=token, based_on=based_on,
             )
             with self._inflight_lock:
                 self._inflight, self._inflight_cancel = future, token
@@ -311,6 +314,7 @@ class CheckpointWriter:
         stall_start: float | None = None,
         stall_s: float | None = None,
         cancel: CancelToken | None = None,
+        based_on: int | None = None,
     ) -> Manifest | None:
         world_size = plan.world_size
         if not 0 <= rank < world_size:
@@ -342,7 +346,7 @@ class CheckpointWriter:
                 raise CheckpointError("the gather returned no records on the coordinator")
             records = [ShardRecord.from_json(r) for r in gathered]
             manifest = commit_step(self.store, step, plan, records, metadata, lease, deadline, attempt=attempt,
-                                   cancel=cancel)
+                                   cancel=cancel, based_on=based_on)
             if deadline is None:
                 self._apply_retention(step)
             else:

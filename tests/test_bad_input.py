@@ -286,3 +286,48 @@ def test_restore_names_must_be_a_list_of_names(mgr: CheckpointManager, store: Ob
     assert list(got.tensors) == ["weights"]
     np.testing.assert_array_equal(got.tensors["weights"], state(20)["weights"])
     assert_intact(store)
+# ---- commit markers whose fields have the wrong types ------------------------------------------
+
+
+def damage_marker(store: ObjectStore, step: int, **fields: Any) -> str:
+    key = layout.commit_key(step)
+    body = json.loads(store.get(key))
+    store.put(key, json.dumps({**body, **fields}).encode())
+    return key
+
+
+@pytest.mark.parametrize("bad_key", [7, ["steps/000000000020/manifest.x.json"]])
+def test_a_marker_whose_manifest_key_is_not_a_string_is_unreadable_not_a_crash(
+        mgr: CheckpointManager, store: ObjectStore, bad_key: Any) -> None:
+    key = damage_marker(store, 20, manifest_key=bad_key)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        mgr.manifest(20)
+    assert key in str(caught.value) and "manifest_key" in str(caught.value)
+    report = mgr.verify(20)
+    assert not report.ok and "manifest_key" in report.problems[0]
+    assert mgr.restore().step == 10  # the damaged latest step is skipped, as any unreadable marker is
+    mgr.gc(keep=2)
+    assert_intact(store, (10,))
+
+
+@pytest.mark.parametrize("bad_key", ["7", '["steps/000000000020/manifest.x.json"]'])
+def test_the_cli_on_a_marker_whose_manifest_key_is_not_a_string(store_dir: Path, tmp_path: Path, bad_key: str) -> None:
+    damage_marker(LocalStore(store_dir), 20, manifest_key=json.loads(bad_key))
+    url = str(store_dir)
+    out = run_cli("ls", url)
+    assert_no_traceback(out)
+    assert out.returncode == 0 and "UNREADABLE" in out.stdout and "manifest_key" in out.stdout
+    for args in (("inspect", url), ("inspect", url, "--step", "20"),
+                 ("export", url, "--step", "20", str(tmp_path / "out.npz"))):
+        out = run_cli(*args)
+        line = error_line(out)
+        assert out.returncode == 1 and "commits/000000000020.json" in line and "manifest_key" in line, line
+    out = run_cli("verify", url)
+    assert_no_traceback(out)
+    assert out.returncode == 1 and "step 20: CORRUPT" in out.stdout and "manifest_key" in out.stdout
+    out = run_cli("gc", url, "--keep", "2")
+    assert_no_traceback(out)
+    assert out.returncode == 0
+    assert_intact(url, (10,))
+
+

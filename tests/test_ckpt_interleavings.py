@@ -31,6 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from ckpt_service.errors import CheckpointError, NothingToRestoreError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager
+from ckpt_service.manifest import Order
 from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore
 
 PROCESSES = 3
@@ -46,7 +47,7 @@ class Killed(BaseException):
 class Ledger:
     """What really landed: every commit-marker write the store applied, by marker bytes."""
 
-    markers: dict[bytes, tuple[int, int | None, float]] = field(default_factory=dict)  # -> step, gen, fill
+    markers: dict[bytes, tuple[int, Order | None, float]] = field(default_factory=dict)  # -> step, order, fill
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -96,8 +97,8 @@ class FaultStore(DelegatingStore):
         marker = json.loads(data)
         manifest = json.loads(self.inner.get(marker["manifest_key"]))
         with self.ledger.lock:
-            self.ledger.markers[bytes(data)] = (marker["step"], marker.get("lease_generation"),
-                                                manifest["metadata"]["fill"])
+            order = Order(marker["fence"], marker["based_on"]) if marker.get("fence") is not None else None
+            self.ledger.markers[bytes(data)] = (marker["step"], order, manifest["metadata"]["fill"])
 
     def get(self, key: str) -> bytes:
         return bytes(self._call(lambda: self.inner.get(key)))
@@ -296,16 +297,20 @@ class CheckpointInterleavings(RuleBasedStateMachine):
     # -------------------------------------------------------------- invariant
 
     def _expected(self) -> tuple[int, float] | None:
-        """Of the markers that landed and are still stored, the step and fill of the newest generation."""
-        live: list[tuple[int, int, float]] = []
-        for data, (step, generation, fill) in self.ledger.markers.items():
+        """Of the markers that landed and are still stored, the step and fill of the newest commit: the
+        highest step that no lower step's commit supersedes (its save began at or after the step's fence)."""
+        live: dict[int, tuple[Order | None, float]] = {}
+        for data, (step, order, fill) in self.ledger.markers.items():
             stored = self.inner.get_versioned(f"commits/{step:012d}.json")
             if stored is not None and stored[0] == data:
-                live.append((generation if generation is not None else -1, step, fill))
-        if not live:
+                live[step] = (order, fill)
+        superseded = {s for s, (o, _) in live.items() if o is not None and any(
+            t < s and p is not None and p.based_on >= o.fence for t, (p, _) in live.items())}
+        candidates = [s for s in live if s not in superseded]
+        if not candidates:
             return None
-        _, step, fill = max(live)
-        return step, fill
+        step = max(candidates)
+        return step, live[step][1]
 
     @invariant()
     def restore_returns_one_attempt_of_the_newest_commit(self) -> None:

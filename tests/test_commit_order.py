@@ -16,7 +16,7 @@ from ckpt_service import layout
 from ckpt_service.errors import CheckpointError, CommitConflictError, OutOfOrderSaveError
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager
-from ckpt_service.manifest import superseded_steps
+from ckpt_service.manifest import Order, superseded_steps
 from ckpt_service.reader import list_commits
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
@@ -79,7 +79,7 @@ def test_stalled_old_master_commit_never_becomes_latest(store: ObjectStore) -> N
     try:
         listing = list_commits(store)
         assert listing.superseded == {20}
-        assert listing.generation(20) < listing.generation(11) == successor.generation
+        assert listing.markers[20].fence < listing.markers[11].fence == successor.generation
         assert mgr.all_steps() == [10, 11] and mgr.latest_step() == 11
         ckpt = mgr.restore()
         assert ckpt.step == 11
@@ -98,7 +98,7 @@ def test_successor_recommits_a_superseded_step(store: ObjectStore) -> None:
     try:
         manifest = mgr.save(20, state(120), lease=successor)  # the step number the old master used
         assert manifest is not None
-        assert mgr.commit_marker(20).lease_generation == successor.generation
+        assert mgr.commit_marker(20).fence == successor.generation
         assert mgr.all_steps() == [10, 11, 20]
         assert_same_state(mgr.restore().tensors, state(120))
         mgr.gc()
@@ -114,7 +114,7 @@ def test_old_masters_late_marker_of_the_successors_first_step_is_replaced(store:
     try:
         assert mgr.latest_step() == 20  # nothing orders it after a successor commit yet
         mgr.save(20, state(120), lease=successor)
-        assert mgr.commit_marker(20).lease_generation == successor.generation
+        assert mgr.commit_marker(20).fence == successor.generation
         assert_same_state(mgr.restore().tensors, state(120))
     finally:
         mgr.close()
@@ -254,15 +254,22 @@ def test_restore_overlapping_retention_reads_the_newer_step(store: ObjectStore) 
 
 
 def test_superseded_steps_examples() -> None:
-    assert superseded_steps({10: 5, 20: 3, 11: 9}) == {20}  # the old master's late marker
-    assert superseded_steps({10: 2, 20: 3, 30: 4, 15: 9}) == {20, 30}  # a rollback to 15
-    assert superseded_steps({10: None, 20: 1, 5: 7}) == {20}  # a step without a generation is skipped
-    assert superseded_steps({10: 9, 20: None}) == frozenset()  # ... and never superseded
+    at = Order
+    # the old master fenced 20 at 3 and stalled; the successor's save of 11 began at 8
+    assert superseded_steps({10: at(2, 1), 20: at(3, 2), 11: at(9, 8)}) == {20}
+    # a rollback to 15, begun after 30 was fenced
+    assert superseded_steps({10: at(2, 1), 20: at(3, 2), 30: at(4, 3), 15: at(9, 4)}) == {20, 30}
+    # a slow background save of 100 that began before 105 was fenced supersedes nothing
+    assert superseded_steps({100: at(7, 5), 105: at(6, 5)}) == frozenset()
+    assert superseded_steps({10: None, 20: at(1, 0), 5: at(7, 6)}) == {20}  # a step without an order is skipped
+    assert superseded_steps({10: at(9, 8), 20: None}) == frozenset()  # ... and never superseded
     assert superseded_steps({}) == frozenset()
 
 
-@given(st.dictionaries(st.integers(0, 50), st.one_of(st.none(), st.integers(1, 20)), max_size=12))
-def test_superseded_steps_is_the_definition(generations: dict[int, int | None]) -> None:
-    expected = {s for s, g in generations.items() if g is not None and any(
-        t < s and h is not None and h > g for t, h in generations.items())}
-    assert superseded_steps(generations) == expected
+@given(st.dictionaries(st.integers(0, 50), st.one_of(st.none(), st.tuples(st.integers(1, 20), st.integers(0, 19))
+                                                     .filter(lambda t: t[1] < t[0]).map(lambda t: Order(*t))),
+                       max_size=12))
+def test_superseded_steps_is_the_definition(orders: dict[int, Order | None]) -> None:
+    expected = {s for s, o in orders.items() if o is not None and any(
+        t < s and p is not None and p.based_on >= o.fence for t, p in orders.items())}
+    assert superseded_steps(orders) == expected

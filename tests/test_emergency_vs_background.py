@@ -360,7 +360,7 @@ def test_an_old_master_elected_again_takes_the_lease_its_late_fence_would_have_f
     assert not events(impls[0], "lease_error")
     with CheckpointManager(url) as mgr:
         assert mgr.all_steps() == [3, 4]  # the periodic step 2 never committed
-        assert mgr.commit_marker(4).lease_generation == impls[0].lease.generation
+        assert mgr.commit_marker(4).fence == impls[0].lease.generation
 
 
 def test_the_emergency_cancels_a_stuck_background_save_instead_of_waiting_for_it() -> None:

@@ -234,7 +234,7 @@ def test_lease_write_whose_replies_are_all_lost_keeps_the_lease(giving_up: GCSSt
     renewed = lease.fence()  # applied, reply lost: still ours, at the generation now stored
     proxy.reset()
     assert renewed > first and lease.held
-    assert giving_up.stat(lease.key).generation == renewed
+    assert giving_up.stat(lease.key).generation == lease.object_generation
     other = Lease(giving_up, "master-b")
     with pytest.raises(LeaseHeldError, match="held by 'master-a'"):
         other.acquire()
@@ -288,7 +288,7 @@ def test_lease_acquire_and_release_whose_replies_are_all_lost(giving_up: GCSStor
     proxy.drop_response_of_next(match=is_upload, count=10**6)
     generation = lease.acquire()  # created, every reply lost: read back as ours
     assert "dropped-response" in proxy.outcomes(is_upload)
-    assert lease.held and giving_up.stat(lease.key).generation == generation
+    assert lease.held and giving_up.stat(lease.key).generation == lease.object_generation
     with pytest.raises(LeaseHeldError, match="held by 'master-a'"):
         Lease(giving_up, "master-b").acquire()
     lease.release()  # applied, every reply lost: released
@@ -305,7 +305,7 @@ def test_lease_fence_whose_reply_is_lost_once(store: GCSStore, proxy: FaultProxy
     proxy.drop_response_of_next(match=is_upload)
     renewed = lease.fence()
     assert [s.status for s in proxy.seen if is_upload(s.request)] == [200, 412]
-    assert renewed > first and store.stat(lease.key).generation == renewed
+    assert renewed > first and store.stat(lease.key).generation == lease.object_generation
     assert lease.fence() > renewed  # and the generation it holds is the current one
 
 
@@ -313,12 +313,13 @@ def test_lease_fence_never_applied_keeps_the_lease(giving_up: GCSStore, proxy: F
     """A renewal refused before the server saw it is a store error, not a lost lease."""
     lease = Lease(giving_up, "master-a")
     first = lease.acquire()
+    stored = lease.object_generation
     proxy.fail_next(10**6, status=503, match=is_upload)
     with pytest.raises(StoreUnavailableError) as info:
         lease.fence()
     assert not isinstance(info.value, (LeaseLostError, WriteOutcomeUnknownError))
     proxy.reset()
-    assert lease.generation == first and giving_up.stat(lease.key).generation == first
+    assert lease.generation == first and giving_up.stat(lease.key).generation == stored
     assert lease.fence() > first
 
 
@@ -503,7 +504,7 @@ def test_deadline_save_whose_lease_fence_is_blackholed_abandons_and_keeps_the_le
         assert "blackholed" in proxy.outcomes(is_cas) and "forwarded" in proxy.outcomes(is_lease_read_back)
         assert proxy.outcomes(is_create_only) == []  # the marker was never sent
         proxy.reset()
-        assert lease.generation == held and healthy.stat(lease.key).generation == held
+        assert lease.generation == held and healthy.stat(lease.key).generation == lease.object_generation
         assert mgr.all_steps() == [1]
         assert mgr.save(2, state(2), lease=lease) is not None and mgr.all_steps() == [1, 2]
         assert_restores(mgr, 2)

@@ -65,7 +65,7 @@ def test_elected_successor_steals_and_zombie_cannot_commit(store) -> None:
         mgr.save(2, {"w": np.full(4, 3, np.float32)}, lease=successor)
         ckpt = mgr.restore()
         assert ckpt.step == 2 and ckpt.tensors["w"][0] == 3
-        assert mgr.commit_marker(2).lease_generation == successor.generation
+        assert mgr.commit_marker(2).fence == successor.generation
     finally:
         mgr.close()
 
@@ -102,7 +102,7 @@ def test_racing_would_be_masters_exactly_one_commit_per_step(store) -> None:
         for i in range(5):
             results = [outcomes["a"][i], outcomes["b"][i]]
             assert results.count("committed") >= 1, results
-            assert mgr.commit_marker(i + 1).lease_generation == max(generations[i + 1])
+            assert mgr.commit_marker(i + 1).fence == max(generations[i + 1])
         for step in range(1, 6):
             assert mgr.verify(step).ok
             assert mgr.restore(step=step).tensors["w"][0] == step
@@ -116,9 +116,9 @@ def test_racing_would_be_masters_exactly_one_commit_per_step(store) -> None:
 def test_acquire_fence_release_applied_but_replies_lost(store) -> None:
     lossy = Lease(LostReplies(store, apply=True), "host-a")
     g1 = lossy.acquire()
-    assert lossy.held and store.stat(lossy.key).generation == g1
+    assert lossy.held and store.stat(lossy.key).generation == lossy.object_generation
     g2 = lossy.fence()
-    assert g2 > g1 and store.stat(lossy.key).generation == g2
+    assert g2 > g1 and store.stat(lossy.key).generation == lossy.object_generation
     with pytest.raises(LeaseHeldError, match="host-a"):
         Lease(store, "host-b").acquire()
     lossy.release()
@@ -130,11 +130,11 @@ def test_fence_never_applied_is_a_store_error_and_keeps_the_lease(store) -> None
     lease = Lease(store, "host-a")
     g1 = lease.acquire()
     lossy = Lease(LostReplies(store, apply=False), "host-a")
-    lossy.generation = g1  # the same holder, whose renewals now never reach the store
+    lossy.adopt(lease)  # the same holder, whose renewals now never reach the store
     with pytest.raises(StoreUnavailableError) as info:
         lossy.fence()
     assert not isinstance(info.value, WriteOutcomeUnknownError)
-    assert lossy.generation == g1 and store.stat(lease.key).generation == g1
+    assert lossy.generation == g1 and store.stat(lease.key).generation == lease.object_generation
     assert lease.fence() > g1  # nothing changed: the holder still renews it
 
 
@@ -152,14 +152,17 @@ def test_fence_lost_to_a_successor_while_replies_are_lost(store) -> None:
 def test_fence_whose_outcome_stayed_unknown_is_found_out_by_the_next(store, applied: bool) -> None:
     lease = Lease(store, "host-a")
     g1 = lease.acquire()
+    o1 = lease.object_generation
+    assert o1 is not None
     lease.store = LostReplies(store, apply=applied, read_back_fails=True)
     with pytest.raises(WriteOutcomeUnknownError):
         lease.fence()
     assert lease.generation == g1  # neither renewed nor lost: not known
-    assert (store.stat(lease.key).generation > g1) is applied
+    assert (store.stat(lease.key).generation > o1) is applied
     lease.store = store
     g2 = lease.fence()  # on top of the unknown write if it landed, on g1 if not
-    assert g2 > g1 and store.stat(lease.key).generation == g2
+    assert g2 == g1 + (2 if applied else 1)  # the landed write's number counted too
+    assert store.stat(lease.key).generation == lease.object_generation
     with pytest.raises(LeaseHeldError, match="host-a"):
         Lease(store, "host-b").acquire()
 

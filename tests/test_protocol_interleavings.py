@@ -90,7 +90,7 @@ class RecordingStore(DelegatingStore):
             with self._lock:  # the marker's creation and its place in the order are one
                 generation = super().put(key, data, if_generation_match=if_generation_match)
                 marker = CommitMarker.from_json(data, where=key)
-                self.commits.append((marker.step, marker.lease_generation))
+                self.commits.append((marker.step, marker.fence))
                 return generation
         if key.startswith(keys.LEAVING_PREFIX):
             with self._lock:

@@ -93,7 +93,7 @@ def test_notice_to_the_master_moves_the_lease(ranks) -> None:
     assert [i.run.master for i in impls] == [1, 1, 1]
     assert not impls[0].lease.held and impls[1].lease.held
     marker = CheckpointManager(url).commit_marker(5)
-    assert marker.lease_generation == impls[1].lease.generation
+    assert marker.fence == impls[1].lease.generation
     leave = [e for e in impls[0].events.events if e["event"] == "leave_published"]
     assert len(leave) == 1 and leave[0]["was_master"] is True
     # after the ring shrinks (h0 gone), everyone agrees the master is the new rank 0 (was rank 1)
@@ -102,7 +102,7 @@ def test_notice_to_the_master_moves_the_lease(ranks) -> None:
 def test_zombie_master_cannot_commit_after_hand_over(ranks) -> None:
     group, impls, url = ranks
     zombie = Lease(impls[0].manager.store, impls[0].lease.holder)
-    zombie.generation = impls[0].lease.generation  # what the old master believed it held
+    zombie.adopt(impls[0].lease)  # what the old master believed it held
     impls[0].watcher.notice = notice()
     step_all(group, impls, 5)
     from ckpt_service.errors import LeaseLostError

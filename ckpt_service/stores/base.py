@@ -104,7 +104,19 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
-        """Yield every key starting with ``prefix`` (a plain string prefix), in sorted order."""
+        """Yield every key starting with ``prefix`` (a plain string prefix), in sorted order. A listing
+        that fails part-way raises (StoreListingError or StoreUnavailableError): a key it could not
+        see must never be taken for absent."""
+
+    def delete_if_generation(self, key: str, generation: int) -> bool:
+        """Delete ``key`` only while it is at ``generation``; returns whether it was deleted (False: it
+        changed or is gone). This default looks then deletes, which a write in between can slip
+        past; every backend here overrides it with an atomic one."""
+        info = self.stat(key)
+        if info is None or info.generation != generation:
+            return False
+        self.delete(key)
+        return True
 
     def within(self, deadline: Deadline) -> ObjectStore:
         """This store with every call bounded by ``deadline``: a call that cannot finish before

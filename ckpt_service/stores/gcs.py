@@ -36,6 +36,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar, Union
 
 import requests
+import tenacity
 from google.api_core import exceptions as gexc
 from google.api_core.retry import Retry
 from google.auth import exceptions as auth_exc
@@ -72,6 +73,8 @@ ClientCall = Callable[[RetryPolicy, float], _T]
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 #: project id used against an emulator (it accepts any), so no credential lookup happens
 EMULATOR_PROJECT = "test"
+#: reads of one object that must all fail their transfer checksum before it is called corrupt
+CORRUPT_READ_ATTEMPTS = 3
 #: upload_from_string switches from one multipart request to a resumable upload above this
 MULTIPART_LIMIT = 8 * 1024 * 1024
 
@@ -213,7 +216,9 @@ class GCSStore(ObjectStore):
                 f"{what}: Google Cloud credentials could not be refreshed ({exc}); {_CREDENTIALS_HELP}"
             ) from exc
         except DataCorruption as exc:
-            raise CorruptCheckpointError(f"{what}: checksum mismatch in transfer ({exc})") from exc
+            raise CorruptCheckpointError(
+                f"{what}: checksum mismatch on {CORRUPT_READ_ATTEMPTS} reads in a row: the stored bytes do not match "
+                f"the object's checksum ({exc})") from exc
         except gexc.RetryError as exc:
             raise StoreUnavailableError(
                 f"{what}: gave up after retrying ({exc.cause!r}); check that {self.url} is reachable"
@@ -247,10 +252,16 @@ class GCSStore(ObjectStore):
     def _download(self, key: str, what: str) -> tuple[bytes, Blob] | None:
         """The object's bytes and the blob that read them (it holds their generation); None if absent."""
         blob = self._blob(key)
+        # A checksum mismatch in transfer is a network fault the client does not retry: read again
+        # before calling the object corrupt. Only a mismatch on every read means the bytes at rest differ.
+        again = tenacity.Retrying(stop=tenacity.stop_after_attempt(CORRUPT_READ_ATTEMPTS), reraise=True,
+                                  retry=tenacity.retry_if_exception_type(DataCorruption),
+                                  before_sleep=lambda state: log.warning("%s: checksum mismatch in transfer; "
+                                                                         "reading it again", what))
         with self._translated(what):
             try:
-                data: bytes = self._run(
-                    what, lambda retry, timeout: blob.download_as_bytes(retry=retry, timeout=timeout))
+                data: bytes = again(self._run, what,
+                                    lambda retry, timeout: blob.download_as_bytes(retry=retry, timeout=timeout))
             except gexc.NotFound:
                 self._check_bucket_after_miss(what)
                 return None
@@ -316,6 +327,20 @@ class GCSStore(ObjectStore):
                 self._run(what, lambda retry, timeout: blob.delete(retry=retry, timeout=timeout))
             except gexc.NotFound:
                 pass  # absent already (or a retried delete whose first attempt was applied)
+
+    def delete_if_generation(self, key: str, generation: int) -> bool:
+        blob = self._blob(key)
+        what = f"delete {self.url}/{key} at generation {generation}"
+        try:
+            with self._translated(what):
+                try:
+                    self._run(what, lambda retry, timeout: blob.delete(
+                        if_generation_match=generation, retry=retry, timeout=timeout), conditional=True)
+                except gexc.NotFound:
+                    return False
+        except PreconditionFailedError:
+            return False
+        return True
 
     def list(self, prefix: str = "") -> Iterator[str]:
         root = f"{self.prefix}/" if self.prefix else ""

@@ -32,7 +32,13 @@ from typing import IO, Iterator, Sequence
 import tenacity
 
 from ckpt_service.deadline import Deadline
-from ckpt_service.errors import ObjectNotFoundError, PreconditionFailedError, StoreDeadlineError, StoreUnavailableError
+from ckpt_service.errors import (
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StoreDeadlineError,
+    StoreListingError,
+    StoreUnavailableError,
+)
 from ckpt_service.stores.base import ObjectInfo, ObjectStore, check_key
 
 log = logging.getLogger(__name__)
@@ -167,9 +173,7 @@ class LocalStore(ObjectStore):
                     raise PreconditionFailedError(
                         f"{path}: generation is {have}, expected {if_generation_match}"
                     )
-                # Generations must strictly increase even within one clock tick.
-                new_gen = max(os.stat(tmp).st_mtime_ns, have + 1)
-                os.utime(tmp, ns=(new_gen, new_gen))
+                new_gen = self._stamp_after(tmp, have)
                 os.replace(tmp, path)
             if self.fsync:
                 # Durable once put returns, every object: a commit marker must never outlive the
@@ -181,6 +185,38 @@ class LocalStore(ObjectStore):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    def _stamp_after(self, tmp: Path, have: int) -> int:
+        """Give ``tmp`` an mtime (its generation once published) above ``have``, on any filesystem.
+
+        Generations must strictly increase even within one clock tick, and on a filesystem that
+        keeps coarse timestamps (1 s on ext2/3 and HFS+, 2 s on FAT) "+1 ns" is truncated away and a
+        stale compare-and-swap would match the newer write: so the next whole seconds are tried
+        until the stored mtime is larger.
+        """
+        wanted = max(os.stat(tmp).st_mtime_ns, have + 1)
+        tick = 10**9
+        for candidate in (wanted, (have // tick + 1) * tick, (have // tick + 2) * tick, (have // tick + 3) * tick):
+            stamped = self._set_mtime(tmp, candidate)
+            if stamped > have:
+                return stamped
+        raise StoreUnavailableError(f"{self.root}: the filesystem does not keep file times that move forward; "
+                                    "use a filesystem with ordinary timestamps for the store")
+
+    def _set_mtime(self, path: Path, ns: int) -> int:
+        """Set ``path``'s mtime to ``ns``; the mtime the filesystem kept (it may round it)."""
+        os.utime(path, ns=(ns, ns))
+        return os.stat(path).st_mtime_ns
+
+    def delete_if_generation(self, key: str, generation: int) -> bool:
+        path = self._path(key)
+        with self._store_lock():  # every write publishes under it: nothing moves it meanwhile
+            info = self.stat(key)
+            if info is None or info.generation != generation:
+                return False
+            path.unlink()
+        self.delete(key)  # tidies the folders it leaves empty
+        return True
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -202,7 +238,15 @@ class LocalStore(ObjectStore):
         if not base.is_dir():
             return
         keys: list[str] = []
-        for dirpath, _dirs, files in os.walk(base):
+
+        def failed(exc: OSError) -> None:
+            if isinstance(exc, FileNotFoundError):
+                return  # a folder removed since it was seen (a delete tidying up): nothing to list there
+            raise StoreListingError(f"listing {self.root}/{prefix} failed at {exc.filename}: {exc}; the store's "
+                                    "contents are unknown, so nothing is taken for absent (check the folder's "
+                                    "permissions or the mount, then try again)") from exc
+
+        for dirpath, _dirs, files in os.walk(base, onerror=failed):
             rel_dir = os.path.relpath(dirpath, self.root)
             for name in files:
                 if name.startswith(_TMP_PREFIX) or name == _LOCK_NAME:

@@ -62,6 +62,14 @@ class MemoryStore(ObjectStore):
         with self._lock:
             self._objects.pop(check_key(key), None)
 
+    def delete_if_generation(self, key: str, generation: int) -> bool:
+        with self._lock:
+            entry = self._objects.get(check_key(key))
+            if entry is None or entry[1] != generation:
+                return False
+            del self._objects[key]
+            return True
+
     def store_time(self) -> float:
         return time.time()  # mtimes come from this process's clock
 

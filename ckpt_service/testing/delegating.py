@@ -36,6 +36,9 @@ class DelegatingStore(ObjectStore):
     def list(self, prefix: str = "") -> Iterator[str]:
         return self.inner.list(prefix)
 
+    def delete_if_generation(self, key: str, generation: int) -> bool:
+        return self.inner.delete_if_generation(key, generation)
+
     def store_time(self) -> float:
         return self.inner.store_time()
 

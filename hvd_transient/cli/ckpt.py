@@ -101,7 +101,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=2))
         return 0
     print(f"step {m.step}  format v{m.format_version}  writers {m.world_size}  {m.nbytes / 1e6:.2f} MB  "
-          f"lease generation {marker.lease_generation}")
+          f"lease fence {marker.fence} (save began at {marker.based_on})")
     print(f"metadata: {json.dumps(m.metadata)}")
     for t in m.tensors:
         print(f"  {t.name:<50} {str(list(t.shape)):<20} {t.dtype}")
