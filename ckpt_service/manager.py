@@ -255,6 +255,13 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         return self._reader.latest_step()
 
+    def restorable_step(self) -> int | None:
+        """The newest committed step that verifies in full (every piece read and checked): the step
+        :meth:`restore` would return. Readers of one partitioned restore pass it to all of them as
+        ``step=`` (a partitioned restore without a step never falls back on its own). None when
+        nothing is committed; CorruptCheckpointError when no step verifies."""
+        return self._reader.restorable_step()
+
     def commit_marker(self, step: int) -> CommitMarker:
         return self._reader.commit_marker(step)
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ckpt_service.errors import CorruptCheckpointError
 from hvd_transient.collectives.mpi import mpi_transient
 from hvd_transient.core.control import clear_stop
 from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
@@ -54,7 +55,14 @@ def restore(impl: TransientImpl, state: dict[str, np.ndarray[Any, Any]]) -> int:
     step = coll.broadcast_json(manager.latest_step() if comm.rank == 0 else None, 0)
     if step is None:
         return 0
-    ckpt = manager.restore(step, partition=(comm.rank, comm.size), expected=state)
+    try:
+        ckpt = manager.restore(step, partition=(comm.rank, comm.size), expected=state)
+        ok = True
+    except CorruptCheckpointError:
+        ok = False
+    if not all(coll.allgather_json(ok)):  # the readers agree on one step: never a mix of two
+        step = coll.broadcast_json(manager.restorable_step() if comm.rank == 0 else None, 0)
+        ckpt = manager.restore(step, partition=(comm.rank, comm.size), expected=state)
     for owner, names in enumerate(coll.allgather_json(sorted(ckpt.tensors))):
         for name in names:
             if owner == comm.rank:

@@ -10,6 +10,8 @@ fake-gcs-server has no fault injection, so the failures a real bucket shows
 * :meth:`FaultProxy.reset_before_next` - reset the connection without forwarding
   (the request never reaches the server);
 * :meth:`FaultProxy.truncate_reply_of_next` - forward, then send only half the reply;
+* :meth:`FaultProxy.flip_reply_byte_of_next` - forward, then reply with one body byte flipped
+  (a transfer that its checksum header no longer matches);
 * :meth:`FaultProxy.blackhole` - swallow matching requests: never forwarded, never
   answered, until the client gives up;
 * :meth:`FaultProxy.delay_replies` - forward at once, hold every matching reply;
@@ -73,7 +75,7 @@ class Seen:
 
 @dataclass
 class _Rule:
-    kind: str  # "status" | "drop" | "reset" | "truncate" | "blackhole"
+    kind: str  # "status" | "drop" | "reset" | "truncate" | "flip" | "blackhole"
     remaining: int
     match: Matcher
     status: int = 503
@@ -184,6 +186,11 @@ class FaultProxy:
         """Forward the next matching request(s), then send the headers and only half the body."""
         with self._lock:
             self._rules.append(_Rule("truncate", count, match))
+
+    def flip_reply_byte_of_next(self, *, match: Matcher = any_request, count: int = 1) -> None:
+        """Forward the next matching request(s), then reply with the middle byte of the body flipped."""
+        with self._lock:
+            self._rules.append(_Rule("flip", count, match))
 
     def blackhole(self, *, match: Matcher = any_request, count: int = 10**6) -> None:
         """Swallow the next matching request(s): never forwarded, never answered. The connection
@@ -310,6 +317,10 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 release.wait(delay)  # the fault itself: the reply is late (reset() sends it at once)
             elif kind == "truncate":
                 proxy._record(req, "truncated-reply", status)
+            elif kind == "flip" and data:
+                proxy._record(req, "flipped-reply", status)
+                middle = len(data) // 2
+                data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
             else:
                 proxy._record(req, "forwarded", status)
             self.send_response(status, reason)
