@@ -1,11 +1,15 @@
 """Stateful property test of the checkpoint service: random interleavings of saves by several writers,
 replays of a step, kills between any two store calls, lease steals, a master paused between its
-fence and its commit marker, gc, and restores with and without partitions.
+fence and its commit marker, a background save racing a later save of the same process, gc (also
+while a save is paused before its marker), a damaged commit, listing and read errors, the run moved
+to another kind of store, and restores with and without partitions.
 
 The invariant after every rule: ``restore()`` returns exactly the data of one attempt of the newest
-step committed under a lease generation no successor has superseded (of the commit markers that
-landed and are still in the store, the one made under the newest lease generation), or raises a
-typed error when nothing is committed; never anything else.
+commit that verifies (of the commit markers that landed and are still in the store, not damaged: the
+highest step that no lower step's commit supersedes), or raises a typed error when nothing is
+committed; partitioned readers without a step each return that step or raise, and the step
+``restorable_step()`` picks gives them one attempt of it; and the newest commit that verified at the
+previous check was not deleted unless a newer commit took its place.
 
 "Processes" are managers and leases over one shared store, each through a :class:`FaultStore` that
 can kill it (a BaseException, so no handler of the service runs, as with a killed process) before
@@ -15,7 +19,9 @@ Every attempt fills every tensor with its own value, so a restored mix of attemp
 from __future__ import annotations
 
 import json
+import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +34,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from ckpt_service.errors import CheckpointError, NothingToRestoreError
+from ckpt_service.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NothingToRestoreError,
+    StoreListingError,
+    StoreUnavailableError,
+)
 from ckpt_service.lease import Lease
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.manifest import Order
@@ -48,6 +60,7 @@ class Ledger:
     """What really landed: every commit-marker write the store applied, by marker bytes."""
 
     markers: dict[bytes, tuple[int, Order | None, float]] = field(default_factory=dict)  # -> step, order, fill
+    damaged: set[bytes] = field(default_factory=set)  # markers of commits whose data was damaged
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -62,6 +75,10 @@ class FaultStore(DelegatingStore):
         self.kill_after_call = False  # die after the call was applied (its reply lost with the process)
         self.hold_marker: threading.Event | None = None
         self.marker_reached = threading.Event()
+        self.hold_manifest: threading.Event | None = None
+        self.manifest_reached = threading.Event()
+        self.list_fails = 0  # listings left to fail (an unreadable folder)
+        self.get_fails = 0  # reads left to fail (a transient store error)
         self._lock = threading.Lock()
 
     def arm(self, kill_at: int | None, after: bool) -> None:
@@ -85,6 +102,11 @@ class FaultStore(DelegatingStore):
         if key.startswith("commits/") and self.hold_marker is not None:
             self.marker_reached.set()
             assert self.hold_marker.wait(WAIT_S), "the paused master was never released"
+        hold = self.hold_manifest
+        if "/manifest." in key and hold is not None:
+            self.hold_manifest = None
+            self.manifest_reached.set()
+            assert hold.wait(WAIT_S), "the paused background save was never released"
         def put() -> int:
             generation = self.inner.put(key, data, if_generation_match=if_generation_match)
             if key.startswith("commits/"):  # noted even when the process dies before the reply
@@ -101,6 +123,10 @@ class FaultStore(DelegatingStore):
             self.ledger.markers[bytes(data)] = (marker["step"], order, manifest["metadata"]["fill"])
 
     def get(self, key: str) -> bytes:
+        with self._lock:
+            fail, self.get_fails = self.get_fails > 0, max(0, self.get_fails - 1)
+        if fail:
+            raise StoreUnavailableError(f"{key}: injected transient read error")
         return bytes(self._call(lambda: self.inner.get(key)))
 
     def get_versioned(self, key: str) -> tuple[bytes, int] | None:
@@ -114,7 +140,22 @@ class FaultStore(DelegatingStore):
         self._call(lambda: self.inner.delete(key))
 
     def list(self, prefix: str = "") -> Iterator[str]:
+        with self._lock:
+            fail, self.list_fails = self.list_fails > 0, max(0, self.list_fails - 1)
+        if fail:
+            raise StoreListingError(f"listing {prefix}: injected unreadable folder")
         return iter(self._call(lambda: list(self.inner.list(prefix))))
+
+
+class DelegatingView(DelegatingStore):
+    """The shared store read through another ``get`` (a reader that meets one read error)."""
+
+    def __init__(self, inner: ObjectStore, get: Callable[[str], bytes]) -> None:
+        super().__init__(inner)
+        self._get = get
+
+    def get(self, key: str) -> bytes:
+        return self._get(key)
 
 
 @dataclass
@@ -148,6 +189,7 @@ class CheckpointInterleavings(RuleBasedStateMachine):
         self.master = 0
         self.procs[0].lease.acquire(steal=True)
         self.attempts = 0
+        self.best: bytes | None = None  # the marker of the newest commit that verified at the last check
 
     def _spawn(self, p: int) -> Process:
         store = FaultStore(self.inner, self.ledger)
@@ -294,23 +336,192 @@ class CheckpointInterleavings(RuleBasedStateMachine):
         finally:
             self.procs[p].store.arm(None, False)
 
+    @rule(bg_step=STEPS, later_step=STEPS)
+    def background_then_later_save(self, bg_step: int, later_step: int) -> None:
+        """The master's background save pauses before its manifest (its pieces written) while the same
+        process makes a later save; then the background save goes on and fences after it."""
+        proc = self.procs[self.master]
+        hold = threading.Event()
+        proc.store.manifest_reached.clear()
+        proc.store.hold_manifest = hold
+        fill = self._next_fill()
+        started = False
+        try:
+            started = proc.manager.save_async(bg_step, state(fill), {"fill": fill}, lease=proc.lease,
+                                              attempt=f"a{self.attempts}")
+            if started:
+                assert proc.store.manifest_reached.wait(WAIT_S) or not proc.manager.save_in_flight
+                later = self._next_fill()
+                try:
+                    proc.manager.save(later_step, state(later), {"fill": later}, lease=proc.lease,
+                                      attempt=f"a{self.attempts}", deadline=time.time() + WAIT_S)
+                except CheckpointError:
+                    pass
+        finally:
+            proc.store.hold_manifest = None
+            hold.set()
+            if started:
+                try:
+                    proc.manager.wait(timeout=WAIT_S)
+                except CheckpointError:
+                    pass
+
+    @rule(step=STEPS, gc_by=st.integers(0, PROCESSES - 1))
+    def gc_while_a_save_waits_at_its_marker(self, step: int, gc_by: int) -> None:
+        """A save (often a replay of a step that exists) pauses before its marker while gc runs."""
+        proc = self.procs[self.master]
+        proc.store.hold_marker = threading.Event()
+        proc.store.marker_reached.clear()
+        fill = self._next_fill()
+        errors: list[BaseException] = []
+
+        def save() -> None:
+            try:
+                proc.manager.save(step, state(fill), {"fill": fill}, lease=proc.lease, attempt=f"a{self.attempts}")
+            except CheckpointError:
+                pass
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+            finally:
+                proc.store.marker_reached.set()
+
+        thread = threading.Thread(target=save)
+        thread.start()
+        try:
+            assert proc.store.marker_reached.wait(WAIT_S)
+            if gc_by != self.master:
+                try:
+                    self.procs[gc_by].manager.gc()
+                except CheckpointError:
+                    pass
+        finally:
+            assert proc.store.hold_marker is not None
+            proc.store.hold_marker.set()
+            thread.join(WAIT_S)
+            proc.store.hold_marker = None
+        assert not thread.is_alive() and not errors, errors
+
+    @rule(newest=st.booleans())
+    def damage(self, newest: bool) -> None:
+        """A byte of a chunk of a live commit (the newest, or any) is flipped in the store."""
+        live = {d: e for d, e in self._live().items() if d not in self.ledger.damaged}
+        if not live:
+            return
+        expected = self._expected()
+        data = next((d for d, (s, *_rest) in live.items() if expected and s == expected[0]), None) \
+            if newest else None
+        data = data or sorted(live)[0]
+        step = live[data][0]
+        marker = json.loads(data)
+        manifest = json.loads(self.inner.get(marker["manifest_key"]))
+        piece = manifest["pieces"][0]["key"]
+        chunk = next((k for k in self.inner.list(piece) if "/c/" in k), None)
+        if chunk is None:
+            return
+        body = bytearray(self.inner.get(chunk))
+        body[len(body) // 2] ^= 0xFF
+        self.inner.put(chunk, bytes(body))
+        with self.ledger.lock:
+            self.ledger.damaged.add(data)
+        del step
+
+    @rule(p=st.integers(0, PROCESSES - 1), fails=st.integers(1, 3))
+    def gc_with_a_listing_error(self, p: int, fails: int) -> None:
+        proc = self.procs[p]
+        proc.store.list_fails = fails
+        try:
+            proc.manager.gc()
+        except CheckpointError:
+            pass
+        finally:
+            proc.store.list_fails = 0
+
+    @rule(p=st.integers(0, PROCESSES - 1), at=st.integers(1, 12))
+    def restore_with_a_read_error(self, p: int, at: int) -> None:
+        """A read fails once in a restore: the restore returns the newest good commit or raises; it never
+        takes the failure for a damaged step and returns an older one."""
+        proc = self.procs[p]
+        expected = self._expected()
+        proc.store.get_fails = 0
+        calls = {"n": 0}
+        inner_get = proc.store.inner.get
+
+        def failing_get(key: str) -> bytes:
+            calls["n"] += 1
+            if calls["n"] == at:
+                raise StoreUnavailableError(f"{key}: injected transient read error")
+            return inner_get(key)
+
+        reader = CheckpointManager(DelegatingView(proc.store.inner, failing_get), max_to_keep=None)
+        try:
+            got = reader.restore()
+            assert expected is not None and (got.step, got.metadata["fill"]) == expected
+        except StoreUnavailableError:
+            pass
+        except (NothingToRestoreError, CorruptCheckpointError):
+            assert expected is None
+        finally:
+            reader.close()
+
+    @rule()
+    def move_to_another_kind_of_store(self) -> None:
+        """The run's prefix is copied to another kind of store and the processes go on there."""
+        if not isinstance(self.inner, (MemoryStore, LocalStore)):
+            return
+        target: ObjectStore = (LocalStore(Path(tempfile.mkdtemp(prefix="moved-")) / "store", fsync=False)
+                               if isinstance(self.inner, MemoryStore) else MemoryStore(uuid.uuid4().hex))
+        for key in self.inner.list(""):
+            target.put(key, self.inner.get(key))
+        for p in range(PROCESSES):
+            self.procs[p].store.arm(None, False)
+            try:
+                self.procs[p].manager.close()
+            except BaseException:  # noqa: BLE001
+                pass
+        self.inner = target
+        self.procs = [self._spawn(p) for p in range(PROCESSES)]
+        self._take_lease(self.master)
+
     # -------------------------------------------------------------- invariant
 
-    def _expected(self) -> tuple[int, float] | None:
-        """Of the markers that landed and are still stored, the step and fill of the newest commit: the
-        highest step that no lower step's commit supersedes (its save began at or after the step's fence)."""
-        live: dict[int, tuple[Order | None, float]] = {}
-        for data, (step, order, fill) in self.ledger.markers.items():
-            stored = self.inner.get_versioned(f"commits/{step:012d}.json")
+    def _live(self) -> dict[bytes, tuple[int, Order | None, float]]:
+        """The markers that landed and are still stored."""
+        live = {}
+        for data, entry in self.ledger.markers.items():
+            stored = self.inner.get_versioned(f"commits/{entry[0]:012d}.json")
             if stored is not None and stored[0] == data:
-                live[step] = (order, fill)
-        superseded = {s for s, (o, _) in live.items() if o is not None and any(
-            t < s and p is not None and p.based_on >= o.fence for t, (p, _) in live.items())}
-        candidates = [s for s in live if s not in superseded]
-        if not candidates:
+                live[data] = entry
+        return live
+
+    def _newest(self) -> bytes | None:
+        """The marker of the newest commit that verifies: of the live, undamaged markers, the highest step
+        that no lower step's commit supersedes (its save began at or after the step's fence)."""
+        good = {step: (order, data) for data, (step, order, _) in self._live().items()
+                if data not in self.ledger.damaged}
+        superseded = {s for s, (o, _) in good.items() if o is not None and any(
+            t < s and p is not None and p.based_on >= o.fence for t, (p, _) in good.items())}
+        candidates = [s for s in good if s not in superseded]
+        return good[max(candidates)][1] if candidates else None
+
+    def _expected(self) -> tuple[int, float] | None:
+        newest = self._newest()
+        if newest is None:
             return None
-        step = max(candidates)
-        return step, live[step][1]
+        step, _, fill = self.ledger.markers[newest]
+        return step, fill
+
+    def _check_not_lost(self, newest: bytes | None) -> None:
+        """The commit that was the newest good one at the last check is still live, or a newer one took
+        its place: a higher step, or a lower one whose save began after its fence."""
+        best, self.best = self.best, newest
+        if best is None or best in self._live() or best in self.ledger.damaged:
+            return
+        step, order, _ = self.ledger.markers[best]
+        assert newest is not None, f"the newest good commit (step {step}) was deleted and nothing is left"
+        now_step, now_order, _ = self.ledger.markers[newest]
+        took_place = now_step >= step or (order is not None and now_order is not None
+                                          and now_order.based_on >= order.fence)
+        assert took_place, f"the newest good commit (step {step}) was deleted; step {now_step} is restored now"
 
     @invariant()
     def restore_returns_one_attempt_of_the_newest_commit(self) -> None:
@@ -319,8 +530,9 @@ class CheckpointInterleavings(RuleBasedStateMachine):
         reader = CheckpointManager(self.inner, max_to_keep=None)
         try:
             expected = self._expected()
+            self._check_not_lost(self._newest())
             if expected is None:
-                with pytest.raises(NothingToRestoreError):
+                with pytest.raises((NothingToRestoreError, CorruptCheckpointError)):
                     reader.restore()
                 return
             got = reader.restore()
@@ -330,6 +542,13 @@ class CheckpointInterleavings(RuleBasedStateMachine):
             for name, want in state(fill).items():
                 np.testing.assert_array_equal(got.tensors[name], want, err_msg=f"{name}: a mix of attempts")
             readers = 1 + self.attempts % 3
+            latest = reader.latest_step()
+            for r in range(readers):  # without a step, each reader reads the latest or raises: never falls back
+                try:
+                    assert reader.restore(partition=(r, readers)).step == latest
+                except CorruptCheckpointError:
+                    pass
+            assert reader.restorable_step() == step
             parts = [reader.restore(step, partition=(r, readers)) for r in range(readers)]
             merged = {n: t for part in parts for n, t in part.tensors.items()}
             assert sorted(merged) == sorted(got.tensors)
