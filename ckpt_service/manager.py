@@ -13,8 +13,9 @@ Roles in a multi-writer save (every rank calls ``save`` with the same state spec
 A save that misses its deadline, loses the lease or finds the step already
 committed raises and commits nothing: the previous committed step stays the latest.
 
-Commits are ordered by the lease generation their fence wrote: a committed step that a
-lower step's newer-generation commit supersedes (an old master's marker that landed after
+Commits are ordered by the fence number their fence wrote into the lease (a counter the lease
+object keeps): a committed step that a lower step's commit supersedes (its save began after the
+step's fence: an old master's marker that landed after
 its successor committed, or the steps above a rollback) is not listed, not restored by
 default, and deleted by retention (:mod:`ckpt_service.reader`, :mod:`ckpt_service.commit`).
 A save's ``deadline`` bounds every store call it makes (see :mod:`ckpt_service.deadline`).
@@ -249,7 +250,7 @@ class CheckpointManager:
     # ----------------------------------------------------------------- reading
 
     def all_steps(self) -> list[int]:
-        """Committed steps that no lower step's newer-generation commit supersedes, ascending."""
+        """Committed steps that no lower step's commit supersedes, ascending."""
         return self._reader.all_steps()
 
     def latest_step(self) -> int | None:
