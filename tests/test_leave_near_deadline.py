@@ -15,17 +15,20 @@ from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 from test_protocol_agreement import events, make_ranks, notice, published, step_all
 from test_report import T0, preempted_worker_log
 
-from ckpt_service.errors import CheckpointError
+from ckpt_service.deadline import Deadline
+from ckpt_service.errors import CheckpointError, StoreDeadlineError
 from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import MemoryStore
 from hvd_transient.core.config import DEFAULT_LEAVE_LEAD_S, LeaveConfigError, TransientConfig
 from hvd_transient.core.interfaces import Clocks
 from hvd_transient.core.membership import (
+    LATE_RECORD_S,
     LeavingRecord,
     excluded,
     leaving_hosts,
     prune_leaving,
     publish_leaving,
+    publish_leaving_until,
     read_leaving,
 )
 from hvd_transient.core.ring import RunState
@@ -150,7 +153,7 @@ def test_the_measured_lead_is_agreed_by_every_rank_and_taught_to_a_vm_that_joine
     published([newcomer])
     assert {r.host: r.leave_at for r in read_leaving(impls[0].manager.store)}["h3"] == outcomes[2].leave_at
     [leave] = events(newcomer, "leave_published")
-    assert leave["deadline"] - leave["leave_at"] == pytest.approx(5.0, abs=1e-3)
+    assert leave["deadline"] - leave["leave_at"] == pytest.approx(5.0, abs=0.1)
     for impl in (*impls, newcomer):
         impl.close()
 
@@ -269,6 +272,57 @@ def test_a_window_shorter_than_the_lead_leaves_at_once() -> None:
     impls[2].watcher.notice = notice(8.0)
     outcomes = step_all(group, impls, 1)
     assert outcomes[2].leaving and outcomes[2].leave_at is None
+
+
+class _Bounded:
+    """A view of a store that refuses a call once its deadline has passed, as the GCS store does."""
+
+    def __init__(self, inner: MemoryStore, deadline: Deadline) -> None:
+        self.inner, self.deadline = inner, deadline
+
+    def put(self, key: str, data: bytes, **kw: object) -> int:
+        if self.deadline.expired(time.time()):
+            raise StoreDeadlineError(f"put {key}: no time left before the deadline; not sent", attempted=False)
+        return self.inner.put(key, data, **kw)  # type: ignore[arg-type]
+
+
+class StoreWithDeadlines(MemoryStore):
+    def within(self, deadline: Deadline) -> _Bounded:  # type: ignore[override]
+        return _Bounded(self, deadline)
+
+
+def test_a_record_whose_deadline_has_passed_is_still_written_within_a_bound_of_its_own() -> None:
+    store = StoreWithDeadlines(uuid.uuid4().hex)
+    t0 = time.monotonic()
+    record = publish_leaving_until(store, "h2", until=time.time() - 3.0, deadline=time.time() - 3.0)
+    assert time.monotonic() - t0 < LATE_RECORD_S
+    assert read_leaving(store) == [record] and listed([record], time.time()) == ["h0", "h1"]
+
+
+def test_a_deadline_already_past_when_agreed_writes_the_record_and_leaves_at_once() -> None:
+    """A notice whose deadline has passed when the ranks agree on it (dated from a read long after it came):
+    the record is still written, so discovery drops the host; the VM leaves at once, its host looked for at
+    every step; and should it stay in the ring past its deadline and grace anyway, the departure that cannot
+    happen stops holding periodic saves off."""
+    t = {"wall": time.time()}
+    clocks = Clocks(wall=lambda: t["wall"])
+    group, impls, _ = make_ranks(leave="near_deadline", clocks=clocks, save_every_steps=2)
+    impls[2].watcher.notice = notice(-3.0, now=t["wall"])  # its deadline was 3 s ago
+    outcomes = step_all(group, impls, 1)
+    assert outcomes[2].leaving and outcomes[2].leave_at is None and all(o.departure_pending for o in outcomes)
+    published(impls)
+    [record] = read_leaving(impls[0].manager.store)
+    assert (record.host, record.leave_at) == ("h2", None)
+    assert listed([record], time.time()) == ["h0", "h1"]
+    assert events(impls[2], "leave_published")
+    later = step_all(group, impls, 2)
+    assert all(o.check_hosts for o in later)  # looked for at every step, as at the notice
+    assert not any(events(impl, "async_save") for impl in impls)  # the ring is about to re-form
+    t["wall"] += 3.0 + 60.0 + 1.0  # still in the ring past its deadline and the records' grace
+    step_all(group, impls, 3)
+    assert not any(impl.run.departure_pending for impl in impls)
+    step_all(group, impls, 4)
+    assert all(events(impl, "async_save") for impl in impls)
 
 
 # ------------------------------------------------------------------ the report
