@@ -28,8 +28,9 @@ objects' mtimes come from, not on this process's: a manager whose clock runs ahe
 otherwise take the files of another process's save in flight for abandoned.
 
 Several collectors may run on one store at once (every save's retention, ``gc()``): each
-tolerates what another one deleted meanwhile. Commits found to verify are remembered (by marker
-token), so a step is read back in full once, not at every pass.
+tolerates what another one deleted meanwhile. A commit is read back in full whenever a pass must
+know that it verifies (not the step a save just committed): a commit that verified once may be
+damaged since.
 """
 from __future__ import annotations
 
@@ -60,7 +61,6 @@ class StepCollector:
         # step -> (its marker's token, its files) when a pass found every file referenced: the
         # same files under the same commit need no second look at the manifest
         self._clean: dict[int, tuple[str, frozenset[str]]] = {}
-        self._verified: dict[tuple[int, str], bool] = {}  # (step, marker token) -> whether it verifies
 
     def now(self) -> float:
         """The time ages are measured against: the store's own unless a clock was given."""
@@ -146,11 +146,7 @@ class StepCollector:
             return True
         if marker is None:
             return False
-        known = self._verified.get((step, marker.token))
-        if known is None:
-            known = self._verify(step, marker)
-            self._verified[step, marker.token] = known
-        return known
+        return self._verify(step, marker)  # read again at every pass: data can be damaged at rest since
 
     def _verify(self, step: int, marker: CommitMarker) -> bool:
         with contextlib.ExitStack() as stack:

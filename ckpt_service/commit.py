@@ -49,6 +49,7 @@ from ckpt_service.deadline import Deadline
 from ckpt_service.errors import (
     CommitConflictError,
     CorruptCheckpointError,
+    LeaseLostError,
     OutOfOrderSaveError,
     PreconditionFailedError,
     SaveAbandonedError,
@@ -126,6 +127,11 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
         # the marker was never sent: whatever the fence's fate, the step is not committed
         raise SaveAbandonedError(f"step {step}: the manifest or the lease fence could not be written before the "
                                  f"deadline ({exc}); nothing was committed") from exc
+    if lease is not None and based_on is not None and based_on < (lease.acquired_generation or 0):
+        # begun under an earlier tenure of this holder (it released, another master may have committed,
+        # and it took the lease again): what this save knew of the store is stale
+        raise LeaseLostError(f"step {step}: this save began under lease fence {based_on}, before this holder took "
+                             f"the lease again (fence {lease.acquired_generation}); nothing was committed")
     if deadline is not None and deadline.expired(time.time()):
         raise SaveAbandonedError(f"step {step}: the deadline passed before the commit; nothing was committed")
     check(cancel, step, "before its commit marker was written")  # the last point a cancel can stop it

@@ -180,7 +180,8 @@ def check_marker_fields(marker: CommitMarker, where: str) -> None:
         ("token", isinstance(marker.token, str)),
         ("committed_at", isinstance(marker.committed_at, (int, float)) and not isinstance(marker.committed_at, bool)),
         ("fence", marker.fence is None or (integer(marker.fence) and marker.fence > 0)),
-        ("based_on", marker.based_on is None or (integer(marker.based_on) and marker.based_on >= 0)),
+        ("based_on", marker.based_on is None or (integer(marker.based_on) and 0 <= marker.based_on
+                                                  and (marker.fence is None or marker.based_on < marker.fence))),
         ("format_version", integer(marker.format_version)),
     ) if not ok]
     if problems:

@@ -433,7 +433,11 @@ class CheckpointReader:
         """Read every piece of ``step`` and check every checksum; never raises for corruption. A step
         re-committed or deleted while it is read raises CheckpointChangedError (read it again)."""
         before = self.store.stat(layout.commit_key(step))
-        report = self._verify(step)
+        try:
+            report = self._verify(step)
+        except NothingToRestoreError as exc:  # its marker went between the stat and the read
+            self._raise_if_changed(step, before, exc)
+            raise
         if not report.ok:
             self._raise_if_changed(step, before, CorruptCheckpointError("; ".join(report.problems)))
         return report

@@ -73,8 +73,9 @@ ClientCall = Callable[[RetryPolicy, float], _T]
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 #: project id used against an emulator (it accepts any), so no credential lookup happens
 EMULATOR_PROJECT = "test"
-#: reads of one object that must all fail their transfer checksum before it is called corrupt
-CORRUPT_READ_ATTEMPTS = 3
+#: reads of one object that must all fail their transfer checksum before it is called corrupt (the read,
+#: then up to three more)
+CORRUPT_READ_ATTEMPTS = 4
 #: upload_from_string switches from one multipart request to a resumable upload above this
 MULTIPART_LIMIT = 8 * 1024 * 1024
 
