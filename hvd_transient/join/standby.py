@@ -18,6 +18,13 @@ points of Horovod are hooked, so the script itself is unchanged:
   :func:`after_handoff` callbacks (``hvdt.elastic_state`` defers its rank-0 cold start to
   one: only then is the rank known), and goes on into Horovod's elastic wrapper, whose
   notification service and ``state.sync()`` need the real rendezvous.
+
+A VM under preemption notice is not offered to the job: it would join a ring only to leave it within
+its window, and the ring would pay a join and a departure for nothing. The standby watches for notices
+from its start (the job's own watcher, on the VM's metadata server). One seen before the warm-up ends
+means no ready record: the standby publishes the host as leaving instead (``hosts/leaving/<host>.json``,
+which discovery and the keeper read) and ends. One seen while it waits for a job publishes the same
+record; a job that still reaches it sees the notice in its own watcher and leaves at once.
 """
 from __future__ import annotations
 
@@ -27,21 +34,27 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from hvd_transient.join.launcher import run_script
+from hvd_transient.join.options import StandbyOptions
 from hvd_transient.join.warmup import RealHorovod, warm_up
 from hvd_transient.join.wire import recv_message, send_message
 
 if TYPE_CHECKING:
-    from hvd_transient.join.supervisor import StandbyOptions
+    from hvd_transient.core.interfaces import NoticeSource
+    from hvd_transient.watchers.base import Notice
 
 log = logging.getLogger(__name__)
 
 #: what the deferred Horovod answers before the handoff (``local_rank``: the standby's slot)
 ANSWERS: dict[str, Any] = {"size": 1, "local_size": 1, "cross_size": 1, "rank": 0, "cross_rank": 0,
                            "is_homogeneous": True}
+#: before it offers the host, the standby gives its watcher at least this long from its start to have
+#: read the metadata server (a read a second while it fails): a notice already there is seen first
+FIRST_LOOK_S = 2.0
 _FRAMEWORK_MODULES = ("horovod.tensorflow.mpi_ops", "horovod.torch.mpi_ops", "horovod.tensorflow.elastic",
                       "horovod.torch.elastic")
 
@@ -61,6 +74,8 @@ class _Standby:
         self.initialized = False  # the script has called hvd.init (deferred)
         self.callbacks: list[Callable[[], None]] = []
         self.started = time.monotonic()
+        self.watcher: NoticeSource | None = None  # this VM's notices, until the handoff
+        self.left = threading.Event()  # the host was published as leaving
 
 
 _STATE = _Standby()
@@ -79,9 +94,10 @@ def after_handoff(callback: Callable[[], None]) -> None:
         callback()
 
 
-def run(options: "StandbyOptions", ctl: socket.socket) -> None:
+def run(options: StandbyOptions, ctl: socket.socket) -> None:
     """Run the standby's script (in the worker forked by the supervisor)."""
     _STATE.pending, _STATE.options, _STATE.ctl = True, options, ctl
+    _STATE.watcher = _watch(options)
     # graphs are built as under horovodrun's elastic mode, which sets this for its workers
     os.environ.setdefault("HOROVOD_ELASTIC", "1")
     install_hooks(options.local_rank)
@@ -169,7 +185,13 @@ def _join(func: Callable[..., Any], reset: Callable[[], None], state: Any, args:
     assert options is not None and ctl is not None
     if options.warmup:
         warm_up(func, state, args, kwargs, _real_horovod)
+    notice = _notice_before_ready()
+    if notice is not None:
+        _publish_leaving(options, notice)
+        _stop_watching()
+        raise SystemExit(f"{options.host} is under preemption notice ({notice.reason}): not offered to the job")
     _publish_ready(options)
+    threading.Thread(target=_watch_while_waiting, args=(options,), name="hvdt-standby-notice", daemon=True).start()
     seconds = time.monotonic() - _STATE.started
     log.info("ready for a job after %.1fs", seconds)
     send_message(ctl, {"type": "ready", "seconds": seconds})
@@ -178,6 +200,7 @@ def _join(func: Callable[..., Any], reset: Callable[[], None], state: Any, args:
         raise SystemExit("the standby's supervisor went away before a job came")
     ctl.close()
     _STATE.ctl = None
+    _stop_watching()  # the job runs its own watcher
     _take_over(msg, fds)
     _STATE.pending = False
     with _as_first_init():
@@ -231,7 +254,7 @@ def _take_over(msg: dict[str, Any], fds: list[int]) -> None:
                 reconfigure(line_buffering=True)
 
 
-def _publish_ready(options: "StandbyOptions") -> None:
+def _publish_ready(options: StandbyOptions) -> None:
     if not options.store:
         log.warning("no run store (--store / HVDT_STORE): discovery will list %s only after its join timeout",
                     options.host)
@@ -247,6 +270,78 @@ def _publish_ready(options: "StandbyOptions") -> None:
             store.close()
     except Exception as exc:  # the join only waits longer (until the timeout): keep the standby
         log.warning("could not publish %s as ready in %s: %s", options.host, options.store, exc)
+
+
+# ---------------------------------------------------------------- notices before the job
+
+
+def _watch(options: StandbyOptions) -> "NoticeSource | None":
+    """Start this VM's notice watcher, as the job's protocol would configure it (never raises)."""
+    try:
+        from hvd_transient.core.config import TransientConfig
+        from hvd_transient.core.interfaces import configured_watcher
+
+        watcher = configured_watcher(TransientConfig(store=options.store or ""), options.host)
+        if watcher is not None:
+            watcher.start()
+        return watcher
+    except Exception as exc:  # without a watcher the standby is offered as before
+        log.warning("the standby of %s watches for no notice: %s", options.host, exc)
+        return None
+
+
+def _stop_watching() -> None:
+    watcher, _STATE.watcher = _STATE.watcher, None
+    if watcher is not None:
+        watcher.stop()
+
+
+def _notice_before_ready() -> "Notice | None":
+    """The notice this VM is under, if any, once the watcher had ``FIRST_LOOK_S`` to read."""
+    watcher = _STATE.watcher
+    if watcher is None:
+        return None
+    end = _STATE.started + FIRST_LOOK_S
+    while watcher.notice is None and time.monotonic() < end:
+        time.sleep(min(0.05, max(0.0, end - time.monotonic())))  # a watcher only says what it has read
+    return watcher.notice
+
+
+def _watch_while_waiting(options: StandbyOptions) -> None:
+    """A notice that comes while the standby waits for its job takes the host out of discovery."""
+    while _STATE.pending:
+        watcher = _STATE.watcher
+        notice = watcher.notice if watcher is not None else None
+        if notice is not None:
+            _publish_leaving(options, notice)
+            return
+        if _STATE.left.wait(0.2):
+            return
+
+
+def _publish_leaving(options: StandbyOptions, notice: "Notice") -> None:
+    """Publish this host as leaving until its notice's deadline (bounded; a failure is logged)."""
+    if _STATE.left.is_set():
+        return
+    _STATE.left.set()
+    log.warning("%s is under preemption notice (%s, deadline in %.1f s): it is not offered to the job",
+                options.host, notice.reason, notice.deadline - time.time())
+    if not options.store:
+        log.warning("no run store (--store / HVDT_STORE): %s cannot be published as leaving", options.host)
+        return
+    from ckpt_service.stores import open_store
+    from hvd_transient.core.membership import publish_leaving_until
+
+    watcher = _STATE.watcher
+    try:
+        store = open_store(options.store)
+        try:
+            publish_leaving_until(store, options.host, until=notice.deadline, deadline=notice.deadline,
+                                  instance_id=options.instance_id or (watcher.instance_id if watcher else None))
+        finally:
+            store.close()
+    except Exception as exc:  # discovery may then list the host; its job's watcher sees the notice
+        log.error("could not publish %s as leaving in %s: %s", options.host, options.store, exc)
 
 
 def _real_horovod() -> RealHorovod | None:

@@ -13,9 +13,9 @@ import os
 import selectors
 import signal
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 
+from hvd_transient.join.options import StandbyOptions
 from hvd_transient.join.signals import FORWARDED_SIGNALS, SignalWakeup
 from hvd_transient.join.user_dirs import ensure_dir, try_lock
 from hvd_transient.join.wire import (
@@ -25,36 +25,12 @@ from hvd_transient.join.wire import (
     ExitStatus,
     StandbyError,
     check_handoff,
-    command_key,
     recv_message,
     recv_or_closed,
     send_message,
-    socket_path,
-    standby_dir,
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StandbyOptions:
-    """What a standby runs and for which slot (``python -m hvd_transient.worker --standby``'s options)."""
-
-    script: str
-    args: tuple[str, ...]
-    host: str
-    local_rank: int = 0
-    directory: Path | None = None
-    store: str | None = None      # where to publish the host as ready (None: nowhere)
-    instance_id: str | None = None
-    warmup: bool = True           # trace the train step before offering the host
-
-    @property
-    def key(self) -> str:
-        return command_key(self.script, self.args, os.getcwd())
-
-    def socket_path(self) -> Path:
-        return socket_path(self.directory or standby_dir(os.environ), self.host, self.local_rank, self.key)
 
 
 def _lock(path: Path) -> int:

@@ -57,7 +57,8 @@ from typing import NoReturn, Sequence
 
 from hvd_transient.core.hostname import default_host
 from hvd_transient.join.launcher import launch
-from hvd_transient.join.supervisor import StandbyOptions, serve_standby
+from hvd_transient.join.options import StandbyOptions
+from hvd_transient.join.supervisor import serve_standby
 from hvd_transient.join.wire import StandbyError
 
 
