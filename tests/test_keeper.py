@@ -36,7 +36,7 @@ from hvd_transient.cluster.job_plan import (
     job_lost,
     job_started,
 )
-from hvd_transient.cluster.keeper import Keeper
+from hvd_transient.cluster.keeper import Keeper, under_notice_as_stopping
 from hvd_transient.cluster.keeper_actions import (
     ON_DEMAND_FALLBACK,
     RECREATE,
@@ -57,6 +57,7 @@ from hvd_transient.cluster.rest_plan import instance_body, worker_body
 from hvd_transient.cluster.spec import ClusterSpec, plan_instances
 from hvd_transient.cluster.vm_failures import ERROR, GONE, QUOTA, classify_failure
 from hvd_transient.cluster.worker_vms import Observation, WorkerVM
+from hvd_transient.core.membership import LeavingRecord
 from hvd_transient.discovery.ready import ReadyRecord
 from hvd_transient.gcp.compute_api import ComputeAPI
 from hvd_transient.gcp.instances import Incarnation
@@ -813,6 +814,40 @@ def test_with_standbys_a_launch_waits_for_their_ready_records_or_the_timeout(tmp
     assert len(rig.job.launches) == 1
     rig.step(100)  # 130 s after the boot: launched without them
     assert len(rig.job.launches) == 2
+
+
+def test_a_vm_under_notice_counts_as_going_down_from_its_leave_at() -> None:
+    """A RUNNING VM whose current incarnation published itself as leaving (its worker, or its standby that saw
+    a notice) is on its way down; before its record's leave_at it still trains, and a record of an earlier
+    incarnation, or one past its deadline and grace, is no longer about it."""
+    now = 1000.0
+    booted = Incarnation("id-a", now - 100)
+    workers = (WorkerVM("a", ZA, "RUNNING", True, booted), WorkerVM("b", ZA, "RUNNING", True),
+               WorkerVM("c", ZA, "TERMINATED", True), WorkerVM("d", ZA, "RUNNING", True, booted))
+    records = [LeavingRecord("a", published_at=now - 5, deadline=now + 25, instance_id="id-a"),
+               LeavingRecord("b", published_at=now - 5, deadline=now + 25, leave_at=now + 10),
+               LeavingRecord("c", published_at=now - 5, deadline=now + 25),
+               LeavingRecord("d", published_at=now - 200, deadline=now - 170)]  # before its boot
+    seen = under_notice_as_stopping(workers, records, now)
+    assert [w.status for w in seen] == ["STOPPING", "RUNNING", "TERMINATED", "RUNNING"]
+    assert [w.status for w in under_notice_as_stopping(workers, records, now + 10)][1] == "STOPPING"
+    assert under_notice_as_stopping(workers, records, now + 25 + 61) == workers
+
+
+def test_a_relaunch_does_not_take_a_vm_under_notice(tmp_path):
+    """A VM whose worker (or standby) published itself as leaving counts as going down: the job is not
+    launched on it, and it keeps no job alive."""
+    records: list[LeavingRecord] = []
+    rig = JobRig(tmp_path, min_workers=2)
+    rig.keeper.leaving = lambda: records
+    rig.keeper.reconcile()  # creates both workers and launches the job on them
+    assert rig.job.launches == [("exp-worker-0", "exp-worker-1")]
+    rig.job.exit(1)
+    records.append(LeavingRecord("exp-worker-1", published_at=rig.clock(), deadline=rig.clock() + 30))
+    rig.step(10)
+    assert len(rig.job.launches) == 1  # one worker is not enough
+    rig.step(100)  # its record is over: the VM it named is gone (and here runs again)
+    assert rig.job.launches[1:] == [("exp-worker-0", "exp-worker-1")]
 
 
 def test_keeper_gives_up_after_the_maximum_relaunches_and_its_loop_ends(tmp_path):

@@ -85,14 +85,15 @@ def keeper_for(args: argparse.Namespace, spec: ClusterSpec, fleet: Fleet, policy
         # with a store the workers publish themselves ready (their boot, or their standby): gate on it
         job = CommandJob(args.job, join_timeout_s=job_policy.await_ready_s, pidfile=pidfile,
                          stop_timeout_s=args.job_stop_timeout)
-    ready = None
+    ready = leaving = None
     if store is not None:
+        from hvd_transient.core.membership import read_leaving
         from hvd_transient.discovery.ready import read_ready
 
-        ready = partial(read_ready, store)
+        ready, leaving = partial(read_ready, store), partial(read_leaving, store)
     keeper = Keeper(fleet, policy, cluster=spec.name, instance_type=price_key(spec), events=events,
                     state_file=state_file, interval_s=args.interval, job=job, job_policy=job_policy,
-                    job_stop_timeout_s=args.job_stop_timeout, ready=ready)
+                    job_stop_timeout_s=args.job_stop_timeout, ready=ready, leaving=leaving)
     return keeper, lock
 
 

@@ -61,7 +61,8 @@ from hvd_transient.cluster.keeper_report import (
 from hvd_transient.cluster.keeper_state import KeeperPolicy, KeeperState, policy_for
 from hvd_transient.cluster.keeper_store import StateFile
 from hvd_transient.cluster.vm_failures import ERROR
-from hvd_transient.cluster.worker_vms import Observation
+from hvd_transient.cluster.worker_vms import Observation, WorkerVM
+from hvd_transient.core.membership import LeavingRecord, excluded
 from hvd_transient.discovery.ready import ReadyRecord
 from hvd_transient.telemetry.schema import EventBody, KeeperError, KeeperJob
 
@@ -69,6 +70,16 @@ if TYPE_CHECKING:
     from hvd_transient.telemetry.events import EventLog
 
 log = logging.getLogger(__name__)
+
+def under_notice_as_stopping(workers: Sequence[WorkerVM], records: Sequence[LeavingRecord],
+                             now: float) -> tuple[WorkerVM, ...]:
+    """``workers`` with each RUNNING VM that a current leaving record names (its VM under preemption
+    notice, or its standby that saw one) taken as STOPPING (pure): it is on its way down, so it is no
+    worker a launch may take and no worker that keeps a job alive, and it is started again, like any
+    preempted VM, once it has stopped."""
+    going = excluded(records, {w.name: w.incarnation for w in workers}, now)
+    return tuple(replace(w, status="STOPPING") if w.running and w.name in going else w for w in workers)
+
 
 # ---- the loop ---------------------------------------------------------------------------------------
 
@@ -106,6 +117,7 @@ class Keeper:
         job_policy: JobPolicy | None = None,
         job_stop_timeout_s: float = 30.0,
         ready: Callable[[], Sequence[ReadyRecord]] | None = None,
+        leaving: Callable[[], Sequence[LeavingRecord]] | None = None,
     ) -> None:
         self.fleet, self.policy = fleet, policy
         self.cluster, self.instance_type = cluster, instance_type
@@ -123,6 +135,7 @@ class Keeper:
         self.job_state = JobState()
         self.job_stop_timeout_s = job_stop_timeout_s
         self.ready = ready  # the standbys' ready records (the run store), for JobPolicy.await_ready_s
+        self.leaving = leaving  # the leaving records (the run store): VMs under notice count as going down
         self._last_cost_at: float | None = None
         self._last_wait = ""
         self._last_job_wait = ""
@@ -131,7 +144,17 @@ class Keeper:
     # ---- one pass ----------------------------------------------------------------------------
 
     def observe(self) -> Observation:
-        return Observation(self.clock(), self.fleet.observe())
+        now = self.clock()
+        return Observation(now, under_notice_as_stopping(self.fleet.observe(), self._leaving_records(), now))
+
+    def _leaving_records(self) -> Sequence[LeavingRecord]:
+        if self.leaving is None:
+            return ()
+        try:
+            return self.leaving()
+        except Exception as exc:  # the VMs are taken as the Compute API shows them
+            log.warning("could not read the leaving records: %s", exc)
+            return ()
 
     def preview(self) -> PassResult:
         """Look and plan; change nothing, record nothing (``--dry-run``)."""
