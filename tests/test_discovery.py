@@ -509,6 +509,28 @@ def test_discover_gates_a_new_vm_until_its_standby_is_ready(tmp_path, capsys, mo
     assert (code, out) == (2, "") and "needs --store" in err
 
 
+def test_discover_never_lists_a_new_vm_under_notice_ready_or_not(tmp_path, capsys):
+    """A standby that saw a notice publishes its host as leaving: past the join gate's timeout (when a VM with
+    no ready record is listed anyway), and with a ready record published before the notice came, the host
+    stays out until its record is over."""
+    import time as _time
+
+    from hvd_transient.core.membership import publish_leaving
+    from hvd_transient.discovery.ready import publish_ready
+
+    now = _time.time()
+    store_dir, state = tmp_path / "store", tmp_path / "hosts.json"
+    state.write_text(json.dumps({"hosts": [{"host": "localhost", "started_at": now - 100},
+                                           {"host": "127.0.1", "started_at": now - 5}]}))
+    gated = ["--backend", "local", "--state-file", str(state), "--store", str(store_dir),
+             "--standby-since", str(now - 50)]
+    publish_leaving(LocalStore(store_dir), "127.0.1", deadline=now + 25)
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n")
+    assert run(gated + ["--join-timeout", "4"], capsys)[:2] == (0, "localhost:1\n")  # past the gate's timeout
+    publish_ready(LocalStore(store_dir), "127.0.1")
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n")
+
+
 def test_discover_script_gates_through_the_environment(tmp_path):
     import time as _time
 
