@@ -206,8 +206,10 @@ def test_ready_command_publishes_the_record_discovery_reads(tmp_path, capsys):
     assert "w-1 is ready to join" in capsys.readouterr().err
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert cli_main(["ready", "--store", str(blocked / "run")]) == 1
-    assert "hvd-transient ready: error: could not publish" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # a store path below a file is refused as an argument
+        cli_main(["ready", "--store", str(blocked / "run")])
+    assert refused.value.code == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
 
 
 def test_label_items():
