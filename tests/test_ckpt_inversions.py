@@ -193,12 +193,12 @@ def test_fencing_holds_on_a_filesystem_with_one_second_timestamps(tmp_path: Path
 # ---- gc and retention that must not lose the good step ----------------------------------------------
 
 
-def test_gc_during_a_replay_keeps_the_replays_files(near_store: ObjectStore) -> None:
-    lease = Lease(near_store, "master")
+def test_gc_during_a_replay_keeps_the_replays_files(store: ObjectStore) -> None:
+    lease = Lease(store, "master")
     lease.acquire()
-    held = HoldFirst(near_store, is_marker)
+    held = HoldFirst(store, is_marker)
     with CheckpointManager(held, max_to_keep=None, abandoned_after_s=3600) as mgr, \
-            CheckpointManager(near_store, max_to_keep=None, abandoned_after_s=3600) as other, \
+            CheckpointManager(store, max_to_keep=None, abandoned_after_s=3600) as other, \
             ThreadPoolExecutor(1) as pool:
         for step in (100, 200):
             mgr.save(step, state(step), lease=lease)
