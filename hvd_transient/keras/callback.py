@@ -23,7 +23,13 @@ from hvd_transient.core.transient import StepOutcome, TransientConfig, Transient
 from hvd_transient.keras.autograph import skip_horovod_conversion
 from hvd_transient.keras.resume import ResumeAt
 from hvd_transient.keras.snapshot import FusedSnapshot
-from hvd_transient.keras.state import learning_rate_of, optimizer_variables, state_variables, weights_crc
+from hvd_transient.keras.state import (
+    learning_rate_of,
+    optimizer_step,
+    optimizer_variables,
+    state_variables,
+    weights_crc,
+)
 from hvd_transient.telemetry import schema as ev
 
 log = logging.getLogger(__name__)
@@ -49,7 +55,8 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
             work is kept (a notice to every host leaves at once). ``at_notice``: as soon as the
             emergency checkpoint is taken (what a static job, ``state=None``, always does: it
             is relaunched at the notice).
-        leave_lead_s: with ``near_deadline``, how long before its VM's deadline a worker leaves.
+        leave_lead_s: with ``near_deadline``, how long before its VM's deadline a worker leaves, beyond
+            one wait for a step boundary (the slowest step timed, or the check interval if longer).
             None (the default): measured. 10 s until this job timed a departure (Horovod's host
             check, about 1 s, the ring's reset, a few seconds on a loaded box, and a margin); then
             twice the slowest departure timed (its ``leave_at`` -> the survivors' new ring) plus 2 s,
@@ -101,7 +108,7 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
     # ---- helpers -----------------------------------------------------------------------
 
     def _step(self) -> int:
-        return int(self.model.optimizer.iterations.numpy())
+        return optimizer_step(self.model.optimizer)
 
     def _fused_snapshot(self) -> FusedSnapshot:
         """The share snapshotter of the model's current variables.
@@ -192,7 +199,14 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
             offset = int(getattr(self.state, "epoch", 0)) if self.state is not None else 0
             self.model._training_state = ResumeAt(step, offset, self._resumed)  # noqa: SLF001
 
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        # The step is timed from here: an evaluation or an epoch's end before it is no slow step.
+        if self.impl is not None:
+            self.impl.before_step()
+
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        # A plain step (no save, no notice round) costs the step's read, a few attribute reads and
+        # clock reads: no store call, no collective, no other TensorFlow op (tests/test_plain_step_counts.py).
         assert self.impl is not None
         step = self._step()
         advance = getattr(self.state, "hvdt_advance", None)
