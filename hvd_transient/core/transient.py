@@ -216,6 +216,13 @@ class TransientImpl:
 
     # ------------------------------------------------------------ step boundary
 
+    def before_step(self) -> None:
+        """Optional, as a training step begins: the step is timed from here, not from the previous
+        :meth:`after_step`. Time between steps (an evaluation, the end of an epoch, other work of the
+        script) is no step, and counted as one it would pin the check cadence at every step for the rest
+        of the ring (the slowest step seen bounds it). One clock read; nothing else."""
+        self.run.step_done_at = self.clocks.monotonic()
+
     def after_step(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
                    metadata: Callable[[], dict[str, Any]],
                    share_snapshot: ShareSnapshot | None = None, *, samples: int | None = None) -> StepOutcome:

@@ -23,6 +23,19 @@ from hvd_transient.keras.autograph import skip_horovod_conversion
 log = logging.getLogger(__name__)
 
 
+def optimizer_step(optimizer: Any) -> int:
+    """The optimizer's step (``iterations``), read by one TensorFlow op.
+
+    The callback reads it after every batch; ``iterations.numpy()`` runs two ops (a read and an
+    identity), about four times the cost of this single read on a CPU.
+    """
+    iterations = optimizer.iterations
+    handle = getattr(iterations, "handle", None)
+    if handle is None:  # not a resource variable: whatever this one offers
+        return int(iterations.numpy())
+    return int(tf.raw_ops.ReadVariableOp(resource=handle, dtype=iterations.dtype))
+
+
 def optimizer_variables(optimizer: Any) -> list[tf.Variable]:
     """The optimizer's variables, whether this Keras version offers them as a method or as a property."""
     variables = optimizer.variables
@@ -171,7 +184,7 @@ def _state_class(base: type) -> type:
         def save(self) -> None:
             cursor = getattr(self, "hvdt_cursor", None)
             if cursor is not None:
-                step = int(self.model.optimizer.iterations.numpy())
+                step = optimizer_step(self.model.optimizer)
                 if step >= cursor.step0:  # before it, the model was restored, and the offset with it
                     self.samples = cursor.samples_at(step)
             super().save()
