@@ -23,7 +23,13 @@ from hvd_transient.core.transient import StepOutcome, TransientConfig, Transient
 from hvd_transient.keras.autograph import skip_horovod_conversion
 from hvd_transient.keras.resume import ResumeAt
 from hvd_transient.keras.snapshot import FusedSnapshot
-from hvd_transient.keras.state import learning_rate_of, optimizer_variables, state_variables, weights_crc
+from hvd_transient.keras.state import (
+    learning_rate_of,
+    optimizer_step,
+    optimizer_variables,
+    state_variables,
+    weights_crc,
+)
 from hvd_transient.telemetry import schema as ev
 
 log = logging.getLogger(__name__)
@@ -102,7 +108,7 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
     # ---- helpers -----------------------------------------------------------------------
 
     def _step(self) -> int:
-        return int(self.model.optimizer.iterations.numpy())
+        return optimizer_step(self.model.optimizer)
 
     def _fused_snapshot(self) -> FusedSnapshot:
         """The share snapshotter of the model's current variables.
@@ -193,7 +199,14 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
             offset = int(getattr(self.state, "epoch", 0)) if self.state is not None else 0
             self.model._training_state = ResumeAt(step, offset, self._resumed)  # noqa: SLF001
 
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        # The step is timed from here: an evaluation or an epoch's end before it is no slow step.
+        if self.impl is not None:
+            self.impl.before_step()
+
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        # A plain step (no save, no notice round) costs the step's read, a few attribute reads and
+        # clock reads: no store call, no collective, no other TensorFlow op (tests/test_plain_step_counts.py).
         assert self.impl is not None
         step = self._step()
         advance = getattr(self.state, "hvdt_advance", None)
