@@ -57,3 +57,30 @@ def test_a_vm_under_notice_during_its_standbys_warm_up_is_not_admitted(tmp_path:
     assert all(r["size"] == 2 for r in of(events, "ring")), of(events, "ring")
     assert all(e["rolled_back"] == 0 for e in of(events, "reset"))
     assert not of(events, "notice")  # nobody in the ring was under notice
+
+
+def test_a_worker_that_starts_on_a_vm_already_under_notice_leaves_at_once(tmp_path: Path) -> None:
+    """The notice is there before the worker's watcher first reads: nothing says when it came, so its window may
+    be over already. The worker leaves at once (no emergency save can end by a deadline already past), its
+    record written all the same, rather than training through a second full window."""
+    store = str(tmp_path / "store")
+    hosts = ("localhost", "127.0.0.1")
+    c = cluster(tmp_path, "run", store, hosts, elastic_cmd(store, epochs=1000, save_every=100000, leave=None))
+    with c:
+        noticed_at = c.preempt("127.0.0.1", window_s=90, kill_at_deadline=False)  # before any worker runs
+        ring = c.wait_for(lambda ev: of(ev, "ring", size=1), 180, "the ring to shrink to 1")
+        c.wait_for_step(ring[0]["step"] + 5, 60, size=1)
+        c.request_stop()
+        assert c.wait(120) == 0, c.log_tail()
+        events = c.events()
+
+    (notice,) = of(events, "notice", host="127.0.0.1")
+    assert notice["deadline"] <= notice["detected_at"]  # dated from its first read: leave now
+    (published,) = of(events, "leave_published", host="127.0.0.1")
+    assert published.get("leave_at") is None and published["deadline"] < noticed_at + 90
+    [record] = [r for r in read_leaving(c.store) if r.host == "127.0.0.1"]
+    assert record.leave_at is None
+    (first,) = of(events, "ring", size=2, host="localhost")
+    assert ring[0]["t"] - first["t"] < 20  # at once, not near a deadline 90 s away
+    assert [e["leaving"] for e in of(events, "notice_agreed", host="localhost")] == [["127.0.0.1"]]
+    assert all(e["rolled_back"] == 0 for e in of(events, "reset"))

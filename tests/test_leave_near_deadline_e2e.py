@@ -1,7 +1,8 @@
 """End to end under real `horovodrun`: with the defaults (``leave="near_deadline"``, the lead measured) a worker
-under a 30 s notice checkpoints at the notice, trains on for about 20 s (the job's first departure: nothing timed
-yet, so the lead is 10 s), then leaves gracefully through discovery with nothing rolled back, and the run ends at
-exactly epochs x steps_per_epoch."""
+under a 30 s notice checkpoints at the notice, trains on for about 19 s (the job's first departure: nothing timed
+yet, so the lead is 10 s plus one wait for a step at which it can leave, the 1 s check interval at these fast
+steps), then leaves gracefully through discovery with nothing rolled back, and the run ends at exactly epochs x
+steps_per_epoch."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +16,8 @@ from hvd_transient.testing.local_cluster import of
 pytestmark = pytest.mark.horovod
 
 WINDOW_S, LEAD_S = 30.0, DEFAULT_LEAVE_LEAD_S
+#: the lead's wait for a step boundary: the check interval, or the slowest step if longer (a loaded box)
+BOUNDARY_WAIT_S = (1.0, 4.0)
 
 
 def test_a_worker_under_notice_trains_through_its_window_then_leaves_gracefully(tmp_path: Path) -> None:
@@ -41,13 +44,16 @@ def test_a_worker_under_notice_trains_through_its_window_then_leaves_gracefully(
     # the record was published at once, to take effect near the deadline
     (published,) = of(events, "leave_published")
     assert published["host"] == worker and published["t"] < noticed_at + 5
-    assert published["leave_at"] == pytest.approx(published["deadline"] - LEAD_S, abs=0.01)
+    lead = published["deadline"] - published["leave_at"]
+    assert LEAD_S + BOUNDARY_WAIT_S[0] - 0.01 <= lead <= LEAD_S + BOUNDARY_WAIT_S[1], lead
     assert published["deadline"] == pytest.approx(noticed_at + WINDOW_S, abs=2)
     # the worker kept stepping in the ring of 2 until about leave_at, and was gone before its deadline
     worker_steps = [e for e in events if e["host"] == worker and e["event"] in ("progress", "first_step")]
     last = max(worker_steps, key=lambda e: e["t"])
     assert last["t"] > published["leave_at"] - 3, f"the worker stopped {published['leave_at'] - last['t']:.1f} s early"
-    assert last["t"] - noticed_at > WINDOW_S - LEAD_S - 3
+    # (progress is logged every 10 steps, and the deadline is dated from the watcher's last clear read, up to
+    # a poll before the notice)
+    assert last["t"] - noticed_at > WINDOW_S - lead - 5
     assert all(e["size"] == 2 for e in worker_steps)
     # it left gracefully: the survivor reset after leave_at with nothing rolled back, well before the deadline
     rings = of(events, "ring", host=master)

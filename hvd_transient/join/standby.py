@@ -79,6 +79,7 @@ class _Standby:
 
 
 _STATE = _Standby()
+_LEAVING_LOCK = threading.Lock()
 
 
 def pending() -> bool:
@@ -98,6 +99,9 @@ def run(options: StandbyOptions, ctl: socket.socket) -> None:
     """Run the standby's script (in the worker forked by the supervisor)."""
     _STATE.pending, _STATE.options, _STATE.ctl = True, options, ctl
     _STATE.watcher = _watch(options)
+    # a notice during the warm-up must take the host out of discovery at once: the join gate lists a VM
+    # with no ready record anyway once its timeout has passed, and a warm-up on a busy VM can outlast it
+    threading.Thread(target=_watch_until_handoff, args=(options,), name="hvdt-standby-notice", daemon=True).start()
     # graphs are built as under horovodrun's elastic mode, which sets this for its workers
     os.environ.setdefault("HOROVOD_ELASTIC", "1")
     install_hooks(options.local_rank)
@@ -191,7 +195,6 @@ def _join(func: Callable[..., Any], reset: Callable[[], None], state: Any, args:
         _stop_watching()
         raise SystemExit(f"{options.host} is under preemption notice ({notice.reason}): not offered to the job")
     _publish_ready(options)
-    threading.Thread(target=_watch_while_waiting, args=(options,), name="hvdt-standby-notice", daemon=True).start()
     seconds = time.monotonic() - _STATE.started
     log.info("ready for a job after %.1fs", seconds)
     send_message(ctl, {"type": "ready", "seconds": seconds})
@@ -307,8 +310,9 @@ def _notice_before_ready() -> "Notice | None":
     return watcher.notice
 
 
-def _watch_while_waiting(options: StandbyOptions) -> None:
-    """A notice that comes while the standby waits for its job takes the host out of discovery."""
+def _watch_until_handoff(options: StandbyOptions) -> None:
+    """A notice that comes before the standby has its job (during the warm-up, or while it waits)
+    takes the host out of discovery."""
     while _STATE.pending:
         watcher = _STATE.watcher
         notice = watcher.notice if watcher is not None else None
@@ -320,28 +324,30 @@ def _watch_while_waiting(options: StandbyOptions) -> None:
 
 
 def _publish_leaving(options: StandbyOptions, notice: "Notice") -> None:
-    """Publish this host as leaving until its notice's deadline (bounded; a failure is logged)."""
-    if _STATE.left.is_set():
-        return
-    _STATE.left.set()
-    log.warning("%s is under preemption notice (%s, deadline in %.1f s): it is not offered to the job",
-                options.host, notice.reason, notice.deadline - time.time())
-    if not options.store:
-        log.warning("no run store (--store / HVDT_STORE): %s cannot be published as leaving", options.host)
-        return
-    from ckpt_service.stores import open_store
-    from hvd_transient.core.membership import publish_leaving_until
+    """Publish this host as leaving until its notice's deadline (bounded; a failure is logged), once: a
+    second caller waits for the first one's write, so the standby never ends while it is under way."""
+    with _LEAVING_LOCK:
+        if _STATE.left.is_set():
+            return
+        _STATE.left.set()
+        log.warning("%s is under preemption notice (%s, deadline in %.1f s): it is not offered to the job",
+                    options.host, notice.reason, notice.deadline - time.time())
+        if not options.store:
+            log.warning("no run store (--store / HVDT_STORE): %s cannot be published as leaving", options.host)
+            return
+        from ckpt_service.stores import open_store
+        from hvd_transient.core.membership import publish_leaving_until
 
-    watcher = _STATE.watcher
-    try:
-        store = open_store(options.store)
+        watcher = _STATE.watcher
         try:
-            publish_leaving_until(store, options.host, until=notice.deadline, deadline=notice.deadline,
-                                  instance_id=options.instance_id or (watcher.instance_id if watcher else None))
-        finally:
-            store.close()
-    except Exception as exc:  # discovery may then list the host; its job's watcher sees the notice
-        log.error("could not publish %s as leaving in %s: %s", options.host, options.store, exc)
+            store = open_store(options.store)
+            try:
+                publish_leaving_until(store, options.host, until=notice.deadline, deadline=notice.deadline,
+                                      instance_id=options.instance_id or (watcher.instance_id if watcher else None))
+            finally:
+                store.close()
+        except Exception as exc:  # discovery may then list the host; its job's watcher sees the notice
+            log.error("could not publish %s as leaving in %s: %s", options.host, options.store, exc)
 
 
 def _real_horovod() -> RealHorovod | None:
