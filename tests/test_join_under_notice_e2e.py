@@ -16,7 +16,7 @@ from hvd_transient.testing.local_cluster import of
 
 pytestmark = pytest.mark.horovod
 
-JOIN_TIMEOUT_S = 12.0
+JOIN_TIMEOUT_S = 15.0
 
 
 def _log_says(path: Path, text: str, timeout: float, what: str) -> None:
