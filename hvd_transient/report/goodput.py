@@ -12,8 +12,17 @@
   step), joins (the survivors' stall), relaunches (the cluster was down until the first step of a new
   launch), rolled-back steps (at the ring's rate); outside those spans, a ring smaller than the VMs
   available, split into the rest of a notice window the leaving VM did not train through and VMs up but
-  not (yet) in the ring (boot, standby, a fixed ring after a relaunch); and the remainder (steps slower
-  than calibrated, checkpoints).
+  not (yet) in the ring (boot, standby, a fixed ring after a relaunch). The rest is split too: steady steps
+  slower than the calibration's (the machine's load, or a per-step cost: the variant's **step-time ratio**);
+  checkpoint stalls (the save events' blocked seconds); steps slower than the ring's steady pace under a
+  notice (notice rounds, host checks) and elsewhere (warm-up after a ring change); and what none of these
+  explains.
+* **Same machine state.** A loaded machine slows every step of the run it lands on. Each ring's **steady
+  pace** is the median rate of its progress intervals after ``warmup_steps`` (outside preemption, join and
+  notice spans); its step time over the calibration's for the same size is its step-time ratio
+  (:func:`ring_paces`), and the variant's ratio is their median weighted by seconds. **Goodput at its own
+  pace** uses an ideal of r(k) / that ratio: every variant is judged against the machine it ran on, and
+  its losses are those of its protocol; the ratio says what the machine (or a per-step cost) took.
 * **Cost** per million useful samples: the VMs the trace had running are paid at spot prices whatever the
   job did with them; on demand, the same samples come from a ring of the largest size at its full rate.
 """
@@ -21,10 +30,15 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from hvd_transient.report.run_analysis import RunAnalysis
+from hvd_transient.report.records import of as _of
+from hvd_transient.report.run_analysis import ProgressPoint, RunAnalysis
+from hvd_transient.report.saves import BLOCKING_SAVE_KINDS
+from hvd_transient.telemetry import schema as ev
+from hvd_transient.telemetry.parsing import parse_log
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +152,20 @@ def steps_redone(run: RunAnalysis, until: float) -> int:
     return total
 
 
+#: the lost-time phases that are not spans of events (see the module's docstring)
+SLOWER_STEADY = "steady steps slower than calibration (machine load, per-step cost)"
+CHECKPOINT_STALLS = "checkpoint stalls (save events)"
+SLOWER_UNDER_NOTICE = "steps slower under a notice (notice rounds, host checks)"
+OFF_PACE = "steps off the ring's steady pace (warm-up after a change)"
+REMAINDER = "remainder (not attributed)"
+
+
 def lost_phases(run: RunAnalysis, t0: float, t_end: float, lost_s: float, *,
-                gaps_s: tuple[float, float] = (0.0, 0.0)) -> dict[str, float]:
+                gaps_s: tuple[float, float] = (0.0, 0.0), pace_s: Mapping[str, float] | None = None
+                ) -> dict[str, float]:
     """Seconds of the window lost to each cause (see the module's docstring); ``lost_s`` the total,
-    ``gaps_s`` the :func:`capacity_gap` in seconds."""
+    ``gaps_s`` the :func:`capacity_gap` in seconds, ``pace_s`` the losses to a slower pace by name
+    (:func:`pace_losses`); what none of them names is the signed remainder."""
     inside = [p for p in run.preemptions if t0 <= p.departed_at <= t_end]
     # a wave's departures, and several VMs joining one ring, share one span: each second counts once
     preempt = _union_s([(p.departed_at, min(p.resumed_at, t_end)) for p in inside
@@ -161,8 +185,128 @@ def lost_phases(run: RunAnalysis, t0: float, t_end: float, lost_s: float, *,
     named = {"preemptions (departure -> next step)": preempt, "joins (survivors' stall)": joins,
              "relaunches (down -> first step)": relaunch, "rolled-back steps": rolled,
              "left before the VM was gone (notice window unused)": gaps_s[0],
-             "VMs up but not in the ring (boot, joining, fixed ring)": gaps_s[1]}
-    return {**named, "other (slower steps, checkpoints)": max(0.0, lost_s - sum(named.values()))}
+             "VMs up but not in the ring (boot, joining, fixed ring)": gaps_s[1], **(pace_s or {})}
+    return {**named, REMAINDER: lost_s - sum(named.values())}
+
+
+# ------------------------------------------------------------------------------- pace: the same machine state
+
+@dataclass(frozen=True)
+class RingPace:
+    """One ring's steady pace: the median rate of its progress intervals after its warm-up."""
+
+    at_s: float              # the ring's start, seconds into the window
+    size: int
+    steady_s: float          # seconds of progress intervals measured
+    steps_per_s: float       # their median rate
+    ratio: float | None      # its step time over the calibration's for its size (> 1: slower); None: uncalibrated
+
+
+def _intervals(run: RunAnalysis, t0: float, t_end: float, skip: Sequence[tuple[float, float]]
+               ) -> list[tuple[ProgressPoint, ProgressPoint, int]]:
+    """Consecutive progress points of one ring (and its size) inside the window, clear of the ``skip`` spans."""
+    points = [p for p in run.progress if t0 <= p.t <= t_end]
+    out = []
+    for p, q in zip(points, points[1:]):
+        if p.size is None or p.size != q.size or q.step <= p.step or q.t <= p.t:
+            continue
+        ring = run.ring_at(p.t)
+        if ring is None or ring is not run.ring_at(q.t) or ring.size != p.size:
+            continue
+        if not any(a < q.t and p.t < b for a, b in skip):
+            out.append((p, q, ring.size))
+    return out
+
+
+def ring_paces(run: RunAnalysis, *, t0: float, duration_s: float, rates: Mapping[int, float], batch_size: int,
+               warmup_steps: int = 20, skip: Sequence[tuple[float, float]] = (), min_intervals: int = 3
+               ) -> tuple[RingPace, ...]:
+    """Each ring's steady pace: progress intervals from ``warmup_steps`` after its start step, clear of
+    ``skip`` (epoch-second spans: preemptions, joins, notices), at least ``min_intervals`` of them."""
+    by_ring: dict[float, list[tuple[float, float]]] = {}
+    sizes: dict[float, int] = {}
+    for p, q, size in _intervals(run, t0, t0 + duration_s, skip):
+        ring = run.ring_at(p.t)
+        if ring is None or p.step < ring.step + warmup_steps:
+            continue
+        by_ring.setdefault(ring.started_at, []).append((q.t - p.t, (q.step - p.step) / (q.t - p.t)))
+        sizes[ring.started_at] = size
+    paces = []
+    for start, spans in sorted(by_ring.items()):
+        if len(spans) < min_intervals:
+            continue
+        size, steps_per_s = sizes[start], statistics.median(r for _, r in spans)
+        calibrated = rates.get(size)
+        ratio = calibrated / (size * batch_size) / steps_per_s if calibrated and steps_per_s > 0 else None
+        paces.append(RingPace(round(start - t0, 3), size, sum(s for s, _ in spans), steps_per_s, ratio))
+    return tuple(paces)
+
+
+def step_time_ratio(paces: Iterable[RingPace]) -> float | None:
+    """The rings' step-time ratios' median, weighted by their steady seconds; None when none was measured."""
+    weighted = sorted((p.ratio, p.steady_s) for p in paces if p.ratio is not None and p.steady_s > 0)
+    total = sum(w for _, w in weighted)
+    reach = 0.0
+    for ratio, w in weighted:
+        reach += w
+        if reach >= total / 2:
+            return ratio
+    return None
+
+
+def ratio_by_size(paces: Iterable[RingPace]) -> dict[int, float]:
+    """Ring size -> the step-time ratio of its rings (weighted median), largest size first."""
+    by: dict[int, list[RingPace]] = {}
+    for p in paces:
+        by.setdefault(p.size, []).append(p)
+    out = {k: step_time_ratio(v) for k, v in sorted(by.items(), reverse=True)}
+    return {k: r for k, r in out.items() if r is not None}
+
+
+def save_stalls(events: Iterable[Any]) -> list[tuple[float, float]]:
+    """(when, seconds) training waited for each checkpoint, from a run's save events: an async save's stall,
+    a blocking save's seconds; the longest any rank waited (a ring steps at its slowest rank's pace)."""
+    records = parse_log(events).records
+    worst: dict[tuple[str, int, str], tuple[float, float]] = {}
+
+    def note(run_key: str, step: int, kind: str, t: float, seconds: float) -> None:
+        k = (run_key, step, kind)
+        if seconds > worst.get(k, (t, -1.0))[1]:
+            worst[k] = (t, seconds)
+
+    for a in _of(records, ev.AsyncSave):
+        note("async", a.body.step, a.body.kind or "periodic", a.t, a.body.stall_ms / 1e3)
+    for e in _of(records, ev.SaveEnd):
+        if e.body.kind in BLOCKING_SAVE_KINDS:
+            note("blocking", e.body.step, e.body.kind, e.t, e.body.seconds)
+    return sorted(worst.values())
+
+
+def pace_losses(run: RunAnalysis, *, t0: float, duration_s: float, rates: Mapping[int, float], batch_size: int,
+                excluded: Sequence[tuple[float, float]], notice_spans: Sequence[tuple[float, float]],
+                stalls: Sequence[tuple[float, float]] = ()) -> dict[str, float]:
+    """Samples each ring trained below ``rates`` (its expected pace) over its progress intervals clear of
+    ``excluded``: a checkpoint stall (``stalls``, :func:`save_stalls`) costs its seconds at the ring's rate;
+    the rest of an interval's shortfall counts under a notice (``notice_spans``) or elsewhere. Signed:
+    steps faster than the pace give back."""
+    out = {CHECKPOINT_STALLS: 0.0, SLOWER_UNDER_NOTICE: 0.0, OFF_PACE: 0.0}
+    for p, q, size in _intervals(run, t0, t0 + duration_s, excluded):
+        rate = rates.get(size)
+        if not rate:
+            continue
+        dt = q.t - p.t
+        stalled = min(dt, sum(s for t, s in stalls if p.t < t <= q.t))
+        shortfall = rate * dt - (q.step - p.step) * size * batch_size - rate * stalled
+        mid = (p.t + q.t) / 2
+        out[CHECKPOINT_STALLS] += rate * stalled
+        out[SLOWER_UNDER_NOTICE if any(a <= mid < b for a, b in notice_spans) else OFF_PACE] += shortfall
+    return out
+
+
+def _notice_spans(run: RunAnalysis, t0: float, t_end: float) -> list[tuple[float, float]]:
+    """Notice -> departure of each VM that left with notice in the window (epoch seconds)."""
+    return [(p.notice_at, p.departed_at) for p in run.preemptions
+            if p.notice and p.notice_at is not None and t0 <= p.departed_at <= t_end]
 
 
 def _union_s(spans: Sequence[tuple[float, float]]) -> float:
@@ -206,30 +350,85 @@ class Goodput:
     steps_redone: int = 0  # every step trained twice, relaunches included (:func:`steps_redone`)
     #: each departure's lead before its VM's deadline, in order (near_deadline; None: it left at once)
     leave_leads_s: tuple[float | None, ...] = ()
+    ring_paces: tuple[RingPace, ...] = ()
+    #: the run's steady step time over the calibration's (:func:`step_time_ratio`); None: not measured
+    step_time_ratio: float | None = None
 
     @property
     def goodput(self) -> float:
+        """Against the calibration's r(k)."""
         return self.useful_samples / self.ideal_samples if self.ideal_samples > 0 else 0.0
+
+    @property
+    def goodput_own_pace(self) -> float:
+        """Against r(k) at the run's own steady pace: the same machine state (the calibration's without a ratio)."""
+        return self.goodput * (self.step_time_ratio or 1.0)
 
 
 def goodput(variant: str, run: RunAnalysis, *, t0: float, duration_s: float, availability: Availability,
             rates: Mapping[int, float], batch_size: int, final: int | None = None,
-            notice_windows: Sequence[tuple[float, float]] = ()) -> Goodput:
+            notice_windows: Sequence[tuple[float, float]] = (), stalls: Sequence[tuple[float, float]] = (),
+            warmup_steps: int = 20) -> Goodput:
     """The figures of one variant's run whose window started at ``t0`` (epoch seconds); ``notice_windows``:
-    (notice, VM gone) in seconds of the window, for the lost-time split."""
+    (notice, VM gone) in seconds of the window, for the lost-time split; ``stalls``: :func:`save_stalls`."""
+    t_end = t0 + duration_s
     ideal = ideal_samples(availability, rates, duration_s)
     step = final_step(run) if final is None else final
     useful = useful_samples(run, batch_size, step)
     mean_rate = ideal / duration_s if duration_s > 0 else 0.0
     lost = (ideal - useful) / mean_rate if mean_rate > 0 else 0.0
-    inside = [p for p in run.preemptions if t0 <= p.departed_at <= t0 + duration_s]
+    inside = [p for p in run.preemptions if t0 <= p.departed_at <= t_end]
+    excluded = _excluded_spans(run, t0, t_end)
     in_window, elsewhere = capacity_gap(run, t0=t0, duration_s=duration_s, availability=availability, rates=rates,
-                                        notice_windows=notice_windows,
-                                        excluded=_excluded_spans(run, t0, t0 + duration_s))
+                                        notice_windows=notice_windows, excluded=excluded)
     gaps = (in_window / mean_rate, elsewhere / mean_rate) if mean_rate > 0 else (0.0, 0.0)
+    notices = _notice_spans(run, t0, t_end)
+    paces = ring_paces(run, t0=t0, duration_s=duration_s, rates=rates, batch_size=batch_size,
+                       warmup_steps=warmup_steps, skip=[*excluded, *notices])
+    ratio = step_time_ratio(paces)
+    pace_s: dict[str, float] = {}
+    if mean_rate > 0:
+        own = {k: r / (ratio or 1.0) for k, r in rates.items()}  # the run's own pace
+        own_mean = mean_rate / (ratio or 1.0)
+        samples = pace_losses(run, t0=t0, duration_s=duration_s, rates=own, batch_size=batch_size,
+                              excluded=excluded, notice_spans=notices, stalls=stalls)
+        # the time trained, at the ratio's slower steps: the calibration's loss less the loss at its own pace
+        pace_s[SLOWER_STEADY] = duration_s * useful / ideal * ((ratio or 1.0) - 1.0)
+        pace_s |= {k: v / own_mean for k, v in samples.items()}
     return Goodput(variant, useful, ideal, step, max((p.steps_rolled_back for p in inside), default=0),
-                   len(inside), lost_phases(run, t0, t0 + duration_s, max(0.0, lost), gaps_s=gaps),
-                   steps_redone(run, t0 + duration_s), tuple(p.leave_lead_s for p in inside))
+                   len(inside), lost_phases(run, t0, t_end, max(0.0, lost), gaps_s=gaps, pace_s=pace_s),
+                   steps_redone(run, t_end), tuple(p.leave_lead_s for p in inside), paces, ratio)
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """The machine over one sampling interval: the 1-minute load average at its end, and the cores busy in it
+    (``/proc/stat``): all of them, and those of the benchmark's own processes."""
+
+    t: float
+    load_1m: float
+    busy_cores: float
+    own_cores: float
+
+
+@dataclass(frozen=True)
+class LoadSummary:
+    """Medians of a variant's :class:`LoadSample` s: what the machine gave it."""
+
+    samples: int
+    load_1m: float
+    load_1m_max: float
+    busy_cores: float
+    others_cores: float  # cores busy with processes not the benchmark's: the machine's own load
+
+
+def load_summary(samples: Sequence[LoadSample]) -> LoadSummary | None:
+    if not samples:
+        return None
+    med = statistics.median
+    return LoadSummary(len(samples), med(s.load_1m for s in samples), max(s.load_1m for s in samples),
+                       med(s.busy_cores for s in samples),
+                       med(max(0.0, s.busy_cores - s.own_cores) for s in samples))
 
 
 def cost_per_m_samples(useful: int, availability: Availability, duration_s: float,
@@ -292,6 +491,8 @@ def plot_goodput_timeline(path: str | os.PathLike[str], run: RunAnalysis, *, t0:
     return top, bottom
 
 
-__all__ = ["Goodput", "Segment", "capacity_gap", "cost_per_m_samples", "final_step", "goodput", "ideal_samples",
-           "lineage", "lost_phases", "on_demand_cost_per_m_samples", "plot_goodput_timeline", "ring_size_at",
-           "steps_redone", "useful_samples", "vm_seconds"]
+__all__ = ["CHECKPOINT_STALLS", "Goodput", "LoadSample", "LoadSummary", "OFF_PACE", "REMAINDER", "RingPace",
+           "SLOWER_STEADY", "SLOWER_UNDER_NOTICE", "Segment", "capacity_gap", "cost_per_m_samples", "final_step",
+           "goodput", "ideal_samples", "lineage", "load_summary", "lost_phases", "on_demand_cost_per_m_samples",
+           "pace_losses", "plot_goodput_timeline", "ratio_by_size", "ring_paces", "ring_size_at", "save_stalls",
+           "step_time_ratio", "steps_redone", "useful_samples", "vm_seconds"]
