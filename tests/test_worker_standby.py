@@ -347,6 +347,43 @@ def test_local_cluster_in_standby_mode_runs_the_job_through_the_launcher(tmp_pat
         LocalCluster(LocalClusterSpec(**{**spec.__dict__, "elastic": False}))
 
 
+def test_a_standby_under_notice_publishes_its_host_as_leaving_and_not_as_ready(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpt_service.stores import LocalStore
+    from hvd_transient.core.membership import read_leaving
+    from hvd_transient.discovery.ready import read_ready
+    from hvd_transient.join.options import StandbyOptions
+    from hvd_transient.watchers.base import Notice
+
+    now = time.time()
+    notice = Notice(source="gce", instance="127.0.1", detected_at=now, deadline=now + 28.0, reason="preempted")
+
+    class Watcher:
+        instance_id = "id-7"
+
+        def __init__(self) -> None:
+            self.notice: Notice | None = None
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(standby, "_STATE", standby._Standby())  # noqa: SLF001
+    state = standby._STATE  # noqa: SLF001
+    state.pending, state.watcher = True, Watcher()
+    options = StandbyOptions(script="train.py", args=(), host="127.0.1", store=str(tmp_path / "store"))
+    watching = threading.Thread(target=standby._watch_until_handoff, args=(options,))  # noqa: SLF001
+    watching.start()
+    state.watcher.notice = notice  # during the warm-up
+    watching.join(10)
+    assert not watching.is_alive()
+    assert standby._notice_before_ready() is notice  # noqa: SLF001 - so no ready record follows
+    standby._publish_leaving(options, notice)  # noqa: SLF001 - once only
+    store = LocalStore(str(tmp_path / "store"))
+    [record] = read_leaving(store)
+    assert (record.host, record.deadline, record.leave_at, record.instance_id) == ("127.0.1", now + 28.0, None, "id-7")
+    assert read_ready(store) == []
+
+
 # ---- a standby's deferred cold start (real TensorFlow and a one-process Horovod) -----------------
 
 
