@@ -25,7 +25,7 @@ PROG = "hvd-transient bench"
 
 #: what ``bench all`` runs, in this order (names as typed on the command line)
 BENCHES: tuple[str, ...] = ("ckpt-io", "ckpt-overhead", "commit-scaling", "emergency-save", "preemption-cost",
-                            "restore", "goodput")
+                            "restore", "scale", "goodput")
 
 
 class BenchNotFoundError(LookupError):
