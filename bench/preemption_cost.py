@@ -27,6 +27,7 @@ HOSTS = ("localhost", "127.0.0.1", "127.0.1")
 VARIANTS, SCENARIOS = ("ours", "baseline"), ("worker", "master", "join")
 LABELS = {"ours": "hvd-transient", "baseline": "plain Horovod elastic"}
 RESUME_GOAL_MS = 1000.0
+RESUME_MARGIN_STEPS = 40  # step T comes at least this many steps after the survivors' resume
 BASE_LR, START_TIMEOUT_S, RESUME_TIMEOUT_S = 0.01, 600.0, 300.0
 #: phases of a departure, in order, each ending at its mark: Preemption.marks plus the notice given
 #: (``given``) and the survivors' last step on the old ring (``last_step``, from their resets)
@@ -98,10 +99,47 @@ class RunRecord:
     ready_at: float | None = None   # join, ours: the new VM's standby published itself ready
 
 
-def choose_total_steps(cfg: Config, rate: float) -> int:
-    """A step T well after the baseline's resume: warm-up + 1.5 windows at the 3-worker rate + 40, in epochs."""
-    steps = cfg.warmup_steps + math.ceil(1.5 * rate * cfg.window_s) + 40
+class LateResume(Exception):
+    """The survivors resumed at or after the step T an earlier run chose: this run cannot be compared."""
+
+
+def whole_epochs(steps: float, cfg: Config) -> int:
     return math.ceil(steps / cfg.steps_per_epoch) * cfg.steps_per_epoch
+
+
+def step_at(events: Sequence[Event], when: float, rate: float) -> float:
+    """The job's step at ``when``: the latest step its log reported by then, carried on at ``rate``.
+
+    The bench reads the log late (through a slow store, by seconds: each of its reads lists and reads
+    every segment), so the job is past the warm-up when the notice comes, by as much as that lag.
+    """
+    t, step = max((e["t"], e["step"]) for e in events if e.get("event") in ("progress", "first_step")
+                  and e["t"] <= when)
+    return float(step) + max(0.0, when - float(t)) * rate
+
+
+def choose_total_steps(cfg: Config, rate: float, notice_step: float) -> int:
+    """Step T, from the plan: well after the survivors' resume, in whole epochs.
+
+    The ring, the target included, trains on after the notice until the target leaves: at once
+    (``at_notice``), at its ``leave_at`` (the deadline less the lead), or at the deadline at the latest,
+    where the emulator kills it (the baseline's case). So the survivors resume by about ``notice_step`` +
+    one window at the 3-worker rate; half a window and ``RESUME_MARGIN_STEPS`` more cover the reset
+    and a changing rate.
+    """
+    return whole_epochs(notice_step + math.ceil(1.5 * rate * cfg.window_s) + RESUME_MARGIN_STEPS, cfg)
+
+
+def settle_total_steps(total: int, resumed_step: int, cfg: Config, *, chosen_here: bool) -> int:
+    """Step T once the survivors resumed at ``resumed_step``: a T this run chose is moved past the resume
+    (the run goes on until then, so the defaults always finish); a fixed one must already be past it."""
+    if resumed_step < total:
+        return total
+    if chosen_here:
+        return whole_epochs(resumed_step + RESUME_MARGIN_STEPS, cfg)
+    if cfg.total_steps is not None:
+        raise bc.BenchError(f"the survivors resumed at or after step T={total}; raise --total-steps")
+    raise LateResume(f"the survivors resumed at step {resumed_step}, at or after step T={total} of the first run")
 
 
 def pick_target(scenario: str, master: str) -> str:
@@ -123,7 +161,8 @@ def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
     ready_at = None
     with LocalCluster(spec) as cluster:
         cluster.wait_for_step(cfg.warmup_steps, START_TIMEOUT_S, size=len(hosts))
-        ring = analyze(cluster.events()).rings[-1]
+        before = cluster.events()
+        ring = analyze(before).rings[-1]
         master = ring.master_host  # checkpoint master / Horovod's rank 0
         total, killed_at, exit_code = plan.total_steps, None, None
         if plan.scenario == "join":
@@ -135,18 +174,21 @@ def run_one(plan: RunPlan, cfg: Config) -> RunRecord:
                 from hvd_transient.discovery.ready import read_ready
                 ready_at = next((r.ready_at for r in read_ready(cluster.store) if r.host == target), None)
         else:
-            if total is None:
-                if (rate := ring.steps_per_s) is None:
-                    raise bc.BenchError(f"{plan.store}: no step rate before the preemption; give --total-steps")
-                total = choose_total_steps(cfg, rate)
-                log.info("step T = %d (%.1f steps/s on 3 workers)", total, rate)
+            chosen_here, rate = total is None, ring.steps_per_s
+            if chosen_here and rate is None:
+                raise bc.BenchError(f"{plan.store}: no step rate before the preemption; give --total-steps")
             target = pick_target(plan.scenario, master)
             notice_at = cluster.preempt(target, window_s=cfg.window_s, kill_at_deadline=True)
+            if total is None:
+                assert rate is not None  # checked above
+                notice_step = step_at(before, notice_at, rate)
+                total = choose_total_steps(cfg, rate, notice_step)
+                log.info("step T = %d (notice at about step %.0f, %.1f steps/s on 3 workers)", total, notice_step,
+                         rate)
             survivors = tuple(h for h in HOSTS if h != target)
             resumed = cluster.wait_for(first_steps(survivors, 2, notice_at), RESUME_TIMEOUT_S + cfg.window_s,
                                        "the survivors to resume")
-            if max(e["step"] for e in resumed) >= total:
-                raise bc.BenchError(f"the survivors resumed at or after step T={total}; raise --total-steps")
+            total = settle_total_steps(total, max(e["step"] for e in resumed), cfg, chosen_here=chosen_here)
             cluster.wait_for_step(total, START_TIMEOUT_S)
             if plan.variant == "ours":
                 cluster.request_stop()

@@ -135,11 +135,44 @@ def test_join_stall_comes_from_the_run_analysis() -> None:
     assert summary["baseline_resume_ms_median"] is None
 
 
-def test_targets_and_step_t() -> None:
+def config(total_steps: int | None = None) -> pc.Config:
+    """The defaults: a 10 s window, epochs of 20 steps, a warm-up of 30."""
+    return pc.Config("small_cnn", 1, 10.0, "local", 20, 30, total_steps, 10, 100, 0.05, 10, ("worker",), ("ours",))
+
+
+def test_targets() -> None:
     assert pc.pick_target("master", "127.0.1") == "127.0.1"
     assert pc.pick_target("worker", "127.0.1") not in ("127.0.1",)
-    assert pc.choose_total_steps(pc.Config("small_cnn", 1, 10.0, "local", 20, 30, None, 10, 100, 0.05, 10,
-                                           ("worker",), ("ours",)), rate=10.0) == 220
+
+
+def test_step_t_follows_the_step_of_the_notice_not_the_warm_up() -> None:
+    """Through a store that answers in seconds the bench reads the log late: the job saw step 30 at t=100 but
+    the notice came at t=112, about step 150. The target trains until its deadline at the latest (t=122,
+    about step 250), so T must come after that, whatever the warm-up."""
+    rate = 10.0
+    events = [ev(90.0, "first_step", "localhost", step=1, size=3), ev(100.0, "progress", "localhost", step=30, size=3),
+              ev(104.0, "progress", "localhost", step=70, size=3)]  # written after the bench read the log
+    notice_step = pc.step_at(events[:2], 112.0, rate)
+    assert notice_step == pytest.approx(150.0)
+    assert pc.step_at(events, 104.5, rate) == pytest.approx(75.0)  # the latest report before the time counts
+    total = pc.choose_total_steps(config(), rate, notice_step)
+    latest_resume = notice_step + rate * config().window_s
+    assert total >= latest_resume + pc.RESUME_MARGIN_STEPS and total % config().steps_per_epoch == 0
+    assert total == 340  # 150 + 1.5 windows of 10 steps/s + 40, in epochs of 20
+    # a notice on time keeps the old figure: warm-up + 1.5 windows + 40
+    assert pc.choose_total_steps(config(), rate, 30.0) == 220
+
+
+def test_a_late_resume_moves_a_chosen_step_t_and_fails_only_a_fixed_one() -> None:
+    cfg = config()
+    assert pc.settle_total_steps(220, 180, cfg, chosen_here=True) == 220  # resumed before T: kept
+    # chosen by this run: it goes on until the survivors resumed, then 40 steps more, in epochs
+    assert pc.settle_total_steps(220, 260, cfg, chosen_here=True) == 300
+    assert pc.settle_total_steps(220, 220, cfg, chosen_here=True) == 260
+    with pytest.raises(pc.LateResume):  # chosen by an earlier run: this run is reported as failed, the rest go on
+        pc.settle_total_steps(220, 260, cfg, chosen_here=False)
+    with pytest.raises(pc.bc.BenchError, match="raise --total-steps"):  # the user's own T
+        pc.settle_total_steps(220, 260, config(total_steps=220), chosen_here=False)
 
 
 # --------------------------------------------------------------------------- real runs
