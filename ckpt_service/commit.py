@@ -136,7 +136,8 @@ def commit_step(store: ObjectStore, step: int, plan: SavePlan, records: Sequence
         raise SaveAbandonedError(f"step {step}: the deadline passed before the commit; nothing was committed")
     check(cancel, step, "before its commit marker was written")  # the last point a cancel can stop it
     marker = CommitMarker(step, mkey, crc32c(body), token, time.time(), generation,
-                          based_on if generation is not None else None)
+                          based_on if generation is not None else None,
+                          lease.lineage if lease is not None and generation is not None else None)
     # A lost reply is resolved by reading the marker back (its token is this attempt's):
     # applied is committed, not applied raises the store's error, unknown says so.
     try:
@@ -179,11 +180,12 @@ def _check_order(store: ObjectStore, bounded: ObjectStore, step: int, lease: Lea
         return
     # Holding the lease, this commit supersedes every higher step fenced before the save began.
     unordered = [s for s, (gone, marker) in ((s, read_marker(bounded, s)) for s in higher)
-                 if not gone and (marker is None or marker.order is None)]
+                 if not gone and (marker is None or marker.order is None or marker.order.lineage != lease.lineage)]
     if unordered:
         raise OutOfOrderSaveError(
-            f"step {step} is older than step(s) {unordered} of {store.url}, committed without a lease: a rollback "
-            "cannot supersede them; delete them first or save a step after them")
+            f"step {step} is older than step(s) {unordered} of {store.url}, committed without a lease or by another "
+            "run (another lease lineage): a rollback cannot supersede them; delete them first or save a step after "
+            "them")
 
 
 def _write_marker(store: ObjectStore, bounded: ObjectStore, marker: CommitMarker, lease: Lease | None,
@@ -218,6 +220,8 @@ def _why_replaceable(store: ObjectStore, bounded: ObjectStore, new: CommitMarker
         marker = CommitMarker.from_json(existing, where=where)
     except CorruptCheckpointError as exc:
         return f"it is unreadable ({exc})"
+    if marker.order is not None and marker.lineage != new.lineage:
+        return f"it was made by another run (lease lineage {marker.lineage}), whose fence numbers order nothing here"
     if marker.fence is not None and (new.fence is None or new.fence <= marker.fence):
         log.warning("step %d: its commit under fence %s stands; this commit's fence (%s) is not newer", step,
                     marker.fence, new.fence)

@@ -24,8 +24,9 @@ each commit marker records the number its fence wrote
 (:func:`ckpt_service.manifest.superseded_steps`). It does not depend on the store's clock
 or generation scheme, so it keeps its order on a filesystem with coarse timestamps and in a
 copy of the run moved to another kind of store. A lease object that is absent (a fresh run,
-or a copy of the prefix without it) starts above the highest number any commit marker in
-the store carries.
+or a copy of the prefix without it) starts a new *lineage*: commits are ordered only among
+markers of one lineage (another run's markers copied into the store order nothing of this
+one's). Every acquire starts above the highest number a marker of its lineage carries.
 
 ``fence(deadline=...)`` (the fence inside a save that has a deadline) makes every
 request of the renewal, read-backs included, end by that deadline.
@@ -59,6 +60,7 @@ class LeaseRecord:
     released: bool
     write_id: str
     fence: int = 0  # the fence number: +1 on every write of the lease
+    lineage: str = ""  # the run whose numbers these are: made with the lease object, kept by every write
 
     def usable_by(self, holder: str, now: float) -> bool:
         return self.released or self.holder == holder or self.expires_at <= now
@@ -82,6 +84,7 @@ class Lease:
         self._fencing = threading.Lock()  # held through a fence's requests (never by release or acquire)
         self._generation: int | None = None  # the store generation held (compare-and-swap only)
         self._fence_no: int | None = None  # the fence number held (what orders commits)
+        self._lineage = ""  # the lineage of the numbers held
         self._tenure = 0  # bumped by every acquire and release: older requests' replies are stale
         #: the fence number this holder's acquire (or steal) wrote: commit markers with a lower one
         #: were made before this tenure began
@@ -98,6 +101,12 @@ class Lease:
             return self._fence_no if self._generation is not None else None
 
     @property
+    def lineage(self) -> str:
+        """The run whose fence numbers this lease counts: commits order only among markers of one lineage."""
+        with self._lock:
+            return self._lineage
+
+    @property
     def object_generation(self) -> int | None:
         """The store's generation of the lease object this process last wrote and still holds
         (compare-and-swap only: it orders nothing)."""
@@ -112,9 +121,9 @@ class Lease:
     def adopt(self, other: Lease) -> None:
         """Take what ``other`` (the same holder's lease in another process) holds, without writing."""
         with other._lock:
-            held = other._generation, other._fence_no, other.acquired_generation
+            held = other._generation, other._fence_no, other.acquired_generation, other._lineage
         with self._lock:
-            self._generation, self._fence_no, self.acquired_generation = held
+            self._generation, self._fence_no, self.acquired_generation, self._lineage = held
 
     def drop(self) -> None:
         """Forget the lease without writing (as a process that lost it would): its next fence raises."""
@@ -131,6 +140,8 @@ class Lease:
             record = LeaseRecord(**json.loads(body))
             if not isinstance(record.fence, int) or isinstance(record.fence, bool) or record.fence < 0:
                 raise ValueError(f"fence {record.fence!r}")
+            if not isinstance(record.lineage, str):
+                raise ValueError(f"lineage {record.lineage!r}")
             return record, generation
         except (ValueError, TypeError):
             log.warning("lease object %s is unreadable; treating it as expired", self.key)
@@ -157,11 +168,14 @@ class Lease:
                     f"{time.strftime('%H:%M:%S', time.localtime(record.expires_at))}; wait for it to "
                     "expire or elect a new master"
                 )
-            counted = record.fence if record is not None else 0
-            if counted == 0:  # no number kept here: start above every commit already made
-                counted = highest_fence(store)
+            # The lineage and its count go on from the record; a record without one starts a new lineage.
+            # Either way the count starts above every marker of that lineage in the store, whatever the
+            # record says (a lease object reset by hand or copied from another run cannot make new commits
+            # look older than the ones made).
+            lineage = record.lineage if record is not None and record.lineage else uuid.uuid4().hex[:16]
+            counted = max(record.fence if record is not None else 0, highest_fence(store, lineage))
             try:
-                taken = self._write(store, generation, released=False, fence=counted + 1)
+                taken = self._write(store, generation, released=False, fence=counted + 1, lineage=lineage)
                 break
             except PreconditionFailedError:
                 if attempt == attempts - 1:
@@ -174,7 +188,7 @@ class Lease:
         with self._lock:
             if self._tenure == tenure:  # else a release or another acquire came after this one
                 self._generation, self._fence_no = taken
-                self.acquired_generation = taken[1]
+                self.acquired_generation, self._lineage = taken[1], lineage
         return taken[1]
 
     def fence(self, *, deadline: Deadline | None = None) -> int:
@@ -240,7 +254,7 @@ class Lease:
                 log.info("lease already taken over; nothing to release")
                 return
             try:
-                self._write(store, generation, released=True, fence=record.fence + 1)
+                self._write(store, generation, released=True, fence=record.fence + 1, lineage=record.lineage)
             except PreconditionFailedError:
                 log.info("lease changed while being released; nothing to release")
 
@@ -253,8 +267,9 @@ class Lease:
         """Compare-and-swap on the generation ``held`` (fence number ``number``), or on this holder's
         own earlier write whose outcome was unknown if that is what is stored now; returns the
         (generation, fence number) written."""
+        lineage = self.lineage
         try:
-            return self._write(store, held, released=released, fence=number + 1)
+            return self._write(store, held, released=released, fence=number + 1, lineage=lineage)
         except PreconditionFailedError:
             with self._lock:
                 landed = self._unresolved
@@ -267,11 +282,12 @@ class Lease:
             if stored is None or stored[0] != landed:
                 raise
             log.info("the lease write whose outcome was unknown had been applied (generation %d)", stored[1])
-            return self._write(store, stored[1], released=released, fence=json.loads(landed)["fence"] + 1)
+            return self._write(store, stored[1], released=released, fence=json.loads(landed)["fence"] + 1,
+                               lineage=lineage)
 
     def _write(self, store: ObjectStore, expected_generation: int, *, released: bool,
-               fence: int) -> tuple[int, int]:
-        record = LeaseRecord(self.holder, self.clock() + self.ttl_s, released, uuid.uuid4().hex, fence)
+               fence: int, lineage: str) -> tuple[int, int]:
+        record = LeaseRecord(self.holder, self.clock() + self.ttl_s, released, uuid.uuid4().hex, fence, lineage)
         data = json.dumps(asdict(record)).encode()
         # a write whose reply was lost is resolved by reading back (write_id makes data unique)
         try:
@@ -285,9 +301,10 @@ class Lease:
         return generation, fence
 
 
-def highest_fence(store: ObjectStore) -> int:
-    """The highest fence number any commit marker in ``store`` carries (0: none)."""
+def highest_fence(store: ObjectStore, lineage: str) -> int:
+    """The highest fence number a commit marker of ``lineage`` in ``store`` carries (0: none)."""
     from ckpt_service.reader import list_commits  # the reader's listing; imported here to keep lease.py its base
 
-    fences = [m.fence for m in list_commits(store).markers.values() if m is not None and m.fence is not None]
+    fences = [m.fence for m in list_commits(store).markers.values()
+              if m is not None and m.fence is not None and m.lineage == lineage]
     return max(fences, default=0)

@@ -142,14 +142,15 @@ class CommitMarker:
     committed_at: float
     fence: int | None = None  # the lease fence number this commit wrote (None: no lease)
     based_on: int | None = None  # the fence number the lease held when the save began
+    lineage: str | None = None  # the run whose fence numbers these are (the lease object's)
     format_version: int = FORMAT_VERSION
 
     @property
     def order(self) -> Order | None:
-        """(fence, based_on) when both are there: what orders this commit among the others."""
-        if self.fence is None or self.based_on is None:
+        """(fence, based_on, lineage) when all are there: what orders this commit among the others."""
+        if self.fence is None or self.based_on is None or self.lineage is None:
             return None
-        return Order(self.fence, self.based_on)
+        return Order(self.fence, self.based_on, self.lineage)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -182,6 +183,7 @@ def check_marker_fields(marker: CommitMarker, where: str) -> None:
         ("fence", marker.fence is None or (integer(marker.fence) and marker.fence > 0)),
         ("based_on", marker.based_on is None or (integer(marker.based_on) and 0 <= marker.based_on
                                                   and (marker.fence is None or marker.based_on < marker.fence))),
+        ("lineage", marker.lineage is None or (isinstance(marker.lineage, str) and bool(marker.lineage))),
         ("format_version", integer(marker.format_version)),
     ) if not ok]
     if problems:
@@ -190,25 +192,32 @@ def check_marker_fields(marker: CommitMarker, where: str) -> None:
 
 @dataclass(frozen=True)
 class Order:
-    """Where a commit stands among the others: the fence number it wrote, and the one its save began at."""
+    """Where a commit stands among the others of its lineage: the fence number it wrote, and the one its
+    save began at."""
 
     fence: int
     based_on: int
+    lineage: str = ""
+
+    def supersedes(self, higher: Order) -> bool:
+        """Whether this commit, of a lower step, supersedes ``higher``: same lineage, begun after its fence."""
+        return self.lineage == higher.lineage and self.based_on >= higher.fence
 
 
 def superseded_steps(orders: Mapping[int, Order | None]) -> frozenset[int]:
     """Pure: the steps of ``orders`` (step -> its marker's order) that a lower step supersedes: a lower
-    step whose save began at or after this step's fence (``based_on >= fence``). A step without an
-    order is never in it and never supersedes another."""
+    step of the same lineage whose save began at or after this step's fence (``based_on >= fence``).
+    A step without an order is never in it and never supersedes another."""
     superseded: set[int] = set()
-    latest_start: int | None = None  # the latest ``based_on`` among the lower steps seen so far
+    latest_start: dict[str, int] = {}  # lineage -> the latest ``based_on`` among the lower steps seen so far
     for step in sorted(orders):
         order = orders[step]
         if order is None:
             continue
-        if latest_start is not None and latest_start >= order.fence:
+        start = latest_start.get(order.lineage)
+        if start is not None and start >= order.fence:
             superseded.add(step)
-        latest_start = order.based_on if latest_start is None else max(latest_start, order.based_on)
+        latest_start[order.lineage] = order.based_on if start is None else max(start, order.based_on)
     return frozenset(superseded)
 
 

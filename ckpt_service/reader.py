@@ -111,7 +111,7 @@ class CommitListing:
         if order is None:
             return []
         return [s for s, m in self.markers.items()
-                if s < step and m is not None and m.order is not None and m.order.based_on >= order.fence]
+                if s < step and m is not None and m.order is not None and m.order.supersedes(order)]
 
 
 def list_commits(store: ObjectStore, io: Executor | None = None) -> CommitListing:
@@ -228,18 +228,35 @@ class CheckpointReader:
         if step is not None:
             return self._load_unchanged(step, names, partition, expected)
         if partition is not None:
+            return self._latest_alone(names, partition, expected)
+        return self._newest(lambda s: self._load(s, names, partition, expected))
+
+    def _latest_alone(self, names: Iterable[str] | None, partition: tuple[int, int],
+                      expected: Mapping[str, Any] | None) -> Checkpoint:
+        """One reader's share of the latest step, never of another: a step that fails raises (the readers
+        would not all fall back alike); one removed or re-committed meanwhile is listed again."""
+        for _ in range(RELIST_ATTEMPTS):
             latest = self.latest_step()
             if latest is None:
                 raise NothingToRestoreError(
                     f"no committed checkpoint in {self.url}: nothing to restore (start from scratch, or check "
                     "the URL)")
+            if self.store.stat(layout.commit_key(latest)) is None:
+                continue  # removed since the listing
             try:
                 return self._load_unchanged(latest, names, partition, expected)
+            except CheckpointChangedError as exc:
+                log.info("step %d changed while being restored (%s); listing the steps again", latest, exc)
+            except NothingToRestoreError:
+                if self.store.stat(layout.commit_key(latest)) is not None:
+                    raise
             except CorruptCheckpointError as exc:
                 raise CorruptCheckpointError(
                     f"{exc}; readers of a partitioned restore do not fall back on their own (they would mix "
                     "steps): pick one step for all of them with restorable_step() and pass it as step=") from exc
-        return self._newest(lambda s: self._load(s, names, partition, expected))
+        raise NothingToRestoreError(
+            f"the latest step of {self.url} kept being removed or replaced while being restored "
+            f"({RELIST_ATTEMPTS} listings); try again once retention is done")
 
     def restorable_step(self) -> int | None:
         """The newest committed step that verifies in full (every piece read and checked), as

@@ -139,7 +139,7 @@ class CheckpointWriter:
         rank, world_size, coordinator = checked_ranks(rank, world_size, coordinator)
         t0 = time.perf_counter()
         _check_attempt(step, attempt, world_size, gather)
-        based_on = lease.generation if lease is not None else None  # the commits this save knows of
+        based_on = _known_fence(lease)
         bound = Deadline(deadline) if deadline is not None else None
         plan, share, meta = self._prepare(step, tensors, metadata, rank, world_size, gather, coordinator, bound,
                                           attempt, snapshot)
@@ -185,7 +185,7 @@ class CheckpointWriter:
                 wait_futures([previous])  # its error is logged below; it is no reason to drop this save
             self._log_background_error()
             # the commits this save knows of: it supersedes none made while it runs in the background
-            based_on = lease.generation if lease is not None else None
+            based_on = _known_fence(lease)
             t0 = time.perf_counter()
             # The snapshot is exactly this rank's pieces, in contiguous host buffers.
             plan, share, meta = self._prepare(step, tensors, metadata, rank, world_size, gather, coordinator, None,
@@ -378,6 +378,15 @@ class CheckpointWriter:
         io = self._io if deadline is None else self._urgent_io
         return write_share(self.store, io, self.compression, step, rank, share, writes=writes, deadline=deadline,
                            attempt=attempt, plan_digest=plan_digest, cancel=cancel)
+
+
+def _known_fence(lease: Lease | None) -> int | None:
+    """The fence number a save begun now knows of (its ``based_on``): 0 for a lease not held, so a save begun
+    then can never commit under a tenure taken later."""
+    if lease is None:
+        return None
+    held = lease.generation
+    return 0 if held is None else held
 
 
 def _check_attempt(step: int, attempt: str | None, world_size: int, gather: Gather | None) -> None:

@@ -1,10 +1,11 @@
 """Shared bits for checkpoint-service tests: stores per backend, sample states, corruption."""
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -12,6 +13,7 @@ from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore  # also re-exported for the tests
 
 BACKENDS = ["memory", "local", "gcs"]
+PAUSE_WAIT_S = 30.0  # a bound on a paused call's wait: hitting it is a hang
 
 
 class PutSeenStore(DelegatingStore):
@@ -70,3 +72,39 @@ def flip_one_byte_of_a_chunk(store: ObjectStore, step: int) -> str:
     data[len(data) // 2] ^= 0xFF
     store.put(key, bytes(data))
     return key
+
+
+def who_state(step: int, who: int = 0) -> dict[str, np.ndarray]:
+    """A small state that says which step and which saver (``who``) made it."""
+    return {"w": np.full(64, step * 1000 + who, np.float32), "b": np.arange(5, dtype=np.int64) + step}
+
+
+def who_saved(ckpt: Any) -> int:
+    return int(ckpt.tensors["w"][0]) % 1000
+
+
+class PauseAt(DelegatingStore):
+    """Blocks the first put whose key ``match`` accepts (once armed) until ``release`` is set: a process
+    paused at that point of its save."""
+
+    def __init__(self, inner: ObjectStore, match: Callable[[str], bool]) -> None:
+        super().__init__(inner)
+        self.match, self.armed = match, False
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        if self.armed and self.match(key):
+            self.armed = False
+            self.reached.set()
+            assert self.release.wait(PAUSE_WAIT_S), "the test never released the paused call"
+        return self.inner.put(key, data, if_generation_match=if_generation_match)
+
+
+class CoarseLocalStore(LocalStore):
+    """A local store on a filesystem that keeps whole seconds only (ext2/3, HFS+): every mtime set is
+    truncated, as such a filesystem would."""
+
+    def _set_mtime(self, path: Path, ns: int) -> int:
+        whole = ns - ns % 10**9
+        os.utime(path, ns=(whole, whole))
+        return os.stat(path).st_mtime_ns

@@ -119,7 +119,8 @@ class FaultStore(DelegatingStore):
         marker = json.loads(data)
         manifest = json.loads(self.inner.get(marker["manifest_key"]))
         with self.ledger.lock:
-            order = Order(marker["fence"], marker["based_on"]) if marker.get("fence") is not None else None
+            order = (Order(marker["fence"], marker["based_on"], marker["lineage"]) if marker.get("fence") is not None
+                     else None)
             self.ledger.markers[bytes(data)] = (marker["step"], order, manifest["metadata"]["fill"])
 
     def get(self, key: str) -> bytes:
@@ -499,7 +500,8 @@ class CheckpointInterleavings(RuleBasedStateMachine):
         good = {step: (order, data) for data, (step, order, _) in self._live().items()
                 if data not in self.ledger.damaged}
         superseded = {s for s, (o, _) in good.items() if o is not None and any(
-            t < s and p is not None and p.based_on >= o.fence for t, (p, _) in good.items())}
+            t < s and p is not None and p.lineage == o.lineage and p.based_on >= o.fence
+            for t, (p, _) in good.items())}
         candidates = [s for s in good if s not in superseded]
         return good[max(candidates)][1] if candidates else None
 
@@ -520,7 +522,7 @@ class CheckpointInterleavings(RuleBasedStateMachine):
         assert newest is not None, f"the newest good commit (step {step}) was deleted and nothing is left"
         now_step, now_order, _ = self.ledger.markers[newest]
         took_place = now_step >= step or (order is not None and now_order is not None
-                                          and now_order.based_on >= order.fence)
+                                          and now_order.lineage == order.lineage and now_order.based_on >= order.fence)
         assert took_place, f"the newest good commit (step {step}) was deleted; step {now_step} is restored now"
 
     @invariant()

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import numpy as np
 import pytest
-from ckpt_helpers import BACKENDS, flip_one_byte_of_a_chunk, make_backend_store
+from ckpt_helpers import BACKENDS, CoarseLocalStore, PauseAt, flip_one_byte_of_a_chunk, make_backend_store, who_saved
+from ckpt_helpers import who_state as state
 
 from ckpt_service import layout
 from ckpt_service.errors import (
@@ -31,33 +29,9 @@ from ckpt_service.testing.delegating import DelegatingStore
 WAIT_S = 20.0
 
 
-def state(step: int, who: int = 0) -> dict[str, np.ndarray]:
-    return {"w": np.full(64, step * 1000 + who, np.float32), "b": np.arange(5, dtype=np.int64) + step}
-
-
-def who_saved(ckpt) -> int:
-    return int(ckpt.tensors["w"][0]) % 1000
-
-
 @pytest.fixture(params=BACKENDS)
 def store(request, tmp_path) -> ObjectStore:
     return make_backend_store(request.param, tmp_path, request)
-
-
-class PauseAt(DelegatingStore):
-    """Blocks the first put whose key ``match`` accepts (once armed) until ``release`` is set."""
-
-    def __init__(self, inner: ObjectStore, match) -> None:
-        super().__init__(inner)
-        self.match, self.armed = match, False
-        self.reached, self.release = threading.Event(), threading.Event()
-
-    def put(self, key: str, data: bytes, *, if_generation_match: int | None = None) -> int:
-        if self.armed and self.match(key):
-            self.armed = False
-            self.reached.set()
-            assert self.release.wait(WAIT_S), "never released"
-        return self.inner.put(key, data, if_generation_match=if_generation_match)
 
 
 class BeforeGet(DelegatingStore):
@@ -221,15 +195,6 @@ def test_same_step_save_started_before_release_cannot_replace_a_successors_commi
 # ---- LocalStore generations on a filesystem with coarse timestamps -----------------------------
 
 
-class CoarseLocalStore(LocalStore):
-    """A LocalStore on a filesystem that keeps whole seconds only (ext3, HFS+)."""
-
-    def _set_mtime(self, path: Path, ns: int) -> int:
-        ns -= ns % 10**9
-        os.utime(path, ns=(ns, ns))
-        return os.stat(path).st_mtime_ns
-
-
 def test_coarse_local_generation_strictly_increases_across_delete_and_recreate(tmp_path) -> None:
     """Generations must strictly increase: a key written three times in a second (stamped forward to
     S+2), deleted and created again gets S again: a generation seen before, lower than the last."""
@@ -325,7 +290,11 @@ def test_prefix_copied_to_another_store_continues_with_fences_above_every_marker
             dst.put(key, src.get(key))
     top = max(m.fence for m in list_commits(dst).markers.values())
     new = Lease(dst, "new")
-    assert new.acquire() > top
+    taken = new.acquire()
+    if with_lease_object:  # the same lineage goes on, above its markers
+        assert taken > top and new.lineage == lease.lineage
+    else:  # a new lineage: the copied markers neither supersede nor are superseded by its commits
+        assert new.lineage != lease.lineage
     with CheckpointManager(dst, max_to_keep=None) as mgr:
         mgr.save(40, state(40, who=3), lease=new)
         assert mgr.all_steps() == [10, 20, 30, 40]

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from ckpt_helpers import BACKENDS, assert_same_state, flip_one_byte_of_a_chunk, make_backend_store, sample_state
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpt_service import layout
@@ -263,13 +263,17 @@ def test_superseded_steps_examples() -> None:
     assert superseded_steps({100: at(7, 5), 105: at(6, 5)}) == frozenset()
     assert superseded_steps({10: None, 20: at(1, 0), 5: at(7, 6)}) == {20}  # a step without an order is skipped
     assert superseded_steps({10: at(9, 8), 20: None}) == frozenset()  # ... and never superseded
+    assert superseded_steps({5: Order(99, 98, "another-run"), 10: Order(2, 1, "this-run")}) == frozenset()
     assert superseded_steps({}) == frozenset()
 
 
-@given(st.dictionaries(st.integers(0, 50), st.one_of(st.none(), st.tuples(st.integers(1, 20), st.integers(0, 19))
-                                                     .filter(lambda t: t[1] < t[0]).map(lambda t: Order(*t))),
-                       max_size=12))
+ORDERS = st.builds(lambda fence, back, lineage: Order(fence, max(0, fence - back), lineage),
+                   st.integers(1, 20), st.integers(1, 20), st.sampled_from(["run-a", "run-b"]))
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.integers(0, 50), st.one_of(st.none(), ORDERS), max_size=12))
 def test_superseded_steps_is_the_definition(orders: dict[int, Order | None]) -> None:
     expected = {s for s, o in orders.items() if o is not None and any(
-        t < s and p is not None and p.based_on >= o.fence for t, p in orders.items())}
+        t < s and p is not None and p.lineage == o.lineage and p.based_on >= o.fence for t, p in orders.items())}
     assert superseded_steps(orders) == expected

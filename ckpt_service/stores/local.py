@@ -58,14 +58,11 @@ class LocalStore(ObjectStore):
         self.url = str(self.root)
         self.fsync = fsync
         self.deadline = deadline
-        self._coarse = False  # set once a timestamp set here came back truncated (see _stamp_after)
         _check_root(self.root)
 
     def within(self, deadline: Deadline) -> LocalStore:
         """The same directory, waiting for the store lock no longer than ``deadline`` allows."""
-        bounded = type(self)(self.root, fsync=self.fsync, deadline=deadline)
-        bounded._coarse = self._coarse
-        return bounded
+        return type(self)(self.root, fsync=self.fsync, deadline=deadline)
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -190,37 +187,28 @@ class LocalStore(ObjectStore):
                 os.unlink(tmp)
 
     def _stamp_after(self, tmp: Path, have: int) -> int:
-        """Give ``tmp`` an mtime (its generation once published) above ``have``, on any filesystem;
-        called under the store lock.
+        """Give ``tmp`` an mtime (its generation once published) above ``have`` and above every generation
+        given in this store before, on any filesystem; called under the store lock.
 
         Generations must strictly increase even within one clock tick, and on a filesystem that
         keeps coarse timestamps (1 s on ext2/3 and HFS+, 2 s on FAT) "+1 ns" is truncated away and a
         stale compare-and-swap would match the newer write: so the next whole seconds are tried
-        until the stored mtime is larger. On such a filesystem a key deleted and created again
-        within one second would also get a generation it had before, so once this store has seen
-        a timestamp truncated, every generation it gives is also above the last one given in the
-        store, kept as the mtime of the lock file.
+        until the stored mtime is larger. A key deleted and created again must not get a generation
+        it had before either, so every generation is also above the last one given in the store,
+        kept as the mtime of the lock file (the writers' own clocks may disagree by any amount).
         """
-        floor = have
         lock = self.root / _LOCK_NAME
-        if self._coarse:
-            floor = max(floor, os.stat(lock).st_mtime_ns)
+        floor = max(have, os.stat(lock).st_mtime_ns)
         wanted = max(os.stat(tmp).st_mtime_ns, floor + 1)
         tick = 10**9
         for candidate in (wanted, (floor // tick + 1) * tick, (floor // tick + 2) * tick,
                           (floor // tick + 3) * tick):
             stamped = self._set_mtime(tmp, candidate)
             if stamped > floor:
-                break
-        else:
-            raise StoreUnavailableError(f"{self.root}: the filesystem does not keep file times that move forward; "
-                                        "use a filesystem with ordinary timestamps for the store")
-        if stamped != candidate and not self._coarse:
-            log.info("%s keeps coarse file times: generations are kept above a store-wide mark", self.root)
-            self._coarse = True
-        if self._coarse:
-            os.utime(lock, ns=(stamped, stamped))
-        return stamped
+                os.utime(lock, ns=(stamped, stamped))
+                return stamped
+        raise StoreUnavailableError(f"{self.root}: the filesystem does not keep file times that move forward; "
+                                    "use a filesystem with ordinary timestamps for the store")
 
     def _set_mtime(self, path: Path, ns: int) -> int:
         """Set ``path``'s mtime to ``ns``; the mtime the filesystem kept (it may round it)."""
@@ -234,14 +222,17 @@ class LocalStore(ObjectStore):
             if info is None or info.generation != generation:
                 return False
             path.unlink()
-        self.delete(key)  # tidies the folders it leaves empty
+        self._tidy(path)  # outside the lock, and never the key itself: it may have been created again since
         return True
 
     def delete(self, key: str) -> None:
         path = self._path(key)
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             path.unlink()
-        # Tidy now-empty directories up to the root (best effort).
+        self._tidy(path)
+
+    def _tidy(self, path: Path) -> None:
+        """Remove the now-empty folders above ``path`` up to the root (best effort)."""
         parent = path.parent
         while parent != self.root and parent.is_relative_to(self.root):
             try:
