@@ -24,6 +24,7 @@ import tensorflow as tf  # noqa: E402
 
 from bench.ckpt_overhead import Window  # noqa: E402
 from hvd_transient.keras import learning_rate_of, state_variables  # noqa: E402
+from hvd_transient.keras.state import optimizer_step  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,10 @@ class Saver:
         lr = learning_rate_of(self.model.optimizer)  # as TransientCallback's metadata
         return {"step": step, "world_size": hvd.size(), **({"lr": lr} if lr is not None else {})}
 
+    def begin_window(self) -> None:
+        if self.impl is not None:  # as TransientCallback.on_epoch_begin: the other windows' time is no step
+            self.impl.before_step()
+
     def after_step(self, local: int) -> None:
         if self.config == "none":  # np.copy of the state ten times a window: the stall's reference
             if local % max(1, self.interval // COPIES_PER_WINDOW) == 0:
@@ -122,8 +127,8 @@ class Saver:
             if self.saves(local) and hvd.rank() == 0:
                 self.model.save_weights(str(self.directory / f"ckpt-{local}"))  # no .h5: TensorFlow format
         else:
-            # TransientCallback reads the optimizer's step after every batch for the metadata
-            step = int(self.model.optimizer.iterations.numpy())
+            # TransientCallback reads the optimizer's step after every batch (one TensorFlow op)
+            step = optimizer_step(self.model.optimizer)
             self.impl.after_step(local, lambda: self.fused.specs, partial(self._metadata, step), self.fused)
             if self.config == "ours_sync" and self.saves(local):
                 self.impl.save_now(local, self.fused.specs, self._metadata(step), coordinator=self.impl.run.master,
@@ -151,6 +156,7 @@ def run_window(model: tf.keras.Model, batches: Sequence[tuple[np.ndarray, np.nda
                window: Window) -> dict[str, Any]:
     train_s, hook_s, saves, rounds = [], [], [], []
     barrier()
+    saver.begin_window()
     t_start = time.perf_counter()
     for i in range(window.steps):
         local = window.start_step + i

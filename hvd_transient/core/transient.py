@@ -217,10 +217,11 @@ class TransientImpl:
     # ------------------------------------------------------------ step boundary
 
     def before_step(self) -> None:
-        """Optional, as a training step begins: the step is timed from here, not from the previous
-        :meth:`after_step`. Time between steps (an evaluation, the end of an epoch, other work of the
-        script) is no step, and counted as one it would pin the check cadence at every step for the rest
-        of the ring (the slowest step seen bounds it). One clock read; nothing else."""
+        """Optional, as training goes on after time that is no step (an evaluation, an epoch's end): the
+        next step is timed from here, not from the previous :meth:`after_step`. Counted as a step, such a
+        gap would pin the check cadence at every step for the rest of the ring (the slowest step seen bounds
+        it). Not before every step: what the loop does between its steps (other callbacks, the input) is
+        part of the step time that the cadence's bound in seconds rests on. One clock read."""
         self.run.step_done_at = self.clocks.monotonic()
 
     def after_step(self, step: int, snapshot: Callable[[], Mapping[str, Any]],

@@ -199,8 +199,9 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
             offset = int(getattr(self.state, "epoch", 0)) if self.state is not None else 0
             self.model._training_state = ResumeAt(step, offset, self._resumed)  # noqa: SLF001
 
-    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        # The step is timed from here: an evaluation or an epoch's end before it is no slow step.
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        # The evaluation and the callbacks' work at the previous epoch's end are no step: the next one is
+        # timed from here. Within an epoch a step is timed from batch end to batch end, all of it.
         if self.impl is not None:
             self.impl.before_step()
 
