@@ -45,6 +45,7 @@ class Config:  # field names are the command line's
     after_join_steps: int
     window_s: float
     discovery_calls: int
+    discovery_sizes: tuple[int, ...]
 
 
 def aliases(n: int) -> tuple[str, ...]:
@@ -184,14 +185,17 @@ def discovery_cpu(n: int, root: str, work: Path, calls: int) -> dict[str, float]
 
 
 def run_all(cfg: Config, tmp: Path) -> list[dict[str, Any]]:
+    """A row per ring size and store, and one per discovery size and store (``"n"`` hosts, no ring)."""
     rows = []
     for store in cfg.stores:
         with bc.store_root(store, tmp, "scale") as root:
             for n in cfg.sizes:
                 print(f"N={n} {store} ...", file=sys.stderr, flush=True)
-                row = run_ring(n, store, root, tmp / f"{store}-{n}", cfg)
-                rows.append(row | discovery_cpu(n, root, tmp, cfg.discovery_calls) | {"load": load()})
+                rows.append(run_ring(n, store, root, tmp / f"{store}-{n}", cfg) | {"load": load()})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            for n in sorted({*cfg.sizes, *cfg.discovery_sizes}):
+                rows.append({"n": n, "store": store, "discovery_only": True,
+                             **discovery_cpu(n, root, tmp, cfg.discovery_calls)})
     return rows
 
 
@@ -200,8 +204,10 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def model(by: Mapping[tuple[int, str], Mapping[str, Any]], sizes: Sequence[int]) -> dict[str, Any]:
-    """The commit-scaling model's inputs (fits over the local rows, the GCS emulator's commit) and its predictions."""
+def model(by: Mapping[tuple[int, str], Mapping[str, Any]], sizes: Sequence[int],
+          discovery: Mapping[tuple[int, str], Mapping[str, Any]]) -> dict[str, Any]:
+    """The commit-scaling model's inputs (fits: the GCS emulator's commit and discovery where run, else the local
+    store's; the local rings' notice rounds) and its predictions."""
     def series(key: str, store: str = "local", scale: float = 1e-3) -> tuple[list[int], list[float]]:
         pts = [(n, by[n, store][key]) for n in sizes if by.get((n, store), {}).get(key) is not None]
         return [n for n, _ in pts], [v * scale for _, v in pts]
@@ -215,7 +221,8 @@ def model(by: Mapping[tuple[int, str], Mapping[str, Any]], sizes: Sequence[int])
                               for r in rows)
     inp = ScalingInputs(writes_per_rank=per_writer, fixed_writes=fixed,
                         commit_s=best_fit(*series("agreed_to_committed_ms", store)),
-                        discovery_cpu_s=best_fit(*series("discovery_search_cpu_ms", store)),
+                        discovery_cpu_s=best_fit(*zip(*sorted((n, r["discovery_search_cpu_ms"] * 1e-3)
+                                                              for (n, s), r in discovery.items() if s == store))),
                         round_s=best_fit(*series("round_cpu_ms")))
     preds = [predict(inp, n) for n in EXTRAPOLATE]
     return {"inputs": asdict(inp), "predictions": [asdict(p) | {"reached": p.reached} for p in preds],
@@ -267,6 +274,14 @@ def extrapolation(m: Mapping[str, Any]) -> str:
     return f"{bc.markdown_table(head, rows)}\n\nFirst N reaching each limit: {firsts}\n"
 
 
+def discovery_table(discovery: Mapping[tuple[int, str], Mapping[str, Any]]) -> str:
+    stores = sorted({s for _, s in discovery})
+    rows = [[n, *(f"{r['discovery_cpu_ms']:,.1f} / {r['discovery_search_cpu_ms']:,.1f}"
+                  if (r := discovery.get((n, s))) else "-" for s in stores)] for n in sorted({n for n, _ in discovery})]
+    return bc.markdown_table(("N hosts and leaving records", *(f"CPU ms per call, {s} (search alone)" for s in stores)),
+                             rows)
+
+
 def make_plot(path: Path, by: Mapping[tuple[int, str], Mapping[str, Any]], sizes: Sequence[int]) -> Path | None:
     import matplotlib
     matplotlib.use("Agg")
@@ -305,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--after-join-steps", type=bc.positive_int, default=10, help="steps on the ring after the join")
     p.add_argument("--window-s", type=float, default=30.0, help="notice window")
     p.add_argument("--discovery-calls", type=bc.positive_int, default=10, help="discovery calls timed per size")
+    p.add_argument("--discovery-sizes", type=bc.csv_list(int), default=EXTRAPOLATE,
+                   help="hosts and leaving records to time discovery at, besides the ring sizes (no ring)")
     return p
 
 
@@ -316,13 +333,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().error(f"--sizes: at most {most} workers; --warmup-steps: above {2 * SKIP_STEPS}")
     logging.getLogger("hvd_transient.testing.metadata_emulator.registry").setLevel(logging.ERROR)
     rows, elapsed, machine = bc.measured("scale", lambda tmp: run_all(cfg, tmp), args.tmpdir, args.keep)
-    by = {(r["n"], r["store"]): r for r in rows}
-    sizes = sorted({r["n"] for r in rows})
-    m = model(by, sizes)
-    summary = {"growth_2_to_max": growth(by, sizes), "model": m, "load_during": [r["load"] for r in rows],
+    discovery = {(r["n"], r["store"]): r for r in rows if r.get("discovery_only")}
+    by = {(r["n"], r["store"]): r | discovery[r["n"], r["store"]] for r in rows if not r.get("discovery_only")}
+    sizes = sorted({n for n, _ in by})
+    m = model(by, sizes, discovery)
+    summary = {"growth_2_to_max": growth(by, sizes), "model": m, "load_during": [r["load"] for r in by.values()],
+               "discovery": {f"{s}:{n}": r for (n, s), r in discovery.items()},
                "cores": machine["cores"]}
     markdown = (f"small_cnn, {cfg.window_s:g} s notice, {machine['cores']} cores.\n\n{table(by, sizes)}\n\n"
-                f"**Extrapolation** (:mod:`hvd_transient.report.scaling`, inputs from this run)\n\n{extrapolation(m)}")
+                f"**Discovery** (`hvd-transient discover`, N hosts, N leaving records)\n\n"
+                f"{discovery_table(discovery)}\n\n"
+                f"**Extrapolation** (`hvd_transient.report.scaling`, inputs from this run)\n\n{extrapolation(m)}")
     print(markdown, flush=True)
     return bc.publish(args.out, name="scale", summary=summary, rows=rows, params=asdict(cfg), notes=NOTES,
                       machine=machine, elapsed=elapsed, markdown=markdown,
