@@ -13,14 +13,18 @@ metadata emulator per host) three times, each from its first training step for t
   available then (a VM the trace adds is used from the next launch on) and restores the latest checkpoint.
 
 A calibration first measures r(k), the steady samples/s of a ring of k (plain Horovod, same model and machine)
-for every k the window needs. Goodput, ideal, lost-time phases and costs come from
-:mod:`hvd_transient.report.goodput`; this module only drives the runs and prints.
+for every k the window needs. Goodput, ideal, lost-time phases, each ring's step time against the calibration and
+the goodput at a run's own steady pace (the machine state it ran on) come from
+:mod:`hvd_transient.report.goodput`; this module drives the runs, samples the machine's load during each
+(:class:`LoadSampler`) and prints.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -31,11 +35,16 @@ from hvd_transient.core.transient import DEFAULT_LEAVE_LEAD_S, LEAVE_MODES
 from hvd_transient.report.analysis import analyze
 from hvd_transient.report.goodput import (
     Goodput,
+    LoadSample,
+    LoadSummary,
     cost_per_m_samples,
     final_step,
     goodput,
+    load_summary,
     on_demand_cost_per_m_samples,
     plot_goodput_timeline,
+    ratio_by_size,
+    save_stalls,
 )
 from hvd_transient.testing.local_cluster import HOST_ALIASES, ClusterError, LocalCluster, LocalClusterSpec
 from hvd_transient.testing.traces import TracePlan, add_trace_arguments, load_plan
@@ -49,6 +58,11 @@ SUMMARY_KEY = {"ours": "ours_goodput", "horovod_elastic": "horovod_elastic_goodp
 BASE_LR, START_TIMEOUT_S, FOREVER_EPOCHS = 0.01, 600.0, 100000
 POLL_S = 0.2
 DEFAULT_TRACE = bc.REPO / "bench" / "traces" / "oobleck-p3-first-2h.csv"
+#: more names of the loopback address (inet_aton's octal and short forms): 8 followed nodes and their
+#: replacements take up to 14 hosts
+MORE_ALIASES = ("127.0.0.01", "0177.0.0.1", "0x7f.1", "127.00.0.1", "0x7f.0.0.1", "127.0.0.001", "0177.1", "0x7f.0.1")
+HOSTS = HOST_ALIASES + tuple(a for a in MORE_ALIASES if a not in HOST_ALIASES)
+LOAD_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -85,8 +99,8 @@ def worker_command(variant: str, store: str, cfg: Config, window_s: float) -> tu
 def _spec(variant: str, store: str, hosts: Sequence[str], workdir: Path, cfg: Config, plan: TracePlan
           ) -> LocalClusterSpec:
     window = plan.options.notice_s
-    common: dict[str, Any] = dict(store=store, hosts=tuple(hosts), workdir=workdir, max_np=len(HOST_ALIASES),
-                                  instances=HOST_ALIASES, notice_s=window, gloo_timeout_s=cfg.gloo_timeout_seconds,
+    common: dict[str, Any] = dict(store=store, hosts=tuple(hosts), workdir=workdir, max_np=len(HOSTS),
+                                  instances=HOSTS, notice_s=window, gloo_timeout_s=cfg.gloo_timeout_seconds,
                                   command=worker_command(variant, store, cfg, window))
     if variant == "ours":
         return LocalClusterSpec(**common, standby=True)
@@ -113,6 +127,81 @@ def _sleep_until(cluster: LocalCluster, t: float) -> None:
         time.sleep(min(POLL_S, max(0.0, t - time.time())))
 
 
+# -------------------------------------------------------------------------------------------- machine load
+
+def _proc_cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    with open("/proc/stat") as fh:
+        values = [int(v) for v in fh.readline().split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def _own_ticks() -> dict[int, int]:
+    """pid -> utime + stime jiffies of this process and its descendants (workers, standbys, horovodrun)."""
+    stats: dict[int, tuple[int, int]] = {}  # pid -> (ppid, ticks)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:
+                text = fh.read()
+        except OSError:
+            continue  # it exited
+        rest = text[text.rindex(")") + 2:].split()
+        stats[int(entry.name)] = (int(rest[1]), int(rest[11]) + int(rest[12]))
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    own, todo = {}, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            own[pid] = stats[pid][1]
+        todo += children.get(pid, [])
+    return own
+
+
+class LoadSampler:
+    """While open, every ``every_s``: the load average and the cores busy, all and the benchmark's own
+    (``/proc``), so that a variant's figures come with the machine they ran on."""
+
+    def __init__(self, every_s: float = LOAD_EVERY_S) -> None:
+        self.every_s = every_s
+        self.samples: list[LoadSample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def summary(self) -> LoadSummary | None:
+        return load_summary(self.samples)
+
+    def _run(self) -> None:
+        cores = os.cpu_count() or 1
+        try:
+            busy, total = _proc_cpu_ticks()
+            own = _own_ticks()
+            while not self._stop.wait(self.every_s):
+                busy2, total2 = _proc_cpu_ticks()
+                own2 = _own_ticks()
+                if total2 <= total:
+                    continue
+                span = (total2 - total) / cores  # jiffies per core in the interval
+                own_ticks = sum(t - own.get(pid, 0) for pid, t in own2.items())
+                self.samples.append(LoadSample(time.time(), os.getloadavg()[0], (busy2 - busy) / span,
+                                               max(0.0, own_ticks / span)))
+                busy, total, own = busy2, total2, own2
+        except OSError as exc:  # no /proc: no load figures, the run goes on
+            log.warning("load sampling stopped: %s", exc)
+
+
 # ---------------------------------------------------------------------------------------------- calibration
 
 def calibrate(cfg: Config, plan: TracePlan, root: str, tmp: Path) -> dict[int, float]:
@@ -120,12 +209,12 @@ def calibrate(cfg: Config, plan: TracePlan, root: str, tmp: Path) -> dict[int, f
     largest ring, measured, then one host killed at a time (each size measured after its own warm-up)."""
     sizes = sorted({n for _, n in plan.availability if n > 0}, reverse=True)
     rates: dict[int, float] = {}
-    spec = _spec("horovod_elastic", f"{root}/calibrate", HOST_ALIASES[:sizes[0]], tmp / "calibrate", cfg, plan)
+    spec = _spec("horovod_elastic", f"{root}/calibrate", HOSTS[:sizes[0]], tmp / "calibrate", cfg, plan)
     with LocalCluster(spec) as cluster:
         size = sizes[0]
         for k in sizes:
             while size > k:  # shrink: the last host goes at once (a kill; Horovod resets the survivors)
-                cluster.preempt(HOST_ALIASES[size - 1], window_s=0.1)
+                cluster.preempt(HOSTS[size - 1], window_s=0.1)
                 size -= 1
             print(f"calibrating a ring of {k} ...", file=sys.stderr, flush=True)
             since = time.time()
@@ -242,12 +331,16 @@ def measure(played: Played, plan: TracePlan, rates: dict[int, float], cfg: Confi
     run = analyze(played.events)
     return goodput(played.variant, run, t0=played.t0, duration_s=plan.duration_s, availability=plan.availability,
                    rates=rates, batch_size=cfg.batch_size, final=final_step(run, until=played.t0 + plan.duration_s),
-                   notice_windows=[(w.notice_at_s, w.at_s) for w in plan.waves])
+                   notice_windows=[(w.notice_at_s, w.at_s) for w in plan.waves], stalls=save_stalls(played.events),
+                   warmup_steps=cfg.warmup_steps)
 
 
-def run_all(cfg: Config, plan: TracePlan, tmp: Path, plot_dir: Path | None) -> dict[str, Any]:
+def run_all(cfg: Config, plan: TracePlan, tmp: Path, plot_to: Path | None) -> dict[str, Any]:
+    """Calibrate, then play each variant; ``plot_to``: the results JSON, its plots ``<stem>-<variant>.png``."""
     with bc.store_root("local", tmp, "goodput") as root:
-        rates = calibrate(cfg, plan, root, tmp)
+        with LoadSampler() as sampler:
+            rates = calibrate(cfg, plan, root, tmp)
+        load: dict[str, LoadSummary | None] = {"calibration": sampler.summary()}
         results: dict[str, Goodput] = {}
         launches: dict[str, int] = {}
         errors: dict[str, str] = {}
@@ -255,8 +348,9 @@ def run_all(cfg: Config, plan: TracePlan, tmp: Path, plot_dir: Path | None) -> d
             print(f"run {variant} ...", file=sys.stderr, flush=True)
             store, workdir = f"{root}/{variant}", tmp / variant
             try:
-                played = (play_restart(cfg, plan, store, workdir) if variant == "restart"
-                          else play_elastic(variant, cfg, plan, store, workdir))
+                with LoadSampler() as sampler:
+                    played = (play_restart(cfg, plan, store, workdir) if variant == "restart"
+                              else play_elastic(variant, cfg, plan, store, workdir))
             except bc.BenchError:
                 raise
             except Exception as exc:  # a failed variant is reported, the others still count
@@ -265,15 +359,25 @@ def run_all(cfg: Config, plan: TracePlan, tmp: Path, plot_dir: Path | None) -> d
                 continue
             results[variant] = g = measure(played, plan, rates, cfg)
             launches[variant] = played.launches
-            print(f"run {variant}: goodput {g.goodput:.3f}, {g.useful_samples:,} samples, final step {g.final_step}, "
-                  f"rolled back {g.steps_rolled_back}", file=sys.stderr, flush=True)
-            if plot_dir is not None:
-                plot_dir.mkdir(parents=True, exist_ok=True)
-                plot_goodput_timeline(plot_dir / f"goodput-{variant}.png", analyze(played.events), t0=played.t0,
-                                      duration_s=plan.duration_s, availability=plan.availability,
-                                      title=f"{LABELS[variant]}: goodput {g.goodput:.2f} on {plan.trace}",
+            load[variant] = sampler.summary()
+            print(f"run {variant}: goodput {g.goodput_own_pace:.3f} at its own pace, {g.goodput:.3f} against the "
+                  f"calibration (step time x{g.step_time_ratio or float('nan'):.2f}), {g.useful_samples:,} samples, "
+                  f"final step {g.final_step}, rolled back {g.steps_rolled_back}, load {_load_text(load[variant])}",
+                  file=sys.stderr, flush=True)
+            if plot_to is not None:
+                plot_to.parent.mkdir(parents=True, exist_ok=True)
+                plot_goodput_timeline(plot_to.with_name(f"{plot_to.stem}-{variant}.png"), analyze(played.events),
+                                      t0=played.t0, duration_s=plan.duration_s, availability=plan.availability,
+                                      title=f"{LABELS[variant]}: goodput {g.goodput_own_pace:.2f} at its own pace "
+                                            f"({g.goodput:.2f} against the calibration) on {plan.trace}",
                                       phases=g.lost_phases_s)
-    return {"rates": rates, "results": results, "launches": launches, "errors": errors}
+    return {"rates": rates, "results": results, "launches": launches, "errors": errors, "load": load}
+
+
+def _load_text(load: LoadSummary | None) -> str:
+    if load is None:
+        return "-"
+    return f"{load.load_1m:.1f} (max {load.load_1m_max:.1f}), other processes {load.others_cores:.2f} cores"
 
 
 def summarize(out: dict[str, Any], plan: TracePlan, cfg: Config) -> dict[str, Any]:
@@ -284,7 +388,10 @@ def summarize(out: dict[str, Any], plan: TracePlan, cfg: Config) -> dict[str, An
     results: dict[str, Goodput] = out["results"]
     spot = {v: cost_per_m_samples(g.useful_samples, plan.availability, plan.duration_s, price.spot_per_hour)
             for v, g in results.items()}
-    summary: dict[str, Any] = {SUMMARY_KEY[v]: (results[v].goodput if v in results else None) for v in VARIANTS}
+    summary: dict[str, Any] = {SUMMARY_KEY[v]: (results[v].goodput_own_pace if v in results else None)
+                               for v in VARIANTS}
+    summary |= {f"{v}_goodput_vs_calibration": (results[v].goodput if v in results else None) for v in VARIANTS}
+    summary |= {f"{v}_step_time_ratio": (results[v].step_time_ratio if v in results else None) for v in VARIANTS}
     first = next(iter(results), None)
     return summary | {
         "trace": plan.describe(),
@@ -298,27 +405,40 @@ def summarize(out: dict[str, Any], plan: TracePlan, cfg: Config) -> dict[str, An
         "ours_leave": cfg.leave, "ours_leave_lead_s": cfg.leave_lead,  # None: measured by the product
         "ours_leave_leads_s": list(results["ours"].leave_leads_s) if "ours" in results else None,
         "preemptions": plan.preemptions, "waves": len(plan.waves), "launches": out["launches"],
-        "errors": out["errors"]}
+        "errors": out["errors"], "load": {k: asdict(v) if v else None for k, v in out.get("load", {}).items()},
+        "step_time_ratio_by_size": {v: {str(k): r for k, r in ratio_by_size(g.ring_paces).items()}
+                                    for v, g in results.items()}}
 
 
 def table(out: dict[str, Any], summary: dict[str, Any]) -> str:
     rows: list[list[Any]] = []
+    loads: dict[str, LoadSummary | None] = out.get("load", {})
     for v in (v for v in VARIANTS if v in out["results"] or v in out["errors"]):
         if v not in out["results"]:  # it ran and failed: the table says so, with why
-            rows.append([LABELS[v], "failed", "-", "-", "-", "-", "-", "-", "-", out["errors"][v]])
+            rows.append([LABELS[v], "failed", *["-"] * 11, out["errors"][v]])
             continue
         g = out["results"][v]
-        lost = "; ".join(f"{k} {s:.0f} s" for k, s in g.lost_phases_s.items() if s >= 0.5)
+        lost = "; ".join(f"{k} {s:.0f} s" for k, s in g.lost_phases_s.items() if abs(s) >= 0.5)
         cost = summary["cost_per_m_samples_spot_by_variant"].get(v)
-        rows.append([LABELS[v], f"{g.goodput:.3f}", f"{g.useful_samples:,}", f"{g.ideal_samples:,.0f}",
-                     g.final_step, g.steps_rolled_back, g.steps_redone, out["launches"][v],
-                     f"{cost:.3f}" if cost else "-", lost or "-"])
+        by_size = ", ".join(f"{k}: {r:.2f}" for k, r in ratio_by_size(g.ring_paces).items())
+        load = loads.get(v)
+        rows.append([LABELS[v], f"{g.goodput_own_pace:.3f}", f"{g.goodput:.3f}",
+                     f"{g.step_time_ratio:.2f}" if g.step_time_ratio else "-", by_size or "-",
+                     f"{load.load_1m:.1f} ({load.load_1m_max:.1f})" if load else "-",
+                     f"{load.others_cores:.2f}" if load else "-", f"{g.useful_samples:,}", g.final_step,
+                     g.steps_rolled_back, g.steps_redone, out["launches"][v], f"{cost:.3f}" if cost else "-",
+                     lost or "-"])
     od = summary["cost_per_m_samples_on_demand"]
-    return (bc.markdown_table(("variant", "goodput", "useful samples", "ideal samples", "final step",
-                               "steps rolled back (max)", "steps trained twice", "launches", "spot $ / M samples",
-                               "lost time"), rows)
+    cal = loads.get("calibration")
+    ideal = summary.get("ideal_samples")
+    return (bc.markdown_table(("variant", "goodput at its own pace", "goodput against the calibration",
+                               "step time / calibration", "by ring size", "load 1 min (max)",
+                               "other processes' cores", "useful samples", "final step", "steps rolled back (max)",
+                               "steps trained twice", "launches", "spot $ / M samples", "lost time"), rows)
             + f"\n\nSame work on demand: {od:.3f} $ / M samples ({summary['instance_type']}). r(k) samples/s: "
-            + ", ".join(f"{k}: {r:,.1f}" for k, r in out["rates"].items()) + _leads(summary) + "\n")
+            + ", ".join(f"{k}: {r:,.1f}" for k, r in out["rates"].items())
+            + (f" (ideal {ideal:,.0f} samples)" if ideal else "")
+            + (f"; the calibration's load: {_load_text(cal)}" if cal else "") + _leads(summary) + "\n")
 
 
 def _leads(summary: dict[str, Any]) -> str:
@@ -371,12 +491,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--calibration-s must be > 0 and --warmup-steps >= 1")
     if cfg.leave_lead is not None and not cfg.leave_lead >= 0:
         p.error(f"--leave-lead must be zero or more seconds, not {cfg.leave_lead}")
-    plan = load_plan(args, HOST_ALIASES, window_s=args.window)  # a TraceError names the line or option
+    plan = load_plan(args, HOSTS, window_s=args.window)  # a TraceError names the line or option
     print(f"trace: {plan.describe()}", file=sys.stderr, flush=True)
     # our workers have normally left before their deadline: the emulator's undeliverable SIGTERM is expected
     logging.getLogger("hvd_transient.testing.metadata_emulator.registry").setLevel(logging.ERROR)
-    plot_dir = args.out.parent if args.plot else None
-    out, elapsed, machine = bc.measured("goodput", lambda tmp: run_all(cfg, plan, tmp, plot_dir), args.tmpdir,
+    plot_to = args.out if args.plot else None
+    out, elapsed, machine = bc.measured("goodput", lambda tmp: run_all(cfg, plan, tmp, plot_to), args.tmpdir,
                                         args.keep)
     if not out["results"]:
         print("goodput: every variant failed:\n" + "\n".join(out["errors"].values()), file=sys.stderr)
@@ -384,14 +504,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(out, plan, cfg)
     markdown = f"Trace: {summary['trace']}.\n\n{table(out, summary)}"
     print(markdown, flush=True)
-    rows = [asdict(g) | {"goodput": g.goodput} for g in out["results"].values()]
+    rows = [asdict(g) | {"goodput": g.goodput, "goodput_own_pace": g.goodput_own_pace,
+                         "load": asdict(load) if (load := out["load"].get(v)) else None}
+            for v, g in out["results"].items()]
     return bc.publish(args.out, name="goodput", summary=summary, rows=rows,
                       params=asdict(cfg) | {"trace": args.trace, "options": asdict(plan.options),
                                             "hosts": plan.hosts, "availability": plan.availability,
                                             "actions": [a.describe() for a in plan.actions]},
                       notes=["goodput = samples in the final model / ideal; ideal = integral of r(n(t)) dt, r "
                              "calibrated on plain Horovod rings in the same run",
-                             "plots: goodput-<variant>.png beside the results"],
+                             "goodput at its own pace: the ideal at the variant's steady step time (its rings' "
+                             "median progress rate after warm-up, weighted median of their step-time ratios "
+                             "against the calibration): every variant judged on the machine state it ran on",
+                             "load: medians of 5 s samples during each variant's run; other processes' cores = "
+                             "cores busy (/proc/stat) less those of this benchmark's processes",
+                             f"plots: {args.out.stem}-<variant>.png beside the results"],
                       machine=machine, elapsed=elapsed, markdown=markdown, plot=None)
 
 

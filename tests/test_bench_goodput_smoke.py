@@ -2,7 +2,9 @@
 
 Two VMs, one preempted with a notice 10 s into a 20 s window, hvd-transient only (the baselines take as long
 again each). The figures must hold together: 0 steps rolled back, goodput in [0, 1], the ideal recomputed
-from the calibration and n(t) the bench wrote, the useful samples those of the ideal times the goodput.
+from the calibration and n(t) the bench wrote, the useful samples those of the ideal times the goodput; the
+goodput at the run's own pace that against the calibration times the step-time ratio, the lost time's
+phases adding up to the loss, and the load sampled during the run.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_transient.report.goodput import ideal_samples
+from hvd_transient.report.goodput import CHECKPOINT_STALLS, REMAINDER, SLOWER_STEADY, ideal_samples
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -37,7 +39,8 @@ def test_goodput_bench_on_a_tiny_trace(tmp_path: Path) -> None:
     assert summary["trace"].startswith("tiny.csv (parcae)") and summary["preemptions"] == 1
     assert summary["ours_steps_rolled_back"] == 0
     assert summary["ours_leave_leads_s"] == [None]  # a 6 s window is shorter than the first lead: at once
-    assert 0.0 < summary["ours_goodput"] <= 1.0
+    g_cal, ratio = summary["ours_goodput_vs_calibration"], summary["ours_step_time_ratio"]
+    assert 0.0 < g_cal <= 1.0
     assert summary["horovod_elastic_goodput"] is None and summary["restart_goodput"] is None  # not run
     rates = {int(k): v for k, v in summary["calibration_samples_per_s"].items()}
     assert set(rates) == {1, 2} and all(r > 0 for r in rates.values())
@@ -45,11 +48,29 @@ def test_goodput_bench_on_a_tiny_trace(tmp_path: Path) -> None:
     assert availability == [(0.0, 2), (10.0, 1)]
     assert summary["ideal_samples"] == pytest.approx(ideal_samples(availability, rates, 20.0))
     (row,) = doc["rows"]
-    assert row["useful_samples"] == pytest.approx(summary["ours_goodput"] * summary["ideal_samples"])
+    assert row["useful_samples"] == pytest.approx(g_cal * summary["ideal_samples"])
+    # the same machine state: the ring's steady steps against the calibration's, and the goodput at that pace
+    assert 0.2 < ratio < 5.0 and summary["ours_goodput"] == pytest.approx(g_cal * ratio)
+    by_size = summary["step_time_ratio_by_size"]["ours"]
+    assert by_size and set(by_size) <= {"1", "2"} and all(0.2 < r < 5.0 for r in by_size.values())
+    assert all(p["size"] in (1, 2) and p["steady_s"] > 0 and p["steps_per_s"] > 0 for p in row["ring_paces"])
+    # the lost time names what it holds, and its phases (the remainder signed) add up to the loss
+    phases = row["lost_phases_s"]
+    assert {SLOWER_STEADY, CHECKPOINT_STALLS, REMAINDER} <= set(phases) and "other" not in " ".join(phases)
+    assert phases[SLOWER_STEADY] == pytest.approx(20.0 * g_cal * (ratio - 1.0))
+    assert phases[CHECKPOINT_STALLS] >= 0.0
+    assert sum(phases.values()) == pytest.approx(20.0 * (1.0 - g_cal), abs=0.01)
+    # the machine during the run: sampled every 5 s, the benchmark's own cores told apart from the others'
+    cores = doc["machine"]["cores"]
+    for load in (summary["load"]["ours"], summary["load"]["calibration"], row["load"]):
+        assert load["samples"] >= 1 and 0.0 <= load["load_1m"] <= load["load_1m_max"]
+        assert 0.0 <= load["others_cores"] <= load["busy_cores"] <= cores + 0.5
     assert row["useful_samples"] % 32 == 0  # whole steps of whole batches
     assert 0 < summary["cost_per_m_samples_on_demand"] and 0 < summary["cost_per_m_samples_spot"]
     assert (out.parent / "goodput-ours.png").read_bytes()[:8] == PNG_MAGIC
-    assert "| hvd-transient |" in out.with_suffix(".md").read_text()
+    markdown = out.with_suffix(".md").read_text()
+    assert "| hvd-transient |" in markdown
+    assert "| step time / calibration |" in markdown and "| other processes' cores |" in markdown
     work = tmp_path / "work"
     assert not any(work.iterdir()), f"left behind: {list(work.iterdir())}"
 
