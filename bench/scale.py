@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import resource
 import statistics
 import subprocess
@@ -144,6 +145,9 @@ def run_ring(n: int, store: str, root: str, work: Path, cfg: Config) -> dict[str
     j = next((j for j in run.joins if j.host == spare), None) if join else None
     if j is not None and (j.size != n or j.t < p.resumed_at):
         raise bc.BenchError(f"N={n}: {spare} joined before the survivors of {target}'s departure resumed")
+    join_reset = min((e["t"] for e in events if e.get("event") == "reset" and e.get("host") in survivors
+                      and j is not None and j.stalled_from is not None and j.stalled_from < e["t"] <= j.t),
+                     default=None)
     notice = requests(reqs, notice_at, p.departed_at)
     commit = requests(reqs, p.agreed_at or notice_at, p.commit_at or p.departed_at, ckpt_only=True)
     return {"n": n, "store": store, **step_costs(steps, n, notice_at),
@@ -151,6 +155,15 @@ def run_ring(n: int, store: str, root: str, work: Path, cfg: Config) -> dict[str
             "notice_to_committed_ms": ms(p.commit_at, p.notice_at),
             "departure_stall_ms": ms(p.resumed_at, max(last)) if last else None,
             "join_stall_ms": j.stall_s * 1e3 if j is not None and j.stall_s is not None else None,
+            # where a stall goes: the survivors' last step -> their reset (Horovod: the interrupt, the driver's
+            # rendezvous, hvd.init) -> the new ring (state sync, fit resumes, the plugin's allgather and lease)
+            # -> their first step on it
+            "departure_phases_ms": {"last_step_to_reset": ms(p.reset_at, max(last) if last else None),
+                                    "reset_to_ring": ms(p.ring_at, p.reset_at),
+                                    "ring_to_first_step": ms(p.resumed_at, p.ring_at)},
+            "join_phases_ms": {"last_step_to_reset": ms(join_reset, j.stalled_from if j else None),
+                               "reset_to_ring": ms(j.t if j else None, join_reset),
+                               "ring_to_first_step": ms(j.resumed_at if j else None, j.t if j else None)},
             "notice_requests": notice["requests"], "notice_requests_per_rank": notice["requests"] / n,
             "commit_requests": commit["requests"], "commit_writes": commit["writes"],
             "commit_data_writers": commit["data_writers"], "data_writes_per_writer": commit["data_writes_per_writer"],
@@ -200,7 +213,6 @@ def run_all(cfg: Config, tmp: Path) -> list[dict[str, Any]]:
 
 
 def load() -> list[float]:
-    import os
     return [round(x, 2) for x in os.getloadavg()]
 
 
@@ -274,6 +286,18 @@ def extrapolation(m: Mapping[str, Any]) -> str:
     return f"{bc.markdown_table(head, rows)}\n\nFirst N reaching each limit: {firsts}\n"
 
 
+def phase_table(by: Mapping[tuple[int, str], Mapping[str, Any]], sizes: Sequence[int]) -> str:
+    names = ("last_step_to_reset", "reset_to_ring", "ring_to_first_step")
+
+    def cells(r: Mapping[str, Any], key: str) -> list[str]:
+        return ["-" if (v := r.get(key, {}).get(name)) is None else f"{v:,.0f}" for name in names]
+
+    rows = [[n, *cells(by[n, "local"], "departure_phases_ms"), *cells(by[n, "local"], "join_phases_ms")]
+            for n in sizes if (n, "local") in by]
+    heads = ("last step -> reset", "reset -> ring", "ring -> first step")
+    return bc.markdown_table(("N", *(f"departure: {h}" for h in heads), *(f"join: {h}" for h in heads)), rows)
+
+
 def discovery_table(discovery: Mapping[tuple[int, str], Mapping[str, Any]]) -> str:
     stores = sorted({s for _, s in discovery})
     rows = [[n, *(f"{r['discovery_cpu_ms']:,.1f} / {r['discovery_search_cpu_ms']:,.1f}"
@@ -282,29 +306,34 @@ def discovery_table(discovery: Mapping[tuple[int, str], Mapping[str, Any]]) -> s
                              rows)
 
 
-def make_plot(path: Path, by: Mapping[tuple[int, str], Mapping[str, Any]], sizes: Sequence[int]) -> Path | None:
+def make_plot(path: Path, by: Mapping[tuple[int, str], Mapping[str, Any]], sizes: Sequence[int],
+              discovery: Mapping[tuple[int, str], Mapping[str, Any]]) -> Path | None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = (("per-step plugin cost, ms", ("step_ms", "step_ms_p99", "step_cpu_ms")),
+    panels = (("per-step plugin cost, ms", ("step_ms", "step_ms_p99", "step_cpu_ms", "step_cpu_ms_p99")),
               ("notice round, ms", ("round_ms", "round_cpu_ms")),
               ("notice -> committed, ms",
                ("notice_to_agreed_ms", "notice_to_committed_ms", "gcs:notice_to_committed_ms")),
               ("stalls, ms", ("departure_stall_ms", "join_stall_ms")),
               ("store requests per rank", ("notice_requests_per_rank", "commit_requests_per_rank")),
-              ("discovery CPU per call, ms", ("discovery_cpu_ms", "discovery_search_cpu_ms")))
+              ("discovery CPU per call, ms (N hosts, N leaving records)",
+               ("discovery_cpu_ms", "discovery_search_cpu_ms", "gcs:discovery_cpu_ms", "gcs:discovery_search_cpu_ms")))
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, keys) in zip(axes.flat, panels):
+        source = discovery if title.startswith("discovery") else by
+        ns = sorted({n for n, _ in source})
         for key in keys:
             store, _, name = key.rpartition(":")
-            pts = [(n, v) for n in sizes if (v := by.get((n, store or "local"), {}).get(name)) is not None]
+            pts = [(n, v) for n in ns if (v := source.get((n, store or "local"), {}).get(name)) is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=key)
+                ax.plot(*zip(*pts), marker="o", label=key if store else f"local:{key}")
         ax.set(title=title, xlabel="workers (N)", xscale="log", ylim=(0, None))
-        ax.set_xticks(list(sizes), [str(n) for n in sizes])
+        ax.minorticks_off()
+        ax.set_xticks(ns, [str(n) for n in ns])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("hvd-transient costs against ring size (local workers)")
+    fig.suptitle(f"hvd-transient costs against ring size (local workers sharing {os.cpu_count()} cores)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -341,13 +370,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                "discovery": {f"{s}:{n}": r for (n, s), r in discovery.items()},
                "cores": machine["cores"]}
     markdown = (f"small_cnn, {cfg.window_s:g} s notice, {machine['cores']} cores.\n\n{table(by, sizes)}\n\n"
+                f"**Where a stall goes** (ms, local store)\n\n{phase_table(by, sizes)}\n\n"
                 f"**Discovery** (`hvd-transient discover`, N hosts, N leaving records)\n\n"
                 f"{discovery_table(discovery)}\n\n"
                 f"**Extrapolation** (`hvd_transient.report.scaling`, inputs from this run)\n\n{extrapolation(m)}")
     print(markdown, flush=True)
     return bc.publish(args.out, name="scale", summary=summary, rows=rows, params=asdict(cfg), notes=NOTES,
                       machine=machine, elapsed=elapsed, markdown=markdown,
-                      plot=(lambda png: make_plot(png, by, sizes)) if args.plot else None)
+                      plot=(lambda png: make_plot(png, by, sizes, discovery)) if args.plot else None)
 
 
 NOTES = ["one worker per local host alias (spellings of 127.0.0.1), each an emulated GCE VM; every worker shares "
