@@ -35,6 +35,6 @@ def test_each_limit_is_reached_where_its_arithmetic_says() -> None:
     assert p.commit_writes == 2052 and p.write_rate == pytest.approx(2052.0)
     assert p.discovery_s == pytest.approx(10.25) and p.round_s == pytest.approx(0.010)
     assert set(p.reached) == {"bucket write rate", "discovery", "notice allreduce"}
-    # 2N+4 writes in 1 s reach 1,000/s at N=512; (1+N) x 10 ms reach 1 s at N=128; 1 ms x log2 N never 10 ms first
-    assert first_limits(inp) == {"discovery": 128, "bucket write rate": 512, "notice allreduce": 1024,
+    # (1+N) x 10 ms reach 1 s at N=99; 2N+4 writes in 1 s reach 1,000/s at N=498; 1 ms x log2 N 10 ms at 1,024
+    assert first_limits(inp) == {"discovery": 99, "bucket write rate": 498, "notice allreduce": 1024,
                                  "commit window": None}

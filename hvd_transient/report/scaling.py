@@ -101,13 +101,11 @@ def predict(inp: ScalingInputs, n: int) -> Prediction:
 
 
 def first_limits(inp: ScalingInputs, up_to: int = 1 << 16) -> dict[str, int | None]:
-    """Per limit, the smallest power-of-two N that reaches it (None: not up to ``up_to``), earliest first."""
+    """Per limit, the smallest N that reaches it (None: not up to ``up_to``), earliest first."""
     found: dict[str, int | None] = {}
-    n = 2
-    while n <= up_to:
+    for n in range(2, up_to + 1):
         for name in predict(inp, n).reached:
             found.setdefault(name, n)
-        n *= 2
     names = predict(inp, 2).use
     return dict(sorted(((k, found.get(k)) for k in names), key=lambda kv: kv[1] or math.inf))
 
