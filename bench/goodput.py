@@ -63,6 +63,7 @@ DEFAULT_TRACE = bc.REPO / "bench" / "traces" / "oobleck-p3-first-2h.csv"
 MORE_ALIASES = ("127.0.0.01", "0177.0.0.1", "0x7f.1", "127.00.0.1", "0x7f.0.0.1", "127.0.0.001", "0177.1", "0x7f.0.1")
 HOSTS = HOST_ALIASES + tuple(a for a in MORE_ALIASES if a not in HOST_ALIASES)
 LOAD_EVERY_S = 5.0
+CALIBRATION_LAUNCHES = 3
 
 
 @dataclass(frozen=True)
@@ -206,32 +207,52 @@ class LoadSampler:
 
 def calibrate(cfg: Config, plan: TracePlan, root: str, tmp: Path) -> dict[int, float]:
     """r(k), samples/s of a plain Horovod ring of k, for each k > 0 the window's n(t) takes: one launch on the
-    largest ring, measured, then one host killed at a time (each size measured after its own warm-up)."""
+    largest ring, measured, then one host killed at a time (each size measured after its own warm-up). Gloo can
+    abort every survivor of a kill (a larger ring on a loaded machine does): the job is then launched afresh on
+    the size it was going to, at most ``CALIBRATION_LAUNCHES`` times."""
     sizes = sorted({n for _, n in plan.availability if n > 0}, reverse=True)
     rates: dict[int, float] = {}
-    spec = _spec("horovod_elastic", f"{root}/calibrate", HOSTS[:sizes[0]], tmp / "calibrate", cfg, plan)
-    with LocalCluster(spec) as cluster:
-        size = sizes[0]
-        for k in sizes:
-            while size > k:  # shrink: the last host goes at once (a kill; Horovod resets the survivors)
-                cluster.preempt(HOSTS[size - 1], window_s=0.1)
-                size -= 1
-            print(f"calibrating a ring of {k} ...", file=sys.stderr, flush=True)
-            since = time.time()
-            first = cluster.wait_for(lambda ev: [e["step"] for e in ev if e.get("event") == "first_step"
-                                                 and e["size"] == k and e["t"] >= since - 1.0], START_TIMEOUT_S,
-                                     f"a ring of {k}")
-            cluster.wait_for_step(max(first) + cfg.warmup_steps, START_TIMEOUT_S, size=k)
-            begin = time.time()
-            time.sleep(cfg.calibration_s)  # the measurement itself: a fixed span of steady training
-            points = [p for p in analyze(cluster.events()).progress if p.t >= begin and p.size == k]
-            if len(points) < 2 or points[-1].t <= points[0].t:
-                raise bc.BenchError(f"a ring of {k} made too little progress in {cfg.calibration_s:g} s to "
-                                    "measure; raise --calibration-s")
-            steps_per_s = (points[-1].step - points[0].step) / (points[-1].t - points[0].t)
-            rates[k] = steps_per_s * k * cfg.batch_size
-            print(f"r({k}) = {rates[k]:,.1f} samples/s ({steps_per_s:.2f} steps/s)", file=sys.stderr, flush=True)
+    for launch in range(1, CALIBRATION_LAUNCHES + 1):
+        todo = [k for k in sizes if k not in rates]
+        if not todo:
+            break
+        spec = _spec("horovod_elastic", f"{root}/calibrate-{launch}", HOSTS[:todo[0]], tmp / f"calibrate-{launch}",
+                     cfg, plan)
+        try:
+            with LocalCluster(spec) as cluster:
+                size = todo[0]
+                for k in todo:
+                    while size > k:  # shrink: the last host goes at once (a kill; Horovod resets the survivors)
+                        cluster.preempt(HOSTS[size - 1], window_s=0.1)
+                        size -= 1
+                    rates[k] = _measure_ring(cluster, k, cfg)
+        except ClusterError as exc:
+            if launch == CALIBRATION_LAUNCHES:
+                raise bc.BenchError(f"the calibration's plain Horovod job died {launch} times; the last: "
+                                    f"{str(exc).splitlines()[0]}") from exc
+            log.warning("calibration: plain Horovod's job died (%s); launching it afresh on a ring of %d",
+                        str(exc).splitlines()[0], max(k for k in sizes if k not in rates))
     return dict(sorted(rates.items()))
+
+
+def _measure_ring(cluster: LocalCluster, k: int, cfg: Config) -> float:
+    """Samples/s of the cluster's ring of ``k``, over ``calibration_s`` after its warm-up."""
+    print(f"calibrating a ring of {k} ...", file=sys.stderr, flush=True)
+    since = time.time()
+    first = cluster.wait_for(lambda ev: [e["step"] for e in ev if e.get("event") == "first_step"
+                                         and e["size"] == k and e["t"] >= since - 1.0], START_TIMEOUT_S,
+                             f"a ring of {k}")
+    cluster.wait_for_step(max(first) + cfg.warmup_steps, START_TIMEOUT_S, size=k)
+    begin = time.time()
+    _sleep_until(cluster, begin + cfg.calibration_s)  # the measurement itself: a fixed span of steady training
+    points = [p for p in analyze(cluster.events()).progress if p.t >= begin and p.size == k]
+    if len(points) < 2 or points[-1].t <= points[0].t:
+        raise bc.BenchError(f"a ring of {k} made too little progress in {cfg.calibration_s:g} s to "
+                            "measure; raise --calibration-s")
+    steps_per_s = (points[-1].step - points[0].step) / (points[-1].t - points[0].t)
+    rate = steps_per_s * k * cfg.batch_size
+    print(f"r({k}) = {rate:,.1f} samples/s ({steps_per_s:.2f} steps/s)", file=sys.stderr, flush=True)
+    return rate
 
 
 # ------------------------------------------------------------------------------------------------- variants
@@ -355,7 +376,8 @@ def run_all(cfg: Config, plan: TracePlan, tmp: Path, plot_to: Path | None) -> di
                 raise
             except Exception as exc:  # a failed variant is reported, the others still count
                 log.error("run %s failed: %s", variant, exc)
-                errors[variant] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                errors[variant] = _why(exc)
+                load[variant] = sampler.summary()
                 continue
             results[variant] = g = measure(played, plan, rates, cfg)
             launches[variant] = played.launches
@@ -372,6 +394,14 @@ def run_all(cfg: Config, plan: TracePlan, tmp: Path, plot_to: Path | None) -> di
                                             f"({g.goodput:.2f} against the calibration) on {plan.trace}",
                                       phases=g.lost_phases_s)
     return {"rates": rates, "results": results, "launches": launches, "errors": errors, "load": load}
+
+
+def _why(exc: Exception) -> str:
+    """A failed run in one line: the error's first line, and the job's own last word on why (gloo's abort,
+    Horovod's driver giving up) where its log tail has one."""
+    lines = f"{type(exc).__name__}: {exc}".splitlines()
+    said = [ln.split(">:", 1)[-1].strip() for ln in lines[1:] if "what():" in ln or "failure count" in ln]
+    return lines[0].removesuffix("; log tail:") + (f" ({said[-1]})" if said else "")
 
 
 def _load_text(load: LoadSummary | None) -> str:
