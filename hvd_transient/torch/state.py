@@ -1,0 +1,111 @@
+"""The elastic state of a PyTorch training job: Horovod's ``TorchState`` that knows its step, its data
+position and its learning-rate scaling, and survives the whole cluster being lost (cold restore).
+
+:func:`elastic_state` replaces ``hvd.elastic.TorchState(model, optimizer, **kwargs)`` in a script.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from hvd_transient.core.checksums import state_crc
+from hvd_transient.frontend.position import DataPosition
+from hvd_transient.frontend.restore import latest_checkpoint, restored_counters, restored_summary
+from hvd_transient.torch.tensors import META_KEY, load_state, state_tensors, to_host
+
+log = logging.getLogger(__name__)
+
+#: the counters the state keeps besides the script's own: optimizer steps taken, the global sample
+#: offset (:mod:`hvd_transient.core.data_position`), and the ring size the learning rates are scaled for
+COUNTERS = {"step": 0, "samples": 0, "lr_size": 1}
+
+
+def elastic_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None = None, *,
+                  store: str, **kwargs: Any) -> Any:
+    """``hvd.elastic.TorchState`` that survives the whole cluster being lost, and knows its data position.
+
+    ``kwargs`` are the script's own values (e.g. ``epoch=0``), saved, restored and synced as Horovod
+    does. The state adds ``step`` (optimizer steps taken, advanced by
+    :meth:`~hvd_transient.torch.Transient.after_step`), ``samples`` (the global sample offset that
+    :func:`~hvd_transient.torch.elastic_batches` reads) and ``lr_size``. A ``scheduler`` (a learning-rate
+    scheduler) is saved, restored and synced with the optimizer.
+
+    On a cold start rank 0 restores the latest committed checkpoint of ``store`` (resharded from
+    whatever number of ranks wrote it), and Horovod's state sync broadcasts it.
+    """
+    import horovod.torch as hvd
+
+    for key in COUNTERS:
+        if key in kwargs:
+            raise ValueError(f"{key!r} is the state's own counter; name the script's value otherwise")
+    counters = {**COUNTERS, **kwargs}
+    restored = None
+    if hvd.rank() == 0:  # a worker joining a live job never has rank 0: it gets the ring's state by sync
+        ckpt = latest_checkpoint(store)
+        if ckpt is not None:
+            load_state(model, optimizer, scheduler, ckpt.tensors, ckpt.metadata.get(META_KEY, {}))
+            counters = restored_counters(ckpt.metadata, counters)
+            restored = restored_summary(ckpt)
+    state = _state_class(hvd.elastic.TorchState)(model, optimizer, scheduler, **counters)
+    state.hvdt_restored = restored
+    return state
+
+
+def replicated_crc(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Checksum of the state that data parallelism keeps identical on every rank.
+
+    Parameters and optimizer state are; buffers such as batch-norm running statistics are not (each
+    rank updates them from its own batches), so they are left out.
+    """
+    params = {"model/" + name for name, _ in model.named_parameters()}
+    return state_crc({name: to_host(t) for name, t in state_tensors(model, optimizer).items()
+                      if name in params or name.startswith("optimizer/")})
+
+
+def full_crc(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    return state_crc({name: to_host(t) for name, t in state_tensors(model, optimizer).items()})
+
+
+def _state_class(base: type) -> type:
+    class TransientTorchState(base):  # type: ignore[misc]
+        """Horovod's TorchState with the counters of :data:`COUNTERS` and a learning-rate scheduler.
+
+        Horovod saves, restores and broadcasts the counters with the model. It broadcasts the *saved*
+        attributes but the *live* model and optimizer: ``sync`` sends the live counters, the ones that
+        match them (after a removal there was no restore; after a rollback, live and saved agree).
+        """
+
+        def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None,
+                     **kwargs: Any) -> None:
+            self.hvdt_position = DataPosition()
+            self.hvdt_transient: Any = None  # the Transient hook driving this state, once made
+            self.hvdt_scheduler = scheduler
+            self._hvdt_saved_scheduler = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
+            super().__init__(model, optimizer, **kwargs)
+
+        def save(self) -> None:
+            if self.hvdt_scheduler is not None:
+                self._hvdt_saved_scheduler = copy.deepcopy(self.hvdt_scheduler.state_dict())
+            super().save()
+
+        def restore(self) -> None:
+            if self.hvdt_scheduler is not None:
+                self.hvdt_scheduler.load_state_dict(copy.deepcopy(self._hvdt_saved_scheduler))
+            super().restore()
+
+        def sync(self) -> None:
+            for key in COUNTERS:
+                self._saved_state[key] = getattr(self, key)
+            super().sync()
+            if self.hvdt_scheduler is not None:
+                from hvd_transient.torch.collectives import TorchCollectives
+
+                # JSON, not Horovod's pickled broadcast_object
+                synced = TorchCollectives().broadcast_json(self.hvdt_scheduler.state_dict(), 0, name="scheduler")
+                self.hvdt_scheduler.load_state_dict(synced)
+                self._hvdt_saved_scheduler = copy.deepcopy(synced)
+
+    return TransientTorchState

@@ -1,0 +1,102 @@
+"""A PyTorch training state as named tensors and JSON: what a checkpoint holds, and its restore.
+
+The model's ``state_dict`` tensors are ``model/<key>``; the optimizer's per-parameter state tensors
+``optimizer/<param index>/<key>``. What is not a tensor (the optimizer's parameter groups and
+hyperparameters, non-tensor per-parameter values, a learning-rate scheduler's ``state_dict``) goes
+into the checkpoint's JSON metadata under ``torch``. Nothing is pickled.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ckpt_service.plan import TensorSpec, TensorSpecs
+
+MODEL, OPTIMIZER = "model/", "optimizer/"
+#: the checkpoint metadata key of the state's JSON part
+META_KEY = "torch"
+
+_NUMPY_DTYPES: dict[torch.dtype, str] = {}
+
+
+def numpy_dtype(dtype: torch.dtype) -> str:
+    """The numpy dtype name of a torch dtype a checkpoint can hold (bfloat16 and the like cannot)."""
+    if dtype not in _NUMPY_DTYPES:
+        try:
+            _NUMPY_DTYPES[dtype] = torch.empty((), dtype=dtype).numpy().dtype.name
+        except TypeError as exc:
+            raise TypeError(f"a checkpoint cannot hold torch {dtype} tensors (no numpy dtype); keep the "
+                            "checkpointed state in float16, float32 or float64") from exc
+    return _NUMPY_DTYPES[dtype]
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """Every tensor of the training state by its checkpoint name (the live tensors, not copies)."""
+    named = {MODEL + key: value for key, value in model.state_dict().items()}
+    if optimizer is not None:
+        for index, entry in optimizer.state_dict()["state"].items():
+            for key, value in entry.items():
+                if torch.is_tensor(value):
+                    named[f"{OPTIMIZER}{index}/{key}"] = value
+    return named
+
+
+def to_host(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A host array of ``tensor``: an alias of a host tensor's memory, one copy of a device tensor."""
+    array: np.ndarray[Any, Any] = tensor.detach().cpu().numpy()
+    return array
+
+
+def specs_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    return {name: TensorSpec(name, tuple(t.shape), numpy_dtype(t.dtype)) for name, t in tensors.items()}
+
+
+class SpecCache:
+    """The state's :class:`TensorSpecs`, made again only when a name, shape or dtype changed (an
+    optimizer makes its per-parameter state at its first step): the save then finds its cached plan."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._specs: TensorSpecs | None = None
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor]) -> TensorSpecs:
+        key = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+        if self._specs is None or key != self._key:
+            self._key, self._specs = key, TensorSpecs(specs_of(tensors))
+        return self._specs
+
+
+def json_part(optimizer: torch.optim.Optimizer | None, scheduler: Any | None) -> dict[str, Any]:
+    """The state's part that is not tensors, as JSON values (checked: it must survive a round trip)."""
+    part: dict[str, Any] = {}
+    if optimizer is not None:
+        sd = optimizer.state_dict()
+        part["param_groups"] = sd["param_groups"]
+        part["scalars"] = {str(index): {k: v for k, v in entry.items() if not torch.is_tensor(v)}
+                           for index, entry in sd["state"].items()}
+    if scheduler is not None:
+        part["scheduler"] = scheduler.state_dict()
+    try:
+        return dict(json.loads(json.dumps(part)))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"the optimizer's or scheduler's state holds a value JSON cannot carry: {exc}") from exc
+
+
+def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None,
+               tensors: Mapping[str, np.ndarray[Any, Any]], part: Mapping[str, Any]) -> None:
+    """Load a checkpoint's tensors and JSON part into the live model, optimizer and scheduler."""
+    model_sd = {name[len(MODEL):]: torch.from_numpy(np.array(array)) for name, array in tensors.items()
+                if name.startswith(MODEL)}
+    model.load_state_dict(model_sd)
+    if optimizer is not None and "param_groups" in part:
+        state: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in part.get("scalars", {}).items()}
+        for name, array in tensors.items():
+            if name.startswith(OPTIMIZER):
+                index, key = name[len(OPTIMIZER):].split("/", 1)
+                state.setdefault(int(index), {})[key] = torch.from_numpy(np.array(array))
+        optimizer.load_state_dict({"state": state, "param_groups": [dict(g) for g in part["param_groups"]]})
+    if scheduler is not None and "scheduler" in part:
+        scheduler.load_state_dict(dict(part["scheduler"]))

@@ -1,0 +1,174 @@
+"""End to end with PyTorch: real `horovodrun` over local host aliases running examples/torch_elastic.py.
+
+A worker's notice and the master's notice (the VM trains through its window, then leaves with nothing
+rolled back), and the whole cluster killed (kill -9) then relaunched at another size. Every worker logs
+the index of each sample it trains on: across all of it, each pass over the data is used exactly once.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_elastic_e2e import (
+    assert_all_committed_steps_verify,
+    cluster,
+    current_master,
+    expected_samples,
+    steps_by_host,
+)
+
+from ckpt_service.manager import CheckpointManager
+from hvd_transient.core.checksums import state_crc
+from hvd_transient.core.config import DEFAULT_LEAVE_LEAD_S
+from hvd_transient.testing.local_cluster import of
+
+pytest.importorskip("horovod.torch")
+pytestmark = pytest.mark.horovod
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = str(REPO / "examples" / "torch_elastic.py")
+BASE_LR = 0.01
+BATCH = 8
+SAMPLES = 200  # a pass every few dozen steps: each test crosses passes at several ring sizes
+
+
+def torch_cmd(store: str, samples_log: Path, *, epochs: int, steps: int = 20, save_every: int = 100000,
+              step_seconds: float = 0.05, notice_window: float = 30.0, leave: str | None = None) -> tuple[str, ...]:
+    return (sys.executable, EXAMPLE, "--store", store, "--model", "small_cnn", "--epochs", str(epochs),
+            "--steps-per-epoch", str(steps), "--batch-size", str(BATCH), "--samples", str(SAMPLES),
+            "--save-every", str(save_every), "--base-lr", str(BASE_LR), "--batches-per-commit", "5",
+            "--step-seconds", str(step_seconds), "--notice-window", str(notice_window),
+            "--log-samples", str(samples_log)) + (("--leave", leave) if leave else ())
+
+
+def trained_batches(samples_log: Path) -> dict[int, list[int]]:
+    """Step -> the global batch of sample indices that step trained, in the model's final history: of a
+    step trained more than once (before a relaunch, say), the ring that trained it last."""
+    records = [json.loads(line) for f in samples_log.glob("*.jsonl") for line in f.read_text().splitlines()]
+    latest: dict[int, dict] = {}
+    for r in records:
+        if r["step"] not in latest or r["t"] > latest[r["step"]]["t"]:
+            latest[r["step"]] = r
+    out = {}
+    for step, last in latest.items():
+        ring = sorted((r for r in records if r["step"] == step and r["ring"] == last["ring"]),
+                      key=lambda r: r["rank"])
+        assert [r["rank"] for r in ring] == list(range(last["size"])), (step, ring)
+        out[step] = [i for r in ring for i in r["ids"]]
+    return out
+
+
+def assert_each_sample_once_per_pass(samples_log: Path, last_step: int) -> int:
+    """Steps 1..last_step took consecutive stream positions: every full pass is a permutation of the data
+    set, and the last, partial one repeats no sample. Returns the number of samples trained."""
+    batches = trained_batches(samples_log)
+    assert sorted(batches) == list(range(1, last_step + 1)), "a step is missing from the history"
+    stream = [i for step in range(1, last_step + 1) for i in batches[step]]
+    for start in range(0, len(stream), SAMPLES):
+        chunk = stream[start:start + SAMPLES]
+        assert len(set(chunk)) == len(chunk), f"a sample repeated within the pass at {start}"
+        if len(chunk) == SAMPLES:
+            assert sorted(chunk) == list(range(SAMPLES)), f"the pass at {start} skipped samples"
+    return len(stream)
+
+
+def assert_left_through_window(events: list[dict], leaver: str, survivor: str, noticed_at: float,
+                               window_s: float) -> dict:
+    """The notice's emergency checkpoint committed at once; the leaver trained on until about its leave_at,
+    then left with nothing rolled back. Returns the agreed notice."""
+    (agreed,) = of(events, "notice_agreed", host=survivor)
+    (emergency,) = of(events, "commit", kind="emergency")
+    assert emergency["step"] == agreed["step"] and emergency["size"] == 2 and emergency["t"] < noticed_at + 5
+    assert emergency["host"] == survivor, "the master under notice must not be the one committing"
+    (published,) = of(events, "leave_published")
+    assert published["host"] == leaver and published["t"] < noticed_at + 5
+    assert published["deadline"] == pytest.approx(noticed_at + window_s, abs=2)
+    assert published["deadline"] - published["leave_at"] >= DEFAULT_LEAVE_LEAD_S
+    leaver_steps = [e for e in events if e["host"] == leaver and e["event"] in ("progress", "first_step")]
+    assert max(e["t"] for e in leaver_steps) > published["leave_at"] - 3, "the leaver stopped training early"
+    rings = of(events, "ring", host=survivor)
+    assert [r["size"] for r in rings] == [2, 1]
+    assert published["leave_at"] <= rings[1]["t"] < published["deadline"]
+    assert rings[1]["step"] > agreed["step"] + 10  # the window's steps are in the model
+    resets = of(events, "reset")
+    assert resets and all(e["rolled_back"] == 0 for e in resets), resets
+    for host, steps in steps_by_host(events).items():
+        assert steps == sorted(steps), f"{host}: step counter went back: {steps}"
+    return agreed
+
+
+@pytest.mark.parametrize("who", ["worker", "master"])
+def test_a_vm_under_notice_trains_through_its_window_and_leaves_with_nothing_rolled_back(
+        tmp_path: Path, who: str) -> None:
+    store, samples_log = str(tmp_path / "store"), tmp_path / "samples"
+    window, epochs, per_epoch = 20.0, 12, 20  # at most 10 steps/s (the sleep): the window ends first
+    hosts = ("localhost", "127.0.0.1")
+    c = cluster(tmp_path, "run", store, hosts, torch_cmd(store, samples_log, epochs=epochs, steps=per_epoch,
+                                                         step_seconds=0.1, notice_window=window))
+    with c:
+        c.wait_for_step(10, 120, size=2)
+        master = current_master(c.events())
+        leaver = master if who == "master" else next(h for h in hosts if h != master)
+        survivor = next(h for h in hosts if h != leaver)
+        noticed_at = c.preempt(leaver, window_s=window)  # its worker is killed at the deadline
+        assert c.wait(120) == 0, c.log_tail()
+        events = c.events()
+    assert_left_through_window(events, leaver, survivor, noticed_at, window)
+    if who == "master":
+        (election,) = of(events, "election", host=survivor)
+        assert election["old_master_host"] == master and election["new_master_host"] == survivor
+    rings = of(events, "ring", host=survivor)
+    for e in of(events, "lr"):
+        assert e["lr"] == pytest.approx(BASE_LR * e["size"])
+    (weights,) = of(events, "weights")
+    assert weights["host"] == survivor and weights["step"] == epochs * per_epoch
+    for e in of(events, "progress", host=survivor):
+        assert e["samples"] == expected_samples(rings, e["step"], BATCH), e
+    trained = assert_each_sample_once_per_pass(samples_log, epochs * per_epoch)
+    assert trained == expected_samples(rings, epochs * per_epoch, BATCH)
+    assert f"done at step {epochs * per_epoch} on 1 workers, {trained} samples" in c.log_tail(80)
+
+
+def test_kill_9_of_the_whole_cluster_then_a_relaunch_at_another_size_resumes_at_the_exact_sample(
+        tmp_path: Path) -> None:
+    store, samples_log = str(tmp_path / "store"), tmp_path / "samples"
+    epochs, per_epoch = 4, 20
+    first = cluster(tmp_path, "first", store, ("localhost", "127.0.0.1"),
+                    torch_cmd(store, samples_log, epochs=epochs, steps=per_epoch, save_every=10))
+    with first:
+        first.wait_for(lambda ev: [e for e in of(ev, "commit", kind="periodic") if e["step"] >= 20], 120,
+                       "a periodic checkpoint at step 20 or later")
+        killed_at = first.wait_for_step(0, 5)
+        first.stop()  # kill -9 of horovodrun and every worker
+        events = first.events()
+    committed = assert_all_committed_steps_verify(store)
+    cut = committed[-1]
+    assert cut >= 20 and killed_at >= cut
+    with CheckpointManager(store) as mgr:
+        saved = mgr.restore(step=cut)
+    assert saved.manifest.world_size == 2
+    first_rings = of(events, "ring", host="localhost")
+    assert saved.metadata["samples"] == expected_samples(first_rings, cut, BATCH)
+
+    hosts = ("localhost", "127.0.0.1", "127.0.1")
+    relaunch = cluster(tmp_path, "second", store, hosts,
+                       torch_cmd(store, samples_log, epochs=epochs, steps=per_epoch, step_seconds=0.0))
+    with relaunch:
+        assert relaunch.wait(120) == 0, relaunch.log_tail()
+        later = [e for e in relaunch.events() if e["t"] >= relaunch.started_at]
+    starts = of(later, "start")
+    assert {e["host"] for e in starts} == set(hosts)
+    assert [e["restored_step"] for e in starts if e.get("restored_step") is not None] == [cut]
+    assert {e["step"] for e in starts} == {cut}
+    # every rank starts from the checkpoint, bit-exact: parameters and optimizer state alike
+    assert {e["full_crc"] for e in starts} == {state_crc(saved.tensors)}
+    (resumed,) = [e for e in of(later, "resume_at") if e["host"] == "localhost"]
+    assert (resumed["step"], resumed["samples"]) == (cut, saved.metadata["samples"])
+    rings = [r for r in first_rings if r["step"] < cut] + of(later, "ring", host="localhost")
+    assert [r["size"] for r in rings] == [2, 3]
+    final = of(later, "weights")
+    assert {e["step"] for e in final} == {epochs * per_epoch} and len({e["crc"] for e in final}) == 1
+    trained = assert_each_sample_once_per_pass(samples_log, epochs * per_epoch)
+    assert trained == expected_samples(rings, epochs * per_epoch, BATCH)
