@@ -350,7 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         " overhead vs none: window time / the same round's `none` window - 1",
         "stall: the slowest rank's call at the save step minus its median call at comparable steps (ours_async: its "
         "async_save event); memcpy_ms: np.copy of the state in the `none` windows",
-        "model.save_weights does not fsync; the hvd-transient local store fsyncs every object"]
+        "model.save_weights does not fsync; the hvd-transient local store fsyncs every object",
+        "hvd-transient reads the step with one TensorFlow op after every step and restarts its step timer at each "
+        "window's start (TransientCallback: at each epoch's), so the other windows' time is no step of its cadence"]
     params = {**{k: v for k, v in vars(args).items() if k not in ("out", "tmpdir", "plot", "keep")}, "model": model,
               "configs": configs, "model_info": {k: rank0[k] for k in ("model_name", "params", "state_bytes", "tensors",
                                                                        "loss")}}
