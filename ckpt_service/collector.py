@@ -40,7 +40,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from ckpt_service import layout
-from ckpt_service.errors import CheckpointError
+from ckpt_service.errors import CheckpointChangedError, CheckpointError, NothingToRestoreError
 from ckpt_service.manifest import CommitMarker, Manifest, crc32c
 from ckpt_service.reader import CheckpointReader, CommitListing, list_commits, parse_marker, read_marker
 from ckpt_service.retention import RetentionPolicy, is_abandoned, steps_to_delete, uncommitted_before_latest
@@ -151,7 +151,10 @@ class StepCollector:
     def _verify(self, step: int, marker: CommitMarker) -> bool:
         with contextlib.ExitStack() as stack:
             io = self._io or stack.enter_context(ThreadPoolExecutor(4, thread_name_prefix="ckpt-gc-verify"))
-            report = CheckpointReader(self.store, io).verify(step)
+            try:
+                report = CheckpointReader(self.store, io).verify(step)
+            except (CheckpointChangedError, NothingToRestoreError):
+                return False  # deleted or re-committed meanwhile (another gc, a save's retention): not this commit
         if read_marker(self.store, step)[1] != marker:
             return False  # re-committed meanwhile: that is another commit, looked at next time
         return report.ok
