@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
-from .deadline import CLOUD_TIME, DETECTED_AT, Deadline, from_cloud, parse_time
+from .deadline import CLOUD_TIME, Deadline, from_cloud, parse_time
 from .errors import MetadataGarbageError, WatcherConfigError
 from .metadata_http import MetadataClient, MetadataReply, expect_status, json_object, printable_text
 
@@ -40,10 +40,10 @@ def action_deadline(time_field: object, read_started: float, detected_at: float,
     """The deadline of an ``instance-action`` whose ``time`` is ``time_field`` (pure)."""
     deadline = from_cloud(parse_time(time_field), read_started, last_clear, window)
     if deadline.basis == CLOUD_TIME and deadline.at > detected_at + window:
-        # a time past the two minutes AWS gives is no deadline to trust
-        log.warning("instance-action time %r is more than %.0f s away: taking the window from now",
-                    time_field, window)
-        return Deadline(detected_at + window, DETECTED_AT)
+        # a time past the two minutes AWS gives is no deadline to trust: dated as an unreadable one is
+        log.warning("instance-action time %r is more than %.0f s away: dating the notice from this watcher's "
+                    "reads instead", time_field, window)
+        return from_cloud(None, read_started, last_clear, window)
     if deadline.basis != CLOUD_TIME:
         log.warning("instance-action time %r cannot be read: deadline from %s", time_field, deadline.basis)
     return deadline

@@ -47,17 +47,27 @@ def vm_names(compute: dict[str, Any]) -> set[str]:
 
 
 def event_for(events: Iterable[Any], names: set[str], event_types: Sequence[str]) -> dict[str, Any] | None:
-    """The first event of ``event_types`` whose ``Resources`` name this VM (pure)."""
-    wanted = {name.casefold() for name in names}
+    """Of the events of ``event_types`` whose ``Resources`` name this VM, the one due first (pure): one
+    that has started, or whose ``NotBefore`` is blank or unreadable, before any with a readable time."""
+    wanted = {name.strip().casefold() for name in names}
+    matching: list[dict[str, Any]] = []
     for event in events:
         if not isinstance(event, dict):
             raise MetadataGarbageError(f"scheduled event is not an object: {event!r:.120}")
         resources = event.get("Resources")
         if event.get("EventType") not in event_types or not isinstance(resources, list):
             continue
-        if any(isinstance(r, str) and r.casefold() in wanted for r in resources):
-            return event
-    return None
+        if any(isinstance(r, str) and r.strip().casefold() in wanted for r in resources):
+            matching.append(event)
+    return min(matching, key=_due, default=None)
+
+
+def _due(event: dict[str, Any]) -> float:
+    """When an event is due, for ordering: -inf where it is due now or its time cannot be read."""
+    if str(event.get("EventStatus") or "").casefold() == "started":
+        return float("-inf")
+    at = parse_time(event.get("NotBefore"))
+    return float("-inf") if at is None else at
 
 
 def event_deadline(event: dict[str, Any], read_started: float, last_clear: float | None,

@@ -109,6 +109,8 @@ def _rfc2822(text: str) -> float | None:
         parsed = email.utils.parsedate_to_datetime(text)
     except (TypeError, ValueError, IndexError):
         return None
-    if parsed.tzinfo is None:  # "-0000": the zone is unknown; the clouds' dates are GMT
-        parsed = parsed.replace(tzinfo=timezone.utc)
+    if parsed.tzinfo is None:
+        if not text.strip().endswith("-0000"):
+            return None  # a zone name it does not know (JST, CET): taken for UTC it could be hours late
+        parsed = parsed.replace(tzinfo=timezone.utc)  # "-0000": the clouds' dates are GMT
     return parsed.timestamp()
