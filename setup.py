@@ -28,6 +28,8 @@ setup(
         "plot": ["matplotlib>=3.7"],
         # any MPI program (mpi4py + numpy, no Horovod): hvd_transient.collectives.mpi
         "mpi": ["mpi4py>=3.1"],
+        # the PyTorch frontend, hvd_transient.torch (make setup installs torch before Horovod, built against it)
+        "torch": ["torch>=2.1"],
         "dev": [
             "pytest>=8",
             "pytest-timeout>=2.2",
