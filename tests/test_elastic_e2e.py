@@ -210,10 +210,13 @@ def test_whole_run_through_metadata_faults_leave_join_master_leave_loss_and_rela
     and sample offset on the new worker count, and the run ends at exactly epochs x steps_per_epoch, every
     step having taken the next size x batch samples."""
     store = str(tmp_path / "store")
-    epochs, per_epoch, batch = 10, 40, 32
+    # long enough that the first launch never reaches its end before the wave, however fast its steps
+    epochs, per_epoch, batch = 25, 40, 32
     hosts = ("localhost", "127.0.0.1", "127.0.1")
     newcomer = "127.1"
-    grace = (("HVDT_LEAVING_GRACE_S", "1"),)
+    # leaving records outlive their deadlines long enough that a stopped VM's host is not listed again before
+    # the wave (the local harness can list it again once its record expires), and short enough for the relaunch
+    grace = (("HVDT_LEAVING_GRACE_S", "20"),)
     # a short notice window, so that the leaving records expire soon after the whole cluster is lost
     window = 10.0  # the emergency commit gets the 5 s before leave_margin_s; leaving takes ~1.5 s
     c = cluster(tmp_path, "first", store, hosts,
