@@ -85,6 +85,16 @@ def test_bad_leave_options_fail_with_a_typed_error(bad: dict[str, object]) -> No
     assert isinstance(info.value, CheckpointError) and isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("bad", [{"notice_window_s": float("nan")}, {"notice_window_s": 0.0},
+                                 {"notice_window_s": float("inf")}, {"leave_margin_s": float("nan")},
+                                 {"leave_lead_s": float("inf")}])
+def test_a_window_or_margin_that_no_deadline_can_be_planned_from_is_refused(bad: dict[str, object]) -> None:
+    """A NaN window compares false with every time, so every plan built on it would pass as in time."""
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        TransientConfig(store="memory://x", **bad)  # type: ignore[arg-type]
+
+
 def test_the_lead_is_one_wait_for_a_step_boundary_plus_a_departure_fixed_when_given_else_measured() -> None:
     """The departure's part: 10 s until a departure was timed, then twice the slowest timed plus 2 s, which may
     be longer than 10 s on a cluster that leaves slowly; a number is used as it is. Before it, one wait for a

@@ -3,6 +3,7 @@ time bounds that keep a slow store from holding up training (see :mod:`hvd_trans
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Collection
 
@@ -89,9 +90,14 @@ class TransientConfig:
         if not self.check_slowdown_allowance >= 1.0:
             raise ValueError(f"check_slowdown_allowance must be at least 1 (check intervals), "
                              f"not {self.check_slowdown_allowance}")
+        if self.notice_window_s is not None and not 0 < self.notice_window_s < math.inf:
+            raise ValueError(f"notice_window_s must be None (the VM's own) or a positive number of seconds, "
+                             f"not {self.notice_window_s}")
+        if not 0 <= self.leave_margin_s < math.inf:
+            raise ValueError(f"leave_margin_s must be zero or more seconds, not {self.leave_margin_s}")
         if self.leave not in LEAVE_MODES:
             raise LeaveConfigError(f"leave must be one of {', '.join(map(repr, LEAVE_MODES))}, not {self.leave!r}")
-        if self.leave_lead_s is not None and not self.leave_lead_s >= 0:
+        if self.leave_lead_s is not None and not 0 <= self.leave_lead_s < math.inf:
             raise LeaveConfigError(f"leave_lead_s must be None (measured) or zero or more seconds before "
                                    f"the VM's deadline, not {self.leave_lead_s}")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Collection, Sequence
 
 from hvd_transient.core.config import TransientConfig
-from hvd_transient.core.election import NoticeRound
+from hvd_transient.core.election import NoticeRound, steps_until_next_check
 from hvd_transient.core.membership import DEFAULT_GRACE_S
 
 #: a departure that cannot happen keeps periodic saves off at most this long after the latest deadline
@@ -62,6 +62,25 @@ def plan_for_round(config: TransientConfig, hosts: Sequence[str], round_: Notice
                       step_s=round_.step_s, departure_s=round_.departure_s)
 
 
+def steps_to_next_round(config: TransientConfig, round_: NoticeRound, steps: int,
+                        ring_slowest_step_s: float) -> int:
+    """How many steps to train before the round after ``round_`` (pure, agreed), ``steps`` having run
+    since the one before it.
+
+    Normally the adaptive cadence (:func:`steps_until_next_check`, the slowdown allowance included).
+    While a VM of the round is under notice, its lead (:meth:`TransientConfig.boundary_wait_s`) counts
+    on a host check within ``max(step, check interval)`` at steps no slower than the slowest this job
+    timed: so the next round is set by that step, with no slowdown allowance. A few more rounds, for
+    the length of a window only."""
+    ring_slowest = ring_slowest_step_s
+    allowance = config.check_slowdown_allowance
+    if round_.leaving:
+        ring_slowest, allowance = max(ring_slowest, round_.step_s), 1.0
+    return steps_until_next_check(round_.elapsed_s, steps, config.check_interval_s, config.max_check_every_steps,
+                                  slowest_step_s=round_.slowest_step_s, ring_slowest_step_s=ring_slowest,
+                                  allowance=allowance)
+
+
 def departures_due(config: TransientConfig, hosts: Sequence[str], round_: NoticeRound, window_s: float) -> bool:
     """Whether some VM under notice in this round should be looked for at every step from now on: one
     that leaves at once, or whose ``leave_at`` has passed (agreed: from the round alone)."""
@@ -78,4 +97,5 @@ def departure_stale(round_: NoticeRound, *, grace_s: float = STALE_DEPARTURE_S) 
     return not deadlines or round_.at > max(deadlines) + grace_s
 
 
-__all__ = ["LeavePlan", "STALE_DEPARTURE_S", "departure_stale", "departures_due", "plan_for_round", "plan_leave"]
+__all__ = ["LeavePlan", "STALE_DEPARTURE_S", "departure_stale", "departures_due", "plan_for_round", "plan_leave",
+           "steps_to_next_round"]

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 
 from hvd_transient.core.config import NOTICE_EVENT_SHARE
 from hvd_transient.core.control import StopPoller
-from hvd_transient.core.election import NoticeRound, decode_notice, encode_notice, steps_until_next_check
+from hvd_transient.core.election import NoticeRound, decode_notice, encode_notice
 from hvd_transient.core.interfaces import Clocks, ProtocolParts
-from hvd_transient.core.leave_plan import departure_stale, departures_due
+from hvd_transient.core.leave_plan import departure_stale, departures_due, steps_to_next_round
 from hvd_transient.core.saves import Saves
 from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
 from hvd_transient.telemetry import schema as ev
@@ -144,10 +144,7 @@ class NoticeRounds:
         self.warnings.settle(round_)
         # Every rank got the same sum, so every rank picks the same next check step.
         run.ring_slowest_step_s = max(run.ring_slowest_step_s, round_.slowest_step_s)
-        run.next_check_step = step + steps_until_next_check(
-            round_.elapsed_s, steps, p.config.check_interval_s, p.config.max_check_every_steps,
-            slowest_step_s=round_.slowest_step_s, ring_slowest_step_s=run.ring_slowest_step_s,
-            allowance=p.config.check_slowdown_allowance)
+        run.next_check_step = step + steps_to_next_round(p.config, round_, steps, run.ring_slowest_step_s)
         hosts = run.hosts if len(run.hosts) == size else [str(r) for r in range(size)]
         self._due_in_ring = run.ring_id if departures_due(p.config, hosts, round_, self._window_s()) else None
         if run.departure_pending and departure_stale(round_):

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
 from .deadline import CLOUD_TIME, Deadline, from_cloud, parse_time
-from .errors import MetadataGarbageError, WatcherConfigError
+from .errors import MetadataGarbageError, WatcherConfigError, WatcherError
 from .metadata_http import MetadataClient, MetadataReply, expect_status, json_object, printable_text
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class _InstanceActionPoller(Poller):
         self.token_expiry = 0.0
         #: epoch start of the last read that found no document (what dates one without a time)
         self.last_clear: float | None = None
+        self.id_failed = False
 
     def poll(self) -> Notice | None:
         try:
@@ -99,17 +100,27 @@ class _InstanceActionPoller(Poller):
             raise
 
     def _poll(self) -> Notice | None:
-        if self.w.instance is None:
-            reply = self._get("instance-id")
-            expect_status(reply, 200)
-            self.w.instance = self.w.instance_id = printable_text(reply, "instance id")
         found = self._document("spot/instance-action", "action")
         if found is None:
+            self._learn_instance_id()  # after a clear read only: the id may neither delay nor hide a notice
             return None
         deadline = action_deadline(found.document.get("time"), found.started, found.detected_at,
                                    self.last_clear, self.w.window)
         return self.w.make_notice(f"spot-interruption {found.document['action']}",
                                   detected_at=found.detected_at, deadline=deadline)
+
+    def _learn_instance_id(self) -> None:
+        """The instance id names this VM's notices where no ``instance`` was given; best effort."""
+        if self.w.instance is not None:
+            return
+        try:
+            reply = self._get("instance-id")
+            expect_status(reply, 200)
+            self.w.instance = self.w.instance_id = printable_text(reply, "instance id")
+        except (WatcherError, OSError) as exc:
+            if not self.id_failed:
+                log.warning("AWS watcher: IMDS did not tell the instance id (%s); asked again at every poll", exc)
+            self.id_failed = True
 
     def _document(self, key: str, field: str) -> _Read | None:
         """The JSON object at ``key``, or None while the key is absent (404); an object without

@@ -11,7 +11,8 @@ The deadline is the event's ``NotBefore`` (RFC 1123, at least 30 s ahead). An ev
 that has started (``EventStatus: Started``; its ``NotBefore`` is then blank) is under
 way: leave at once. A ``NotBefore`` that cannot be read does not drop the notice: the
 window (30 s) counts from the last read that found no event for this VM, or, with
-none, the deadline is the read that saw it (``deadline.py``).
+none, the deadline is the read that saw it (``deadline.py``). A read made before IMDS
+told the VM's own names is no clear read: it could not have matched an event naming them.
 Every request ends within ``request_timeout`` (1 s) in all, and failures are
 retried about once a second (base.py), so neither errors nor a hung IMDS
 delay a notice by more than about that once the service answers again.
@@ -129,7 +130,10 @@ class _ScheduledEventsPoller(Poller):
             raise MetadataGarbageError(f"scheduled events document has no 'Events' list: {reply.text[:120]!r}")
         event = event_for(events, names, w.event_types)
         if event is None:
-            self.last_clear = started
+            if w.vm_names is not None:
+                # clear only where every name an event may use was looked for: before IMDS told the VM's
+                # own names, an event naming it by one of them would have passed unseen
+                self.last_clear = started
             return None
         deadline = event_deadline(event, started, self.last_clear, w.window)
         return w.make_notice(f"scheduled-event {event['EventType']} {event.get('EventId', '')}".strip(),

@@ -1,16 +1,20 @@
 """The HTTP client of the cloud watchers: every request bounded in its *total* time.
 
 A metadata request must never blind a watcher for longer than its bound. An HTTP library's
-timeout covers each read from the socket, not the whole reply, so a server that sends its
-headers and then one byte of body every half second would hold a request for as long as it
-likes. Here the socket's timeout is set to what is left of the request's total before every
-read of the body, and the reply is dropped once the total is spent (``MetadataTimeoutError``).
+timeout covers each read from the socket, not the whole reply, so a server that trickles its
+status line, a header, a chunk-size line or the body one byte every half second would hold a
+request for as long as it likes. Here every read of the reply (``http.client`` reads it all
+through one file object, which this module gives it) first sets the socket's timeout to what is
+left of the request's total, and fails once the total is spent (``MetadataTimeoutError``): no
+thread, no timer, the same on every platform.
 The connection is this module's own (``http.client``, one per request), so no library state
 is touched, and no proxy from the environment is ever used: metadata servers are link-local.
 """
 from __future__ import annotations
 
+import functools
 import http.client
+import io
 import json
 import logging
 import socket
@@ -73,15 +77,14 @@ class MetadataClient:
         conn = conn_cls(parts.hostname, parts.port, timeout=min(self.connect_timeout, total_s))
         try:
             conn.connect()
-            sock = conn.sock  # kept: http.client lets go of it once a reply says it closes the connection
             target = parts.path + (f"?{parts.query}" if parts.query else "")
             conn.request(method, target or "/", headers={**(headers or {}), "Connection": "close"})
-            _set_left(sock, deadline, full_url, total_s)
+            conn.response_class = functools.partial(_BoundedResponse, deadline=deadline)  # type: ignore[assignment]
             reply = conn.getresponse()
-            body = _read_body(reply, sock, deadline, full_url, total_s)
+            body = _read_body(reply, full_url)
             return MetadataReply(method=method, url=full_url, status_code=reply.status,
                                  headers=reply.msg, content=body)
-        except (socket.timeout, TimeoutError) as exc:
+        except (socket.timeout, TimeoutError, _TotalSpent) as exc:
             raise MetadataTimeoutError(f"{method} {full_url}: no whole reply within {total_s:g} s ({exc})") from None
         except http.client.HTTPException as exc:  # a bad status line, a torn or over-long reply
             raise MetadataGarbageError(f"{method} {full_url}: not an HTTP reply ({exc!r:.120})") from None
@@ -89,22 +92,58 @@ class MetadataClient:
             conn.close()
 
 
-def _set_left(sock: socket.socket | None, deadline: float, url: str, total_s: float) -> None:
-    """The socket waits at most what is left of the request's total time."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise MetadataTimeoutError(f"{url}: no whole reply within {total_s:g} s")
-    if sock is not None:
-        sock.settimeout(left)
+class _TotalSpent(Exception):
+    """The request's total time ran out between two reads."""
 
 
-def _read_body(reply: http.client.HTTPResponse, sock: socket.socket | None, deadline: float,
-               url: str, total_s: float) -> bytes:
-    """The body, read as it arrives, each read bounded by what is left of the total."""
+class _DeadlineReader(io.RawIOBase):
+    """The socket's own file (which keeps the socket open after the connection lets go of it, as
+    ``http.client`` expects), read with at most what is left of the request's total per ``recv``."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock, self._deadline = sock, deadline
+        self._raw = sock.makefile("rb", buffering=0)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise _TotalSpent("the request's total time is spent")
+        self._sock.settimeout(left)
+        got = self._raw.readinto(buffer)
+        return 0 if got is None else got
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+class _DeadlineSocket:
+    """What ``HTTPResponse`` takes for a socket: it only asks it for a file to read the reply from."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def makefile(self, mode: str, *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+
+class _BoundedResponse(http.client.HTTPResponse):
+    """A reply whose status line, headers and body are all read within the request's total time."""
+
+    def __init__(self, sock: socket.socket, debuglevel: int = 0, method: str | None = None,
+                 url: str | None = None, *, deadline: float) -> None:
+        super().__init__(_DeadlineSocket(sock, deadline), debuglevel, method, url)  # type: ignore[arg-type]
+
+
+def _read_body(reply: http.client.HTTPResponse, url: str) -> bytes:
+    """The body, read as it arrives (each read bounded by the reply's file), at most ``MAX_BODY``."""
     pieces: list[bytes] = []
     size = 0
     while True:
-        _set_left(sock, deadline, url, total_s)
         piece = reply.read1(READ_SIZE)
         if not piece:
             return b"".join(pieces)
