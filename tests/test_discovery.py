@@ -222,6 +222,43 @@ def test_file_backend_and_store_exclusion(tmp_path, capsys):
     assert (code, out) == (0, "w1:2\nw3:1\n"), err
 
 
+def test_discovery_reads_only_the_records_of_hosts_it_lists(tmp_path, capsys, monkeypatch):
+    """Records of VMs that discovery no longer lists (gone, or of an earlier wave) change nothing it
+    prints: reading them would make every call cost one store read per VM that ever left."""
+    store_dir = tmp_path / "store"
+    for host in ["w2", *(f"old{i}" for i in range(30))]:
+        publish_leaving(LocalStore(store_dir), host)
+    read: list[str] = []
+    real_get = LocalStore.get
+    monkeypatch.setattr(LocalStore, "get", lambda self, key: read.append(key) or real_get(self, key))
+    code, out, err = run(["--backend", "local", "--hosts", "w1,w2,w3", "--store", str(store_dir)], capsys)
+    assert (code, out) == (0, "w1:1\nw3:1\n"), err
+    assert [k for k in read if "leaving" in k] == [k for k in read if k.endswith("w2.json")] and len(read) == 1, read
+
+
+def test_leaving_records_are_read_several_at_a_time(tmp_path):
+    """A wave writes many records at once: they are read in parallel, so a call costs about one round
+    trip per READ_PARALLEL records (each read here waits until another read is under way too)."""
+    import threading
+
+    from hvd_transient.core import membership
+
+    store = LocalStore(tmp_path / "store")
+    hosts = [f"w{i}" for i in range(12)]
+    for host in hosts:
+        publish_leaving(store, host)
+    both = threading.Barrier(2, timeout=10)
+    real_get = store.get
+
+    def get(key: str) -> bytes:
+        both.wait()  # breaks (BrokenBarrierError) if reads run one at a time
+        return real_get(key)
+
+    store.get = get  # type: ignore[method-assign]
+    assert membership.READ_PARALLEL >= 2
+    assert sorted(r.host for r in read_leaving(store)) == sorted(hosts)
+
+
 def test_local_backend_reads_state_file_each_call(tmp_path, capsys):
     state = tmp_path / "hosts.json"
     state.write_text(json.dumps({"hosts": ["localhost:1"]}))

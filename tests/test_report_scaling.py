@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -33,8 +34,11 @@ def test_each_limit_is_reached_where_its_arithmetic_says() -> None:
                         round_s=Fit(0.0, 0.001, "log2"), store_rtt_s=0.01)
     p = predict(inp, 1024)
     assert p.commit_writes == 2052 and p.write_rate == pytest.approx(2052.0)
-    assert p.discovery_s == pytest.approx(10.25) and p.round_s == pytest.approx(0.010)
+    assert p.discovery_s == pytest.approx(1.29) and p.round_s == pytest.approx(0.010)
     assert set(p.reached) == {"bucket write rate", "discovery", "notice allreduce"}
-    # (1+N) x 10 ms reach 1 s at N=99; 2N+4 writes in 1 s reach 1,000/s at N=498; 1 ms x log2 N 10 ms at 1,024
-    assert first_limits(inp) == {"discovery": 99, "bucket write rate": 498, "notice allreduce": 1024,
+    # a listing and N/8 rounds of reads, 10 ms each, reach 1 s at N=785 (1 + 99 round trips);
+    # 2N+4 writes in 1 s reach 1,000/s at N=498; 1 ms x log2 N 10 ms at 1,024
+    assert first_limits(inp) == {"discovery": 785, "bucket write rate": 498, "notice allreduce": 1024,
                                  "commit window": None}
+    one_at_a_time = predict(replace(inp, records_read_parallel=1), 1024)
+    assert one_at_a_time.discovery_s == pytest.approx(10.25)

@@ -142,7 +142,8 @@ def find_hosts(args: argparse.Namespace) -> list[Host]:
     if args.store:
         from hvd_transient.discovery.leaving import leaving_from_url
 
-        records = leaving_from_url(args.store, timeout=args.timeout)
+        records = leaving_from_url(args.store, timeout=args.timeout,
+                                   only={name for host in hosts for name in host.names})
         hosts = exclude_leaving(hosts, records, time.time(), grace_s=float(args.leaving_grace))
         if args.standby_since is not None:
             hosts = _admit_ready(hosts, args)

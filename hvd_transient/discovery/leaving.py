@@ -9,7 +9,8 @@ standbys' readiness of :func:`hvd_transient.discovery.ready.read_ready`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Collection, TypeVar
 from urllib.parse import urlparse
 
 from hvd_transient.discovery.errors import DiscoveryConfigError, DiscoveryError
@@ -22,10 +23,11 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def leaving_from_url(url: str, *, timeout: float = 10.0) -> list["LeavingRecord"]:
+def leaving_from_url(url: str, *, timeout: float = 10.0, only: Collection[str] | None = None) -> list["LeavingRecord"]:
+    """The leaving records at ``url``; with ``only``, just those of these host names (what discovery lists)."""
     from hvd_transient.core.membership import read_leaving
 
-    return read_from_url(url, read_leaving, timeout=timeout, what="leaving hosts")
+    return read_from_url(url, partial(read_leaving, only=only), timeout=timeout, what="leaving hosts")
 
 
 def read_from_url(url: str, read: Callable[["ObjectStore"], T], *, timeout: float = 10.0, what: str) -> T:

@@ -8,7 +8,8 @@ residual); :func:`predict` evaluates the fits at any N against four limits:
   throttles and the commit stretches;
 - the commit: notice agreed -> checkpoint committed must end inside the notice window, less a margin;
 - discovery: Horovod runs the discovery script about once a second, so a call (its CPU, plus one listing and
-  one read per leaving record, each a round trip to the store) must take less than that;
+  the leaving records' reads, ``records_read_parallel`` at a time, each a round trip to the store) must
+  take less than that;
 - the notice allreduce: a round runs about once a second on every rank, and may take ``round_budget`` of it.
 """
 from __future__ import annotations
@@ -66,6 +67,7 @@ class ScalingInputs:
     store_rtt_s: float = 0.02     # a real bucket's round trip (the emulator's is about 1 ms)
     bucket_writes_per_s: float = 1000.0
     discovery_interval_s: float = 1.0
+    records_read_parallel: int = 8  # hvd_transient.core.membership.READ_PARALLEL
     round_interval_s: float = 1.0
     round_budget: float = 0.01
     notice_window_s: float = 30.0
@@ -91,7 +93,8 @@ class Prediction:
 def predict(inp: ScalingInputs, n: int) -> Prediction:
     writes = inp.writes_per_rank * n + inp.fixed_writes
     commit = max(inp.commit_s.at(n), 1e-3)
-    discovery = max(inp.discovery_cpu_s.at(n), 0.0) + (1 + n) * inp.store_rtt_s  # a listing, then n reads
+    reads = math.ceil(n / max(1, inp.records_read_parallel))  # a listing, then n records read in parallel
+    discovery = max(inp.discovery_cpu_s.at(n), 0.0) + (1 + reads) * inp.store_rtt_s
     round_s = max(inp.round_s.at(n), 0.0)
     use = {"bucket write rate": writes / commit / inp.bucket_writes_per_s,
            "commit window": commit / (inp.notice_window_s - inp.commit_margin_s),
