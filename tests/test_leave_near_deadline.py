@@ -389,3 +389,45 @@ def test_the_keras_callback_passes_the_options_and_a_static_job_leaves_at_the_no
     assert hvdt.TransientCallback(Elastic(), store=store, leave="at_notice").config.leave == "at_notice"
     with pytest.raises(LeaveConfigError, match="'later'"):
         hvdt.TransientCallback(None, store=store, leave="later")
+
+
+def test_a_leave_is_planned_again_earlier_when_steps_grow_slower_after_the_notice() -> None:
+    """A round at every step. Planned at the notice with 0.1 s steps (leave_at = deadline - 0.1 s - 10 s), then
+    every step takes 8 s: a leave still at that leave_at could start an 8 s step it cannot finish before
+    the deadline, so the next round moves it 7.9 s earlier (and writes the record again); at 25 s steps, a
+    lead no longer fits and the VM leaves at once. A leave is never moved later."""
+    t = {"wall": time.time(), "mono": 1000.0}
+    clocks = Clocks(wall=lambda: t["wall"], monotonic=lambda: t["mono"])
+    group, impls, url = make_ranks(leave="near_deadline", clocks=clocks)
+
+    def steps(first: int, last: int, step_s: float) -> list:
+        out: list = []
+        for step in range(first, last + 1):
+            t["wall"] += step_s
+            t["mono"] += step_s
+            out = step_all(group, impls, step)
+        return out
+
+    steps(1, 5, 0.1)
+    impls[2].watcher.notice = notice(60.0, now=t["wall"])
+    deadline = t["wall"] + 60.0
+    outcomes = steps(6, 6, 0.1)
+    first = outcomes[2].leave_at
+    assert first == pytest.approx(deadline - 0.1 - DEFAULT_LEAVE_LEAD_S, abs=0.05)
+    published(impls)
+    steps(7, 8, 8.0)  # steps slow down: at the round of step 8 the job has timed an 8 s step
+    assert [impl.run.leave_at_of["h2"] for impl in impls] == [pytest.approx(first - 7.9, abs=0.05)] * 3
+    impls[2].publishing.result(timeout=10)  # type: ignore[union-attr]
+    [record] = read_leaving(impls[0].manager.store)
+    assert record.leave_at == pytest.approx(first - 7.9, abs=0.05) and record.deadline == pytest.approx(deadline)
+    steps(9, 9, 0.1)  # faster again: never later
+    assert impls[0].run.leave_at_of["h2"] == pytest.approx(first - 7.9, abs=0.05)
+    steps(10, 10, 25.0)  # now no lead fits before the deadline: at once, and the host check runs at every step
+    assert all("h2" not in impl.run.leave_at_of for impl in impls)
+    impls[2].publishing.result(timeout=10)  # type: ignore[union-attr]
+    [record] = read_leaving(impls[0].manager.store)
+    assert record.leave_at is None
+    assert all(o.check_hosts for o in steps(11, 11, 0.1))
+    assert len(events(impls[2], "leave_published")) == 1  # the leave itself is logged once
+    for impl in impls:
+        impl.close()

@@ -4,6 +4,7 @@ lease to it, take the emergency checkpoint before the deadline, and let the noti
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping
 
 from ckpt_service.manager import ShareSnapshot
@@ -15,6 +16,11 @@ from hvd_transient.core.ring import move_lease
 from hvd_transient.core.saves import Saves, take_snapshot
 from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
 from hvd_transient.telemetry import schema as ev
+
+log = logging.getLogger(__name__)
+
+#: a leave planned again is moved only if it comes this much earlier (the clock of each round moves a little)
+REPLAN_TOLERANCE_S = 0.5
 
 
 class Emergency:
@@ -81,6 +87,36 @@ class Emergency:
                                   wrote_record=writes_record)
         return StepOutcome(emergency_step=step, committed=committed, leaving=p.run.leaving,
                            departure_pending=True, leave_at=leave_at if rank in new else None, check_hosts=True)
+
+    def replan(self, step: int, round_: NoticeRound) -> None:
+        """A later round of a ring whose VMs under notice train on to their ``leave_at``: each leave is
+        planned again from this round (pure, so every rank plans the same), and one that must now come
+        earlier (steps grew slower than when it was planned, or a slower departure was timed) moves so:
+        the VM's record is written again with the earlier ``leave_at`` (or none: at once), so discovery
+        drops it in time. A leave is never moved later: the first plan was already published."""
+        p = self.p
+        window = p.config.notice_window_s or GCE_NOTICE_WINDOW_S
+        now = round_.at or p.clocks.wall()
+        for r in round_.leaving:
+            if r >= len(p.run.hosts) or p.run.hosts[r] not in p.run.handled_leavers:
+                continue
+            host = p.run.hosts[r]
+            planned = p.run.leave_at_of.get(host)
+            if planned is None:  # it leaves at once already
+                continue
+            vm_deadline = round_.deadline_of(r) or now + window
+            again = planned_leave_at(p.config, p.run.hosts, round_, vm_deadline, now)
+            if again is not None and again >= planned - REPLAN_TOLERANCE_S:
+                continue
+            log.warning("%s now leaves %s (steps or departures grew slower since its leave was planned)",
+                        host, "at once" if again is None else f"{planned - again:.1f} s earlier")
+            if again is None:
+                del p.run.leave_at_of[host]
+            else:
+                p.run.leave_at_of[host] = again
+            if host == p.host and p.comm.rank() == min(q for q in round_.leaving if p.run.hosts[q] == host):
+                self._departure.publish_record(step, round_.deadline_of(r), False, until=vm_deadline,
+                                               leave_at=again)
 
     def _elect(self, step: int, round_: NoticeRound, rank: int, size: int, deadline: float) -> int:
         """The master is the lowest rank not leaving; a new one takes the lease by ``deadline``."""

@@ -268,6 +268,8 @@ class TransientImpl:
             new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
             if new:
                 return self._emergency.handle(step, round_, new, snapshot, metadata, share_snapshot)
+            if self.run.leave_at_of:  # VMs under notice train on in this ring: their leave may have to come sooner
+                self._emergency.replan(step, round_)
             if round_.stop:
                 self.events.emit(ev.StopRequested(step=step))
                 return StepOutcome(stop=True, leaving=self.run.leaving, departure_pending=self.run.departure_pending,
