@@ -154,7 +154,7 @@ class Saver:
 
 def run_window(model: tf.keras.Model, batches: Sequence[tuple[np.ndarray, np.ndarray]], saver: Saver,
                window: Window) -> dict[str, Any]:
-    train_s, hook_s, saves, rounds = [], [], [], []
+    train_s, hook_s, hook_cpu_s, saves, rounds = [], [], [], [], []
     barrier()
     saver.begin_window()
     t_start = time.perf_counter()
@@ -164,8 +164,10 @@ def run_window(model: tf.keras.Model, batches: Sequence[tuple[np.ndarray, np.nda
         model.train_on_batch(*batches[i % len(batches)])  # returns host values: the step has finished
         t1 = time.perf_counter()
         before = saver.notice_rounds()
+        c1 = time.thread_time()  # the call's own CPU: what it costs whatever else shares the cores
         saver.after_step(local)
         hook_s.append(time.perf_counter() - t1)
+        hook_cpu_s.append(time.thread_time() - c1)
         train_s.append(t1 - t0)
         if saver.notice_rounds() > before:
             rounds.append(i)
@@ -174,7 +176,7 @@ def run_window(model: tf.keras.Model, batches: Sequence[tuple[np.ndarray, np.nda
     samples = saver.finish_window()
     barrier()
     return {"config": window.config, "interval": window.interval, "index": window.index, "train_s": train_s,
-            "hook_s": hook_s, "save_steps": saves, "round_steps": rounds,
+            "hook_s": hook_s, "hook_cpu_s": hook_cpu_s, "save_steps": saves, "round_steps": rounds,
             "window_s": time.perf_counter() - t_start, **samples}
 
 

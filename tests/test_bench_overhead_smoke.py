@@ -20,8 +20,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 OVERHEAD_KEYS = ("async_overhead_pct", "async_stall_ms", "memcpy_ms", "baseline_overhead_pct", "sync_overhead_pct",
                  "baseline_stall_ms", "sync_stall_ms", "steps_per_s", "goal", "notice_collective_ms",
-                 "throughput_noise_pct", "async_blocking_estimate_pct", "async_plain_call_ms", "async_stall_vs_memcpy",
-                 "async_stall_ms_by_interval", "async_overhead_pct_by_interval")
+                 "throughput_noise_pct", "async_blocking_estimate_pct", "async_plain_call_ms",
+                 "async_plain_call_cpu_ms", "async_stall_vs_memcpy", "async_stall_ms_by_interval",
+                 "async_overhead_pct_by_interval")
 EMERGENCY_KEYS = ("sharded_speedup_vs_single", "max_state_mb_in_30s", "notice_to_commit_s", "single_writer_s",
                   "fits_in_30s")
 
@@ -93,6 +94,22 @@ def test_stall_leaves_out_the_notice_collective_the_save_step_also_ran() -> None
     assert stats.stall_ms.median == pytest.approx(3.0)  # 15 ms - the other round step's 12 ms
     assert stats.notice_rounds == 1  # step 2; the save step's round is in its stall
     assert stats.plain_call_ms == pytest.approx(0.1)
+    assert stats.plain_call_cpu_ms is None  # a run that did not time the call's CPU
+
+
+def test_the_plain_call_goal_is_judged_in_cpu_time() -> None:
+    """Wall time of a 0.1 ms call on a loaded box measures the other processes; its CPU time does not."""
+    common = {"interval": 10, "index": 0, "train_s": [0.1] * 10, "window_s": 1.0}
+    async_w = dict(common, config="ours_async", save_steps=[0], round_steps=[0, 5], own_stall_s=[0.001],
+                   hook_s=[0.002] + [0.0004] * 9, hook_cpu_s=[0.002] + [0.00006] * 4 + [0.001] + [0.00006] * 4)
+    none_w = dict(common, config="none", save_steps=[], hook_s=[0.0] * 10, copy_s=[0.001])
+    stats = merged([async_w, none_w], [async_w, none_w])
+    mine = {s.config: s for s in stats}["ours_async"]
+    assert mine.plain_call_ms == pytest.approx(0.4) and mine.plain_call_cpu_ms == pytest.approx(0.06)
+    summary = ckpt_overhead.summarize(stats, 3.0, {"state_bytes": 100, "tensors": 3}, (10,))
+    assert summary["goal"]["plain_call_met"] is True
+    assert "0.060 ms CPU (goal <= 0.1 ms CPU: met)" in ckpt_overhead.goal_text(summary)
+    assert "0.400 (0.060)" in ckpt_overhead.table_rows(stats)[1]
 
 
 def test_async_stall_is_the_slowest_ranks_own_blocked_time() -> None:
