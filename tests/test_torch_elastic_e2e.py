@@ -1,7 +1,9 @@
 """End to end with PyTorch: real `horovodrun` over local host aliases running examples/torch_elastic.py.
 
 A worker's notice and the master's notice (the VM trains through its window, then leaves with nothing
-rolled back), and the whole cluster killed (kill -9) then relaunched at another size. Every worker logs
+rolled back), a new VM that joins through its standby (torch imported and the script run up to its
+elastic function before the VM is offered), and the whole cluster killed (kill -9) then relaunched at
+another size. Every worker logs
 the index of each sample it trains on: across all of it, each pass over the data is used exactly once.
 """
 from __future__ import annotations
@@ -129,6 +131,34 @@ def test_a_vm_under_notice_trains_through_its_window_and_leaves_with_nothing_rol
     trained = assert_each_sample_once_per_pass(samples_log, epochs * per_epoch)
     assert trained == expected_samples(rings, epochs * per_epoch, BATCH)
     assert f"done at step {epochs * per_epoch} on 1 workers, {trained} samples" in c.log_tail(80)
+
+
+def test_a_new_vm_joins_through_its_standby_and_the_ring_trains_on_at_the_exact_sample(tmp_path: Path) -> None:
+    store, samples_log = str(tmp_path / "store"), tmp_path / "samples"
+    epochs, per_epoch = 1000, 20  # stopped through the store once the grown ring has trained a while
+    hosts, newcomer = ("localhost", "127.0.0.1"), "127.0.1"
+    c = cluster(tmp_path, "run", store, hosts, torch_cmd(store, samples_log, epochs=epochs, steps=per_epoch),
+                instances=hosts + (newcomer,), standby=True, join_timeout_s=120)
+    with c:
+        c.wait_for_step(10, 180, size=2)
+        c.add_host(newcomer)  # a new VM boots its standby, which runs the script up to hvd.elastic.run
+        (joined,) = c.wait_for(lambda ev: of(ev, "ring", size=3, host=newcomer), 240, f"{newcomer} to join")
+        c.wait_for_step(joined["step"] + 10, 120, size=3)
+        c.request_stop()
+        assert c.wait(120) == 0, c.log_tail()
+        events = c.events()
+    standby_log = c.standby_log_path(newcomer).read_text(errors="replace")
+    assert "ready for a job" in standby_log, standby_log[-2000:]  # offered only once the standby was ready
+    rings = of(events, "ring", host="localhost")
+    assert [r["size"] for r in rings] == [2, 3]
+    assert all(e["rolled_back"] == 0 for e in of(events, "reset")), of(events, "reset")
+    for e in of(events, "lr"):
+        assert e["lr"] == pytest.approx(BASE_LR * e["size"])
+    final = of(events, "weights")
+    last_step = max(e["step"] for e in final)
+    assert {e["step"] for e in final} == {last_step} and len({e["crc"] for e in final}) == 1, final
+    trained = assert_each_sample_once_per_pass(samples_log, last_step)
+    assert trained == expected_samples(rings, last_step, BATCH)
 
 
 def test_kill_9_of_the_whole_cluster_then_a_relaunch_at_another_size_resumes_at_the_exact_sample(

@@ -439,3 +439,27 @@ def test_the_launcher_gives_up_on_a_standby_that_never_answers(tmp_path: Path) -
         assert 0.5 <= time.monotonic() - t0 < 10
     finally:
         stuck.close()
+
+
+def test_a_torch_optimizer_made_before_the_handoff_reduces_its_gradients(tmp_path: Path) -> None:
+    """horovod.torch's DistributedOptimizer registers its gradient hooks only where the global process set
+    includes this rank; before the real init it lists no rank, so a standby's optimizer (made by the script
+    before the handoff) would train alone once it joined while the ring waited for its allreduces."""
+    pytest.importorskip("horovod.torch")
+    script = (
+        "import os\n"
+        "os.environ['HOROVOD_ELASTIC'] = '1'\n"
+        "from hvd_transient.join import standby\n"
+        "standby._STATE.pending = True\n"
+        "standby.install_hooks(0)\n"
+        "import torch, horovod.torch as hvd\n"
+        "hvd.init()  # deferred\n"
+        "model = torch.nn.Linear(3, 2)\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),\n"
+        "                               named_parameters=model.named_parameters())\n"
+        "print('hooks', len(opt._grad_accs), hvd.size(), hvd.is_initialized())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["hooks", "2", "1", "True"], out.stdout

@@ -119,9 +119,15 @@ def install_hooks(local_rank: int) -> None:
     early = [name for name in _FRAMEWORK_MODULES if name in sys.modules]
     if early:
         raise RuntimeError(f"{', '.join(early)} imported before the standby's hooks; they bind Horovod's functions")
-    from horovod.common import basics, elastic
+    from horovod.common import basics, elastic, process_sets
 
     _defer_basics(basics.HorovodBasics, {**ANSWERS, "local_rank": local_rank})
+    # The global process set lists its ranks only once init ran; until then it holds no rank, and
+    # horovod.torch's DistributedOptimizer (made before the handoff) would register no gradient hooks,
+    # so this worker would step alone while the ring waits for its allreduces. A world of one, as
+    # the deferred answers say, until the real init lists the ring's ranks.
+    if not process_sets.global_process_set.ranks:
+        process_sets.global_process_set.ranks = [ANSWERS["rank"]]
     _stop_at_run_fn(elastic)
 
 
