@@ -65,3 +65,29 @@ def test_demo_plays_the_default_story_and_reports(tmp_path: Path) -> None:
     assert body["cost_transient_usd"] < body["cost_on_demand_usd"]
     assert "preemption notice to" in out.stdout and "== cost ==" in out.stdout
     assert list((tmp_path / "runs").glob("run-*/timeline.png"))
+
+
+def test_demo_with_pytorch_plays_the_same_story_and_reports(tmp_path: Path) -> None:
+    """``--framework torch``: examples/torch_elastic.py in the same story (a worker's and the master's notice,
+    the keeper's restarts joining through standbys), with the same report."""
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [CLI, "demo", "--framework", "torch", "--model", "small_cnn", "--epochs", "40", "--steps-per-epoch", "20",
+         "--save-every", "40", "--step-seconds", "0.05", "--window", "10", "--workdir", str(tmp_path / "runs"),
+         "--json", str(report), "--timeout", "600"],
+        capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "torch small_cnn" in out.stdout
+    body = json.loads(report.read_text())
+    assert body["completed"] is True and body["final_step"] == 40 * 20
+    preemptions = body["preemptions"]
+    assert [p["was_master"] for p in preemptions] == [False, True]
+    for p in preemptions:
+        assert p["notice"] and p["checkpoint_committed"] and p["steps_rolled_back"] == 0
+    assert body["keeper"]["refills"] >= 1 and body["joins"]
+    (run,) = (tmp_path / "runs").glob("run-*")
+    joins = [j for j in analyze(read_records(LocalStore(str(run / "store")))).joins if j.step < body["final_step"]]
+    for join in joins:
+        standby_log = (run / f"standby-{join.host}.log").read_text(errors="replace")
+        assert "took the job of launcher" in standby_log and join.steps_rolled_back == 0
+    assert "== cost ==" in out.stdout

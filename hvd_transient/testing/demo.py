@@ -36,7 +36,11 @@ from hvd_transient.testing.traces import TracePlan, add_trace_arguments, load_pl
 
 log = logging.getLogger(__name__)
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "keras_elastic.py"
+#: the PyTorch example's synthetic data set for the demo (the Keras example's size)
+DEMO_SAMPLES = 2048
+#: the training script of each frontend: the same story, model, data and protocol
+EXAMPLES = {framework: Path(__file__).resolve().parents[2] / "examples" / f"{framework}_elastic.py"
+            for framework in ("keras", "torch")}
 SHOWN = {"notice": "notice", "notice_agreed": "all ranks agreed", "election": "new checkpoint master",
          "commit": "checkpoint committed", "leave_published": "leaving the ring", "reset": "ring reset",
          "save_failed": "checkpoint FAILED", "stop_requested": "stop"}
@@ -53,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gcs-emulator", action="store_true",
                    help="start a local fake-gcs-server and use gs://demo/<run> as the store")
     p.add_argument("--workdir", default="hvdt-demo", help="where runs, logs and reports go")
+    p.add_argument("--framework", choices=sorted(EXAMPLES), default="keras",
+                   help="the training script: examples/keras_elastic.py or examples/torch_elastic.py")
     p.add_argument("--model", choices=("resnet32", "small_cnn"), default="resnet32")
     p.add_argument("--epochs", type=positive_int, default=16)
     p.add_argument("--steps-per-epoch", type=positive_int, default=25)
@@ -119,19 +125,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             store = f"gs://{bucket}/{run_dir.name}"
             extra_env = tuple(emu.env.items())
         store = store or str(run_dir / "store")
-        command: tuple[str, ...] = (sys.executable, str(EXAMPLE), "--store", store, "--model", args.model,
+        command: tuple[str, ...] = (sys.executable, str(EXAMPLES[args.framework]), "--store", store,
+                                    "--model", args.model,
                    "--epochs", str(args.epochs), "--steps-per-epoch", str(args.steps_per_epoch),
                    "--batch-size", str(args.batch_size), "--save-every", str(args.save_every))
         if args.cifar10_npz:
+            if args.framework != "keras":
+                raise UsageError("--cifar10-npz is read by the Keras example only; the PyTorch one uses "
+                                 "synthetic CIFAR-10-shaped data")
             command += ("--cifar10-npz", str(Path(args.cifar10_npz).absolute()))
         if args.step_seconds:
             command += ("--step-seconds", str(args.step_seconds))
+        if args.framework == "torch":
+            command += ("--samples", str(DEMO_SAMPLES))  # as many as the Keras example's synthetic set
         hosts = HOST_ALIASES[:args.workers]
         spec = LocalClusterSpec(store=store, hosts=hosts, command=command, workdir=run_dir,
                                 max_np=len(HOST_ALIASES), instances=HOST_ALIASES, extra_env=extra_env,
                                 notice_s=args.window,  # the workers' watchers read it from their VM's metadata
                                 standby=args.standby)
-        print(f"hvd-transient demo: {args.workers} VMs ({', '.join(hosts)}), {args.model}, "
+        print(f"hvd-transient demo: {args.workers} VMs ({', '.join(hosts)}), {args.framework} {args.model}, "
               + (f"until the trace's window ends ({plan.duration_s:.0f} s)" if plan else f"{total_steps} steps")
               + f", store {store}")
         if plan is not None:
