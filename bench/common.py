@@ -64,12 +64,52 @@ def positive_int(text: str) -> int:
     return value
 
 
-def parser(name: str, description: str, *, plot: bool = True, keep: bool = False) -> argparse.ArgumentParser:
-    """The argument parser of ``python -m bench.NAME``, with the options every benchmark has."""
+@dataclass(frozen=True)
+class Scripts:
+    """``--framework``'s training scripts: with hvd-transient (``ours``) and plain Horovod elastic (``baseline``),
+    same model, data and cadences; ``args``: what both take besides the benchmark's own arguments."""
+
+    label: str
+    ours: Path
+    baseline: Path
+    args: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """``"PyTorch (examples/torch_elastic.py against bench/plain_torch_elastic_worker.py)"``"""
+        return f"{self.label} ({self.ours.relative_to(REPO)} against {self.baseline.relative_to(REPO)})"
+
+
+#: the PyTorch scripts' synthetic data set: as many samples as the Keras scripts' (``workloads.synthetic_cifar10``)
+TORCH_SAMPLES = 2048
+SCRIPTS = {"keras": Scripts("Keras", REPO / "examples" / "keras_elastic.py",
+                            REPO / "bench" / "plain_elastic_worker.py"),
+           "torch": Scripts("PyTorch", REPO / "examples" / "torch_elastic.py",
+                            REPO / "bench" / "plain_torch_elastic_worker.py", ("--samples", str(TORCH_SAMPLES)))}
+
+
+def results_path(args: argparse.Namespace, name: str) -> Path:
+    """``--out``, or by default ``bench/results/NAME.json`` (``NAME-FRAMEWORK.json`` for a framework but Keras)."""
+    framework = getattr(args, "framework", "keras")
+    return getattr(args, "out", None) or RESULTS_DIR / (f"{name}.json" if framework == "keras"
+                                                        else f"{name}-{framework}.json")
+
+
+def parser(name: str, description: str, *, plot: bool = True, keep: bool = False,
+           frameworks: bool = False) -> argparse.ArgumentParser:
+    """The argument parser of ``python -m bench.NAME``, with the options every benchmark has; ``frameworks``:
+    ``--framework`` too, and ``--out`` is left out of the namespace unless given (see :func:`results_path`)."""
     p = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / f"{name}.json", help="results JSON (.md, .png beside it)")
+    if frameworks:
+        p.add_argument("--framework", choices=sorted(SCRIPTS), default="keras",
+                       help="the training scripts: " + "; ".join(f"{k}: {s.describe()}" for k, s in SCRIPTS.items()))
+        p.add_argument("--out", type=Path, default=argparse.SUPPRESS,
+                       help=f"results JSON (.md, .png beside it; default: bench/results/{name}.json, "
+                            f"{name}-torch.json with --framework torch)")
+    else:
+        p.add_argument("--out", type=Path, default=RESULTS_DIR / f"{name}.json",
+                       help="results JSON (.md, .png beside it)")
     if plot:
         p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--tmpdir", type=Path, help="parent of the temporary work directory (removed at the end)")
@@ -207,7 +247,8 @@ def machine_info() -> dict[str, Any]:
     return {"cpu_model": cpu, "cores": os.cpu_count(),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "os": platform.platform(), "python": platform.python_version(), "numpy": _version("numpy"),
-            "tensorflow": _version("tensorflow-cpu", "tensorflow"), "zarr": _version("zarr"),
+            "tensorflow": _version("tensorflow-cpu", "tensorflow"), "torch": _version("torch"),
+            "zarr": _version("zarr"),
             "google_cloud_storage": _version("google-cloud-storage"),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             # on a shared machine the load says how noisy a run was

@@ -12,6 +12,10 @@ metadata emulator per host) three times, each from its first training step for t
   watcher off and periodic checkpoints; any VM's loss ends the job, which is launched again at once on the VMs
   available then (a VM the trace adds is used from the next launch on) and restores the latest checkpoint.
 
+``--framework torch``: the same with PyTorch, ``examples/torch_elastic.py`` for ``ours`` and ``restart``, and
+``bench/plain_torch_elastic_worker.py`` (``TorchState``, ``ElasticSampler``) for ``horovod_elastic`` and the
+calibration.
+
 A calibration first measures r(k), the steady samples/s of a ring of k (plain Horovod, same model and machine)
 for every k the window needs. Goodput, ideal, lost-time phases, each ring's step time against the calibration and
 the goodput at a run's own steady pace (the machine state it ran on) come from
@@ -51,7 +55,6 @@ from hvd_transient.testing.traces import TracePlan, add_trace_arguments, load_pl
 
 log = logging.getLogger(__name__)
 
-OURS_SCRIPT, BASELINE_SCRIPT = bc.REPO / "examples" / "keras_elastic.py", bc.REPO / "bench" / "plain_elastic_worker.py"
 VARIANTS = ("ours", "horovod_elastic", "restart")
 LABELS = {"ours": "hvd-transient", "horovod_elastic": "plain Horovod elastic", "restart": "checkpoint-restart"}
 SUMMARY_KEY = {"ours": "ours_goodput", "horovod_elastic": "horovod_elastic_goodput", "restart": "restart_goodput"}
@@ -83,17 +86,19 @@ class Config:  # field names are the command line's
     instance_type: str | None
     leave: str = "near_deadline"
     leave_lead: float | None = None  # None: the product's measured lead
+    framework: str = "keras"
 
 
 def worker_command(variant: str, store: str, cfg: Config, window_s: float) -> tuple[str, ...]:
+    scripts = bc.SCRIPTS[cfg.framework]
     shared = ["--model", cfg.model, "--steps-per-epoch", str(cfg.steps_per_epoch), "--batch-size",
               str(cfg.batch_size), "--batches-per-commit", str(cfg.batches_per_commit), "--step-seconds",
-              str(cfg.step_seconds), "--base-lr", str(BASE_LR), "--epochs", str(FOREVER_EPOCHS)]
+              str(cfg.step_seconds), "--base-lr", str(BASE_LR), "--epochs", str(FOREVER_EPOCHS), *scripts.args]
     if variant == "horovod_elastic":
-        return (sys.executable, str(BASELINE_SCRIPT), "--events-store", store, *shared)
+        return (sys.executable, str(scripts.baseline), "--events-store", store, *shared)
     every = cfg.restart_save_every if variant == "restart" else cfg.save_every
     lead = ("--leave-lead", f"{cfg.leave_lead:g}") if cfg.leave_lead is not None else ()
-    return (sys.executable, str(OURS_SCRIPT), "--store", store, "--save-every", str(every),
+    return (sys.executable, str(scripts.ours), "--store", store, "--save-every", str(every),
             "--notice-window", f"{window_s:g}", "--leave", cfg.leave, *lead, *shared)
 
 
@@ -390,8 +395,9 @@ def run_all(cfg: Config, plan: TracePlan, tmp: Path, plot_to: Path | None) -> di
                 plot_to.parent.mkdir(parents=True, exist_ok=True)
                 plot_goodput_timeline(plot_to.with_name(f"{plot_to.stem}-{variant}.png"), analyze(played.events),
                                       t0=played.t0, duration_s=plan.duration_s, availability=plan.availability,
-                                      title=f"{LABELS[variant]}: goodput {g.goodput_own_pace:.2f} at its own pace "
-                                            f"({g.goodput:.2f} against the calibration) on {plan.trace}",
+                                      title=f"{LABELS[variant]} ({bc.SCRIPTS[cfg.framework].label}): goodput "
+                                            f"{g.goodput_own_pace:.2f} at its own pace ({g.goodput:.2f} against "
+                                            f"the calibration) on {plan.trace}",
                                       phases=g.lost_phases_s)
     return {"rates": rates, "results": results, "launches": launches, "errors": errors, "load": load}
 
@@ -424,7 +430,7 @@ def summarize(out: dict[str, Any], plan: TracePlan, cfg: Config) -> dict[str, An
     summary |= {f"{v}_step_time_ratio": (results[v].step_time_ratio if v in results else None) for v in VARIANTS}
     first = next(iter(results), None)
     return summary | {
-        "trace": plan.describe(),
+        "framework": cfg.framework, "trace": plan.describe(),
         "ideal_samples": next(iter(results.values())).ideal_samples if results else None,
         "calibration_samples_per_s": {str(k): r for k, r in out["rates"].items()},
         "cost_per_m_samples_spot": spot.get("ours", spot.get(first) if first else None),
@@ -480,7 +486,7 @@ def _leads(summary: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = bc.parser("goodput", __doc__.splitlines()[0], keep=True)
+    p = bc.parser("goodput", __doc__.splitlines()[0], keep=True, frameworks=True)
     add_trace_arguments(p)
     # by default: the checked-in hour of Oobleck's p3 trace with 6 preemptions for 4 nodes, in 10 minutes
     p.set_defaults(trace=str(DEFAULT_TRACE), trace_start=0.5)
@@ -516,6 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     args.cooldown = tuple(args.cooldown)
+    args.out = bc.results_path(args, "goodput")
     cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
     if cfg.calibration_s <= 0 or cfg.warmup_steps < 1:
         p.error("--calibration-s must be > 0 and --warmup-steps >= 1")
@@ -532,7 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("goodput: every variant failed:\n" + "\n".join(out["errors"].values()), file=sys.stderr)
         return 1
     summary = summarize(out, plan, cfg)
-    markdown = f"Trace: {summary['trace']}.\n\n{table(out, summary)}"
+    markdown = (f"{bc.SCRIPTS[cfg.framework].describe()}, {cfg.model}. Trace: {summary['trace']}.\n\n"
+                f"{table(out, summary)}")
     print(markdown, flush=True)
     rows = [asdict(g) | {"goodput": g.goodput, "goodput_own_pace": g.goodput_own_pace,
                          "load": asdict(load) if (load := out["load"].get(v)) else None}

@@ -2,66 +2,53 @@
 
 Same model, data, learning rate and commit cadence as ``examples/keras_elastic.py``, written like Horovod's
 elastic Keras example (``KerasState``, commit / batch / epoch callbacks, LR rescaled on reset); nobody
-watches for notices. :class:`StepEvents` only writes hvd-transient's events (start, ring, first_step,
-progress, reset, train_end), so ``hvd_transient.report.analysis`` reads both runs the same way.
+watches for notices. :class:`KerasStepEvents` only writes hvd-transient's events (start, ring, first_step,
+progress, reset, train_end; ``bench/_step_events.py``, shared with the PyTorch baseline
+``plain_torch_elastic_worker.py``), so ``hvd_transient.report.analysis`` reads both runs the same way.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import socket
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import horovod.tensorflow.keras as hvd
 import tensorflow as tf
 
 from ckpt_service.stores import open_store
-from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import EventLog
 from hvd_transient.testing.workloads import MODELS, batches, load_cifar10, synthetic_cifar10
 
-PROGRESS_EVERY_STEPS = 10
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: bench/ is not installed
+from bench._step_events import StepEvents  # noqa: E402
 
 
-class StepEvents(tf.keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped
-    """Writes the measurement events; takes no part in training."""
+class KerasStepEvents(tf.keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped
+    """:class:`StepEvents` as a Keras callback, its step the optimizer's."""
 
     def __init__(self, log: EventLog) -> None:
         super().__init__()
-        self.log = log
-        self.ring_step: int | None = None  # None until the first ring
-        self.last_step = -1
-        self.last_step_at: float | None = None
+        self.events = StepEvents(log)
 
     def _step(self) -> int:
         return int(self.model.optimizer.iterations.numpy())
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        step, rank, size = self._step(), hvd.rank(), hvd.size()
-        if self.ring_step is None:
-            self.log.emit(ev.Start(step=step, rank=rank, size=size))
-        self.log.emit(ev.Ring(step=step, rank=rank, size=size, master=0,
-                              master_host=self.log.host if rank == 0 else None))
-        self.ring_step = self.last_step = step
+        self.events.begin(self._step(), hvd.rank(), hvd.size())
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        step = self._step()
-        self.last_step, self.last_step_at = step, time.time()
-        if self.ring_step is not None and step == self.ring_step + 1:
-            self.log.emit(ev.FirstStep(step=step, size=hvd.size()))
-        elif step % PROGRESS_EVERY_STEPS == 0:
-            self.log.emit(ev.Progress(step=step, size=hvd.size()))
+        self.events.stepped(self._step(), hvd.size())
 
     def on_reset(self) -> None:
         """Horovod calls this after a reset, once the state was rolled back (if it was)."""
-        step = self._step()
-        self.log.emit(ev.Reset(step=step, rolled_back=max(0, self.last_step - step), last_step=self.last_step,
-                              last_step_at=self.last_step_at))
-        self.last_step = step
+        self.events.reset(self._step())
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        self.log.emit(ev.TrainEnd(step=self._step()))
+        self.events.end(self._step())
 
 
 def main() -> None:
@@ -88,7 +75,8 @@ def main() -> None:
     model.optimizer.build(model.trainable_variables)
 
     host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-    events = StepEvents(EventLog(open_store(args.events_store), host))
+    log = EventLog(open_store(args.events_store), host)
+    events = KerasStepEvents(log)
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
 
     def on_state_reset() -> None:
@@ -109,7 +97,7 @@ def main() -> None:
                   epochs=args.epochs - state.epoch, callbacks=callbacks, verbose=2 if hvd.rank() == 0 else 0)
 
     train(state)
-    events.log.flush()
+    log.flush()
     if hvd.rank() == 0:
         print(f"done at step {int(model.optimizer.iterations.numpy())} on {hvd.size()} workers "
               f"(pid {os.getpid()})", flush=True)

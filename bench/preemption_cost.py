@@ -4,7 +4,9 @@ The same Keras training on a ``LocalCluster`` (real ``horovodrun``, a GCE metada
 ``baseline`` (``bench/plain_elastic_worker.py``: killed when the notice window ends, Horovod rolls back)
 and ``ours`` (``examples/keras_elastic.py``: emergency checkpoint, election, a clean leave), when a worker
 or the checkpoint master / rank 0 of 3 is preempted, or a host joins a ring of 2 (ours: through a standby
-worker). Figures and phases come from :func:`hvd_transient.report.analysis.analyze`; runs alternate.
+worker). ``--framework torch``: the same with PyTorch (``examples/torch_elastic.py`` against
+``bench/plain_torch_elastic_worker.py``, ``TorchState`` and ``ElasticSampler``). Figures and phases come
+from :func:`hvd_transient.report.analysis.analyze`; runs alternate.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from hvd_transient.report.analysis import analyze
 
 log = logging.getLogger(__name__)
 
-OURS_SCRIPT, BASELINE_SCRIPT = bc.REPO / "examples" / "keras_elastic.py", bc.REPO / "bench" / "plain_elastic_worker.py"
 HOSTS = ("localhost", "127.0.0.1", "127.0.1")
 VARIANTS, SCENARIOS = ("ours", "baseline"), ("worker", "master", "join")
 LABELS = {"ours": "hvd-transient", "baseline": "plain Horovod elastic"}
@@ -55,6 +56,7 @@ class Config:  # field names are the command line's
     gloo_timeout_seconds: int
     scenarios: tuple[str, ...]
     variants: tuple[str, ...]
+    framework: str = "keras"
 
 
 @dataclass(frozen=True)
@@ -69,16 +71,18 @@ class RunPlan:
 
 def worker_command(plan: RunPlan, cfg: Config) -> tuple[str, ...]:
     """The training command of every worker."""
+    scripts = bc.SCRIPTS[cfg.framework]
     shared = ["--model", cfg.model, "--steps-per-epoch", str(cfg.steps_per_epoch), "--batches-per-commit",
-              str(cfg.batches_per_commit), "--step-seconds", str(cfg.step_seconds), "--base-lr", str(BASE_LR)]
+              str(cfg.batches_per_commit), "--step-seconds", str(cfg.step_seconds), "--base-lr", str(BASE_LR),
+              *scripts.args]
     if plan.variant == "ours":  # runs until told to stop; knows the cloud's notice window, as a user would
-        script = [str(OURS_SCRIPT), "--store", plan.store, "--epochs", "100000", "--save-every", str(cfg.save_every),
+        script = [str(scripts.ours), "--store", plan.store, "--epochs", "100000", "--save-every", str(cfg.save_every),
                   "--notice-window", str(cfg.window_s), "--leave", "at_notice", *shared]  # the leave itself
     elif plan.scenario != "join" and plan.total_steps is None:
         raise bc.BenchError("the baseline needs a fixed number of steps: run 'ours' first or give --total-steps")
     else:  # a join run is stopped once the bigger ring trained
         epochs = 100000 if plan.scenario == "join" else math.ceil((plan.total_steps or 0) / cfg.steps_per_epoch)
-        script = [str(BASELINE_SCRIPT), "--events-store", plan.store, "--epochs", str(epochs), *shared]
+        script = [str(scripts.baseline), "--events-store", plan.store, "--epochs", str(epochs), *shared]
     return (sys.executable, *script)
 
 
@@ -278,7 +282,8 @@ def summarize(ms: Sequence[Measurement], cfg: Config) -> dict[str, Any]:
         s = bc.spread_or_none([getattr(m, key) for m in ok if m.variant == v and (m.scenario == "join") == join])
         return getattr(s, stat) if s else None
 
-    summary: dict[str, Any] = {"resume_goal_ms": RESUME_GOAL_MS, "scenarios": {s: {} for s in cfg.scenarios}}
+    summary: dict[str, Any] = {"framework": cfg.framework, "resume_goal_ms": RESUME_GOAL_MS,
+                               "scenarios": {s: {} for s in cfg.scenarios}}
     for v in VARIANTS:  # every key present; None for what was not run
         summary |= {f"{v}_steps_rolled_back": of(v, "steps_rolled_back"),
                     f"{v}_steps_rolled_back_max": of(v, "steps_rolled_back", "max"),
@@ -344,7 +349,8 @@ def make_plot(path: Path, summary: Mapping[str, Any], cfg: Config) -> Path | Non
             panels.append(bc.Panel(title, unit, scen, {k: [bc.Spread(c["median"] * scale, c["min"] * scale,
                                                                       c["max"] * scale, c["n"]) if c else None
                                                             for c in cs] for k, cs in cells.items()}))
-    return bc.plot_panels(path, panels, title=f"cost of a preemption and a join ({cfg.model}, {cfg.window_s:g} s)")
+    return bc.plot_panels(path, panels, title=f"cost of a preemption and a join ({bc.SCRIPTS[cfg.framework].label} "
+                                              f"{cfg.model}, {cfg.window_s:g} s)")
 
 
 def run_all(cfg: Config, tmp: Path) -> list[Measurement]:
@@ -374,7 +380,7 @@ def run_all(cfg: Config, tmp: Path) -> list[Measurement]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = bc.parser("preemption_cost", __doc__.splitlines()[0], keep=True)
+    p = bc.parser("preemption_cost", __doc__.splitlines()[0], keep=True, frameworks=True)
     p.add_argument("--model", choices=("small_cnn", "resnet32"), default="small_cnn")
     p.add_argument("--repeats", type=bc.positive_int, default=3, help="runs per scenario and variant")
     p.add_argument("--window-s", type=float, default=10.0, help="notice window: the kill comes this long after it")
@@ -402,6 +408,7 @@ NOTES = [
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    args.out = bc.results_path(args, "preemption_cost")
     if args.step_seconds is None:
         args.step_seconds = 0.05 if args.model == "small_cnn" else 0.0
     cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
@@ -417,7 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("preemption_cost: every run failed:\n" + "\n".join(m.error or "" for m in measurements), file=sys.stderr)
         return 1
     summary = summarize(measurements, cfg)
-    markdown = (f"{cfg.model}, {cfg.window_s:g} s notice, step T = {summary['total_steps']}.\n\n"
+    markdown = (f"{bc.SCRIPTS[cfg.framework].describe()}, {cfg.model}, {cfg.window_s:g} s notice, "
+                f"step T = {summary['total_steps']}.\n\n"
                 f"{main_table(summary, cfg)}\n\n{phase_table(summary, cfg)}")
     print(markdown, flush=True)
     return bc.publish(args.out, name="preemption_cost", summary=summary, rows=[asdict(m) for m in measurements],

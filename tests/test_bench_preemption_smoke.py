@@ -5,15 +5,17 @@ with its summary keys (and a PNG). How the preemption benchmark reads a run (Run
 also checked on hand-made event logs, where the right answers are known.
 
 Real runs: ours on a worker's notice, both variants on a join (the baseline's plain-Horovod worker
-included), and a cold restart against a fresh start. The baseline's kill at the deadline is read on a
-hand-made log only: what it adds to a real run is Horovod's own recovery from a lost worker, which
-``test_attempt_e2e.py`` runs (a master killed mid-save, the survivors rolled back).
+included), and a cold restart against a fresh start. The Keras baseline's kill at the deadline is read on
+a hand-made log only: what it adds to a real run is Horovod's own recovery from a lost worker, which
+``test_attempt_e2e.py`` runs (a master killed mid-save, the survivors rolled back). With PyTorch
+(``--framework torch``) both variants run on a worker's notice, the baseline's kill included.
 """
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +208,42 @@ def test_preemption_cost_join_both_variants(tmp_path: Path) -> None:
     assert summary["ours_resume_ms_median"] is None and summary["total_steps"] is None
     assert [(r["variant"], r["target"], r["error"]) for r in doc["rows"]] == [("ours", "127.0.1", None),
                                                                               ("baseline", "127.0.1", None)]
+
+
+@pytest.mark.horovod
+def test_preemption_cost_with_pytorch_both_variants(tmp_path: Path) -> None:
+    """``--framework torch``: a worker's preemption, examples/torch_elastic.py against plain Horovod's
+    ``TorchState`` worker; each variant's run is a row without an error, and the JSON and the markdown say
+    which framework ran. No figure is judged (step T comes from the first run, as by default)."""
+    doc = run_bench("preemption_cost", tmp_path / "results" / "preemption_cost.json", "--framework", "torch",
+                    "--repeats", "1", "--scenarios", "worker", timeout=540)
+    summary = doc["summary"]
+    for key in PREEMPTION_KEYS:
+        assert key in summary, key
+    assert summary["framework"] == doc["params"]["framework"] == "torch"
+    assert [(r["variant"], r["scenario"], r["error"]) for r in doc["rows"]] == [("ours", "worker", None),
+                                                                                ("baseline", "worker", None)]
+    assert summary["ours_runs"] == summary["baseline_runs"] == {"ok": 1, "failed": 0}
+    markdown = (tmp_path / "results" / "preemption_cost.md").read_text()
+    assert "PyTorch (examples/torch_elastic.py against bench/plain_torch_elastic_worker.py)" in markdown
+
+
+def test_framework_picks_both_scripts_and_a_results_file_of_its_own() -> None:
+    """``--framework torch``: the PyTorch example and plain Horovod's TorchState worker, on the Keras scripts'
+    2,048 samples; its results do not overwrite the Keras ones unless --out says so."""
+    cfg = replace(config(), framework="torch")
+    ours = pc.worker_command(pc.RunPlan("ours", "worker", 0, "/s", Path("/w"), 100), cfg)
+    plain = pc.worker_command(pc.RunPlan("baseline", "worker", 0, "/s", Path("/w"), 100), cfg)
+    assert ours[1].endswith("examples/torch_elastic.py") and plain[1].endswith("bench/plain_torch_elastic_worker.py")
+    for command in (ours, plain):
+        assert command[command.index("--samples") + 1] == "2048" and "--cifar10-npz" not in command
+    keras = pc.worker_command(pc.RunPlan("baseline", "worker", 0, "/s", Path("/w"), 100), config())
+    assert keras[1].endswith("bench/plain_elastic_worker.py") and "--samples" not in keras
+    out = {f: pc.bc.results_path(pc.build_parser().parse_args(["--framework", f]), "preemption_cost").name
+           for f in ("keras", "torch")}
+    assert out == {"keras": "preemption_cost.json", "torch": "preemption_cost-torch.json"}
+    given = pc.build_parser().parse_args(["--framework", "torch", "--out", "x.json"])
+    assert pc.bc.results_path(given, "preemption_cost") == Path("x.json")
 
 
 def test_restore_read_throughput(tmp_path: Path) -> None:
