@@ -81,14 +81,16 @@ class TransientConfig:
     leave_lead_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.check_every_steps is not None and self.check_every_steps < 1:
-            raise ValueError(f"check_every_steps must be None (adaptive) or at least 1, not {self.check_every_steps}")
-        if not self.check_interval_s > 0:
-            raise ValueError(f"check_interval_s must be positive, not {self.check_interval_s}")
-        if self.max_check_every_steps < 1:
-            raise ValueError(f"max_check_every_steps must be at least 1, not {self.max_check_every_steps}")
-        if not self.check_slowdown_allowance >= 1.0:
-            raise ValueError(f"check_slowdown_allowance must be at least 1 (check intervals), "
+        if self.check_every_steps is not None and not _whole_at_least_1(self.check_every_steps):
+            raise ValueError(f"check_every_steps must be None (adaptive) or a whole number of steps, at least 1, "
+                             f"not {self.check_every_steps!r}")
+        if not 0 < self.check_interval_s < math.inf:
+            raise ValueError(f"check_interval_s must be a positive number of seconds, not {self.check_interval_s}")
+        if not _whole_at_least_1(self.max_check_every_steps):
+            raise ValueError(f"max_check_every_steps must be a whole number of steps, at least 1, "
+                             f"not {self.max_check_every_steps!r}")
+        if not 1.0 <= self.check_slowdown_allowance < math.inf:
+            raise ValueError(f"check_slowdown_allowance must be at least 1 (check intervals) and finite, "
                              f"not {self.check_slowdown_allowance}")
         if self.notice_window_s is not None and not 0 < self.notice_window_s < math.inf:
             raise ValueError(f"notice_window_s must be None (the VM's own) or a positive number of seconds, "
@@ -128,13 +130,22 @@ class TransientConfig:
         steps of ``step_s`` (the slowest this job timed, :meth:`boundary_wait_s`) plus
         :meth:`departure_allowance_s`. A VM leaves only at a step boundary: a lead shorter than a step
         could let the VM start a step that its deadline cuts short, inside the ring."""
-        return self.boundary_wait_s(step_s) + self.departure_allowance_s(slowest_departure_s)
+        # a timing that is negative or no number (a clock that stepped back, a torn round) counts as none
+        departure = slowest_departure_s if slowest_departure_s is None or slowest_departure_s >= 0 else None
+        return self.boundary_wait_s(step_s if step_s >= 0 else 0.0) + self.departure_allowance_s(departure)
 
     def trains_through(self, hosts: Collection[str], leaving: Collection[str]) -> bool:
         """Whether the VMs under notice (``leaving``) of a ring of ``hosts`` train on until their
         ``leave_at``: with ``near_deadline``, while some host of the ring is not under notice (a wave
         that takes every host leaves nobody to carry the state, and the checkpoint is what counts)."""
         return self.leave == "near_deadline" and not set(leaving) >= set(hosts)
+
+
+def _whole_at_least_1(value: object) -> bool:
+    """A count of steps: a whole number (an int, or a float with no fraction) of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and value >= 1 and float(value).is_integer()
 
 
 __all__ = ["DEFAULT_LEAVE_LEAD_S", "FINAL_SAVE_CHECK_TIMEOUT_S", "HOUSEKEEPING_TIMEOUT_S", "LEASE_MOVE_TIMEOUT_S",

@@ -12,6 +12,7 @@ timed, one shared clock), so every rank plans the same thing.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
@@ -48,6 +49,9 @@ def plan_leave(config: TransientConfig, hosts: Collection[str], leaving: Collect
     lead = config.lead_s(departure_s, step_s)
     if not config.trains_through(hosts, leaving):
         return LeavePlan(None, lead, "at the notice" if config.leave == "at_notice" else "every host is leaving")
+    if not (math.isfinite(deadline) and math.isfinite(lead) and math.isfinite(now)):
+        # a deadline or a timing that is no time plans nothing: leaving at once is never worse than at_notice
+        return LeavePlan(None, lead, f"no plan from a deadline of {deadline} and a lead of {lead}")
     leave_at = deadline - lead
     if leave_at <= now:
         return LeavePlan(None, lead, f"a lead of {lead:.1f} s does not fit in the {deadline - now:.1f} s left")

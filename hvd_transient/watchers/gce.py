@@ -20,10 +20,13 @@ is never answered, or answered a byte at a time.
 history (``deadline.py``): the window from the start of the last read that said
 FALSE, or, with no such read, the start of the read that saw it (leave at once).
 
-The VM's name, id and configured window are optional: they are read after a read
-of the watched key succeeded (so a broken one never delays or stops that poll), a
-value that is no answer (empty, garbage) falls back to the default, and a failed
-read is tried again later.
+The VM's name, id and configured window are optional: they are read on a thread of
+their own (so a broken or hung one never delays or stops a poll, nor the report of a
+notice), a value that is no answer (empty, garbage) falls back to the default, and a
+failed read is tried again later. While the window is unknown (its attribute failed,
+neither read nor absent), no window from the last clear read can be trusted, and a
+notice is dated by the read that saw it (leave at once): a guess of 30 s could be
+longer than the VM's real notice.
 """
 from __future__ import annotations
 
@@ -38,8 +41,8 @@ from typing import Callable, Mapping, Sequence
 from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S, NOTICE_ATTRIBUTE
 
 from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
-from .deadline import from_history
-from .errors import MetadataGarbageError, WatcherConfigError, WatcherError
+from .deadline import FIRST_READ, Deadline, from_history
+from .errors import MetadataGarbageError, MetadataServerError, WatcherConfigError, WatcherError
 from .metadata_http import MetadataClient, MetadataReply, expect_status, printable_text
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,8 @@ HEADERS = {"Metadata-Flavor": "Google"}
 MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
 #: an optional key that could not be read is asked again at most this often
 IDENTITY_RETRY_S = 10.0
+#: once the identity is known, its thread only wakes this rarely (it has nothing left to do)
+IDENTITY_DONE_PAUSE_S = 3600.0
 
 
 def gce_base_url(base_url: str | None = None, env: Mapping[str, str] | None = None) -> str:
@@ -92,12 +97,21 @@ class GceWatcher(Watcher):
         self._id_known = False
         self._identity_lock = threading.Lock()
         self._identity_tried_at: float | None = None  # monotonic
+        #: set once the identity's first try has ended (a notice waits for it, at most a request's time)
+        self.identity_tried = threading.Event()
 
     def _pollers(self) -> Sequence[Poller]:
         pollers: list[Poller] = [_KeyPoller(self, "instance/preempted", _preempted_reason)]
         if self.watch_maintenance:
             pollers.append(_KeyPoller(self, "instance/maintenance-event", _maintenance_reason))
+        if not self.identity_known:
+            pollers.append(_IdentityPoller(self))
         return pollers
+
+    @property
+    def window_known(self) -> bool:
+        """Whether the notice window is known: given, or read from the VM's attribute (or its absence)."""
+        return self._window_known
 
     @property
     def identity_known(self) -> bool:
@@ -117,13 +131,18 @@ class GceWatcher(Watcher):
         try:
             self._identity_tried_at = time.monotonic()
             if not self._window_known:
-                self._optional(NOTICE_ATTRIBUTE, self._learn_window, f"instance/attributes/{NOTICE_ATTRIBUTE}")
+                self.read_window()
             if not self._id_known:
                 self._optional("instance id", self._learn_id, "instance/id")
             if self.instance is None:
                 self._optional("instance name", self._learn_name, "instance/name")
         finally:
             self._identity_lock.release()
+            self.identity_tried.set()
+
+    def read_window(self) -> None:
+        """One read of the VM's configured notice window, now (best effort, never raises)."""
+        self._optional(NOTICE_ATTRIBUTE, self._learn_window, f"instance/attributes/{NOTICE_ATTRIBUTE}")
 
     def _optional(self, what: str, learn: Callable[[MetadataReply | None], None], key: str) -> None:
         """Read an optional ``key`` and hand its reply to ``learn`` (None when the key is absent);
@@ -217,16 +236,42 @@ class _KeyPoller(Poller):
         if reason is None:
             self.last_clear = started
             self.etag = reply.headers.get("ETag")
-            w.resolve_identity()
             return None
-        w.resolve_identity(force=True)  # the notice names the VM and, after a clear read, uses its window
-        deadline = from_history(started, self.last_clear, w.window)
+        # A notice right at the start may come before the identity's first try ended: it waits for
+        # that try at most one request's time. If that try ended without the window, the window is
+        # read once more here (one request's time); a try still hung is not waited for. The window
+        # from the last clear read is used only where the window is known.
+        if w.identity_tried.wait(w.request_timeout) and not w.window_known:
+            w.read_window()
+        deadline = (from_history(started, self.last_clear, w.window) if w.window_known
+                    else Deadline(started, FIRST_READ))
+        if not w.window_known:
+            log.warning("this VM's notice window is unknown (%s could not be read): leaving at once",
+                        NOTICE_ATTRIBUTE)
         return w.make_notice(reason, detected_at=detected_at, deadline=deadline,
                              instance=w.instance or socket.gethostname())
 
     def pause(self) -> float:
         # Without an ETag the server cannot long-poll for us: fall back to plain polling.
         return 0.0 if self.etag else 1.0
+
+
+class _IdentityPoller(Poller):
+    """Learns the VM's window, id and name on its own thread, until it knows them."""
+
+    name = "identity"
+
+    def __init__(self, watcher: GceWatcher) -> None:
+        self.watcher = watcher
+
+    def poll(self) -> Notice | None:
+        self.watcher.resolve_identity(force=True)  # never raises
+        if not self.watcher.window_known:  # retried with the watcher's back-off, as a failed poll is
+            raise MetadataServerError(f"the VM's notice window ({NOTICE_ATTRIBUTE}) could not be read")
+        return None
+
+    def pause(self) -> float:
+        return IDENTITY_DONE_PAUSE_S if self.watcher.identity_known else IDENTITY_RETRY_S
 
 
 def _preempted_reason(value: str) -> str | None:

@@ -1,8 +1,9 @@
 """Local watcher: a notice file appearing, and/or SIGTERM to this process.
 
 For the local transient-cluster simulator and for machines without a cloud
-metadata server. The file may hold JSON ``{"deadline": <epoch>, "reason": "..."}``;
-anything else (or nothing) means "now + window".
+metadata server. The file may hold JSON ``{"deadline": <epoch>, "reason": "..."}``
+(any time :func:`~hvd_transient.watchers.deadline.parse_time` reads, never later than the
+window from when the file was seen); anything else (or nothing) means "now + window".
 
 The SIGTERM handler only records the signal (a plain attribute write, no lock:
 a handler that took a lock the interrupted main thread holds would deadlock);
@@ -22,6 +23,7 @@ from typing import Any, Sequence
 from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
 
 from .base import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Notice, NoticeCallback, Poller, Watcher
+from .deadline import parse_time
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,14 @@ class _LocalPoller(Poller):
         except (OSError, ValueError):
             content = None  # appearing is the notice; the content is optional
         if isinstance(content, dict):
-            if isinstance(content.get("deadline"), (int, float)):
-                deadline = float(content["deadline"])
+            given = parse_time(content.get("deadline")) if "deadline" in content else None
+            if given is not None and given > detected_at + self.w.window:
+                log.warning("notice file deadline %r is more than the %.0f s window away: the window counts",
+                            content.get("deadline"), self.w.window)
+            elif given is not None:
+                deadline = given
+            elif "deadline" in content:
+                log.warning("notice file deadline %r is no time: the window counts", content.get("deadline"))
             if isinstance(content.get("reason"), str):
                 reason = content["reason"]
         return self.w.make_notice(reason, detected_at=detected_at, deadline=deadline)

@@ -17,6 +17,7 @@ import http.client
 import io
 import json
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -57,6 +58,10 @@ class MetadataClient:
     connect_timeout: float = 0.5
     total_timeout: float = 1.0
 
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout", "total_timeout"):
+            _check_bound(name, getattr(self, name))
+
     def get(self, url: str, *, headers: Mapping[str, str] | None = None,
             params: Mapping[str, str] | None = None, total: float | None = None) -> MetadataReply:
         return self.request("GET", url, headers=headers, params=params, total=total)
@@ -67,7 +72,7 @@ class MetadataClient:
 
     def request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
                 params: Mapping[str, str] | None = None, total: float | None = None) -> MetadataReply:
-        total_s = self.total_timeout if total is None else float(total)
+        total_s = self.total_timeout if total is None else _check_bound("total", total)
         deadline = time.monotonic() + total_s
         full_url = f"{url}?{urlencode(dict(params))}" if params else url
         parts = urlsplit(full_url)
@@ -88,8 +93,18 @@ class MetadataClient:
             raise MetadataTimeoutError(f"{method} {full_url}: no whole reply within {total_s:g} s ({exc})") from None
         except http.client.HTTPException as exc:  # a bad status line, a torn or over-long reply
             raise MetadataGarbageError(f"{method} {full_url}: not an HTTP reply ({exc!r:.120})") from None
+        except OSError as exc:  # refused, reset mid-reply, unreachable: the server did not answer
+            raise MetadataServerError(f"{method} {full_url}: no reply ({exc!r:.120})") from None
         finally:
             conn.close()
+
+
+def _check_bound(name: str, value: object) -> float:
+    """A time bound: a positive, finite number of seconds (anything else bounds nothing)."""
+    seconds = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not 0 < seconds < math.inf:
+        raise WatcherConfigError(f"metadata request {name} must be a positive number of seconds, not {value!r}")
+    return seconds
 
 
 class _TotalSpent(Exception):
