@@ -127,8 +127,9 @@ class Saver:
             if self.saves(local) and hvd.rank() == 0:
                 self.model.save_weights(str(self.directory / f"ckpt-{local}"))  # no .h5: TensorFlow format
         else:
-            # TransientCallback reads the optimizer's step after every batch (one TensorFlow op)
-            step = optimizer_step(self.model.optimizer)
+            # as TransientCallback: the optimizer's step is read (one TensorFlow op) only at the steps at which
+            # the protocol does more than the plain path, and counted at the others (frontend/step_counter.py)
+            step = optimizer_step(self.model.optimizer) if not self.impl.plain_step(local) else local
             self.impl.after_step(local, lambda: self.fused.specs, partial(self._metadata, step), self.fused)
             if self.config == "ours_sync" and self.saves(local):
                 self.impl.save_now(local, self.fused.specs, self._metadata(step), coordinator=self.impl.run.master,

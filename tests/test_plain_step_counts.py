@@ -1,7 +1,7 @@
 """What ``TransientCallback`` does at a plain step (no save, no notice round), counted, not timed.
 
-A plain step must cost the step's read and a few attribute and clock reads: no store call, no
-collective, no event and no TensorFlow op besides the one read of the optimizer's step. The counts
+A plain step must cost a few attribute and clock reads: no store call, no collective, no event and
+no TensorFlow op (the optimizer's step is counted between the steps at which it is read). The counts
 come from a real ``model.fit`` (Horovod in a world of one): TensorFlow's op callbacks see every op
 the training thread runs, and counting wrappers stand in front of the collectives, the store and
 the event log. Counts do not flake where timings would.
@@ -144,7 +144,7 @@ def _counted_fit(hvd: Any, tmp_path: Any, elastic: bool) -> tuple[Any, list[tupl
 
 
 @pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
-def test_a_plain_step_makes_no_store_call_no_collective_and_reads_only_the_step(hvd, tmp_path, elastic):
+def test_a_plain_step_makes_no_store_call_no_collective_and_no_tensorflow_op(hvd, tmp_path, elastic):
     cb, calls, rounds_before = _counted_fit(hvd, tmp_path, elastic)
     ends = [(step, counts) for hook, step, counts in calls if hook == "on_train_batch_end"]
     first = ends[0][0]
@@ -153,9 +153,13 @@ def test_a_plain_step_makes_no_store_call_no_collective_and_reads_only_the_step(
     plain = [(step, c) for step, c in ends if step % CHECK_EVERY and step != first]
     assert len(plain) >= 2 * STEPS_PER_EPOCH - 2 * STEPS_PER_EPOCH // CHECK_EVERY - 2
     for step, c in plain:
-        assert c.ops == ["ReadVariableOp"], f"step {step}: TensorFlow ops {c.ops}"
+        assert c.ops in ([], ["ReadVariableOp"]), f"step {step}: TensorFlow ops {c.ops}"
         assert c.collectives == [] and c.store_calls == [] and c.events == [], \
             f"step {step}: collectives {c.collectives}, store calls {c.store_calls}, events {c.events}"
+    # the step is counted, not read: read only at the first batch of each of the fit's two epochs
+    read = [step for step, c in plain if c.ops]
+    assert len(read) <= 2, f"the step was read at plain steps {read}"
+    assert cb._steps.counts  # noqa: SLF001 - one optimizer step per batch: the count never differed
     for _, step, c in (call for call in calls if call[0] == "on_train_batch_begin"):
         assert (c.ops, c.collectives, c.store_calls, c.events) == ([], [], [], []), f"before step {step + 1}"
     # the counters see what they should: the other steps ran the rounds and saves through them

@@ -224,6 +224,20 @@ class TransientImpl:
         part of the step time that the cadence's bound in seconds rests on. One clock read."""
         self.run.step_done_at = self.clocks.monotonic()
 
+    def plain_step(self, step: int) -> bool:
+        """Whether :meth:`after_step` at ``step`` takes the plain path: no round, save, host check or
+        event (pure: from this ring's agreed state and the config). A frontend may count such steps
+        instead of reading them exactly (:mod:`hvd_transient.frontend.step_counter`)."""
+        run, cfg = self.run, self.config
+        if run.departure_pending or run.begun_at_step is None or step <= run.begun_at_step + 1:
+            return False
+        if (cfg.progress_every_steps and step % cfg.progress_every_steps == 0) or (
+                cfg.save_every_steps and step % cfg.save_every_steps == 0):
+            return False
+        if cfg.check_every_steps:
+            return step % cfg.check_every_steps != 0
+        return step < run.next_check_step
+
     def after_step(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
                    metadata: Callable[[], dict[str, Any]],
                    share_snapshot: ShareSnapshot | None = None, *, samples: int | None = None) -> StepOutcome:

@@ -20,6 +20,7 @@ from hvd_transient.core.checksums import state_crc
 from hvd_transient.core.data_position import epoch_and_batch
 from hvd_transient.core.lr_scaling import scaled_lr
 from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.frontend.step_counter import StepCounter
 from hvd_transient.keras.autograph import skip_horovod_conversion
 from hvd_transient.keras.resume import ResumeAt
 from hvd_transient.keras.snapshot import FusedSnapshot
@@ -102,6 +103,8 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         self._fused_checked: tuple[int, int] | None = None  # (fit, optimizer variable count) last checked
         self._fits = 0
         self._steps_per_epoch: int | None = None  # known once fit has resumed (Keras tells ResumeAt)
+        # the step read exactly where the protocol needs it, counted per batch in between
+        self._steps = StepCounter(self._step, self._plain)
         if state is not None:
             state.register_reset_callbacks([self._on_reset])
 
@@ -109,6 +112,9 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
 
     def _step(self) -> int:
         return optimizer_step(self.model.optimizer)
+
+    def _plain(self, step: int) -> bool:
+        return self.impl is not None and self.impl.plain_step(step)
 
     def _fused_snapshot(self) -> FusedSnapshot:
         """The share snapshotter of the model's current variables.
@@ -177,6 +183,7 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._fits += 1  # the model's variables may differ from the previous fit's
+        self._steps.reset()
         skip_horovod_conversion(getattr(self.model, "optimizer", None))  # fit traces its step after this
         if self.impl is None:
             self.impl = TransientImpl(self.config, HorovodCollectives())
@@ -202,14 +209,15 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         # The evaluation and the callbacks' work at the previous epoch's end are no step: the next one is
         # timed from here. Within an epoch a step is timed from batch end to batch end, all of it.
+        self._steps.reset()  # a new epoch's batches count from 0: its first is read exactly
         if self.impl is not None:
             self.impl.before_step()
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        # A plain step (no save, no notice round) costs the step's read, a few attribute reads and
-        # clock reads: no store call, no collective, no other TensorFlow op (tests/test_plain_step_counts.py).
+        # A plain step (no save, no notice round) costs a few attribute and clock reads: no store call,
+        # no collective, no TensorFlow op, the step counted (tests/test_plain_step_counts.py).
         assert self.impl is not None
-        step = self._step()
+        step = self._steps.at(batch)
         advance = getattr(self.state, "hvdt_advance", None)
         if advance is not None:
             advance(step)
@@ -269,5 +277,6 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
             self._closer()
 
     def _on_reset(self) -> None:
+        self._steps.reset()
         if self.impl is not None:
             self.impl.note_reset(self._step())
