@@ -35,10 +35,23 @@ class NearDeadlineProtocol(base.NoticeProtocol):
     def _step_boundary(self) -> None:
         new = [h for h in self.ring if h in self.deadlines and h not in self.handled]
         whole_ring = all(h in self.deadlines for h in self.ring)  # every VM of the ring sends its notice
+        # every VM of the ring was handled before this boundary: its round plans each leave again, and
+        # one still training on to its leave_at now leaves at once (its record written again)
+        handled_whole = bool(self.ring) and all(h in self.handled for h in self.ring)
         super()._step_boundary()
         for host in new:
             self.expected_leave_at[host] = None if whole_ring else self.deadlines[host] - LEAD_S
             event("whole ring under notice: leave at once" if whole_ring else "train on until leave_at")
+        if handled_whole:
+            for host in self.ring:
+                if self.expected_leave_at.get(host) is not None:
+                    self.expected_leave_at[host] = None
+                    event("a leave planned again: at once")
+
+    def record_writes_allowed(self, host: str) -> int:
+        # once, and once more where a later round moved its leave earlier (the whole ring under notice,
+        # or steps grown slower than when it was planned)
+        return 2
 
     def _leave_at(self, host: str) -> float | None:
         published([self.ranks[host].impl], base.GROUP_TIMEOUT_S)

@@ -48,7 +48,8 @@ def test_a_step_that_is_not_one_per_batch_is_read_at_every_batch_from_then_on() 
 
 
 def test_a_skipped_step_moves_the_count_back_at_the_next_exact_read() -> None:
-    """A loss scale that skips a step: the count runs ahead and reads early (never late), and sees the lag."""
+    """An optimizer step skipped (a train step that did not apply): the count runs ahead, reads early (never
+    late), and sees the lag."""
     opt = Optimizer()
     counter = StepCounter(opt.read, lambda step: step % 10 != 0)
     run(opt, counter, 4)

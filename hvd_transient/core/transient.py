@@ -231,12 +231,10 @@ class TransientImpl:
         run, cfg = self.run, self.config
         if run.departure_pending or run.begun_at_step is None or step <= run.begun_at_step + 1:
             return False
-        if (cfg.progress_every_steps and step % cfg.progress_every_steps == 0) or (
-                cfg.save_every_steps and step % cfg.save_every_steps == 0):
+        if any(_reaches(every, run.last_step, step)
+               for every in (cfg.progress_every_steps, cfg.save_every_steps, cfg.check_every_steps)):
             return False
-        if cfg.check_every_steps:
-            return step % cfg.check_every_steps != 0
-        return step < run.next_check_step
+        return cfg.check_every_steps is not None or step < run.next_check_step
 
     def after_step(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
                    metadata: Callable[[], dict[str, Any]],
@@ -265,15 +263,16 @@ class TransientImpl:
     def _after_step(self, step: int, snapshot: Callable[[], Mapping[str, Any]],
                     metadata: Callable[[], dict[str, Any]], share_snapshot: ShareSnapshot | None,
                     samples: int | None, first_after_begin: bool) -> StepOutcome:
+        previous = self.run.last_step
         self.run.last_step, self.run.last_step_at = step, self.clocks.wall()
         if first_after_begin:
             self.events.emit(ev.FirstStep(step=step, size=self.comm.size(), samples=samples))
-        elif self.config.progress_every_steps and step % self.config.progress_every_steps == 0:
+        elif _reaches(self.config.progress_every_steps, previous, step):
             self.events.emit(ev.Progress(step=step, size=self.comm.size(), samples=samples))
-        every = self.config.save_every_steps
-        save_due = every is not None and every > 0 and step > 0 and step % every == 0 and not self.run.departure_pending
+        save_due = (step > 0 and _reaches(self.config.save_every_steps, previous, step)
+                    and not self.run.departure_pending)
         if self.config.check_every_steps:
-            check_due = step % self.config.check_every_steps == 0
+            check_due = _reaches(self.config.check_every_steps, previous, step)
         else:
             check_due = step >= self.run.next_check_step
         if check_due or save_due:
@@ -314,6 +313,17 @@ class TransientImpl:
         from a rank's own clock, which could split the ranks."""
         return (self.config.trains_through(self.run.hosts, self.run.handled_leavers & set(self.run.hosts))
                 and not self._rounds.departures_due)
+
+
+def _reaches(every: int | None, previous: int | None, step: int) -> bool:
+    """Whether the steps after ``previous`` up to ``step`` reach a multiple of ``every`` (pure): a
+    frontend may hand several steps at once (Keras's ``steps_per_execution``), and a cadence must not
+    be stepped over."""
+    if not every:
+        return False
+    if previous is None or step <= previous:
+        return step % every == 0
+    return step // every > previous // every
 
 
 # The names this module held before its parts moved out; users import them from here.

@@ -5,9 +5,10 @@ Reading a framework's step counter is an op: about 0.2 ms of CPU after a trainin
 on every batch. The step is read exactly where it matters (the first batch of an epoch or a
 ring, every step at which the protocol does more than the plain path, see
 :meth:`~hvd_transient.core.transient.TransientImpl.plain_step`) and counted in between: one
-optimizer step per batch. Where that does not hold (a loss scale that skips steps, gradients
-aggregated over several batches, a train step that steps twice), the first exact read differs
-from the count, and from then on every batch is read exactly, as before.
+optimizer step per batch, which the frontend asserts (Keras: the model's own ``train_step`` and a
+fixed ``steps_per_execution``; a loss scale that skips a step and Horovod's gradient aggregation
+still count one per batch). Where a count still differs from an exact read, every batch is read
+exactly from then on, until the next ring.
 
 Every rank counts the same batches and reads the same optimizer, so every rank takes the same
 steps for plain (no rank can skip a round another one runs).
@@ -30,8 +31,14 @@ class StepCounter:
         self.exact_reads = 0
 
     def reset(self) -> None:
-        """A new epoch or ring: the next batch is read exactly."""
+        """A new epoch: the next batch is read exactly."""
         self._anchor = None
+
+    def restart(self, *, counts: bool) -> None:
+        """A new ring (or ``fit``): the next batch is read exactly, and the steps are counted between
+        the reads only where ``counts`` (the frontend knows one optimizer step per batch). Every rank
+        of a ring restarts alike, so a worker that joins decides as the others do."""
+        self._anchor, self.counts = None, counts
 
     def at(self, batch: int) -> int:
         anchor = self._anchor

@@ -116,6 +116,7 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
     def _plain(self, step: int) -> bool:
         return self.impl is not None and self.impl.plain_step(step)
 
+
     def _fused_snapshot(self) -> FusedSnapshot:
         """The share snapshotter of the model's current variables.
 
@@ -183,7 +184,8 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._fits += 1  # the model's variables may differ from the previous fit's
-        self._steps.reset()
+        # every rank of the ring decides alike, from the model's code (Horovod calls fit again on each ring)
+        self._steps.restart(counts=one_step_per_batch(self.model))
         skip_horovod_conversion(getattr(self.model, "optimizer", None))  # fit traces its step after this
         if self.impl is None:
             self.impl = TransientImpl(self.config, HorovodCollectives())
@@ -257,6 +259,9 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         if self.impl is None:
             return
         step = self._step()
+        advance = getattr(self.state, "hvdt_advance", None)
+        if advance is not None:  # the exact step: the next fit starts from this offset
+            advance(step)
         self.impl.end(step)  # lets an in-flight background save finish first
         # The master's view of the store decides, one broadcast tells every rank (a failure to
         # read it included), so every rank takes the same branch.
@@ -280,3 +285,11 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         self._steps.reset()
         if self.impl is not None:
             self.impl.note_reset(self._step())
+
+
+def one_step_per_batch(model: tf.keras.Model) -> bool:
+    """Whether each batch ``fit`` reports is exactly one optimizer step (pure, the same on every rank):
+    the model's own ``train_step`` (one ``apply_gradients`` per batch) and a ``steps_per_execution``
+    that Keras passes whole (an autotuned one may change under a running execution)."""
+    own_step = getattr(type(model), "train_step", None) is tf.keras.Model.train_step
+    return own_step and not getattr(model, "autotune_steps_per_execution", False)
