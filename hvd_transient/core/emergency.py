@@ -102,7 +102,7 @@ class Emergency:
                 continue
             host = p.run.hosts[r]
             planned = p.run.leave_at_of.get(host)
-            if planned is None:  # it leaves at once already
+            if planned is None or now >= planned:  # it leaves at once already, or its leave_at has come
                 continue
             vm_deadline = round_.deadline_of(r) or now + window
             again = planned_leave_at(p.config, p.run.hosts, round_, vm_deadline, now)
