@@ -24,6 +24,7 @@ from test_elastic_e2e import (
 from ckpt_service.manager import CheckpointManager
 from hvd_transient.core.checksums import state_crc
 from hvd_transient.core.config import DEFAULT_LEAVE_LEAD_S
+from hvd_transient.discovery.ready import read_ready
 from hvd_transient.testing.local_cluster import of
 
 pytest.importorskip("horovod.torch")
@@ -154,6 +155,38 @@ def test_a_new_vm_joins_through_its_standby_and_the_ring_trains_on_at_the_exact_
     assert all(e["rolled_back"] == 0 for e in of(events, "reset")), of(events, "reset")
     for e in of(events, "lr"):
         assert e["lr"] == pytest.approx(BASE_LR * e["size"])
+    final = of(events, "weights")
+    last_step = max(e["step"] for e in final)
+    assert {e["step"] for e in final} == {last_step} and len({e["crc"] for e in final}) == 1, final
+    trained = assert_each_sample_once_per_pass(samples_log, last_step)
+    assert trained == expected_samples(rings, last_step, BATCH)
+
+
+def test_a_standby_takes_the_slot_of_a_vm_that_leaves_in_the_same_reset(tmp_path: Path) -> None:
+    """A ring at --max-np with a standby ready: the VM under notice leaves at its leave_at and the standby
+    takes its slot in the same reset. Horovod's survivors saw a removal only and would skip the state's sync
+    that the newcomer waits in (the ring hung); every reset syncs (frontend/host_updates.py)."""
+    store, samples_log = str(tmp_path / "store"), tmp_path / "samples"
+    hosts, newcomer = ("localhost", "127.0.0.1"), "127.0.1"
+    window = 20.0
+    c = cluster(tmp_path, "run", store, hosts,
+                torch_cmd(store, samples_log, epochs=1000, steps=20, notice_window=window),
+                instances=hosts + (newcomer,), standby=True, join_timeout_s=120, max_np=2)
+    with c:
+        c.wait_for_step(10, 180, size=2)
+        c.add_host(newcomer)  # listed once its standby is ready, but the ring is full: it waits for a slot
+        c.wait_for(lambda ev: [r for r in read_ready(c.store) if r.host == newcomer], 120, "the standby to be ready")
+        c.preempt("127.0.0.1", window_s=window)
+        (joined,) = c.wait_for(lambda ev: of(ev, "ring", size=2, host=newcomer), 120, f"{newcomer} in the ring")
+        c.wait_for_step(joined["step"] + 10, 120, size=2)
+        c.request_stop()
+        assert c.wait(120) == 0, c.log_tail()
+        events = c.events()
+    rings = of(events, "ring", host="localhost")
+    assert [r["size"] for r in rings] == [2, 2] and rings[1]["hosts"] == ["localhost", newcomer], rings
+    (published,) = of(events, "leave_published")
+    assert published["host"] == "127.0.0.1" and published["leave_at"] <= rings[1]["t"] < published["deadline"]
+    assert all(e["rolled_back"] == 0 for e in of(events, "reset")), of(events, "reset")
     final = of(events, "weights")
     last_step = max(e["step"] for e in final)
     assert {e["step"] for e in final} == {last_step} and len({e["crc"] for e in final}) == 1, final

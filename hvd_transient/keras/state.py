@@ -17,6 +17,7 @@ from ckpt_service.stores import open_store
 from hvd_transient.core.checksums import state_crc
 from hvd_transient.core.control import clear_stop
 from hvd_transient.core.data_position import SampleCursor
+from hvd_transient.frontend.host_updates import check_host_updates_and_sync
 from hvd_transient.join import standby
 from hvd_transient.keras.autograph import skip_horovod_conversion
 
@@ -188,6 +189,10 @@ def _state_class(base: type) -> type:
                 if step >= cursor.step0:  # before it, the model was restored, and the offset with it
                     self.samples = cursor.samples_at(step)
             super().save()
+
+        def check_host_updates(self) -> None:
+            # a reset never skips the sync: the driver may add a host in it (frontend/host_updates.py)
+            check_host_updates_and_sync(super().check_host_updates)
 
         def sync(self) -> None:
             # Horovod broadcasts the *saved* attributes but the *live* model; the live offset is

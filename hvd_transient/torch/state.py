@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hvd_transient.core.checksums import state_crc
+from hvd_transient.frontend.host_updates import check_host_updates_and_sync
 from hvd_transient.frontend.position import DataPosition
 from hvd_transient.frontend.restore import latest_checkpoint, restored_counters, restored_summary
 from hvd_transient.torch.tensors import META_KEY, load_state, state_tensors, to_host
@@ -95,6 +96,10 @@ def _state_class(base: type) -> type:
             if self.hvdt_scheduler is not None:
                 self.hvdt_scheduler.load_state_dict(copy.deepcopy(self._hvdt_saved_scheduler))
             super().restore()
+
+        def check_host_updates(self) -> None:
+            # a reset never skips the sync: the driver may add a host in it (frontend/host_updates.py)
+            check_host_updates_and_sync(super().check_host_updates)
 
         def sync(self) -> None:
             for key in COUNTERS:
