@@ -118,8 +118,10 @@ class ConfigStats:
 
 
 def _median_ms(per_window: Sequence[Sequence[float]]) -> float:
-    """The median over windows of each window's median (0 where a window has no value), in ms."""
-    return statistics.median(statistics.median(v) if v else 0.0 for v in per_window) * 1000
+    """The median over windows of each window's median, in ms; a window without a value (every step of it
+    saved or ran the notice round) is left out, and 0 only if every window is without one."""
+    medians = [statistics.median(v) for v in per_window if v]
+    return statistics.median(medians) * 1000 if medians else 0.0
 
 
 def _plain(w: WindowResult, values: Sequence[float]) -> list[float]:
