@@ -178,9 +178,8 @@ def test_local_notice_file_deadline_that_is_no_time_is_not_trusted(tmp_path, dea
 def test_gce_hanging_optional_keys_do_not_delay_the_notice(emu, front, watchers):
     """Rule 3: a failure of an optional key (the ``hvdt-preemption-notice-s`` attribute, ``instance/id``)
     never delays the preemption poll by more than about a second. Both hang here: each clear read of
-    ``instance/preempted`` is followed (every 10 s) by ``resolve_identity`` on the same thread, 1 s per key,
-    and a notice is reported only after a forced ``resolve_identity`` pays both again: about 4 s after
-    the key said TRUE (6 s without a given instance name)."""
+    they are read on the identity's own thread; when they were read on the preempted poller's thread (and
+    again before reporting), a notice came about 4 s after the key said TRUE (6 s without a given name)."""
     front.rules[gce_path(f"instance/attributes/{NOTICE_ATTRIBUTE}")] = hang
     front.rules[gce_path("instance/id")] = hang
     w = GceWatcher(front.url(emu.gce_base_url("a")), instance="a", long_poll_timeout=1, request_margin=0.5,

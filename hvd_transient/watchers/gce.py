@@ -95,8 +95,6 @@ class GceWatcher(Watcher):
         self.watch_maintenance = watch_maintenance
         self.client = MetadataClient(connect_timeout=self.connect_timeout, total_timeout=self.request_timeout)
         self._id_known = False
-        self._identity_lock = threading.Lock()
-        self._identity_tried_at: float | None = None  # monotonic
         #: set once the identity's first try has ended (a notice waits for it, at most a request's time)
         self.identity_tried = threading.Event()
 
@@ -117,19 +115,12 @@ class GceWatcher(Watcher):
     def identity_known(self) -> bool:
         return self._window_known and self._id_known and self.instance is not None
 
-    def resolve_identity(self, *, force: bool = False) -> None:
-        """Best effort: this VM's configured notice window, id and (unless given) name. Never
-        raises; what could not be read is asked again after ``IDENTITY_RETRY_S`` (or when forced:
-        then another poller already asking is waited for, as its answer is needed)."""
+    def resolve_identity(self) -> None:
+        """Best effort, on the identity's own thread: this VM's configured notice window, id and (unless
+        given) name. Never raises; what could not be read is asked again by that thread's next poll."""
         if self.identity_known:
             return
-        now = time.monotonic()
-        if not force and self._identity_tried_at is not None and now - self._identity_tried_at < IDENTITY_RETRY_S:
-            return
-        if not self._identity_lock.acquire(blocking=force):
-            return
         try:
-            self._identity_tried_at = time.monotonic()
             if not self._window_known:
                 self.read_window()
             if not self._id_known:
@@ -137,7 +128,6 @@ class GceWatcher(Watcher):
             if self.instance is None:
                 self._optional("instance name", self._learn_name, "instance/name")
         finally:
-            self._identity_lock.release()
             self.identity_tried.set()
 
     def read_window(self) -> None:
@@ -265,7 +255,7 @@ class _IdentityPoller(Poller):
         self.watcher = watcher
 
     def poll(self) -> Notice | None:
-        self.watcher.resolve_identity(force=True)  # never raises
+        self.watcher.resolve_identity()  # never raises
         if not self.watcher.window_known:  # retried with the watcher's back-off, as a failed poll is
             raise MetadataServerError(f"the VM's notice window ({NOTICE_ATTRIBUTE}) could not be read")
         return None
