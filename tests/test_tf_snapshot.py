@@ -262,12 +262,12 @@ def test_callback_reuses_the_snapshot_while_the_variables_stay_the_same() -> Non
     model = small_model()
     callback = TransientCallback(None, store=f"memory://{uuid.uuid4().hex}", watcher="local")
     callback.set_model(model)
-    first = callback._fused_snapshot()
-    assert callback._snapshot() is first.specs
-    callback._fits += 1  # a new fit of the same model keeps its traced functions
-    assert callback._fused_snapshot() is first
+    first = callback.trainee.fused()
+    assert callback.trainee.specs() is first.specs
+    callback.trainee.fits += 1  # a new fit of the same model keeps its traced functions
+    assert callback.trainee.fused() is first
     plan = make_save_plan(list(first.specs.values()), 1)
-    assert_same_bytes(callback._share_snapshot(plan, 0),
+    assert_same_bytes(callback.trainee.share(plan, 0),
                       [flat for _, flat in prepare_share(plan, 0, state_variables(model))])
 
 
@@ -276,7 +276,7 @@ def test_the_save_metadata_has_the_learning_rate_when_it_is_a_variable() -> None
     callback = TransientCallback(None, store=f"memory://{uuid.uuid4().hex}", watcher="local")
     callback.set_model(model)
     assert learning_rate_of(model.optimizer) == pytest.approx(0.1)
-    assert callback._metadata(7) == {"step": 7, "world_size": 1, "lr": pytest.approx(0.1)}
+    assert callback.session.metadata(7) == {"step": 7, "world_size": 1, "lr": pytest.approx(0.1)}
     schedule = tf.keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
     assert learning_rate_of(tf.keras.optimizers.SGD(schedule)) == pytest.approx(0.1)  # its current value
     assert learning_rate_of(types.SimpleNamespace(learning_rate=0.5)) is None  # not a variable: not read

@@ -5,7 +5,7 @@ lease to it, take the emergency checkpoint before the deadline, and let the noti
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ckpt_service.manager import ShareSnapshot
 from hvd_transient.core.election import NoticeRound, elect_master
@@ -44,25 +44,23 @@ class Emergency:
         """
         p = self.p
         rank, size = p.comm.rank(), p.comm.size()
-        window = p.config.notice_window_s or GCE_NOTICE_WINDOW_S
         now = p.clocks.wall()
         # Every rank still in the ring writes a share, earlier leavers too: the save must end
         # before the first of them is gone.
-        deadline = (round_.deadline or now + window) - p.config.leave_margin_s
+        deadline = (round_.deadline or now + self._window()) - p.config.leave_margin_s
         leaving_hosts = [p.run.hosts[r] for r in new]
         was_master = rank == p.run.master
         # One record per VM, written once, by its lowest rank, with its own notice's deadline
         # (not another VM's, nor one written again when a later notice comes in).
         own_deadline = round_.deadline_of(rank) if rank in new else None
-        writes_record = rank in new and rank == min(r for r in new if p.run.hosts[r] == p.host)
+        writes_record = self._writes_record(new)
         # Every rank plans every leaver's leave_at, to time its departure when the ring re-forms without it.
-        planned = {p.run.hosts[r]: planned_leave_at(p.config, p.run.hosts, round_,
-                                                    round_.deadline_of(r) or now + window, now) for r in new}
+        planned = {p.run.hosts[r]: planned_leave_at(p.config, p.run.hosts, round_, self._vm_deadline(round_, r, now),
+                                                    now) for r in new}
         p.run.leave_at_of.update({host: at for host, at in planned.items() if at is not None})
         leave_at = planned[p.host] if rank in new else None
         if writes_record:
-            self._departure.publish_record(step, own_deadline, was_master,
-                                           until=own_deadline if own_deadline is not None else now + window,
+            self._departure.publish_record(step, own_deadline, was_master, until=self._vm_deadline(round_, rank, now),
                                            leave_at=leave_at)
         p.events.emit(ev.NoticeAgreed(step=step, leaving=tuple(leaving_hosts), deadline=deadline, size=size),
                       wait_s=notice_event_wait_s(p.events, p.clocks, deadline))
@@ -82,9 +80,8 @@ class Emergency:
         p.run.handled_leavers.update(leaving_hosts)
         p.run.departure_pending = True
         if rank in new:
-            self._departure.leave(step, until=own_deadline if own_deadline is not None else now + window,
-                                  own_deadline=own_deadline, was_master=was_master, leave_at=leave_at,
-                                  wrote_record=writes_record)
+            self._departure.leave(step, until=self._vm_deadline(round_, rank, now), own_deadline=own_deadline,
+                                  was_master=was_master, leave_at=leave_at, wrote_record=writes_record)
         return StepOutcome(emergency_step=step, committed=committed, leaving=p.run.leaving,
                            departure_pending=True, leave_at=leave_at if rank in new else None, check_hosts=True)
 
@@ -95,7 +92,6 @@ class Emergency:
         the VM's record is written again with the earlier ``leave_at`` (or none: at once), so discovery
         drops it in time. A leave is never moved later: the first plan was already published."""
         p = self.p
-        window = p.config.notice_window_s or GCE_NOTICE_WINDOW_S
         now = round_.at or p.clocks.wall()
         for r in round_.leaving:
             if r >= len(p.run.hosts) or p.run.hosts[r] not in p.run.handled_leavers:
@@ -104,7 +100,7 @@ class Emergency:
             planned = p.run.leave_at_of.get(host)
             if planned is None or now >= planned:  # it leaves at once already, or its leave_at has come
                 continue
-            vm_deadline = round_.deadline_of(r) or now + window
+            vm_deadline = self._vm_deadline(round_, r, now)
             again = planned_leave_at(p.config, p.run.hosts, round_, vm_deadline, now)
             if again is not None and again >= planned - REPLAN_TOLERANCE_S:
                 continue
@@ -114,9 +110,21 @@ class Emergency:
                 del p.run.leave_at_of[host]
             else:
                 p.run.leave_at_of[host] = again
-            if host == p.host and p.comm.rank() == min(q for q in round_.leaving if p.run.hosts[q] == host):
+            if host == p.host and self._writes_record(round_.leaving):
                 self._departure.publish_record(step, round_.deadline_of(r), False, until=vm_deadline,
                                                leave_at=again)
+
+    def _window(self) -> float:
+        return self.p.config.notice_window_s or GCE_NOTICE_WINDOW_S
+
+    def _vm_deadline(self, round_: NoticeRound, r: int, now: float) -> float:
+        """Rank ``r``'s VM's deadline; where its notice gave none, the configured window from ``now``."""
+        return round_.deadline_of(r) or now + self._window()
+
+    def _writes_record(self, leaving: Sequence[int]) -> bool:
+        """Whether this rank writes its VM's leaving record: the VM's lowest rank among ``leaving`` does."""
+        p, rank = self.p, self.p.comm.rank()
+        return rank in leaving and rank == min(r for r in leaving if p.run.hosts[r] == p.host)
 
     def _elect(self, step: int, round_: NoticeRound, rank: int, size: int, deadline: float) -> int:
         """The master is the lowest rank not leaving; a new one takes the lease by ``deadline``."""

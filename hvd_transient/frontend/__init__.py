@@ -1,4 +1,4 @@
-"""What every framework frontend (:mod:`hvd_transient.torch`; later :mod:`hvd_transient.keras`) does alike,
+"""What every framework frontend (:mod:`hvd_transient.keras`, :mod:`hvd_transient.torch`) does alike,
 framework-free: the collectives' JSON framing over a Horovod binding, the data position a state carries,
 the global sample stream, the snapshot of a rank's share of named host tensors, where a loop resumes, a
 run's checkpoint metadata and cold restore, and the session that drives the per-step protocol

@@ -12,12 +12,16 @@ from hvd_transient.core.control import clear_stop
 log = logging.getLogger(__name__)
 
 
-def latest_checkpoint(store: str, *, expected: Mapping[str, Any] | None = None) -> Checkpoint | None:
+def latest_checkpoint(store: str, *, expected: Mapping[str, Any] | None = None,
+                      cold_start: bool = True) -> Checkpoint | None:
     """The newest committed step of ``store`` that verifies, resharded to one reader; None if there is none.
 
-    A stop request left in the store was for the previous launch: it is cleared first.
+    ``expected``: the live state's specs by name, which the checkpoint must match. On a ``cold_start``
+    (an elastic job's launch) a stop request left in the store was for the previous launch: it is
+    cleared first.
     """
-    clear_stop(open_store(store))
+    if cold_start:
+        clear_stop(open_store(store))
     with CheckpointManager(store, max_to_keep=None) as manager:
         if manager.latest_step() is None:
             return None

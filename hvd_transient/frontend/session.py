@@ -94,6 +94,16 @@ class Session:
             self.impl.events.emit(ev.ResumeAt(step=step, epoch=at.epoch, batch=at.batch,
                                               steps_per_epoch=steps_per_epoch, samples=self.position.samples_at(step)))
 
+    def before_step(self) -> None:
+        """Training goes on after time that is no step (an evaluation, an epoch's end): the next step is
+        timed from here (:meth:`~hvd_transient.core.transient.TransientImpl.before_step`)."""
+        if self.impl is not None:
+            self.impl.before_step()
+
+    def plain_step(self, step: int) -> bool:
+        """Whether :meth:`after_step` at ``step`` does no more than the plain path (so it may be counted)."""
+        return self.impl is not None and self.impl.plain_step(step)
+
     def after_step(self, step: int) -> StepOutcome:
         """Every rank, after each optimizer step (``step``: the optimizer steps taken so far)."""
         assert self.impl is not None, "begin() first"

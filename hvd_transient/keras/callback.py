@@ -6,20 +6,18 @@ to notices, scales the learning rate and makes each ``fit`` resume at the optimi
 from __future__ import annotations
 
 import logging
-import weakref
-from functools import partial
-from typing import Any, Mapping
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
 
 from ckpt_service.manager import DeferredShare
-from ckpt_service.plan import SavePlan
+from ckpt_service.plan import SavePlan, TensorSpecs
 from hvd_transient.collectives.horovod import HorovodCollectives
 from hvd_transient.core.checksums import state_crc
-from hvd_transient.core.data_position import epoch_and_batch
-from hvd_transient.core.lr_scaling import scaled_lr
 from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.frontend.position import DataPosition
+from hvd_transient.frontend.session import Session
 from hvd_transient.frontend.step_counter import StepCounter
 from hvd_transient.keras.autograph import skip_horovod_conversion
 from hvd_transient.keras.resume import ResumeAt
@@ -31,9 +29,58 @@ from hvd_transient.keras.state import (
     state_variables,
     weights_crc,
 )
-from hvd_transient.telemetry import schema as ev
 
 log = logging.getLogger(__name__)
+
+
+class _Trainee:
+    """The session's view of a Keras model (see :class:`hvd_transient.frontend.session.Trainee`)."""
+
+    def __init__(self, model: Callable[[], tf.keras.Model]) -> None:
+        self._model = model  # the callback's, set by Keras
+        self._fused: FusedSnapshot | None = None
+        self._checked: tuple[int, int] | None = None  # (fit, optimizer variable count) last checked
+        self.fits = 0
+
+    def fused(self) -> FusedSnapshot:
+        """The share snapshotter of the model's current variables.
+
+        Listing them walks every layer (about 1.5 ms for ResNet-32), so it is done once per
+        ``fit``, and again only if the optimizer has since created variables (legacy optimizers
+        make their slots on the first step).
+        """
+        model = self._model()
+        check = (self.fits, len(optimizer_variables(model.optimizer)))
+        if self._fused is None or check != self._checked:
+            variables = state_variables(model)
+            if self._fused is None or not self._fused.holds(variables):
+                self._fused = FusedSnapshot(variables)  # same variables: keep the traced functions
+            self._checked = check
+        return self._fused
+
+    def specs(self) -> TensorSpecs:
+        return self.fused().specs  # only shapes and dtypes: share() reads this rank's share in one call
+
+    def share(self, plan: SavePlan, rank: int) -> list[np.ndarray[Any, Any]] | DeferredShare:
+        return self.fused()(plan, rank)
+
+    def metadata(self) -> dict[str, Any]:
+        return {}
+
+    def learning_rate(self) -> float | None:
+        return learning_rate_of(self._model().optimizer)
+
+    def set_learning_rate(self, lr: float, size: int) -> bool:
+        try:
+            tf.keras.backend.set_value(self._model().optimizer.learning_rate, lr)
+        except (AttributeError, TypeError, ValueError) as exc:
+            log.warning("cannot set the learning rate (a schedule?): %s", exc)
+            return False
+        return True
+
+    def crcs(self) -> tuple[int, int]:
+        model = self._model()
+        return weights_crc(model), state_crc(state_variables(model))
 
 
 class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
@@ -78,7 +125,6 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
                  save_on_train_end: bool = True, resume_position: bool | None = None,
                  leave: str | None = None, leave_lead_s: float | None = None) -> None:
         super().__init__()
-        scaled_lr(1.0, 1, lr_scaling)  # validate early
         skip_horovod_conversion()  # before fit traces its step: a cold start's first step comes sooner
         self.state = state
         if leave is None:  # the default: train through the window where the ring can shrink
@@ -96,136 +142,66 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
             base_lr=base_lr, leave=leave, leave_lead_s=leave_lead_s)
         self.save_on_train_end = save_on_train_end
         self.resume_position = state is not None if resume_position is None else resume_position
-        self.impl: TransientImpl | None = None
-        self._closer: "weakref.finalize[[], TransientCallback] | None" = None
-        self.last_outcome = StepOutcome()
-        self._fused: FusedSnapshot | None = None
-        self._fused_checked: tuple[int, int] | None = None  # (fit, optimizer variable count) last checked
-        self._fits = 0
-        self._steps_per_epoch: int | None = None  # known once fit has resumed (Keras tells ResumeAt)
+        self.trainee = _Trainee(lambda: self.model)
+        # a static job's position is never tracked: its script places its data itself
+        position = getattr(state, "hvdt_position", None) or DataPosition()
+        self.session = Session(self.config, HorovodCollectives, self.trainee, position, counters=self._counters)
         # the step read exactly where the protocol needs it, counted per batch in between
-        self._steps = StepCounter(self._step, self._plain)
+        self._steps = StepCounter(self._step, self.session.plain_step)
         if state is not None:
             state.register_reset_callbacks([self._on_reset])
 
-    # ---- helpers -----------------------------------------------------------------------
+    @property
+    def impl(self) -> TransientImpl | None:
+        """The protocol, once the first ``fit`` began."""
+        return self.session.impl
+
+    @property
+    def last_outcome(self) -> StepOutcome:
+        return self.session.last_outcome
 
     def _step(self) -> int:
         return optimizer_step(self.model.optimizer)
 
-    def _plain(self, step: int) -> bool:
-        return self.impl is not None and self.impl.plain_step(step)
+    def _counters(self) -> dict[str, int]:
+        # Horovod's own counters, where the script keeps them
+        return {key: int(getattr(self.state, key)) for key in ("epoch", "batch") if hasattr(self.state, key)}
 
-
-    def _fused_snapshot(self) -> FusedSnapshot:
-        """The share snapshotter of the model's current variables.
-
-        Listing them walks every layer (about 1.5 ms for ResNet-32), so it is done once per
-        ``fit``, and again only if the optimizer has since created variables (legacy optimizers
-        make their slots on the first step).
-        """
-        check = (self._fits, len(optimizer_variables(self.model.optimizer)))
-        if self._fused is None or check != self._fused_checked:
-            variables = state_variables(self.model)
-            if self._fused is None or not self._fused.holds(variables):
-                self._fused = FusedSnapshot(variables)  # same variables: keep the traced functions
-            self._fused_checked = check
-        return self._fused
-
-    def _samples_at(self, step: int) -> int | None:
-        samples_at = getattr(self.state, "hvdt_samples_at", None)
-        return samples_at(step) if samples_at is not None else None
-
-    def _resumed(self, steps_per_epoch: int, epoch: int, batch: int) -> None:
-        self._steps_per_epoch = steps_per_epoch
-        if self.impl is not None:
-            self.impl.events.emit(ev.ResumeAt(step=self._step(), epoch=epoch, batch=batch,
-                                              steps_per_epoch=steps_per_epoch,
-                                              samples=self._samples_at(self._step())))
-
-    def _snapshot(self) -> Mapping[str, Any]:
-        # Only shapes and dtypes: _share_snapshot reads this rank's share in one call.
-        return self._fused_snapshot().specs
-
-    def _share_snapshot(self, plan: SavePlan, rank: int) -> list[np.ndarray[Any, Any]] | DeferredShare:
-        return self._fused_snapshot()(plan, rank)
-
-    def _metadata(self, step: int) -> dict[str, Any]:
-        # the step comes from the caller, which has read it already: a read is an eager op on the stall
-        meta: dict[str, Any] = {"step": step, "world_size": self.impl.comm.size() if self.impl else 1}
-        if self._steps_per_epoch:
-            epoch, batch = epoch_and_batch(step, self._steps_per_epoch)
-            meta.update(epoch=epoch, batch=batch, steps_per_epoch=self._steps_per_epoch)
-        if self.state is not None:
-            for key in ("epoch", "batch"):  # Horovod's own counters, where the script keeps them
-                if hasattr(self.state, key):
-                    meta[key] = int(getattr(self.state, key))
-            samples = self._samples_at(step)
-            if samples is not None:
-                meta["samples"] = samples
-        lr = learning_rate_of(self.model.optimizer)
-        if lr is not None:
-            meta["lr"] = lr
-        return meta
-
-    def _apply_lr(self) -> None:
-        if self.config.base_lr is None or self.impl is None:
-            return
-        size = self.impl.comm.size()
-        lr = scaled_lr(self.config.base_lr, size, self.config.lr_scaling)
-        try:
-            tf.keras.backend.set_value(self.model.optimizer.learning_rate, lr)
-        except (AttributeError, TypeError, ValueError) as exc:
-            log.warning("cannot set the learning rate (a schedule?): %s", exc)
-            return
-        self.impl.events.emit(ev.Lr(lr=lr, size=size, mode=self.config.lr_scaling))
+    def _advance(self, step: int) -> None:
+        advance = getattr(self.state, "hvdt_advance", None)
+        if advance is not None:
+            advance(step)
 
     # ---- Keras hooks -------------------------------------------------------------------
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        self._fits += 1  # the model's variables may differ from the previous fit's
+        self.trainee.fits += 1  # the model's variables may differ from the previous fit's
         # every rank of the ring decides alike, from the model's code (Horovod calls fit again on each ring)
         self._steps.restart(counts=one_step_per_batch(self.model))
         skip_horovod_conversion(getattr(self.model, "optimizer", None))  # fit traces its step after this
-        if self.impl is None:
-            self.impl = TransientImpl(self.config, HorovodCollectives())
-            self._closer = weakref.finalize(self, self.impl.close)  # at exit at the latest
-            restored = getattr(self.state, "hvdt_restored", None)
-            self.impl.events.emit(ev.Start(step=self._step(), rank=self.impl.comm.rank(),
-                                           size=self.impl.comm.size(), crc=weights_crc(self.model),
-                                           full_crc=state_crc(state_variables(self.model)),
-                                           restored_step=restored.get("step") if restored else None))
+        restored = getattr(self.state, "hvdt_restored", None)
         step = self._step()
-        begin = getattr(self.state, "hvdt_begin", None)
-        if begin is not None:
-            begin(step)
-        self.impl.begin(step)
-        self._apply_lr()
+        self.session.begin(step, int(getattr(self.state, "samples", 0)),
+                           restored_step=restored.get("step") if restored else None)
         # resume at the exact batch; a BackupAndRestore callback, which uses the same hook, wins.
         # A reset leaves fit by an exception, without on_train_end: the old hook is replaced.
         hook = getattr(self.model, "_training_state", None)
         if self.resume_position and (hook is None or isinstance(hook, ResumeAt)):
             offset = int(getattr(self.state, "epoch", 0)) if self.state is not None else 0
-            self.model._training_state = ResumeAt(step, offset, self._resumed)  # noqa: SLF001
+            self.model._training_state = ResumeAt(step, offset, self.session.resumed)  # noqa: SLF001
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         # The evaluation and the callbacks' work at the previous epoch's end are no step: the next one is
         # timed from here. Within an epoch a step is timed from batch end to batch end, all of it.
         self._steps.reset()  # a new epoch's batches count from 0: its first is read exactly
-        if self.impl is not None:
-            self.impl.before_step()
+        self.session.before_step()
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         # A plain step (no save, no notice round) costs a few attribute and clock reads: no store call,
         # no collective, no TensorFlow op, the step counted (tests/test_plain_step_counts.py).
-        assert self.impl is not None
         step = self._steps.at(batch)
-        advance = getattr(self.state, "hvdt_advance", None)
-        if advance is not None:
-            advance(step)
-        outcome = self.impl.after_step(step, self._snapshot, partial(self._metadata, step), self._share_snapshot,
-                                       samples=self._samples_at(step))
-        self.last_outcome = outcome
+        self._advance(step)
+        outcome = self.session.after_step(step)
         if outcome.stop:
             self.model.stop_training = True  # every rank saw the same request at this step
             return
@@ -250,7 +226,7 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
                 self.state.check_host_updates()
             except Exception:
                 if outcome.leaving:  # this process ends in the reset: its last events must get out first
-                    self.impl.before_leaving()
+                    self.session.before_leaving()
                 raise
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
@@ -259,17 +235,9 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         if self.impl is None:
             return
         step = self._step()
-        advance = getattr(self.state, "hvdt_advance", None)
-        if advance is not None:  # the exact step: the next fit starts from this offset
-            advance(step)
-        self.impl.end(step)  # lets an in-flight background save finish first
-        # The master's view of the store decides, one broadcast tells every rank (a failure to
-        # read it included), so every rank takes the same branch.
-        if self.save_on_train_end and self.impl.final_save_needed(step):
-            self.impl.save_now(step, self._snapshot(), self._metadata(step), coordinator=self.impl.run.master,
-                               deadline=None, kind="final", share_snapshot=self._share_snapshot)
-        self.impl.events.emit(ev.Weights(step=step, crc=weights_crc(self.model), size=self.impl.comm.size(),
-                                         rank=self.impl.comm.rank()))
+        self._advance(step)  # the exact step: the next fit starts from this offset
+        # lets an in-flight background save finish first; the final save, if one is needed, all ranks alike
+        self.session.end(step, final_save=self.save_on_train_end)
 
     def close(self) -> None:
         """Stop the notice watcher, flush the event log and close the checkpoint manager.
@@ -278,13 +246,12 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         of ``fit``: a script may call ``fit`` again, and the run's state (who left, the event
         log's segments) carries over from one ``fit`` to the next.
         """
-        if self._closer is not None:
-            self._closer()
+        self.session.close()
 
     def _on_reset(self) -> None:
         self._steps.reset()
         if self.impl is not None:
-            self.impl.note_reset(self._step())
+            self.session.note_reset(self._step())
 
 
 def one_step_per_batch(model: tf.keras.Model) -> bool:

@@ -78,10 +78,10 @@ def elastic_dataset(state: Any, arrays: Any, batch_size: int, *, seed: int = 0) 
     """
     import horovod.tensorflow as hvd
 
-    track = getattr(state, "hvdt_track_samples", None)
-    if track is None:
+    position = getattr(state, "hvdt_position", None)
+    if position is None:
         raise TypeError("elastic_dataset needs the state made by hvd_transient.keras.elastic_state, "
                         f"not {type(state).__name__}")
     rank, size = hvd.rank(), hvd.size()
-    track(size * batch_size)
+    position.track(size * batch_size)
     return stream_batches(arrays, batch_size, offset=int(state.samples), rank=rank, size=size, seed=seed)

@@ -2,9 +2,9 @@
 installed by :class:`~hvd_transient.keras.callback.TransientCallback`."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
-from hvd_transient.core.data_position import epoch_and_batch
+from hvd_transient.frontend.resume import resume_point
 
 
 class ResumeAt:
@@ -15,14 +15,13 @@ class ResumeAt:
     the epoch is counted from ``state.epoch`` (``epoch_offset``); otherwise it is absolute.
     """
 
-    def __init__(self, step: int, epoch_offset: int, on_resume: Any) -> None:
+    def __init__(self, step: int, epoch_offset: int, on_resume: Callable[[int, int], None]) -> None:
         self.step, self.epoch_offset, self.on_resume = step, epoch_offset, on_resume
 
     def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch: int | None, initial_epoch: int,
-                                              mode: Any = None) -> tuple[int, int]:
+                                              mode: object = None) -> tuple[int, int]:
         if not steps_per_epoch:
             return initial_epoch, 0
-        epoch, batch = epoch_and_batch(self.step, int(steps_per_epoch))
-        keras_epoch = initial_epoch + max(0, epoch - self.epoch_offset)
-        self.on_resume(int(steps_per_epoch), epoch, batch)
-        return keras_epoch, batch
+        at = resume_point(self.step, int(steps_per_epoch))
+        self.on_resume(self.step, at.steps_per_epoch)  # (step, steps_per_epoch)
+        return initial_epoch + max(0, at.epoch - self.epoch_offset), at.batch

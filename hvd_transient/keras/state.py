@@ -12,16 +12,19 @@ from typing import Any
 
 import tensorflow as tf
 
-from ckpt_service.manager import CheckpointManager
 from ckpt_service.stores import open_store
 from hvd_transient.core.checksums import state_crc
 from hvd_transient.core.control import clear_stop
-from hvd_transient.core.data_position import SampleCursor
 from hvd_transient.frontend.host_updates import check_host_updates_and_sync
+from hvd_transient.frontend.position import DataPosition
+from hvd_transient.frontend.restore import latest_checkpoint, restored_counters, restored_summary
 from hvd_transient.join import standby
 from hvd_transient.keras.autograph import skip_horovod_conversion
 
 log = logging.getLogger(__name__)
+
+#: the state's values that a cold start takes from the checkpoint's metadata, where the script keeps them
+_COUNTERS = ("epoch", "batch", "samples")
 
 
 def optimizer_step(optimizer: Any) -> int:
@@ -86,18 +89,13 @@ def restore_model(model: tf.keras.Model, store: str) -> dict[str, Any] | None:
     if model.optimizer is not None:
         build_optimizer_slots(model)
     variables = state_variables(model)
-    manager = CheckpointManager(store, max_to_keep=None)
-    try:
-        if manager.latest_step() is None:
-            return None
-        expected = {name: (tuple(v.shape), v.dtype.as_numpy_dtype) for name, v in variables.items()}
-        ckpt = manager.restore(expected=expected)
-    finally:
-        manager.close()
+    expected = {name: (tuple(v.shape), v.dtype.as_numpy_dtype) for name, v in variables.items()}
+    ckpt = latest_checkpoint(store, expected=expected, cold_start=False)
+    if ckpt is None:
+        return None
     for name, var in variables.items():
         var.assign(ckpt.tensors[name])
-    log.info("restored step %d from %s", ckpt.step, store)
-    return {**ckpt.metadata, "step": ckpt.step, "writers": ckpt.manifest.world_size}
+    return restored_summary(ckpt)
 
 
 def elastic_state(model: tf.keras.Model, *, store: str, **state_kwargs: Any) -> Any:
@@ -131,9 +129,8 @@ def _cold_start(model: tf.keras.Model, store: str, state_kwargs: dict[str, Any])
     clear_stop(open_store(store))  # a stop request was for the previous launch
     restored = restore_model(model, store)
     if restored is not None:
-        for key in ("epoch", "batch", "samples"):
-            if key in restored and key in state_kwargs:
-                state_kwargs[key] = int(restored[key])
+        state_kwargs.update(restored_counters(restored, {key: state_kwargs[key] for key in _COUNTERS
+                                                         if key in state_kwargs}))
     return restored
 
 
@@ -162,32 +159,18 @@ def _state_class(base: type) -> type:
         """
 
         def __init__(self, model: tf.keras.Model, **kwargs: Any) -> None:
-            self.hvdt_per_step: int | None = None
-            self.hvdt_cursor: SampleCursor | None = None
+            self.hvdt_position = DataPosition()  # tracked once elastic_dataset says its samples per step
             super().__init__(model, **kwargs)
 
-        def hvdt_track_samples(self, per_step: int) -> None:
-            """The input pipeline takes ``per_step`` samples per step from now on (called by elastic_dataset)."""
-            self.hvdt_per_step, self.hvdt_cursor = per_step, None
-
-        def hvdt_begin(self, step: int) -> None:
-            """A ``fit`` starts at ``step`` with the synced offset: the cursor of this ring."""
-            if self.hvdt_per_step:
-                self.hvdt_cursor = SampleCursor(step, int(self.samples), self.hvdt_per_step)
-
-        def hvdt_samples_at(self, step: int) -> int | None:
-            return None if self.hvdt_cursor is None else self.hvdt_cursor.samples_at(step)
-
         def hvdt_advance(self, step: int) -> None:
-            if self.hvdt_cursor is not None:
-                self.samples = self.hvdt_cursor.samples_at(step)
+            """The live offset after ``step`` (the callback's, every batch)."""
+            samples = self.hvdt_position.samples_at(step)
+            if samples is not None:
+                self.samples = samples
 
         def save(self) -> None:
-            cursor = getattr(self, "hvdt_cursor", None)
-            if cursor is not None:
-                step = optimizer_step(self.model.optimizer)
-                if step >= cursor.step0:  # before it, the model was restored, and the offset with it
-                    self.samples = cursor.samples_at(step)
+            if self.hvdt_position.cursor is not None:  # the step is read only where an offset is tracked
+                self.hvdt_advance(optimizer_step(self.model.optimizer))
             super().save()
 
         def check_host_updates(self) -> None:
