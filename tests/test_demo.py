@@ -73,7 +73,7 @@ def test_demo_with_pytorch_plays_the_same_story_and_reports(tmp_path: Path) -> N
     report = tmp_path / "report.json"
     out = subprocess.run(
         [CLI, "demo", "--framework", "torch", "--model", "small_cnn", "--epochs", "40", "--steps-per-epoch", "20",
-         "--save-every", "40", "--step-seconds", "0.05", "--window", "10", "--workdir", str(tmp_path / "runs"),
+         "--save-every", "40", "--window", "10", "--workdir", str(tmp_path / "runs"),
          "--json", str(report), "--timeout", "600"],
         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
