@@ -182,6 +182,10 @@ def _state_class(base: type) -> type:
             # the one that matches it (advanced every batch, restored with the model on rollback)
             self._saved_state["samples"] = self.samples
             super().sync()
+            # The synced state is the ring's new rollback point, the model with its offset: a reset without
+            # a commit (a departure, a join) would otherwise leave the offset synced but the model saved at
+            # the last commit, and a rollback before the next commit would pair them.
+            self.save()
 
     return TransientKerasState
 

@@ -14,6 +14,7 @@ from hvd_transient.core.transient import StepOutcome, TransientConfig
 from hvd_transient.frontend.session import Session
 from hvd_transient.frontend.share import NamedShare
 from hvd_transient.torch.collectives import TorchCollectives
+from hvd_transient.torch.lr import scale_learning_rates
 from hvd_transient.torch.state import COUNTERS, full_crc, replicated_crc
 from hvd_transient.torch.tensors import META_KEY, SpecCache, json_part, state_tensors, to_host
 
@@ -49,13 +50,7 @@ class _Trainee:
         # the optimizer (saved, restored, synced together): a scheduler's own changes are kept.
         assert self.config.base_lr is not None
         factor = lr / scaled_lr(self.config.base_lr, int(self.state.lr_size), self.config.lr_scaling)
-        for group in self.state.optimizer.param_groups:
-            group["lr"] *= factor
-            if "initial_lr" in group:
-                group["initial_lr"] *= factor
-        scheduler = self.state.hvdt_scheduler
-        if scheduler is not None and hasattr(scheduler, "base_lrs"):
-            scheduler.base_lrs = [base * factor for base in scheduler.base_lrs]
+        scale_learning_rates(self.state.optimizer, self.state.hvdt_scheduler, factor)
         self.state.lr_size = size
         return True
 

@@ -13,6 +13,7 @@ import torch
 
 from hvd_transient.core.checksums import state_crc
 from hvd_transient.frontend.host_updates import check_host_updates_and_sync
+from hvd_transient.frontend.json_values import decode, encode
 from hvd_transient.frontend.position import DataPosition
 from hvd_transient.frontend.restore import latest_checkpoint, restored_counters, restored_summary
 from hvd_transient.torch.tensors import META_KEY, load_state, state_tensors, to_host
@@ -108,9 +109,13 @@ def _state_class(base: type) -> type:
             if self.hvdt_scheduler is not None:
                 from hvd_transient.torch.collectives import TorchCollectives
 
-                # JSON, not Horovod's pickled broadcast_object
-                synced = TorchCollectives().broadcast_json(self.hvdt_scheduler.state_dict(), 0, name="scheduler")
-                self.hvdt_scheduler.load_state_dict(synced)
-                self._hvdt_saved_scheduler = copy.deepcopy(synced)
+                # JSON, not Horovod's pickled broadcast_object; exact (integer keys, tuples, infinities)
+                synced = TorchCollectives().broadcast_json(encode(self.hvdt_scheduler.state_dict()), 0,
+                                                           name="scheduler")
+                self.hvdt_scheduler.load_state_dict(decode(synced))
+            # The synced state is the ring's new rollback point, the model with its counters: a reset
+            # without a commit (a departure, a join) would otherwise leave the counters synced but the model
+            # saved at the last commit, and a rollback before the next commit would pair them.
+            self.save()
 
     return TransientTorchState

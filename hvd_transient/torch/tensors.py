@@ -3,7 +3,8 @@
 The model's ``state_dict`` tensors are ``model/<key>``; the optimizer's per-parameter state tensors
 ``optimizer/<param index>/<key>``. What is not a tensor (the optimizer's parameter groups and
 hyperparameters, non-tensor per-parameter values, a learning-rate scheduler's ``state_dict``) goes
-into the checkpoint's JSON metadata under ``torch``. Nothing is pickled.
+into the checkpoint's JSON metadata under ``torch``, exactly (:mod:`hvd_transient.frontend.json_values`:
+integer keys, tuples and infinities survive). Nothing is pickled.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from ckpt_service.errors import StructureMismatchError
 from ckpt_service.plan import TensorSpec, TensorSpecs
+from hvd_transient.frontend.json_values import UnsupportedValueError, decode, encode
 
 MODEL, OPTIMIZER = "model/", "optimizer/"
 #: the checkpoint metadata key of the state's JSON part
@@ -74,20 +77,55 @@ def json_part(optimizer: torch.optim.Optimizer | None, scheduler: Any | None) ->
     part: dict[str, Any] = {}
     if optimizer is not None:
         sd = optimizer.state_dict()
+        part["optimizer_class"] = type(optimizer).__qualname__
         part["param_groups"] = sd["param_groups"]
         part["scalars"] = {str(index): {k: v for k, v in entry.items() if not torch.is_tensor(v)}
                            for index, entry in sd["state"].items()}
     if scheduler is not None:
         part["scheduler"] = scheduler.state_dict()
     try:
-        return dict(json.loads(json.dumps(part)))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"the optimizer's or scheduler's state holds a value JSON cannot carry: {exc}") from exc
+        return dict(json.loads(json.dumps(encode(part), allow_nan=False)))
+    except (UnsupportedValueError, ValueError) as exc:
+        raise TypeError(f"the optimizer's or scheduler's state holds a value a checkpoint cannot carry: {exc}") from exc
+
+
+def check_fits(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+               tensors: Mapping[str, np.ndarray[Any, Any]], part: Mapping[str, Any]) -> None:
+    """Raise :class:`~ckpt_service.errors.StructureMismatchError`, before anything is loaded, unless the
+    checkpoint's model tensors are exactly the model's (names, shapes, dtypes) and its optimizer the same
+    kind with the same parameter groups."""
+    problems = []
+    live = {MODEL + key: value for key, value in model.state_dict().items()}
+    stored = {name: array for name, array in tensors.items() if name.startswith(MODEL)}
+    for name in sorted(set(live) | set(stored)):
+        if name not in stored:
+            problems.append(f"{name}: in the model, not in the checkpoint")
+        elif name not in live:
+            problems.append(f"{name}: in the checkpoint, not in the model")
+        elif (tuple(live[name].shape), numpy_dtype(live[name].dtype)) != (stored[name].shape, stored[name].dtype.name):
+            problems.append(f"{name}: the model has {tuple(live[name].shape)} {numpy_dtype(live[name].dtype)}, the "
+                            f"checkpoint {stored[name].shape} {stored[name].dtype.name}")
+    if optimizer is not None and "param_groups" in part:
+        kind = part.get("optimizer_class")
+        if kind is not None and kind != type(optimizer).__qualname__:
+            problems.append(f"the optimizer is a {type(optimizer).__qualname__}, the checkpoint's a {kind}")
+        saved_groups = [len(g["params"]) for g in part["param_groups"]]
+        live_groups = [len(g["params"]) for g in optimizer.param_groups]
+        if saved_groups != live_groups:
+            problems.append(f"the optimizer's parameter groups hold {live_groups} parameters, the checkpoint's "
+                            f"{saved_groups}")
+    if problems:
+        raise StructureMismatchError("the checkpoint does not fit this model and optimizer (restore into the "
+                                     "model and optimizer it was saved from, or start in a new store): "
+                                     + "; ".join(problems))
 
 
 def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None,
                tensors: Mapping[str, np.ndarray[Any, Any]], part: Mapping[str, Any]) -> None:
-    """Load a checkpoint's tensors and JSON part into the live model, optimizer and scheduler."""
+    """Load a checkpoint's tensors and JSON part into the live model, optimizer and scheduler (checked
+    first: a checkpoint that does not fit changes nothing)."""
+    part = decode(dict(part))
+    check_fits(model, optimizer, tensors, part)
     model_sd = {name[len(MODEL):]: torch.from_numpy(np.array(array)) for name, array in tensors.items()
                 if name.startswith(MODEL)}
     model.load_state_dict(model_sd)
