@@ -181,11 +181,9 @@ def _state_class(base: type) -> type:
             # Horovod broadcasts the *saved* attributes but the *live* model; the live offset is
             # the one that matches it (advanced every batch, restored with the model on rollback)
             self._saved_state["samples"] = self.samples
+            # Horovod's Keras sync saves the broadcast model too: the synced model and offset are the ring's
+            # new rollback point together (PyTorch's does not: hvd_transient/torch/state.py saves there)
             super().sync()
-            # The synced state is the ring's new rollback point, the model with its offset: a reset without
-            # a commit (a departure, a join) would otherwise leave the offset synced but the model saved at
-            # the last commit, and a rollback before the next commit would pair them.
-            self.save()
 
     return TransientKerasState
 

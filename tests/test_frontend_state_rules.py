@@ -1,8 +1,10 @@
-"""What the PyTorch state promises, attacked: exact non-tensor state (schedulers, hyperparameters), a
-clear error for a checkpoint that does not fit, the learning rate scaled with every scheduler, and the
-counters and the model that a rollback gives back belonging to one step."""
+"""What the frontends' states promise, attacked: with PyTorch, exact non-tensor state (schedulers,
+hyperparameters), a clear error for a checkpoint that does not fit and the learning rate scaled with every
+scheduler; with PyTorch and Keras, the counters and the model that a rollback gives back belonging to one
+step."""
 from __future__ import annotations
 
+import ast
 import json
 import math
 import subprocess
@@ -256,3 +258,62 @@ def test_a_rollback_after_a_departure_pairs_the_counters_with_the_model_they_bel
     _, step, nsteps, each_once, lr = line.split()
     assert (int(step), int(nsteps), each_once) == (16, 16, "True")  # every sample once, in 16 real steps
     assert float(lr) == pytest.approx(0.1)  # a ring of one, not a rate scaled for an earlier size
+
+
+ROLLBACK_AFTER_A_DEPARTURE_KERAS = """
+import tempfile, time
+import numpy as np, tensorflow as tf
+import horovod.tensorflow.keras as hvd
+from horovod.common.exceptions import HorovodInternalError
+from horovod.runner.elastic.worker import HostUpdateResult
+import hvd_transient.keras as hvdt
+
+hvd.init()
+store = tempfile.mkdtemp()
+model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1)])
+model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01)), loss="mse")
+state = hvdt.elastic_state(model, store=store)
+done, checks = set(), []
+
+class Faults(tf.keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(model.optimizer.iterations.numpy())
+        if step == 7 and "departure" not in done:  # a reset without a commit, as a departure's
+            done.add("departure")
+            state.on_hosts_updated(time.time(), HostUpdateResult.removed)
+            state.check_host_updates()
+        if step == 9 and "rollback" not in done:  # then a rollback before the next commit
+            done.add("rollback")
+            raise HorovodInternalError("a peer died in an allreduce")
+
+def on_reset():  # the offset must be the restored model's step's
+    checks.append((int(model.optimizer.iterations.numpy()), int(state.samples)))
+state.register_reset_callbacks([on_reset])
+callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=5),
+             hvdt.TransientCallback(state, store=store, save_every_steps=None, watcher="local"), Faults()]
+
+@hvd.elastic.run
+def train(state):
+    model.fit(hvdt.elastic_dataset(state, (np.ones((64, 1), np.float32), np.ones((64, 1), np.float32)), 4),
+              steps_per_epoch=16, epochs=1, callbacks=callbacks, verbose=0)
+
+train(state)
+print("RESULT", int(model.optimizer.iterations.numpy()), int(state.samples), checks)
+"""
+
+
+@pytest.mark.horovod
+def test_a_keras_rollback_after_a_departure_gives_back_the_offset_of_the_model_it_restores(tmp_path: Path) -> None:
+    """The Keras state likewise (Horovod saves its model at every sync): the offset a rollback restores
+    belongs to the model's step."""
+    script = tmp_path / "rollback_keras.py"
+    script.write_text(ROLLBACK_AFTER_A_DEPARTURE_KERAS)
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    out = subprocess.run([str(horovodrun), "--gloo", "-np", "1", "-H", "localhost:1", sys.executable, str(script)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (line,) = [x.split(">:", 1)[-1] for x in out.stdout.splitlines() if "RESULT" in x]
+    _, step, samples, checks = line.split(" ", 3)
+    resets = ast.literal_eval(checks)
+    assert len(resets) == 2 and all(offset == at * 4 for at, offset in resets), resets
+    assert (int(step), int(samples)) == (16, 64)
