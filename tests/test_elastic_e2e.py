@@ -24,6 +24,7 @@ pytestmark = pytest.mark.horovod
 REPO = Path(__file__).resolve().parent.parent
 ELASTIC = str(REPO / "examples" / "keras_elastic.py")
 STATIC = str(REPO / "examples" / "keras_static.py")
+TORCH_STATIC = str(REPO / "examples" / "torch_static.py")
 BASE_LR = 0.01
 
 
@@ -156,16 +157,20 @@ def test_aws_rebalance_checkpoints_in_place_then_the_interruption_notice_removes
     assert doc["completed"] is True and [r["size"] for r in doc["rings"]] == [2, 1]
 
 
+@pytest.mark.parametrize("framework", ["keras", "torch"])
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
-def test_static_job_checkpoints_on_notice_and_relaunch_resumes(tmp_path: Path, controller: str) -> None:
+def test_static_job_checkpoints_on_notice_and_relaunch_resumes(tmp_path: Path, controller: str,
+                                                               framework: str) -> None:
     """``horovodrun -np N`` without discovery: the notice stops the job after a checkpoint; a relaunch resumes.
 
     Gloo: two host aliases, one notified. MPI: one VM with two slots (mpirun has no host aliases),
-    whose notice reaches both ranks, as a preempted multi-GPU VM's would.
+    whose notice reaches both ranks, as a preempted multi-GPU VM's would. PyTorch
+    (examples/torch_static.py) resumes at the exact sample too.
     """
     store = str(tmp_path / "store")
     steps = 200  # the notice comes at step 10 or so, and is acted on within a second (tens of steps)
-    cmd = (sys.executable, STATIC, "--store", store, "--model", "small_cnn", "--steps", str(steps),
+    script, extra = (TORCH_STATIC, ("--samples", "2048")) if framework == "torch" else (STATIC, ())
+    cmd = (sys.executable, script, "--store", store, "--model", "small_cnn", "--steps", str(steps), *extra,
            "--save-every", "1000", "--step-seconds", "0.05")
     if controller == "mpi":
         hosts, slots, target = (socket.gethostname(),), 2, socket.gethostname()
@@ -190,7 +195,8 @@ def test_static_job_checkpoints_on_notice_and_relaunch_resumes(tmp_path: Path, c
     assert len(starts) == 2 and {e["step"] for e in starts} == {step}, \
         "the relaunch must resume from the emergency checkpoint"
     over = {"gloo": "Gloo", "mpi": "MPI"}[controller]
-    assert f"stopped at step {steps} (resumed from {step}) on 2 processes over {over}" in resumed.log_tail(80)
+    exact = f", {steps * 2 * 32} samples" if framework == "torch" else ""  # 2 ranks of 32 per step, throughout
+    assert f"stopped at step {steps} (resumed from {step}) on 2 processes over {over}{exact}" in resumed.log_tail(80)
 
 
 def expected_samples(rings: list[dict], step: int, batch: int) -> int:

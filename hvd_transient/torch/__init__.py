@@ -28,13 +28,16 @@ The changed lines of a Horovod elastic script::
 sync broadcasts it) and keeps the step and the global sample offset with the model; ``elastic_batches``
 resumes at the exact sample on however many workers the ring has; ``Transient`` runs the protocol of
 :mod:`hvd_transient.core.transient` (notices, the emergency sharded checkpoint, the master's election,
-the leave, periodic saves, LR scaling) through :mod:`hvd_transient.frontend`. Importing it loads
-neither TensorFlow nor the Keras frontend.
+the leave, periodic saves, LR scaling) through :mod:`hvd_transient.frontend`. A static job
+(``horovodrun -np N`` without discovery, or ``mpirun``) uses ``static_state`` instead of (2) and no
+``hvd.elastic.run``: on a notice the loop ends after the emergency checkpoint, and the relaunch resumes
+from it. Importing it loads neither TensorFlow nor the Keras frontend.
 """
 from __future__ import annotations
 
 from hvd_transient.torch.data import elastic_batches
 from hvd_transient.torch.hook import Transient
-from hvd_transient.torch.state import elastic_state, full_crc, replicated_crc
+from hvd_transient.torch.state import StaticState, elastic_state, full_crc, replicated_crc, static_state
 
-__all__ = ["Transient", "elastic_batches", "elastic_state", "full_crc", "replicated_crc"]
+__all__ = ["StaticState", "Transient", "elastic_batches", "elastic_state", "full_crc", "replicated_crc",
+           "static_state"]

@@ -52,8 +52,8 @@ def elastic_batches(state: Any, data: Any, batch_size: int, *, epochs: int, step
 
     position = getattr(state, "hvdt_position", None)
     if position is None:
-        raise TypeError("elastic_batches needs the state made by hvd_transient.torch.elastic_state, "
-                        f"not {type(state).__name__}")
+        raise TypeError("elastic_batches needs the state made by hvd_transient.torch.elastic_state or "
+                        f"static_state, not {type(state).__name__}")
     if epochs < 0 or steps_per_epoch < 1:
         raise ValueError(f"need epochs >= 0 and steps_per_epoch >= 1, got {epochs} and {steps_per_epoch}")
     rank, size = hvd.rank(), hvd.size()

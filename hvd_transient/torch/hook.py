@@ -80,9 +80,15 @@ class Transient:
                  save_on_train_end: bool = True, leave: str | None = None,
                  leave_lead_s: float | None = None) -> None:
         if getattr(state, "hvdt_position", None) is None:
-            raise TypeError("Transient needs the state made by hvd_transient.torch.elastic_state, "
-                            f"not {type(state).__name__}")
+            raise TypeError("Transient needs the state made by hvd_transient.torch.elastic_state or "
+                            f"static_state, not {type(state).__name__}")
         self.state = state
+        self.static = bool(getattr(state, "hvdt_static", False))
+        if self.static and leave == "near_deadline":
+            # a static job stops at the notice and is relaunched: its ring cannot shrink
+            log.warning("leave=%r needs an elastic job; this static one leaves at the notice", leave)
+        if self.static:
+            leave = "at_notice"
         self.config = TransientConfig(
             store=store, save_every_steps=save_every_steps, check_every_steps=check_every_steps,
             check_interval_s=check_interval_s, notice_window_s=notice_window_s, leave_margin_s=leave_margin_s,
@@ -126,7 +132,9 @@ class Transient:
         outcome = self.session.after_step(step)
         if outcome.stop:
             self.stopping = True  # every rank saw the same request at this step
-        elif outcome.check_hosts:
+        elif outcome.emergency_step is not None and self.static:
+            self.stopping = True  # a static job: the relaunch resumes from the emergency checkpoint
+        elif outcome.check_hosts and not self.static:
             # Every rank agreed on the departure and on this step, so every rank calls Horovod's host
             # check (a collective) here; it raises HostsUpdatedInterrupt once discovery dropped the
             # leaving host (see hvd_transient.keras.callback for why the leaving worker cannot exit first).

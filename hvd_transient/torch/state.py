@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ckpt_service.manager import CheckpointManager
 from hvd_transient.core.checksums import state_crc
 from hvd_transient.frontend.host_updates import check_host_updates_and_sync
 from hvd_transient.frontend.json_values import decode, encode
@@ -53,6 +54,63 @@ def elastic_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
             restored = restored_summary(ckpt)
     state = _state_class(hvd.elastic.TorchState)(model, optimizer, scheduler, **counters)
     state.hvdt_restored = restored
+    return state
+
+
+class StaticState:
+    """The training state of a static job (``horovodrun -np N`` without discovery, or ``mpirun``): what
+    :func:`elastic_state`'s state keeps (the model, optimizer, scheduler, ``step``, ``samples``, the script's
+    values), without Horovod's elastic machinery. Its ring never changes: on a notice every rank writes its
+    share of the emergency checkpoint and the loop ends; relaunching the job resumes from it."""
+
+    hvdt_static = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None,
+                 counters: dict[str, Any]) -> None:
+        self.model, self.optimizer, self.hvdt_scheduler = model, optimizer, scheduler
+        self.hvdt_position = DataPosition()
+        self.hvdt_transient: Any = None
+        self.hvdt_restored: dict[str, Any] | None = None
+        self._saved_state = dict(counters)  # the values' names, where Horovod's states keep them
+        for key, value in counters.items():
+            setattr(self, key, value)
+
+    def register_reset_callbacks(self, callbacks: list[Any]) -> None:
+        """A static ring is never reset."""
+
+    def commit(self) -> None:
+        """Nothing to commit in memory: a static job is relaunched from the store, not rolled back."""
+
+
+def static_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None = None, *,
+                 store: str, **kwargs: Any) -> StaticState:
+    """The state of a static job (see :class:`StaticState`), restored from the latest committed checkpoint of
+    ``store`` if there is one (resharded from whatever number of ranks wrote it), else rank 0's model.
+
+    Rank 0 picks the step and every rank reads it (no object is broadcast, so nothing is pickled); a
+    stop request left in the store is not cleared (as with Keras' ``restore_model``).
+    """
+    import horovod.torch as hvd
+
+    from hvd_transient.torch.collectives import TorchCollectives
+
+    for key in COUNTERS:
+        if key in kwargs:
+            raise ValueError(f"{key!r} is the state's own counter; name the script's value otherwise")
+    counters = {**COUNTERS, **kwargs}
+    ckpt = latest_checkpoint(store, cold_start=False) if hvd.rank() == 0 else None
+    step = TorchCollectives().broadcast_json(ckpt.step if ckpt is not None else None, 0, name="static_restore")
+    state = StaticState(model, optimizer, scheduler, counters)
+    if step is None:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # every rank starts from rank 0's weights
+        return state
+    if ckpt is None:
+        with CheckpointManager(store, max_to_keep=None) as manager:
+            ckpt = manager.restore(step=step)
+    load_state(model, optimizer, scheduler, ckpt.tensors, ckpt.metadata.get(META_KEY, {}))
+    for key, value in restored_counters(ckpt.metadata, counters).items():
+        setattr(state, key, value)
+    state.hvdt_restored = restored_summary(ckpt)
     return state
 
 
