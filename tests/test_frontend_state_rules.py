@@ -76,21 +76,21 @@ def _trained(model: Any, optimizer: Any, scheduler: Any, steps: int = 3) -> None
             scheduler.step(float(loss)) if isinstance(scheduler, L.ReduceLROnPlateau) else scheduler.step()
 
 
-def _save(store: str, model: Any, optimizer: Any, scheduler: Any, writers: int = 2) -> None:
+def _save(store: str, model: Any, optimizer: Any, scheduler: Any, writers: int = 2, step: int = 3) -> None:
     from hvd_transient.frontend.share import NamedShare
     from hvd_transient.torch.tensors import META_KEY, SpecCache, json_part, state_tensors, to_host
 
     tensors = state_tensors(model, optimizer)
     specs = SpecCache()(tensors)
     share = NamedShare(specs, lambda name: to_host(tensors[name]))
-    meta = {META_KEY: json_part(optimizer, scheduler)}
+    meta = {META_KEY: json_part(model, optimizer, scheduler)}
     with CheckpointManager(store) as mgr:
-        threads = [threading.Thread(target=mgr.save, args=(3, specs, meta),
+        threads = [threading.Thread(target=mgr.save, args=(step, specs, meta),
                                     kwargs=dict(rank=r, world_size=writers, snapshot=share, attempt="a1"))
                    for r in range(writers)]
         [t.start() for t in threads]
         [t.join() for t in threads]
-        assert mgr.latest_step() == 3
+        assert mgr.latest_step() == step
 
 
 def _restore(store: str, model: Any, optimizer: Any, scheduler: Any) -> None:
@@ -134,6 +134,10 @@ def test_the_optimizer_and_scheduler_restore_exactly_as_saved(tmp_path: Path, na
     (lambda: (torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)), "sgd"), r"\(3,\)"),
     (lambda: (_model(), "adam"), "the optimizer is a Adam, the checkpoint's a SGD"),
     (lambda: (_model(), "two groups"), "parameter groups hold"),
+    (lambda: (_model(), "reversed"), "another order or grouping"),
+    (lambda: (_model(), "grouped by kind"), "another order or grouping"),
+    (lambda: (_model(), "a scheduler"), "no scheduler state"),
+    (lambda: (_model(), "another scheduler"), "the scheduler is"),
 ])
 def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_loaded(
         tmp_path: Path, change: Callable[[], tuple[Any, str]], match: str) -> None:
@@ -142,18 +146,42 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_loaded(
     _trained(model, optimizer, None)
     _save(str(tmp_path), model, optimizer, None)
     other, kind = change()
+    other_sched = None
     if kind == "adam":
         other_opt = torch.optim.Adam(other.parameters(), lr=0.1)
     elif kind == "two groups":
         other_opt = torch.optim.SGD([{"params": other[0].parameters()}, {"params": other[1].parameters()}], lr=0.1)
+    elif kind == "reversed":
+        other_opt = torch.optim.SGD(list(other.parameters())[::-1], lr=0.1, momentum=0.9)
+    elif kind == "grouped by kind":  # the same counts per group as a split by layer would have
+        other_opt = torch.optim.SGD([{"params": [other[0].weight, other[1].weight]},
+                                     {"params": [other[0].bias, other[1].bias]}], lr=0.1, momentum=0.9)
+        optimizer2 = torch.optim.SGD([{"params": [model[0].weight, model[0].bias]},
+                                      {"params": [model[1].weight, model[1].bias]}], lr=0.1, momentum=0.9)
+        _trained(model, optimizer2, None)
+        _save(str(tmp_path), model, optimizer2, None, step=4)
     else:
         other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    if kind in ("a scheduler", "another scheduler"):
+        if kind == "another scheduler":
+            _save(str(tmp_path), model, optimizer, L.StepLR(optimizer, 2), step=4)
+        other_sched = L.CosineAnnealingLR(other_opt, 10)
     before = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(StructureMismatchError, match=match):
-        _restore(str(tmp_path), other, other_opt, None)
+        _restore(str(tmp_path), other, other_opt, other_sched)
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())  # nothing loaded
     with CheckpointManager(str(tmp_path), max_to_keep=None) as mgr:  # the checkpoint is intact
-        assert mgr.latest_step() == 3 and len(mgr.restore().tensors) == len(model.state_dict()) + 4
+        assert mgr.latest_step() in (3, 4) and len(mgr.restore().tensors) == len(model.state_dict()) + 4
+
+
+def test_a_state_a_checkpoint_cannot_carry_is_refused_when_the_hook_is_made() -> None:
+    """A tensor learning rate (or any value JSON cannot carry) is refused at once, with what to do, rather
+    than failing every save of the run (the hook writes its metadata once when it is made)."""
+    from hvd_transient.torch.tensors import json_part
+
+    model = _model()
+    with pytest.raises(TypeError, match="give it as a float"):
+        json_part(model, torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01)), None)
 
 
 # ---------------------------------------------------------------------------- learning-rate scaling
@@ -212,7 +240,7 @@ model = torch.nn.Linear(1, 1)
 model.register_buffer("nsteps", torch.zeros((), dtype=torch.int64))  # the steps the model really took
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 sched = torch.optim.lr_scheduler.StepLR(opt, 1000, 0.5)
-state = hvdt.elastic_state(model, opt, sched, store=store)
+state = hvdt.elastic_state(model, opt, sched, store=store, seen=0)  # seen: the script's own value
 tr = hvdt.Transient(state, store=store, save_every_steps=None, watcher="local", base_lr=0.1)
 used, done = [], set()
 
@@ -221,6 +249,7 @@ def train(state):
     for (ids,) in hvdt.elastic_batches(state, (torch.arange(64),), 4, epochs=1, steps_per_epoch=16):
         opt.zero_grad(); model(torch.ones(1, 1)).sum().backward(); opt.step(); sched.step()
         model.nsteps += 1
+        state.seen += len(ids)
         used.append(ids.tolist())
         tr.after_step()
         if state.step % 5 == 0:
@@ -239,7 +268,7 @@ state.register_reset_callbacks([on_reset])
 train(state)
 tr.close()
 ids = sorted(i for batch in used for i in batch)
-print("RESULT", int(state.step), int(model.nsteps), ids == list(range(64)), opt.param_groups[0]["lr"])
+print("RESULT", int(state.step), int(model.nsteps), ids == list(range(64)), opt.param_groups[0]["lr"], state.seen)
 """
 
 
@@ -255,8 +284,9 @@ def test_a_rollback_after_a_departure_pairs_the_counters_with_the_model_they_bel
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     (line,) = [x.split(">:", 1)[-1] for x in out.stdout.splitlines() if "RESULT" in x]
-    _, step, nsteps, each_once, lr = line.split()
+    _, step, nsteps, each_once, lr, seen = line.split()
     assert (int(step), int(nsteps), each_once) == (16, 16, "True")  # every sample once, in 16 real steps
+    assert int(seen) == 64  # the script's own value, kept with the model as the counters are
     assert float(lr) == pytest.approx(0.1)  # a ring of one, not a rate scaled for an earlier size
 
 
@@ -272,7 +302,7 @@ hvd.init()
 store = tempfile.mkdtemp()
 model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1)])
 model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01)), loss="mse")
-state = hvdt.elastic_state(model, store=store)
+state = hvdt.elastic_state(model, store=store, epoch=0, batch=0)
 done, checks = set(), []
 
 class Faults(tf.keras.callbacks.Callback):
@@ -282,20 +312,21 @@ class Faults(tf.keras.callbacks.Callback):
             done.add("departure")
             state.on_hosts_updated(time.time(), HostUpdateResult.removed)
             state.check_host_updates()
-        if step == 9 and "rollback" not in done:  # then a rollback before the next commit
+        if step == 8 and "rollback" not in done:  # then a rollback before the next commit
             done.add("rollback")
             raise HorovodInternalError("a peer died in an allreduce")
 
-def on_reset():  # the offset must be the restored model's step's
-    checks.append((int(model.optimizer.iterations.numpy()), int(state.samples)))
+def on_reset():  # the offset, epoch and batch must be those of the restored model's step
+    checks.append((int(model.optimizer.iterations.numpy()), int(state.samples), int(state.epoch), int(state.batch)))
 state.register_reset_callbacks([on_reset])
-callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=5),
+callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=5), hvd.elastic.UpdateEpochStateCallback(state),
+             hvd.elastic.UpdateBatchStateCallback(state),
              hvdt.TransientCallback(state, store=store, save_every_steps=None, watcher="local"), Faults()]
 
 @hvd.elastic.run
 def train(state):
     model.fit(hvdt.elastic_dataset(state, (np.ones((64, 1), np.float32), np.ones((64, 1), np.float32)), 4),
-              steps_per_epoch=16, epochs=1, callbacks=callbacks, verbose=0)
+              steps_per_epoch=6, epochs=3 - state.epoch, callbacks=callbacks, verbose=0)
 
 train(state)
 print("RESULT", int(model.optimizer.iterations.numpy()), int(state.samples), checks)
@@ -304,8 +335,8 @@ print("RESULT", int(model.optimizer.iterations.numpy()), int(state.samples), che
 
 @pytest.mark.horovod
 def test_a_keras_rollback_after_a_departure_gives_back_the_offset_of_the_model_it_restores(tmp_path: Path) -> None:
-    """The Keras state likewise (Horovod saves its model at every sync): the offset a rollback restores
-    belongs to the model's step."""
+    """The Keras state likewise (Horovod saves its model at every sync): the offset, epoch and batch a
+    rollback restores belong to the model's step, and the run ends at its exact step."""
     script = tmp_path / "rollback_keras.py"
     script.write_text(ROLLBACK_AFTER_A_DEPARTURE_KERAS)
     horovodrun = Path(sys.executable).parent / "horovodrun"
@@ -315,5 +346,7 @@ def test_a_keras_rollback_after_a_departure_gives_back_the_offset_of_the_model_i
     (line,) = [x.split(">:", 1)[-1] for x in out.stdout.splitlines() if "RESULT" in x]
     _, step, samples, checks = line.split(" ", 3)
     resets = ast.literal_eval(checks)
-    assert len(resets) == 2 and all(offset == at * 4 for at, offset in resets), resets
-    assert (int(step), int(samples)) == (16, 64)
+    # Horovod's callbacks keep the epoch and the index of the last batch done in it
+    assert len(resets) == 2 and all((offset, epoch, batch) == (at * 4, at // 6, max(0, at % 6 - 1))
+                                    for at, offset, epoch, batch in resets), resets
+    assert (int(step), int(samples)) == (18, 72)

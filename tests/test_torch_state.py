@@ -41,7 +41,7 @@ def test_a_checkpoint_written_by_three_ranks_restores_model_optimizer_and_schedu
     assert any(name.startswith("optimizer/") for name in tensors)  # Adam's moments and its step counters
     specs = TensorSpecs(specs_of(tensors))
     share = NamedShare(specs, lambda name: to_host(tensors[name]))
-    meta = {META_KEY: json_part(optimizer, scheduler)}
+    meta = {META_KEY: json_part(model, optimizer, scheduler)}
     with CheckpointManager(str(tmp_path)) as mgr:
         plan = mgr.plan(specs, 3)
         pieces = [share(plan, rank) for rank in range(3)]

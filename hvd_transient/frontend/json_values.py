@@ -4,7 +4,8 @@ Optimizers' and schedulers' ``state_dict`` values are not all JSON: ``MultiStepL
 with integer keys, ``ReduceLROnPlateau`` an infinite ``best``, Adam its ``betas`` as a tuple. Plain JSON
 would turn the keys into strings (the scheduler then never decays), refuse the infinity (no save could
 be taken) and make the tuple a list. :func:`encode` writes such values as small tagged objects, and
-:func:`decode` gives back the same types and values. Only these plain types pass; any other object is
+:func:`decode` gives back the same types and values. Numbers of other numeric types (numpy's) are written
+as int or float, and mappings of other types as dict (a ``Counter`` stays one); any other object is
 refused with the path to it, since a checkpoint holds no code.
 """
 from __future__ import annotations

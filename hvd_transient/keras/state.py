@@ -158,6 +158,8 @@ def _state_class(base: type) -> type:
         and a join (rank 0's live value is broadcast).
         """
 
+        _saved_state: dict[str, Any]  # Horovod's: the values it saves, restores and broadcasts
+
         def __init__(self, model: tf.keras.Model, **kwargs: Any) -> None:
             self.hvdt_position = DataPosition()  # tracked once elastic_dataset says its samples per step
             super().__init__(model, **kwargs)
@@ -178,9 +180,10 @@ def _state_class(base: type) -> type:
             check_host_updates_and_sync(super().check_host_updates)
 
         def sync(self) -> None:
-            # Horovod broadcasts the *saved* attributes but the *live* model; the live offset is
-            # the one that matches it (advanced every batch, restored with the model on rollback)
-            self._saved_state["samples"] = self.samples
+            # Horovod broadcasts the *saved* attributes but the *live* model; the live values are the ones
+            # that match it (the offset, advanced every batch; the script's epoch and batch; all restored with
+            # the model on a rollback)
+            self._saved_state = {key: getattr(self, key) for key in self._saved_state}
             # Horovod's Keras sync saves the broadcast model too: the synced model and offset are the ring's
             # new rollback point together (PyTorch's does not: hvd_transient/torch/state.py saves there)
             super().sync()

@@ -39,7 +39,7 @@ class _Trainee:
         return NamedShare(self._specs(tensors), lambda name: to_host(tensors[name]))(plan, rank)
 
     def metadata(self) -> dict[str, Any]:
-        return {META_KEY: json_part(self.state.optimizer, self.state.hvdt_scheduler)}
+        return {META_KEY: json_part(self.state.model, self.state.optimizer, self.state.hvdt_scheduler)}
 
     def learning_rate(self) -> float | None:
         groups = self.state.optimizer.param_groups
@@ -95,8 +95,9 @@ class Transient:
             watcher=watcher, max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps,
             lr_scaling=lr_scaling, base_lr=base_lr, leave=leave or "near_deadline", leave_lead_s=leave_lead_s)
         self.save_on_train_end = save_on_train_end
-        self.session = Session(self.config, TorchCollectives, _Trainee(state, self.config), state.hvdt_position,
-                               counters=self._counters)
+        trainee = _Trainee(state, self.config)
+        trainee.metadata()  # what every save writes must be writable: refused now, not at every save
+        self.session = Session(self.config, TorchCollectives, trainee, state.hvdt_position, counters=self._counters)
         self.stopping = False
         state.hvdt_transient = self
         state.register_reset_callbacks([self._on_reset])

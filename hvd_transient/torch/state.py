@@ -134,9 +134,11 @@ def _state_class(base: type) -> type:
         """Horovod's TorchState with the counters of :data:`COUNTERS` and a learning-rate scheduler.
 
         Horovod saves, restores and broadcasts the counters with the model. It broadcasts the *saved*
-        attributes but the *live* model and optimizer: ``sync`` sends the live counters, the ones that
+        attributes but the *live* model and optimizer: ``sync`` sends the live values, the ones that
         match them (after a removal there was no restore; after a rollback, live and saved agree).
         """
+
+        _saved_state: dict[str, Any]  # Horovod's: the values it saves, restores and broadcasts
 
         def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None,
                      **kwargs: Any) -> None:
@@ -161,8 +163,9 @@ def _state_class(base: type) -> type:
             check_host_updates_and_sync(super().check_host_updates)
 
         def sync(self) -> None:
-            for key in COUNTERS:
-                self._saved_state[key] = getattr(self, key)
+            # the live values, which belong to the live model that Horovod broadcasts (after a rollback, live
+            # and saved agree): the counters and the script's own (Horovod would send those of the last commit)
+            self._saved_state = {key: getattr(self, key) for key in self._saved_state}
             super().sync()
             if self.hvdt_scheduler is not None:
                 from hvd_transient.torch.collectives import TorchCollectives

@@ -8,6 +8,7 @@ integer keys, tuples and infinities survive). Nothing is pickled.
 """
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any, Mapping
 
@@ -72,28 +73,44 @@ class SpecCache:
         return self._specs
 
 
-def json_part(optimizer: torch.optim.Optimizer | None, scheduler: Any | None) -> dict[str, Any]:
-    """The state's part that is not tensors, as JSON values (checked: it must survive a round trip)."""
+def scheduler_classes(scheduler: Any) -> list[Any]:
+    """A scheduler's class and, for a composite one (``SequentialLR``, ``ChainedScheduler``), its children's."""
+    return [type(scheduler).__qualname__, [scheduler_classes(c) for c in getattr(scheduler, "_schedulers", None) or []]]
+
+
+def parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The model's names of the optimizer's parameters, group by group (``?``: not the model's)."""
+    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    return [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
+
+
+def json_part(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+              scheduler: Any | None) -> dict[str, Any]:
+    """The state's part that is not tensors, as JSON values (checked: it must survive a round trip), with
+    what a restore checks it against: the optimizer's class and parameters, the scheduler's classes."""
     part: dict[str, Any] = {}
     if optimizer is not None:
         sd = optimizer.state_dict()
         part["optimizer_class"] = type(optimizer).__qualname__
+        part["parameters"] = parameter_names(model, optimizer)
         part["param_groups"] = sd["param_groups"]
         part["scalars"] = {str(index): {k: v for k, v in entry.items() if not torch.is_tensor(v)}
                            for index, entry in sd["state"].items()}
     if scheduler is not None:
+        part["scheduler_class"] = scheduler_classes(scheduler)
         part["scheduler"] = scheduler.state_dict()
     try:
         return dict(json.loads(json.dumps(encode(part), allow_nan=False)))
     except (UnsupportedValueError, ValueError) as exc:
-        raise TypeError(f"the optimizer's or scheduler's state holds a value a checkpoint cannot carry: {exc}") from exc
+        raise TypeError(f"the optimizer's or scheduler's state holds a value a checkpoint cannot carry: {exc} "
+                        "(a tensor learning rate: give it as a float)") from exc
 
 
-def check_fits(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+def check_fits(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None,
                tensors: Mapping[str, np.ndarray[Any, Any]], part: Mapping[str, Any]) -> None:
     """Raise :class:`~ckpt_service.errors.StructureMismatchError`, before anything is loaded, unless the
-    checkpoint's model tensors are exactly the model's (names, shapes, dtypes) and its optimizer the same
-    kind with the same parameter groups."""
+    checkpoint's model tensors are exactly the model's (names, shapes, dtypes), its optimizer the same kind
+    over the same parameters in the same groups, and its scheduler of the same classes."""
     problems = []
     live = {MODEL + key: value for key, value in model.state_dict().items()}
     stored = {name: array for name, array in tensors.items() if name.startswith(MODEL)}
@@ -105,19 +122,42 @@ def check_fits(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         elif (tuple(live[name].shape), numpy_dtype(live[name].dtype)) != (stored[name].shape, stored[name].dtype.name):
             problems.append(f"{name}: the model has {tuple(live[name].shape)} {numpy_dtype(live[name].dtype)}, the "
                             f"checkpoint {stored[name].shape} {stored[name].dtype.name}")
-    if optimizer is not None and "param_groups" in part:
-        kind = part.get("optimizer_class")
-        if kind is not None and kind != type(optimizer).__qualname__:
-            problems.append(f"the optimizer is a {type(optimizer).__qualname__}, the checkpoint's a {kind}")
-        saved_groups = [len(g["params"]) for g in part["param_groups"]]
-        live_groups = [len(g["params"]) for g in optimizer.param_groups]
-        if saved_groups != live_groups:
-            problems.append(f"the optimizer's parameter groups hold {live_groups} parameters, the checkpoint's "
-                            f"{saved_groups}")
+    if optimizer is not None:
+        problems += _optimizer_problems(model, optimizer, tensors, part)
+    if scheduler is not None:
+        if "scheduler" not in part:
+            problems.append("the checkpoint holds no scheduler state for the live scheduler")
+        elif part.get("scheduler_class", scheduler_classes(scheduler)) != scheduler_classes(scheduler):
+            problems.append(f"the scheduler is {scheduler_classes(scheduler)}, the checkpoint's "
+                            f"{part['scheduler_class']}")
     if problems:
         raise StructureMismatchError("the checkpoint does not fit this model and optimizer (restore into the "
-                                     "model and optimizer it was saved from, or start in a new store): "
+                                     "model, optimizer and scheduler it was saved from, or start in a new store): "
                                      + "; ".join(problems))
+
+
+def _optimizer_problems(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        tensors: Mapping[str, np.ndarray[Any, Any]], part: Mapping[str, Any]) -> list[str]:
+    if "param_groups" not in part:
+        return ["the checkpoint holds no optimizer state for the live optimizer"]
+    problems = []
+    kind = part.get("optimizer_class")
+    if kind is not None and kind != type(optimizer).__qualname__:
+        problems.append(f"the optimizer is a {type(optimizer).__qualname__}, the checkpoint's a {kind}")
+    saved_groups = [len(g["params"]) for g in part["param_groups"]]
+    live_groups = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_groups != live_groups:
+        problems.append(f"the optimizer's parameter groups hold {live_groups} parameters, the checkpoint's "
+                        f"{saved_groups}")
+    elif "parameters" in part and part["parameters"] != parameter_names(model, optimizer):
+        problems.append(f"the optimizer's parameters are {parameter_names(model, optimizer)}, the checkpoint's "
+                        f"{part['parameters']} (another order or grouping)")
+    count = sum(live_groups)
+    beyond = sorted({name for name in tensors if name.startswith(OPTIMIZER)
+                     and not int(name[len(OPTIMIZER):].split("/", 1)[0]) < count})
+    if beyond:
+        problems.append(f"optimizer state for parameters the optimizer does not have: {beyond}")
+    return problems
 
 
 def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None,
@@ -125,16 +165,22 @@ def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, 
     """Load a checkpoint's tensors and JSON part into the live model, optimizer and scheduler (checked
     first: a checkpoint that does not fit changes nothing)."""
     part = decode(dict(part))
-    check_fits(model, optimizer, tensors, part)
+    check_fits(model, optimizer, scheduler, tensors, part)
+    if scheduler is not None:  # first, the one load that checks its own input: on a refusal nothing changed
+        before = copy.deepcopy(scheduler.state_dict())
+        try:
+            scheduler.load_state_dict(dict(part["scheduler"]))
+        except Exception as exc:  # noqa: BLE001 (the scheduler's own check, whatever it raises)
+            scheduler.load_state_dict(before)
+            raise StructureMismatchError(
+                f"the checkpoint's scheduler state does not fit the scheduler: {exc!r}") from exc
     model_sd = {name[len(MODEL):]: torch.from_numpy(np.array(array)) for name, array in tensors.items()
                 if name.startswith(MODEL)}
     model.load_state_dict(model_sd)
-    if optimizer is not None and "param_groups" in part:
+    if optimizer is not None:
         state: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in part.get("scalars", {}).items()}
         for name, array in tensors.items():
             if name.startswith(OPTIMIZER):
                 index, key = name[len(OPTIMIZER):].split("/", 1)
                 state.setdefault(int(index), {})[key] = torch.from_numpy(np.array(array))
         optimizer.load_state_dict({"state": state, "param_groups": [dict(g) for g in part["param_groups"]]})
-    if scheduler is not None and "scheduler" in part:
-        scheduler.load_state_dict(dict(part["scheduler"]))
