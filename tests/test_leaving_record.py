@@ -162,9 +162,8 @@ def test_the_leaving_record_lands_while_the_emergency_save_is_still_writing() ->
     try:
         assert gated.held.wait(10), "the emergency save never wrote"
         # the record, submitted before the leaving rank's save began, must not wait for the save's writes
+        # (seen once the put succeeded: the background write may not yet have handed back its future)
         assert leaver.seen.wait(10), "the leaving record did not land while the save's writes were held"
-        assert impls[2].publishing is not None
-        impls[2].publishing.result(timeout=10)
         assert not gated.gate.is_set() and leaving_hosts(memory) == {"h2"}
     finally:
         gated.gate.set()
