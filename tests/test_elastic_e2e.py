@@ -157,8 +157,8 @@ def test_aws_rebalance_checkpoints_in_place_then_the_interruption_notice_removes
     assert doc["completed"] is True and [r["size"] for r in doc["rings"]] == [2, 1]
 
 
-@pytest.mark.parametrize("framework", ["keras", "torch"])
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+# PyTorch over MPI only: its Gloo path is the elastic runs', and Keras covers the static job over Gloo
+@pytest.mark.parametrize("controller, framework", [("gloo", "keras"), ("mpi", "keras"), ("mpi", "torch")])
 def test_static_job_checkpoints_on_notice_and_relaunch_resumes(tmp_path: Path, controller: str,
                                                                framework: str) -> None:
     """``horovodrun -np N`` without discovery: the notice stops the job after a checkpoint; a relaunch resumes.
@@ -168,7 +168,8 @@ def test_static_job_checkpoints_on_notice_and_relaunch_resumes(tmp_path: Path, c
     (examples/torch_static.py) resumes at the exact sample too.
     """
     store = str(tmp_path / "store")
-    steps = 200  # the notice comes at step 10 or so, and is acted on within a second (tens of steps)
+    # the notice comes at step 10 or so, and is acted on within a second (tens of steps; PyTorch's are slower)
+    steps = 120 if framework == "torch" else 200
     script, extra = (TORCH_STATIC, ("--samples", "2048")) if framework == "torch" else (STATIC, ())
     cmd = (sys.executable, script, "--store", store, "--model", "small_cnn", "--steps", str(steps), *extra,
            "--save-every", "1000", "--step-seconds", "0.05")
