@@ -18,6 +18,7 @@ from hvd_transient.core.control import clear_stop
 from hvd_transient.frontend.host_updates import check_host_updates_and_sync
 from hvd_transient.frontend.position import DataPosition
 from hvd_transient.frontend.restore import latest_checkpoint, restored_counters, restored_summary
+from hvd_transient.frontend.saved_values import keep_apart, restore_copies
 from hvd_transient.join import standby
 from hvd_transient.keras.autograph import skip_horovod_conversion
 
@@ -174,6 +175,11 @@ def _state_class(base: type) -> type:
             if self.hvdt_position.cursor is not None:  # the step is read only where an offset is tracked
                 self.hvdt_advance(optimizer_step(self.model.optimizer))
             super().save()
+            keep_apart(self)  # a value the script changes in place must not change the rollback point
+
+        def restore(self) -> None:
+            super().restore()
+            restore_copies(self)
 
         def check_host_updates(self) -> None:
             # a reset never skips the sync: the driver may add a host in it (frontend/host_updates.py)
@@ -184,9 +190,10 @@ def _state_class(base: type) -> type:
             # that match it (the offset, advanced every batch; the script's epoch and batch; all restored with
             # the model on a rollback)
             self._saved_state = {key: getattr(self, key) for key in self._saved_state}
-            # Horovod's Keras sync saves the broadcast model too: the synced model and offset are the ring's
+            # Horovod's Keras sync saves the broadcast model too: the synced model and values are the ring's
             # new rollback point together (PyTorch's does not: hvd_transient/torch/state.py saves there)
             super().sync()
+            keep_apart(self)
 
     return TransientKerasState
 

@@ -17,6 +17,7 @@ from hvd_transient.frontend.host_updates import check_host_updates_and_sync
 from hvd_transient.frontend.json_values import decode, encode
 from hvd_transient.frontend.position import DataPosition
 from hvd_transient.frontend.restore import latest_checkpoint, restored_counters, restored_summary
+from hvd_transient.frontend.saved_values import keep_apart, restore_copies
 from hvd_transient.torch.tensors import META_KEY, load_state, state_tensors, to_host
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,8 @@ def static_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
     """The state of a static job (see :class:`StaticState`), restored from the latest committed checkpoint of
     ``store`` if there is one (resharded from whatever number of ranks wrote it), else rank 0's model.
 
-    Rank 0 picks the step and every rank reads it (no object is broadcast, so nothing is pickled); a
-    stop request left in the store is not cleared (as with Keras' ``restore_model``).
+    Rank 0 picks the step and every rank reads it (no object is broadcast, so nothing is pickled). A stop
+    request left in the store was for the previous launch: it is cleared, as an elastic job's cold start does.
     """
     import horovod.torch as hvd
 
@@ -98,7 +99,7 @@ def static_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
         if key in kwargs:
             raise ValueError(f"{key!r} is the state's own counter; name the script's value otherwise")
     counters = {**COUNTERS, **kwargs}
-    ckpt = latest_checkpoint(store, cold_start=False) if hvd.rank() == 0 else None
+    ckpt = latest_checkpoint(store) if hvd.rank() == 0 else None
     step = TorchCollectives().broadcast_json(ckpt.step if ckpt is not None else None, 0, name="static_restore")
     state = StaticState(model, optimizer, scheduler, counters)
     if step is None:
@@ -152,11 +153,13 @@ def _state_class(base: type) -> type:
             if self.hvdt_scheduler is not None:
                 self._hvdt_saved_scheduler = copy.deepcopy(self.hvdt_scheduler.state_dict())
             super().save()
+            keep_apart(self)  # a value the script changes in place must not change the rollback point
 
         def restore(self) -> None:
             if self.hvdt_scheduler is not None:
                 self.hvdt_scheduler.load_state_dict(copy.deepcopy(self._hvdt_saved_scheduler))
             super().restore()
+            restore_copies(self)
 
         def check_host_updates(self) -> None:
             # a reset never skips the sync: the driver may add a host in it (frontend/host_updates.py)

@@ -84,6 +84,11 @@ def parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
 
 
+def parameter_shapes(optimizer: torch.optim.Optimizer) -> list[list[list[int]]]:
+    """The shapes of the optimizer's parameters, group by group (those the model does not own included)."""
+    return [[list(p.shape) for p in group["params"]] for group in optimizer.param_groups]
+
+
 def json_part(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
               scheduler: Any | None) -> dict[str, Any]:
     """The state's part that is not tensors, as JSON values (checked: it must survive a round trip), with
@@ -93,6 +98,7 @@ def json_part(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         sd = optimizer.state_dict()
         part["optimizer_class"] = type(optimizer).__qualname__
         part["parameters"] = parameter_names(model, optimizer)
+        part["parameter_shapes"] = parameter_shapes(optimizer)
         part["param_groups"] = sd["param_groups"]
         part["scalars"] = {str(index): {k: v for k, v in entry.items() if not torch.is_tensor(v)}
                            for index, entry in sd["state"].items()}
@@ -152,6 +158,9 @@ def _optimizer_problems(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     elif "parameters" in part and part["parameters"] != parameter_names(model, optimizer):
         problems.append(f"the optimizer's parameters are {parameter_names(model, optimizer)}, the checkpoint's "
                         f"{part['parameters']} (another order or grouping)")
+    elif "parameter_shapes" in part and part["parameter_shapes"] != parameter_shapes(optimizer):
+        problems.append(f"the optimizer's parameters have the shapes {parameter_shapes(optimizer)}, the "
+                        f"checkpoint's {part['parameter_shapes']}")
     count = sum(live_groups)
     beyond = sorted({name for name in tensors if name.startswith(OPTIMIZER)
                      and not int(name[len(OPTIMIZER):].split("/", 1)[0]) < count})
