@@ -42,10 +42,7 @@ def elastic_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sche
     """
     import horovod.torch as hvd
 
-    for key in COUNTERS:
-        if key in kwargs:
-            raise ValueError(f"{key!r} is the state's own counter; name the script's value otherwise")
-    counters = {**COUNTERS, **kwargs}
+    counters = _with_counters(kwargs)
     restored = None
     if hvd.rank() == 0:  # a worker joining a live job never has rank 0: it gets the ring's state by sync
         ckpt = latest_checkpoint(store)
@@ -95,10 +92,7 @@ def static_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
 
     from hvd_transient.torch.collectives import TorchCollectives
 
-    for key in COUNTERS:
-        if key in kwargs:
-            raise ValueError(f"{key!r} is the state's own counter; name the script's value otherwise")
-    counters = {**COUNTERS, **kwargs}
+    counters = _with_counters(kwargs)
     ckpt = latest_checkpoint(store) if hvd.rank() == 0 else None
     step = TorchCollectives().broadcast_json(ckpt.step if ckpt is not None else None, 0, name="static_restore")
     state = StaticState(model, optimizer, scheduler, counters)
@@ -113,6 +107,14 @@ def static_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
         setattr(state, key, value)
     state.hvdt_restored = restored_summary(ckpt)
     return state
+
+
+def _with_counters(values: dict[str, Any]) -> dict[str, Any]:
+    """The state's counters (:data:`COUNTERS`) with the script's own ``values``, which must not reuse their names."""
+    for key in COUNTERS:
+        if key in values:
+            raise ValueError(f"{key!r} is the state's own counter; name the script's value otherwise")
+    return {**COUNTERS, **values}
 
 
 def replicated_crc(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
