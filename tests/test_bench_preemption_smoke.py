@@ -216,7 +216,8 @@ def test_preemption_cost_with_pytorch_both_variants(tmp_path: Path) -> None:
     ``TorchState`` worker; each variant's run is a row without an error, and the JSON and the markdown say
     which framework ran. No figure is judged (step T comes from the first run, as by default)."""
     doc = run_bench("preemption_cost", tmp_path / "results" / "preemption_cost.json", "--framework", "torch",
-                    "--repeats", "1", "--scenarios", "worker", timeout=540)
+                    "--repeats", "1", "--scenarios", "worker", "--warmup-steps", "10",
+                    "--gloo-timeout-seconds", "5", timeout=540)
     summary = doc["summary"]
     for key in PREEMPTION_KEYS:
         assert key in summary, key

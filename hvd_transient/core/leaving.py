@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable
 
 from ckpt_service.deadline import Deadline
@@ -68,6 +69,41 @@ class LeavingRecord:
             self._log_it(wait_s)
 
 
+@dataclass(frozen=True)
+class _RecordWrite:
+    """One version of this VM's leaving record to write (a re-plan makes a newer one)."""
+
+    until: float
+    own_deadline: float | None
+    leave_at: float | None
+    record: LeavingRecord
+
+
+class _Superseded(threading.Event):
+    """A write's stop: set when a newer version of the record replaces it, and set as well while the
+    protocol's background calls are stopping (the owner closed)."""
+
+    def __init__(self, stopping: threading.Event) -> None:
+        super().__init__()
+        self._stopping = stopping
+
+    def is_set(self) -> bool:
+        return super().is_set() or self._stopping.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            left = STOP_POLL_S if end is None else min(STOP_POLL_S, end - time.monotonic())
+            if left <= 0:
+                return False
+            super().wait(left)
+        return True
+
+
+#: how often a write's backoff looks at the owner's close
+STOP_POLL_S = 0.1
+
+
 class Departure:
     """This VM's way out of the ring, once every rank agreed on its notice."""
 
@@ -75,35 +111,64 @@ class Departure:
         self.p = parts
         self._background = background
         self._record: LeavingRecord | None = None
-        self.publishing: Future[None] | None = None  # the background write of this VM's leaving record
+        #: the background writer of this VM's leaving record (its latest version: see publish_record)
+        self.publishing: Future[None] | None = None
         self.until: float | None = None  # when this rank's VM is gone (epoch seconds)
+        self._lock = threading.Lock()
+        self._queued: _RecordWrite | None = None
+        self._writing = False
+        self._current_stop: _Superseded | None = None
 
     def publish_record(self, step: int, own_deadline: float | None, was_master: bool, *,
                        until: float, leave_at: float | None = None) -> None:
         """Write this VM's leaving record in the background, retried until ``until`` (its own deadline).
 
-        A record that cannot be written in time is logged: discovery then keeps the host until
-        its VM is gone, and Horovod sees its worker fail.
+        One writer writes the versions in order, the latest last: a re-plan's earlier ``leave_at`` stops
+        the write of the older version (its retries end) and is written after it, so an older put that
+        lands late, or is retried after its reply was lost, never leaves discovery reading the later
+        ``leave_at``. A record that cannot be written in time is logged: discovery then keeps the host
+        until its VM is gone, and Horovod sees its worker fail.
         """
         p = self.p
-        store, host = p.manager.store, p.host
-        instance_id = p.watcher.instance_id if p.watcher is not None else None
         record = self._record = LeavingRecord(
             lambda wait_s: p.events.emit(ev.LeavePublished(step=step, deadline=own_deadline,
                                                            was_master=was_master, leave_at=leave_at),
                                          wait_s=wait_s))
+        with self._lock:
+            self._queued = _RecordWrite(until=until, own_deadline=own_deadline, leave_at=leave_at, record=record)
+            if self._current_stop is not None:
+                self._current_stop.set()  # the version being written gives way to this one
+            if not self._writing:
+                self._writing = True
+                self.publishing = self._background.submit(self._write_latest)
 
-        def publish() -> None:
+    def _write_latest(self) -> None:
+        p = self.p
+        store, host = p.manager.store, p.host
+        instance_id = p.watcher.instance_id if p.watcher is not None else None
+        unlanded: list[LeavingRecord] = []  # versions replaced before they landed: the newer one lands for them
+        while True:
+            with self._lock:
+                write, self._queued = self._queued, None
+                if write is None:
+                    self._writing, self._current_stop = False, None
+                    return
+                stop = self._current_stop = _Superseded(self._background.stopping)
             try:
-                publish_leaving_until(store, host, until=until, deadline=own_deadline, instance_id=instance_id,
-                                      stop=self._background.stopping, leave_at=leave_at)
+                publish_leaving_until(store, host, until=write.until, deadline=write.own_deadline,
+                                      instance_id=instance_id, stop=stop, leave_at=write.leave_at)
             except Exception as exc:  # every rank already agreed on the departure; nothing may raise
-                log.error("could not publish %s as leaving before its deadline: %s; discovery keeps the host "
-                          "until its VM is gone", host, exc)
-                return
-            record.landed()
-
-        self.publishing = self._background.submit(publish)
+                with self._lock:
+                    replaced = self._queued is not None
+                if replaced:
+                    unlanded.append(write.record)
+                else:
+                    log.error("could not publish %s as leaving before its deadline: %s; discovery keeps the host "
+                              "until its VM is gone", host, exc)
+                continue
+            for landed in (*unlanded, write.record):
+                landed.landed()
+            unlanded.clear()
 
     def leave(self, step: int, *, until: float, own_deadline: float | None, was_master: bool,
               leave_at: float | None, wrote_record: bool) -> None:

@@ -63,10 +63,10 @@ PUBLISH_CALL_S = 20.0
 #: no publishing call starts with less time than this left before the deadline
 MIN_PUBLISH_CALL_S = 0.2
 #: a record whose VM's deadline has passed (too little is left for one call) is still written, retried
-#: for this long:
-#: the deadline may have been dated early, the VM may still be in the ring, and without its record
-#: discovery would keep it there until it is stopped
-LATE_RECORD_S = 5.0
+#: for this long (one whole call's bound, so a slow store can still take it; it is written in the
+#: background): the deadline may have been dated early (a GCE notice seen by a watcher's first read),
+#: the VM may still be in the ring, and without its record discovery would keep it there until it is stopped
+LATE_RECORD_S = PUBLISH_CALL_S
 #: leaving records read at a time (discovery reads them every second; a wave may write many)
 READ_PARALLEL = 8
 

@@ -107,7 +107,9 @@ class NoticeRounds:
         now = p.clocks.monotonic()
         elapsed, steps = now - run.last_round_at, step - run.last_round_step
         slowest, run.slowest_step_s = run.slowest_step_s, 0.0
-        self._job_slowest_step_s = max(self._job_slowest_step_s, slowest)
+        # the lead's wait for a step boundary: the slowest step, or a longer gap between two steps (an
+        # epoch end's evaluation), in which no host check runs either
+        self._job_slowest_step_s = max(self._job_slowest_step_s, slowest, run.longest_gap_s)
         run.last_round_step, run.last_round_at = step, now
         notice = p.watcher.notice if p.watcher is not None else None
         rank, size = p.comm.rank(), p.comm.size()

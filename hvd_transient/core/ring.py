@@ -39,6 +39,10 @@ class RunState:
     step_done_at: float | None = None   # time.monotonic() when this rank last went back to training
     slowest_step_s: float = 0.0         # this rank's longest step since its previous round
     ring_slowest_step_s: float = 0.0    # the longest step any rank took on this ring (agreed)
+    #: the longest time between two steps of this job that :meth:`TransientImpl.before_step` kept out of
+    #: the step time (an epoch's end: an evaluation, other callbacks): no host check runs inside it
+    #: either, so a VM under notice may wait that long for a step at which it can leave
+    longest_gap_s: float = 0.0
     ring_id: str = "ring"               # the same on every rank of this ring, new at each begin()
     saves_started: int = 0              # saves this ring started: part of each save's attempt id
     #: VMs under notice that train on: when each is to leave (epoch seconds), to time its departure

@@ -147,6 +147,7 @@ class TransientImpl:
         # replay the same steps after a reset or a relaunch: its saves get attempt ids of their own.
         members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8)])
         previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic())
+        self.run.step_done_at = None  # the time a reset took is neither a step nor a gap between two
         for host, seconds in self.run.time_departures(self.clocks.wall()).items():
             log.info("%s left %.1f s after its leave_at; the next VM under notice leaves %.1f s before its deadline",
                      host, seconds, self.config.lead_s(self.run.departure_s))
@@ -221,8 +222,15 @@ class TransientImpl:
         next step is timed from here, not from the previous :meth:`after_step`. Counted as a step, such a
         gap would pin the check cadence at every step for the rest of the ring (the slowest step seen bounds
         it). Not before every step: what the loop does between its steps (other callbacks, the input) is
-        part of the step time that the cadence's bound in seconds rests on. One clock read."""
-        self.run.step_done_at = self.clocks.monotonic()
+        part of the step time that the cadence's bound in seconds rests on. One clock read.
+
+        The gap is kept apart (``longest_gap_s``): a VM under notice cannot leave inside it, so the lead
+        covers the longest gap timed, as it covers the slowest step (a gap none timed yet, the first
+        epoch's evaluation, is not covered; see docs/reliability.md)."""
+        now, run = self.clocks.monotonic(), self.run
+        if run.step_done_at is not None:
+            run.longest_gap_s = max(run.longest_gap_s, now - run.step_done_at)
+        run.step_done_at = now
 
     def plain_step(self, step: int) -> bool:
         """Whether :meth:`after_step` at ``step`` takes the plain path: no round, save, host check or

@@ -12,7 +12,9 @@ that has started (``EventStatus: Started``; its ``NotBefore`` is then blank) is 
 way: leave at once. A ``NotBefore`` that cannot be read does not drop the notice: the
 window (30 s) counts from the last read that found no event for this VM, or, with
 none, the deadline is the read that saw it (``deadline.py``). A read made before IMDS
-told the VM's own names is no clear read: it could not have matched an event naming them.
+told the VM's own names is no clear read: it could not have matched an event naming them,
+and a compute document that names no VM is asked again. Of several events for this VM, the one
+whose deadline comes first counts.
 Every request ends within ``request_timeout`` (1 s) in all, and failures are
 retried about once a second (base.py), so neither errors nor a hung IMDS
 delay a notice by more than about that once the service answers again.
@@ -50,6 +52,20 @@ def vm_names(compute: dict[str, Any]) -> set[str]:
 def event_for(events: Iterable[Any], names: set[str], event_types: Sequence[str]) -> dict[str, Any] | None:
     """Of the events of ``event_types`` whose ``Resources`` name this VM, the one due first (pure): one
     that has started, or whose ``NotBefore`` is blank or unreadable, before any with a readable time."""
+    return min(events_for(events, names, event_types), key=_due, default=None)
+
+
+def soonest_event(events: Iterable[Any], names: set[str], event_types: Sequence[str], read_started: float,
+                  last_clear: float | None, window: float) -> tuple[dict[str, Any], Deadline] | None:
+    """Of the events for this VM, the one whose deadline comes first, with that deadline (pure): an event
+    whose ``NotBefore`` cannot be read is dated from history, which may be later than another's time."""
+    dated = [(event, event_deadline(event, read_started, last_clear, window))
+             for event in events_for(events, names, event_types)]
+    return min(dated, key=lambda pair: pair[1].at, default=None)
+
+
+def events_for(events: Iterable[Any], names: set[str], event_types: Sequence[str]) -> list[dict[str, Any]]:
+    """The events of ``event_types`` whose ``Resources`` name this VM (pure)."""
     wanted = {name.strip().casefold() for name in names}
     matching: list[dict[str, Any]] = []
     for event in events:
@@ -60,7 +76,7 @@ def event_for(events: Iterable[Any], names: set[str], event_types: Sequence[str]
             continue
         if any(isinstance(r, str) and r.strip().casefold() in wanted for r in resources):
             matching.append(event)
-    return min(matching, key=_due, default=None)
+    return matching
 
 
 def _due(event: dict[str, Any]) -> float:
@@ -128,14 +144,14 @@ class _ScheduledEventsPoller(Poller):
         events = json_object(reply).get("Events")
         if not isinstance(events, list):
             raise MetadataGarbageError(f"scheduled events document has no 'Events' list: {reply.text[:120]!r}")
-        event = event_for(events, names, w.event_types)
-        if event is None:
+        soonest = soonest_event(events, names, w.event_types, started, self.last_clear, w.window)
+        if soonest is None:
             if w.vm_names is not None:
                 # clear only where every name an event may use was looked for: before IMDS told the VM's
                 # own names, an event naming it by one of them would have passed unseen
                 self.last_clear = started
             return None
-        deadline = event_deadline(event, started, self.last_clear, w.window)
+        event, deadline = soonest
         return w.make_notice(f"scheduled-event {event['EventType']} {event.get('EventId', '')}".strip(),
                              detected_at=detected_at, deadline=deadline,
                              instance=w.instance or min(names))
@@ -154,7 +170,10 @@ class _ScheduledEventsPoller(Poller):
                                      params={"api-version": INSTANCE_API_VERSION})
                 expect_status(reply, 200)
                 compute = json_object(reply)
-                w.vm_names = vm_names(compute)
+                names_told = vm_names(compute)
+                if not names_told:  # a partial document: ask again, as after any other failure
+                    raise MetadataGarbageError(f"IMDS compute metadata names no VM: {reply.text[:120]!r}")
+                w.vm_names = names_told
                 if w.instance is None and isinstance(compute.get("name"), str):
                     w.instance = compute["name"]  # what its notices are reported under
                 log.info("Azure watcher: events naming %s are for this VM",

@@ -6,7 +6,10 @@ status line, a header, a chunk-size line or the body one byte every half second 
 request for as long as it likes. Here every read of the reply (``http.client`` reads it all
 through one file object, which this module gives it) first sets the socket's timeout to what is
 left of the request's total, and fails once the total is spent (``MetadataTimeoutError``): no
-thread, no timer, the same on every platform.
+thread, no timer, the same on every platform. The host's name is looked up once per process on a
+thread of its own, which a request waits on for at most what is left of its total: a resolver that
+hangs makes the first requests fail in time, never the watcher blind (the address, once found, is
+kept: metadata servers are link-local and never move).
 The connection is this module's own (``http.client``, one per request), so no library state
 is touched, and no proxy from the environment is ever used: metadata servers are link-local.
 """
@@ -15,14 +18,18 @@ from __future__ import annotations
 import functools
 import http.client
 import io
+import ipaddress
 import json
 import logging
 import math
 import socket
+import ssl
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from email.message import Message
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 from urllib.parse import urlencode, urlsplit
 
 from .errors import MetadataGarbageError, MetadataServerError, MetadataTimeoutError, WatcherConfigError
@@ -78,10 +85,12 @@ class MetadataClient:
         parts = urlsplit(full_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise WatcherConfigError(f"metadata URL {full_url!r} needs an http:// scheme and a host")
-        conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = conn_cls(parts.hostname, parts.port, timeout=min(self.connect_timeout, total_s))
+        https = parts.scheme == "https"
+        port = parts.port or (443 if https else 80)
+        conn_cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
+        conn = conn_cls(parts.hostname, port, timeout=min(self.connect_timeout, total_s))
         try:
-            conn.connect()
+            conn.sock = _connect(parts.hostname, port, https, self.connect_timeout, deadline)
             target = parts.path + (f"?{parts.query}" if parts.query else "")
             conn.request(method, target or "/", headers={**(headers or {}), "Connection": "close"})
             conn.response_class = functools.partial(_BoundedResponse, deadline=deadline)  # type: ignore[assignment]
@@ -97,6 +106,72 @@ class MetadataClient:
             raise MetadataServerError(f"{method} {full_url}: no reply ({exc!r:.120})") from None
         finally:
             conn.close()
+
+
+def _connect(host: str, port: int, https: bool, connect_timeout: float, deadline: float) -> socket.socket:
+    """A connected socket within ``connect_timeout`` per address and the request's ``deadline`` in all."""
+    last: OSError | None = None
+    for family, kind, proto, _, address in _RESOLVER.addresses(host, port, deadline):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(min(connect_timeout, left))
+            sock.connect(address)
+            if https:
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+            if isinstance(exc, (socket.timeout, TimeoutError)):
+                raise
+    if last is not None:
+        raise last
+    raise _TotalSpent(f"the request's total time was spent before {host} could be reached")
+
+
+#: what getaddrinfo gives for one address: family, kind, protocol, canonical name, address
+Address = tuple[Any, Any, int, str, Any]
+
+
+class _Resolver:
+    """Looks each host name up once, on a daemon thread (``getaddrinfo`` has no timeout of its own),
+    and keeps what it found; a lookup that failed is tried again by the next request."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lookups: dict[tuple[str, int], Future[Sequence[Address]]] = {}
+
+    def addresses(self, host: str, port: int, deadline: float) -> Sequence[Address]:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            pass
+        else:  # a literal address (the usual metadata URL): nothing to look up
+            return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+        with self._lock:
+            lookup = self._lookups.get((host, port))
+            if lookup is None:
+                lookup = self._lookups[(host, port)] = Future()
+                threading.Thread(target=self._look_up, args=(host, port, lookup), daemon=True,
+                                 name=f"hvdt-metadata-lookup-{host}").start()
+        try:
+            return lookup.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise _TotalSpent(f"the request's total time was spent looking {host} up") from None
+
+    def _look_up(self, host: str, port: int, lookup: Future[Sequence[Address]]) -> None:
+        try:
+            lookup.set_result(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            with self._lock:
+                self._lookups.pop((host, port), None)
+            lookup.set_exception(exc)
+
+
+_RESOLVER = _Resolver()
 
 
 def _check_bound(name: str, value: object) -> float:
