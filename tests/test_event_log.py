@@ -186,7 +186,8 @@ def test_emit_takes_only_declared_kinds_with_their_exact_fields() -> None:
 
 
 def test_durable_and_urgent_kinds() -> None:
-    assert DURABLE == {"notice", "early_warning", "notice_agreed", "leave_published", "train_end", "weights"}
+    assert DURABLE == {"notice", "early_warning", "notice_agreed", "leave_published", "leave_moved", "train_end",
+                       "weights"}
     assert URGENT == {"election", "commit", "save_failed", "restore", "reset", "start", "ring", "async_save",
                       "stop_requested"}
 

@@ -103,16 +103,18 @@ class TransientConfig:
             raise LeaveConfigError(f"leave_lead_s must be None (measured) or zero or more seconds before "
                                    f"the VM's deadline, not {self.leave_lead_s}")
 
-    def boundary_wait_s(self, step_s: float) -> float:
+    def boundary_wait_s(self, step_s: float, gap_s: float = 0.0) -> float:
         """The longest a VM under notice waits for a step at which it can leave, at steps of ``step_s``
-        (pure). It leaves when Horovod's host check sees discovery drop it, and that check runs at the
-        notice rounds until its ``leave_at`` has passed (then at every step): a round every
-        ``check_every_steps`` steps, or (adaptive) within ``check_interval_s`` while steps are no slower
-        than the slowest seen, and at every step once a step is longer than that."""
+        with gaps of up to ``gap_s`` between two of them (pure). It leaves when Horovod's host check sees
+        discovery drop it, and that check runs at the notice rounds until its ``leave_at`` has passed
+        (then at every step): a round every ``check_every_steps`` steps, or (adaptive) within
+        ``check_interval_s`` while steps are no slower than the slowest seen, and at every step once a
+        step is longer than that. A gap between two steps (an epoch end's evaluation) holds no check: one
+        that begins just before ``leave_at`` is waited out, then the step after it."""
         step_s = max(0.0, step_s)
-        if self.check_every_steps:
-            return self.check_every_steps * step_s
-        return max(step_s, self.check_interval_s)
+        gap_s = max(0.0, gap_s) if math.isfinite(gap_s) else math.inf
+        steps = self.check_every_steps * step_s if self.check_every_steps else max(step_s, self.check_interval_s)
+        return max(steps, gap_s + step_s) if gap_s > 0 else steps
 
     def departure_allowance_s(self, slowest_departure_s: float | None) -> float:
         """What the lead keeps for leaving itself and a margin, beyond the wait for a step boundary
@@ -125,14 +127,16 @@ class TransientConfig:
             return DEFAULT_LEAVE_LEAD_S
         return LEAVE_LEAD_FACTOR * slowest_departure_s + LEAVE_LEAD_PAD_S
 
-    def lead_s(self, slowest_departure_s: float | None, step_s: float = 0.0) -> float:
+    def lead_s(self, slowest_departure_s: float | None, step_s: float = 0.0, gap_s: float = 0.0) -> float:
         """How long before its deadline a VM under notice leaves (pure): one wait for a step boundary at
-        steps of ``step_s`` (the slowest this job timed, :meth:`boundary_wait_s`) plus
+        steps of ``step_s`` with gaps of ``gap_s`` (the slowest and longest this job timed,
+        :meth:`boundary_wait_s`) plus
         :meth:`departure_allowance_s`. A VM leaves only at a step boundary: a lead shorter than a step
         could let the VM start a step that its deadline cuts short, inside the ring."""
         # a timing that is negative or no number (a clock that stepped back, a torn round) counts as none
         departure = slowest_departure_s if slowest_departure_s is None or slowest_departure_s >= 0 else None
-        return self.boundary_wait_s(step_s if step_s >= 0 else 0.0) + self.departure_allowance_s(departure)
+        return (self.boundary_wait_s(step_s if step_s >= 0 else 0.0, gap_s if gap_s >= 0 else 0.0)
+                + self.departure_allowance_s(departure))
 
     def trains_through(self, hosts: Collection[str], leaving: Collection[str]) -> bool:
         """Whether the VMs under notice (``leaving``) of a ring of ``hosts`` train on until their

@@ -5,6 +5,7 @@ collective), so all ranks agree without a further round of messages.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
@@ -30,6 +31,9 @@ class NoticeRound:
     departure_s: float | None = None
     #: the slowest single step any rank timed on this job (0: none timed yet)
     step_s: float = 0.0
+    #: the longest gap between two steps (an epoch end's evaluation, kept out of the step time) any rank
+    #: timed on this job: no host check runs inside it (0: none timed)
+    gap_s: float = 0.0
     #: the latest wall clock (epoch seconds) any rank read as the round began: one "now" that every
     #: rank shares, so decisions taken on the clock (when a VM leaves) are the same on every rank
     at: float = 0.0
@@ -44,7 +48,7 @@ class NoticeRound:
 
 
 #: per-rank blocks, then these scalar slots
-_BLOCKS = 6
+_BLOCKS = 7
 _STOP, _BUSY, _ELAPSED, _WARNING, _COMMITTED = range(5)
 
 
@@ -52,11 +56,12 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
                   busy: bool = False, elapsed_s: float = 0.0, early_warning: bool = False, *,
                   slowest_step_s: float = 0.0, committed_step: int | None = None,
                   departure_s: float | None = None, job_step_s: float = 0.0,
-                  wall: float = 0.0) -> np.ndarray[Any, Any]:
+                  wall: float = 0.0, gap_s: float = 0.0) -> np.ndarray[Any, Any]:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
     Layout: ``[leaving flag per rank | deadline per rank | slowest step us per rank | slowest departure
-    us per rank | job's slowest step us per rank | wall clock per rank | stop | busy | elapsed us |
+    us per rank | job's slowest step us per rank | wall clock per rank | job's longest gap between steps us
+    per rank | stop | busy | elapsed us |
     early warning | committed step + 1]``. Times travel in whole microseconds (a wall clock and a
     deadline as they are: one non-zero addend per slot) and steps as integers, so the sum is exact and
     every rank derives the same decisions from it. Only the master gives ``committed_step``; per-rank
@@ -72,6 +77,7 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
         vec[3 * size + rank] = float(round(max(0.0, departure_s) * 1e6)) + 1.0
     vec[4 * size + rank] = float(round(max(0.0, job_step_s) * 1e6))
     vec[5 * size + rank] = max(0.0, wall)
+    vec[6 * size + rank] = float(round(max(0.0, gap_s) * 1e6)) if math.isfinite(gap_s) else 0.0
     base = _BLOCKS * size
     vec[base + _STOP] = 1.0 if stop else 0.0
     vec[base + _BUSY] = 1.0 if busy else 0.0
@@ -108,7 +114,8 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
                        committed_step=committed - 1 if committed > 0 else None,
                        departure_s=(departure_us - 1.0) / 1e6 if departure_us > 0.5 else None,
                        step_s=float(np.max(summed[4 * size:5 * size])) / 1e6,
-                       at=float(np.max(summed[5 * size:6 * size])))
+                       at=float(np.max(summed[5 * size:6 * size])),
+                       gap_s=float(np.max(summed[6 * size:7 * size])) / 1e6)
 
 
 #: default for how many check intervals a round may be apart when steps are as slow as the

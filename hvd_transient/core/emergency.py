@@ -113,6 +113,9 @@ class Emergency:
             if host == p.host and self._writes_record(round_.leaving):
                 self._departure.publish_record(step, round_.deadline_of(r), False, until=vm_deadline,
                                                leave_at=again)
+                # the report dates the departure by the latest leave this host was given
+                p.events.emit(ev.LeaveMoved(step=step, deadline=round_.deadline_of(r), leave_at=again),
+                              wait_s=notice_event_wait_s(p.events, p.clocks, vm_deadline))
 
     def _window(self) -> float:
         return self.p.config.notice_window_s or GCE_NOTICE_WINDOW_S

@@ -40,13 +40,13 @@ class LeavePlan:
 
 
 def plan_leave(config: TransientConfig, hosts: Collection[str], leaving: Collection[str], deadline: float,
-               now: float, *, step_s: float, departure_s: float | None) -> LeavePlan:
+               now: float, *, step_s: float, departure_s: float | None, gap_s: float = 0.0) -> LeavePlan:
     """How a VM of the ring ``hosts`` whose window ends at ``deadline`` leaves, with the VMs ``leaving``
     under notice, at ``now`` (every time epoch seconds): near its deadline where the mode and the ring
     allow it (:meth:`TransientConfig.trains_through`) and the lead (:meth:`TransientConfig.lead_s`, from
-    the slowest step ``step_s`` and the slowest departure ``departure_s`` timed) fits before it, else at
-    once."""
-    lead = config.lead_s(departure_s, step_s)
+    the slowest step ``step_s``, the longest gap between two steps ``gap_s`` and the slowest departure
+    ``departure_s`` timed) fits before it, else at once."""
+    lead = config.lead_s(departure_s, step_s, gap_s)
     if not config.trains_through(hosts, leaving):
         return LeavePlan(None, lead, "at the notice" if config.leave == "at_notice" else "every host is leaving")
     if not (math.isfinite(deadline) and math.isfinite(lead) and math.isfinite(now)):
@@ -63,7 +63,7 @@ def plan_for_round(config: TransientConfig, hosts: Sequence[str], round_: Notice
     """:func:`plan_leave` from a notice round: its agreed clock (``now`` if the round carries none), the
     slowest step and departure it carries, and its leaving ranks' hosts."""
     return plan_leave(config, hosts, {hosts[r] for r in round_.leaving}, vm_deadline, round_.at or now,
-                      step_s=round_.step_s, departure_s=round_.departure_s)
+                      step_s=round_.step_s, departure_s=round_.departure_s, gap_s=round_.gap_s)
 
 
 def steps_to_next_round(config: TransientConfig, round_: NoticeRound, steps: int,

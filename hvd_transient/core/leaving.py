@@ -141,6 +141,13 @@ class Departure:
             if not self._writing:
                 self._writing = True
                 self.publishing = self._background.submit(self._write_latest)
+                self.publishing.add_done_callback(self._dropped)
+
+    def _dropped(self, writer: Future[None]) -> None:
+        """The owner closed before the writer ran (its queued call was dropped): none is writing."""
+        if writer.cancelled():
+            with self._lock:
+                self._writing = False
 
     def _write_latest(self) -> None:
         p = self.p

@@ -107,9 +107,7 @@ class NoticeRounds:
         now = p.clocks.monotonic()
         elapsed, steps = now - run.last_round_at, step - run.last_round_step
         slowest, run.slowest_step_s = run.slowest_step_s, 0.0
-        # the lead's wait for a step boundary: the slowest step, or a longer gap between two steps (an
-        # epoch end's evaluation), in which no host check runs either
-        self._job_slowest_step_s = max(self._job_slowest_step_s, slowest, run.longest_gap_s)
+        self._job_slowest_step_s = max(self._job_slowest_step_s, slowest)
         run.last_round_step, run.last_round_at = step, now
         notice = p.watcher.notice if p.watcher is not None else None
         rank, size = p.comm.rank(), p.comm.size()
@@ -133,7 +131,7 @@ class NoticeRounds:
         summed = p.comm.allreduce_sum(
             encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
                           slowest_step_s=slowest, committed_step=committed, departure_s=run.departure_s,
-                          job_step_s=self._job_slowest_step_s, wall=p.clocks.wall()),
+                          job_step_s=self._job_slowest_step_s, gap_s=run.longest_gap_s, wall=p.clocks.wall()),
             name="notice")
         round_ = decode_notice(summed, size, run.hosts if len(run.hosts) == size else None)
         if round_.step_s <= 0.0 and steps > 0:

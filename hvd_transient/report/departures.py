@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from hvd_transient.report.records import AnyRecord, ProcessKey
@@ -15,7 +16,6 @@ from hvd_transient.report.run_analysis import FINISHED, KILLED, LOST, PREEMPTED,
 from hvd_transient.report.run_analysis import ms_between as _ms
 from hvd_transient.report.run_analysis import ring_at as _ring_at
 from hvd_transient.telemetry import schema as ev
-from hvd_transient.telemetry.schema import Record
 
 
 def worker_of(key: ProcessKey, evs: Sequence[AnyRecord], rings: Sequence[Ring],
@@ -44,19 +44,40 @@ def worker_of(key: ProcessKey, evs: Sequence[AnyRecord], rings: Sequence[Ring],
     )
 
 
-def _leave_lead_s(leave: Record[ev.LeavePublished] | None) -> float | None:
-    """How long before its VM's deadline a worker that trained on through its window was to leave."""
-    if leave is None or leave.body.leave_at is None or leave.body.deadline is None:
+@dataclass(frozen=True)
+class _Leave:
+    """When a worker under notice was to leave: its ``leave_published``, with a later ``leave_moved``'s
+    ``leave_at`` (a later round moved it earlier; at once from that event's time where it has none)."""
+
+    t: float
+    leave_at: float | None
+    deadline: float | None
+
+
+def _leave_of(own: Sequence[AnyRecord]) -> _Leave | None:
+    published = next(iter(_of(own, ev.LeavePublished)), None)
+    if published is None:
         return None
-    return float(leave.body.deadline) - float(leave.body.leave_at)
+    moved = _of(own, ev.LeaveMoved)
+    if not moved:
+        return _Leave(published.t, published.body.leave_at, published.body.deadline)
+    last = moved[-1]
+    return _Leave(min(published.t, last.t) if last.body.leave_at is None else published.t,
+                  last.body.leave_at, published.body.deadline)
 
 
-def _departure(worker: Worker, leave: Record[ev.LeavePublished] | None, kills: Mapping[str, float]) -> float:
-    """``leave``: the worker's ``leave_published``, if it logged one."""
+def _leave_lead_s(leave: _Leave | None) -> float | None:
+    """How long before its VM's deadline a worker that trained on through its window was to leave."""
+    if leave is None or leave.leave_at is None or leave.deadline is None:
+        return None
+    return float(leave.deadline) - float(leave.leave_at)
+
+
+def _departure(worker: Worker, leave: _Leave | None, kills: Mapping[str, float]) -> float:
+    """``leave``: when the worker was to leave, if it logged it."""
     if leave is not None:
         # a VM that trained on through its window (leave="near_deadline") left at its leave_at
-        leave_at = leave.body.leave_at
-        return leave.t if leave_at is None else max(leave.t, leave_at)
+        return leave.t if leave.leave_at is None else max(leave.t, leave.leave_at)
     killed = kills.get(worker.host)
     if killed is not None and worker.outcome == KILLED and worker.started_at <= killed:
         return killed
@@ -75,7 +96,7 @@ def preemptions_of(events: Sequence[AnyRecord], workers: Mapping[ProcessKey, Wor
         if worker.outcome not in (PREEMPTED, KILLED):
             continue
         own = by_proc[key]
-        leave = next(iter(_of(own, ev.LeavePublished)), None)
+        leave = _leave_of(own)
         departed_at = _departure(worker, leave, kills)
         notice = next((e for e in _of(own, ev.Notice) if e.t <= departed_at), None)
         agreed = [e for e in agreements if worker.host in e.body.leaving and worker.started_at <= e.t <= departed_at]

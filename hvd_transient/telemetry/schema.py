@@ -274,6 +274,17 @@ class LeavePublished(EventBody):
     leave_at: float | None = field(default=None, metadata=OMIT_NONE)
 
 
+@_declare("leave_moved", durable=True)
+@dataclass(frozen=True)
+class LeaveMoved(EventBody):
+    """A later round moved this host's leave earlier (its leaving record is written again): discovery
+    drops it at ``leave_at``, or at once (None)."""
+
+    step: int
+    deadline: float | None
+    leave_at: float | None = field(default=None, metadata=OMIT_NONE)
+
+
 @_declare("leaving_pruned")
 @dataclass(frozen=True)
 class LeavingPruned(EventBody):
@@ -541,7 +552,7 @@ def from_json_dict(raw: Mapping[str, Any]) -> Record[EventBody] | None:
 
 __all__ = ["ENVELOPE", "KINDS", "AsyncSave", "Commit", "EarlyWarning", "Election", "EventBody", "FirstStep",
            "KEEPER_KINDS", "KeeperBudget", "KeeperCost", "KeeperError", "KeeperFallback", "KeeperJob",
-           "KeeperRefill", "KeeperRelease", "KeeperStart", "KeeperStockout", "LeaseError", "LeavePublished",
-           "LeavingPruned", "Lr", "Notice", "NoticeAgreed", "Progress", "Record", "Reset", "Restore",
+           "KeeperRefill", "KeeperRelease", "KeeperStart", "KeeperStockout", "LeaseError", "LeaveMoved",
+           "LeavePublished", "LeavingPruned", "Lr", "Notice", "NoticeAgreed", "Progress", "Record", "Reset", "Restore",
            "ResumeAt", "Ring", "SaveEnd", "SaveFailed", "SaveSkipped", "SaveStart", "Start", "StopRequested",
            "TrainEnd", "WaitInflight", "InflightCancelled", "Weights", "from_json_dict", "to_json_dict"]

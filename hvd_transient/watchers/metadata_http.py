@@ -26,7 +26,7 @@ import socket
 import ssl
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from email.message import Message
 from typing import Any, Mapping, Sequence
@@ -82,11 +82,15 @@ class MetadataClient:
         total_s = self.total_timeout if total is None else _check_bound("total", total)
         deadline = time.monotonic() + total_s
         full_url = f"{url}?{urlencode(dict(params))}" if params else url
-        parts = urlsplit(full_url)
+        try:
+            parts = urlsplit(full_url)
+            given_port = parts.port
+        except ValueError as exc:  # a port out of range or no number, a torn IPv6 address
+            raise WatcherConfigError(f"metadata URL {full_url!r} cannot be read: {exc}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise WatcherConfigError(f"metadata URL {full_url!r} needs an http:// scheme and a host")
         https = parts.scheme == "https"
-        port = parts.port or (443 if https else 80)
+        port = given_port or (443 if https else 80)
         conn_cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
         conn = conn_cls(parts.hostname, port, timeout=min(self.connect_timeout, total_s))
         try:
@@ -109,24 +113,29 @@ class MetadataClient:
 
 
 def _connect(host: str, port: int, https: bool, connect_timeout: float, deadline: float) -> socket.socket:
-    """A connected socket within ``connect_timeout`` per address and the request's ``deadline`` in all."""
+    """A connected socket within ``connect_timeout`` per address and the request's ``deadline`` in all:
+    each address is tried in turn (the one that answered last first), whatever the one before did."""
     last: OSError | None = None
     for family, kind, proto, _, address in _RESOLVER.addresses(host, port, deadline):
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        sock = socket.socket(family, kind, proto)
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:  # a family this kernel lacks (IPv6 switched off)
+            last = exc
+            continue
         try:
             sock.settimeout(min(connect_timeout, left))
             sock.connect(address)
             if https:
                 sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
-            return sock
-        except OSError as exc:
+        except OSError as exc:  # refused, unreachable, or no answer within its share: the next address
             sock.close()
             last = exc
-            if isinstance(exc, (socket.timeout, TimeoutError)):
-                raise
+            continue
+        _RESOLVER.answered(host, port, address)
+        return sock
     if last is not None:
         raise last
     raise _TotalSpent(f"the request's total time was spent before {host} could be reached")
@@ -134,15 +143,21 @@ def _connect(host: str, port: int, https: bool, connect_timeout: float, deadline
 
 #: what getaddrinfo gives for one address: family, kind, protocol, canonical name, address
 Address = tuple[Any, Any, int, str, Any]
+#: a lookup still under way after this long is started again beside it (a resolver that hung once must
+#: not blind a watcher for good), at most this many at a time per name
+LOOKUP_AGAIN_S = 2.0
+MAX_LOOKUPS = 4
 
 
 class _Resolver:
-    """Looks each host name up once, on a daemon thread (``getaddrinfo`` has no timeout of its own),
-    and keeps what it found; a lookup that failed is tried again by the next request."""
+    """Looks each host name up on daemon threads (``getaddrinfo`` has no timeout of its own) and keeps
+    what the first that succeeded found; a failed lookup is tried again by the next request, a hung one
+    beside it after ``LOOKUP_AGAIN_S``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._lookups: dict[tuple[str, int], Future[Sequence[Address]]] = {}
+        self._known: dict[tuple[str, int], list[Address]] = {}
+        self._pending: dict[tuple[str, int], list[tuple[Future[list[Address]], float]]] = {}
 
     def addresses(self, host: str, port: int, deadline: float) -> Sequence[Address]:
         try:
@@ -151,24 +166,44 @@ class _Resolver:
             pass
         else:  # a literal address (the usual metadata URL): nothing to look up
             return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+        key = (host, port)
         with self._lock:
-            lookup = self._lookups.get((host, port))
-            if lookup is None:
-                lookup = self._lookups[(host, port)] = Future()
-                threading.Thread(target=self._look_up, args=(host, port, lookup), daemon=True,
+            known = self._known.get(key)
+            if known is not None:
+                return list(known)
+            now = time.monotonic()
+            pending = [(f, at) for f, at in self._pending.get(key, []) if not f.done()]
+            if not pending or (now - pending[-1][1] >= LOOKUP_AGAIN_S and len(pending) < MAX_LOOKUPS):
+                lookup: Future[list[Address]] = Future()
+                pending.append((lookup, now))
+                threading.Thread(target=self._look_up, args=(key, lookup), daemon=True,
                                  name=f"hvdt-metadata-lookup-{host}").start()
-        try:
-            return lookup.result(timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise _TotalSpent(f"the request's total time was spent looking {host} up") from None
+            self._pending[key] = pending
+            waiting = [f for f, _ in pending]
+        done, _ = wait(waiting, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+        if not done:
+            raise _TotalSpent(f"the request's total time was spent looking {host} up")
+        return next(iter(done)).result()  # a failed lookup raises its error: the next request tries again
 
-    def _look_up(self, host: str, port: int, lookup: Future[Sequence[Address]]) -> None:
+    def answered(self, host: str, port: int, address: Any) -> None:
+        """``address`` took a connection: it is tried first from now on."""
+        with self._lock:
+            known = self._known.get((host, port))
+            if known is not None and known[0][4] != address:
+                known.sort(key=lambda a: a[4] != address)
+
+    def _look_up(self, key: tuple[str, int], lookup: Future[list[Address]]) -> None:
         try:
-            lookup.set_result(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
-        except OSError as exc:
+            found = list(socket.getaddrinfo(key[0], key[1], type=socket.SOCK_STREAM))
+        except (UnicodeError, ValueError) as exc:  # a name no lookup can take (a label over 63 characters)
+            lookup.set_exception(WatcherConfigError(f"metadata host {key[0]!r} cannot be looked up: {exc}"))
+        except Exception as exc:  # whatever the resolver raised, the request gets an error it knows
+            lookup.set_exception(exc if isinstance(exc, OSError) else OSError(f"looking {key[0]} up: {exc!r}"))
+        else:
             with self._lock:
-                self._lookups.pop((host, port), None)
-            lookup.set_exception(exc)
+                self._known.setdefault(key, found)
+                self._pending.pop(key, None)
+            lookup.set_result(found)
 
 
 _RESOLVER = _Resolver()
