@@ -120,3 +120,53 @@ def test_a_notice_whose_vm_never_goes_does_not_pin_the_cadence_for_the_rest_of_t
     n, step = rounds_over(impls, group, now, step, 200, 0.2)
     print(f"gap {gap_s}: {n} rounds in 200 steps of 0.2 s after the stale notice")
     assert n <= 60, f"{n} rounds in 200 steps (one round per step for the rest of the job)"
+
+
+def first_epoch_departure(leave, epoch_steps, notice_at_step, step_s=0.2, eval_s=20.0, window_s=30.0):
+    """A notice in the job's first epoch, at ``notice_at_step``; the epoch (``epoch_steps`` long, as a
+    Keras fit says; None: not said) ends with an evaluation of ``eval_s`` that no epoch timed before.
+    Returns (the first host check that lets the VM go, its deadline, its leave_at)."""
+    now, group, impls = ranks(leave)
+    for impl in impls:
+        impl.run.epoch_steps = epoch_steps
+    group.run(lambda r: impls[r].before_step())  # on_epoch_begin of the first epoch
+    step = 0
+    for _ in range(notice_at_step):
+        step += 1
+        now["t"] += step_s
+        step_all(group, impls, step)
+    impls[2].watcher.notice = Notice("gce", "h2", now["t"], now["t"] + window_s, "preempted")
+    deadline = now["t"] + window_s
+    leave_at = None
+    while True:
+        step += 1
+        now["t"] += step_s
+        out = step_all(group, impls, step)
+        if out[2].emergency_step is not None:
+            leave_at = out[2].leave_at
+            break
+    end = epoch_steps or 60
+    while True:
+        if step % end == 0:  # the epoch's end: its evaluation, then the next epoch begins
+            now["t"] += eval_s
+            group.run(lambda r: impls[r].before_step())
+        step += 1
+        now["t"] += step_s
+        out = step_all(group, impls, step)
+        if out[2].check_hosts and (leave_at is None or now["t"] >= leave_at):
+            return now["t"], deadline, leave_at
+
+
+def test_until_an_epochs_end_was_timed_a_leave_after_it_is_taken_at_once():
+    """Never worse than at_notice: the first epoch's evaluation is not timed yet, so a VM whose leave_at
+    would come after the epoch's end leaves at once, before the evaluation (with no epoch length said,
+    the departure is only known to come after the deadline: the case the rule is for)."""
+    at, deadline, leave_at = first_epoch_departure("near_deadline", epoch_steps=60, notice_at_step=50)
+    assert leave_at is None and at < deadline - 20.0, (at - deadline, leave_at)
+    blind, deadline_b, _ = first_epoch_departure("near_deadline", epoch_steps=None, notice_at_step=50)
+    assert blind > deadline_b - 10.0  # without the epoch's length the lead cannot know of the evaluation
+
+
+def test_an_epoch_whose_end_comes_after_the_leave_does_not_stop_the_training_through():
+    at, deadline, leave_at = first_epoch_departure("near_deadline", epoch_steps=1000, notice_at_step=50)
+    assert leave_at is not None and at < deadline - 5.0, (at - deadline, leave_at)

@@ -23,13 +23,14 @@ BOUNDARY_WAIT_S = (1.0, 4.0)
 def test_a_worker_under_notice_trains_through_its_window_then_leaves_gracefully(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
     # at most 10 steps/s (the sleep): ~200 steps in the window on 2 workers, the rest on 1
-    epochs, per_epoch, batch = 7, 40, 32
+    epochs, per_epoch, batch = 8, 40, 32
     hosts = ("localhost", "127.0.0.1")
     command = elastic_cmd(store, epochs=epochs, steps=per_epoch, save_every=100000, step_seconds=0.1,
                           notice_window=WINDOW_S, leave=None)  # the defaults
     c = cluster(tmp_path, "run", store, hosts, command)
     with c:
-        c.wait_for_step(10, 180, size=2)
+        # after the first epoch's end: until one is timed, a leave_at past the epoch's end leaves at once
+        c.wait_for_step(per_epoch + 5, 180, size=2)
         master = current_master(c.events())
         worker = next(h for h in hosts if h != master)
         noticed_at = c.preempt(worker, window_s=WINDOW_S)  # its worker is killed at the deadline

@@ -34,6 +34,11 @@ class NoticeRound:
     #: the longest gap between two steps (an epoch end's evaluation, kept out of the step time) any rank
     #: timed on this job: no host check runs inside it (0: none timed)
     gap_s: float = 0.0
+    #: steps until the current epoch's end (the fewest any rank counts), where the frontend says how
+    #: long its epochs are (Keras); None: unknown
+    epoch_left_steps: int | None = None
+    #: the mean time a step took since the previous round (agreed; 0: not known)
+    mean_step_s: float = 0.0
     #: the latest wall clock (epoch seconds) any rank read as the round began: one "now" that every
     #: rank shares, so decisions taken on the clock (when a VM leaves) are the same on every rank
     at: float = 0.0
@@ -48,7 +53,7 @@ class NoticeRound:
 
 
 #: per-rank blocks, then these scalar slots
-_BLOCKS = 7
+_BLOCKS = 8
 _STOP, _BUSY, _ELAPSED, _WARNING, _COMMITTED = range(5)
 
 
@@ -56,12 +61,13 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
                   busy: bool = False, elapsed_s: float = 0.0, early_warning: bool = False, *,
                   slowest_step_s: float = 0.0, committed_step: int | None = None,
                   departure_s: float | None = None, job_step_s: float = 0.0,
-                  wall: float = 0.0, gap_s: float = 0.0) -> np.ndarray[Any, Any]:
+                  wall: float = 0.0, gap_s: float = 0.0,
+                  epoch_left_steps: int | None = None) -> np.ndarray[Any, Any]:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
     Layout: ``[leaving flag per rank | deadline per rank | slowest step us per rank | slowest departure
     us per rank | job's slowest step us per rank | wall clock per rank | job's longest gap between steps us
-    per rank | stop | busy | elapsed us |
+    per rank | steps to the epoch's end + 1 per rank | stop | busy | elapsed us |
     early warning | committed step + 1]``. Times travel in whole microseconds (a wall clock and a
     deadline as they are: one non-zero addend per slot) and steps as integers, so the sum is exact and
     every rank derives the same decisions from it. Only the master gives ``committed_step``; per-rank
@@ -78,6 +84,8 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
     vec[4 * size + rank] = float(round(max(0.0, job_step_s) * 1e6))
     vec[5 * size + rank] = max(0.0, wall)
     vec[6 * size + rank] = float(round(max(0.0, gap_s) * 1e6)) if math.isfinite(gap_s) else 0.0
+    if epoch_left_steps is not None and epoch_left_steps >= 0:  # + 1: an epoch ending here is still known
+        vec[7 * size + rank] = float(epoch_left_steps) + 1.0
     base = _BLOCKS * size
     vec[base + _STOP] = 1.0 if stop else 0.0
     vec[base + _BUSY] = 1.0 if busy else 0.0
@@ -107,6 +115,8 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
     base = _BLOCKS * size
     committed = int(round(summed[base + _COMMITTED]))
     departure_us = float(np.max(summed[3 * size:4 * size]))
+    epoch_left = summed[7 * size:8 * size]
+    known_left = epoch_left[epoch_left > 0.5]
     return NoticeRound(leaving, deadline, bool(summed[base + _STOP] > 0.5), bool(summed[base + _BUSY] > 0.5),
                        float(summed[base + _ELAPSED]) / 1e6 / size, bool(summed[base + _WARNING] > 0.5),
                        vm_deadlines=tuple(vm_deadline.get(vm_of[r]) for r in range(size)),
@@ -115,7 +125,8 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
                        departure_s=(departure_us - 1.0) / 1e6 if departure_us > 0.5 else None,
                        step_s=float(np.max(summed[4 * size:5 * size])) / 1e6,
                        at=float(np.max(summed[5 * size:6 * size])),
-                       gap_s=float(np.max(summed[6 * size:7 * size])) / 1e6)
+                       gap_s=float(np.max(summed[6 * size:7 * size])) / 1e6,
+                       epoch_left_steps=int(round(float(np.min(known_left)))) - 1 if known_left.size else None)
 
 
 #: default for how many check intervals a round may be apart when steps are as slow as the

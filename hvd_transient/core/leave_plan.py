@@ -40,12 +40,15 @@ class LeavePlan:
 
 
 def plan_leave(config: TransientConfig, hosts: Collection[str], leaving: Collection[str], deadline: float,
-               now: float, *, step_s: float, departure_s: float | None, gap_s: float = 0.0) -> LeavePlan:
+               now: float, *, step_s: float, departure_s: float | None, gap_s: float = 0.0,
+               epoch_end_s: float | None = None) -> LeavePlan:
     """How a VM of the ring ``hosts`` whose window ends at ``deadline`` leaves, with the VMs ``leaving``
     under notice, at ``now`` (every time epoch seconds): near its deadline where the mode and the ring
     allow it (:meth:`TransientConfig.trains_through`) and the lead (:meth:`TransientConfig.lead_s`, from
     the slowest step ``step_s``, the longest gap between two steps ``gap_s`` and the slowest departure
-    ``departure_s`` timed) fits before it, else at once."""
+    ``departure_s`` timed) fits before it, else at once. ``epoch_end_s``: where no epoch's end was timed yet
+    (so how long its evaluation takes is unknown), how soon the current epoch may end: a VM whose
+    ``leave_at`` would come after it leaves at once, as ``at_notice`` would."""
     lead = config.lead_s(departure_s, step_s, gap_s)
     if not config.trains_through(hosts, leaving):
         return LeavePlan(None, lead, "at the notice" if config.leave == "at_notice" else "every host is leaving")
@@ -55,6 +58,9 @@ def plan_leave(config: TransientConfig, hosts: Collection[str], leaving: Collect
     leave_at = deadline - lead
     if leave_at <= now:
         return LeavePlan(None, lead, f"a lead of {lead:.1f} s does not fit in the {deadline - now:.1f} s left")
+    if epoch_end_s is not None and not now + epoch_end_s >= leave_at:
+        return LeavePlan(None, lead, f"the epoch may end in {epoch_end_s:.1f} s, before its leave_at, and no "
+                                     "epoch's end (its evaluation) was timed yet")
     return LeavePlan(leave_at, lead, f"{lead:.1f} s before its deadline")
 
 
@@ -63,7 +69,21 @@ def plan_for_round(config: TransientConfig, hosts: Sequence[str], round_: Notice
     """:func:`plan_leave` from a notice round: its agreed clock (``now`` if the round carries none), the
     slowest step and departure it carries, and its leaving ranks' hosts."""
     return plan_leave(config, hosts, {hosts[r] for r in round_.leaving}, vm_deadline, round_.at or now,
-                      step_s=round_.step_s, departure_s=round_.departure_s, gap_s=round_.gap_s)
+                      step_s=round_.step_s, departure_s=round_.departure_s, gap_s=round_.gap_s,
+                      epoch_end_s=epoch_end_s(round_))
+
+
+#: how much faster than the mean since the previous round the steps to an epoch's end may come
+EPOCH_END_SPEEDUP = 2.0
+
+
+def epoch_end_s(round_: NoticeRound) -> float | None:
+    """How soon the current epoch may end, where that matters to a leave (pure): its steps left, at the
+    mean step time since the previous round made ``EPOCH_END_SPEEDUP`` times faster; None where no rank
+    knows the epoch's length, or an epoch's end was timed already (its gap is in the lead)."""
+    if round_.epoch_left_steps is None or round_.gap_s > 0.0:
+        return None
+    return round_.epoch_left_steps * max(0.0, round_.mean_step_s) / EPOCH_END_SPEEDUP
 
 
 def steps_to_next_round(config: TransientConfig, round_: NoticeRound, steps: int,
@@ -101,5 +121,5 @@ def departure_stale(round_: NoticeRound, *, grace_s: float = STALE_DEPARTURE_S) 
     return not deadlines or round_.at > max(deadlines) + grace_s
 
 
-__all__ = ["LeavePlan", "STALE_DEPARTURE_S", "departure_stale", "departures_due", "plan_for_round", "plan_leave",
-           "steps_to_next_round"]
+__all__ = ["EPOCH_END_SPEEDUP", "LeavePlan", "STALE_DEPARTURE_S", "departure_stale", "departures_due", "epoch_end_s",
+           "plan_for_round", "plan_leave", "steps_to_next_round"]

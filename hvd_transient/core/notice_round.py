@@ -131,9 +131,12 @@ class NoticeRounds:
         summed = p.comm.allreduce_sum(
             encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
                           slowest_step_s=slowest, committed_step=committed, departure_s=run.departure_s,
-                          job_step_s=self._job_slowest_step_s, gap_s=run.longest_gap_s, wall=p.clocks.wall()),
+                          job_step_s=self._job_slowest_step_s, gap_s=run.longest_gap_s, wall=p.clocks.wall(),
+                          epoch_left_steps=(-step) % run.epoch_steps if run.epoch_steps else None),
             name="notice")
         round_ = decode_notice(summed, size, run.hosts if len(run.hosts) == size else None)
+        if steps > 0:
+            round_ = replace(round_, mean_step_s=round_.elapsed_s / steps)
         if round_.step_s <= 0.0 and steps > 0:
             # no step timed yet (a ring's first step pays its set-up and is not timed): the mean time
             # per step since the previous round, set-up included, errs long, so a lead errs long too

@@ -74,8 +74,11 @@ class Session:
 
     # ---- lifecycle ----------------------------------------------------------------------
 
-    def begin(self, step: int, samples: int, *, restored_step: int | None = None) -> None:
-        """Training (re)starts on a ring at ``step``, at the synced sample offset ``samples``."""
+    def begin(self, step: int, samples: int, *, restored_step: int | None = None,
+              timed_epochs: int | None = None) -> None:
+        """Training (re)starts on a ring at ``step``, at the synced sample offset ``samples``.
+        ``timed_epochs``: the steps an epoch has, where the frontend times each epoch's end with
+        :meth:`before_step` (a VM under notice then plans its leave around the first, untimed one)."""
         if self.impl is None:
             self.impl = self._make_impl(self.config, self._make_collectives())
             self._closer = weakref.finalize(self, self.impl.close)  # at exit at the latest
@@ -83,6 +86,7 @@ class Session:
             self.impl.events.emit(ev.Start(step=step, rank=self.impl.comm.rank(), size=self.impl.comm.size(),
                                            crc=crc, full_crc=full_crc, restored_step=restored_step))
         self.position.begin(step, samples)
+        self.impl.run.epoch_steps = timed_epochs if timed_epochs and timed_epochs > 0 else None
         self.impl.begin(step)
         self._apply_lr()
 

@@ -181,8 +181,10 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         skip_horovod_conversion(getattr(self.model, "optimizer", None))  # fit traces its step after this
         restored = getattr(self.state, "hvdt_restored", None)
         step = self._step()
+        steps = (self.params or {}).get("steps")  # None for a dataset of unknown length
         self.session.begin(step, int(getattr(self.state, "samples", 0)),
-                           restored_step=restored.get("step") if restored else None)
+                           restored_step=restored.get("step") if restored else None,
+                           timed_epochs=int(steps) if isinstance(steps, int) else None)
         # resume at the exact batch; a BackupAndRestore callback, which uses the same hook, wins.
         # A reset leaves fit by an exception, without on_train_end: the old hook is replaced.
         hook = getattr(self.model, "_training_state", None)
