@@ -58,8 +58,9 @@ def plan_leave(config: TransientConfig, hosts: Collection[str], leaving: Collect
     leave_at = deadline - lead
     if leave_at <= now:
         return LeavePlan(None, lead, f"a lead of {lead:.1f} s does not fit in the {deadline - now:.1f} s left")
-    if epoch_end_s is not None and not now + epoch_end_s >= leave_at:
-        return LeavePlan(None, lead, f"the epoch may end in {epoch_end_s:.1f} s, before its leave_at, and no "
+    # it goes at the first host check after leave_at, up to one boundary wait later
+    if epoch_end_s is not None and not now + epoch_end_s > leave_at + config.boundary_wait_s(step_s):
+        return LeavePlan(None, lead, f"the epoch may end in {epoch_end_s:.1f} s, before it is gone, and no "
                                      "epoch's end (its evaluation) was timed yet")
     return LeavePlan(leave_at, lead, f"{lead:.1f} s before its deadline")
 
@@ -80,7 +81,8 @@ EPOCH_END_SPEEDUP = 2.0
 def epoch_end_s(round_: NoticeRound) -> float | None:
     """How soon the current epoch may end, where that matters to a leave (pure): its steps left, at the
     mean step time since the previous round made ``EPOCH_END_SPEEDUP`` times faster; None where no rank
-    knows the epoch's length, or an epoch's end was timed already (its gap is in the lead)."""
+    knows where its epoch ends, or an epoch's end was timed already (its gap is in the lead; an epoch
+    end whose evaluation runs only every few epochs, after shorter ones were timed, is not covered)."""
     if round_.epoch_left_steps is None or round_.gap_s > 0.0:
         return None
     return round_.epoch_left_steps * max(0.0, round_.mean_step_s) / EPOCH_END_SPEEDUP

@@ -132,7 +132,7 @@ class NoticeRounds:
             encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
                           slowest_step_s=slowest, committed_step=committed, departure_s=run.departure_s,
                           job_step_s=self._job_slowest_step_s, gap_s=run.longest_gap_s, wall=p.clocks.wall(),
-                          epoch_left_steps=(-step) % run.epoch_steps if run.epoch_steps else None),
+                          epoch_left_steps=run.epoch_left_steps),
             name="notice")
         round_ = decode_notice(summed, size, run.hosts if len(run.hosts) == size else None)
         if steps > 0:

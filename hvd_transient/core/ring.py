@@ -43,8 +43,9 @@ class RunState:
     #: the step time (an epoch's end: an evaluation, other callbacks): no host check runs inside it
     #: either, so a VM under notice may wait that long for a step at which it can leave
     longest_gap_s: float = 0.0
-    #: steps an epoch has, where the frontend times epoch ends with before_step and says so (Keras)
-    epoch_steps: int | None = None
+    #: steps left in the current epoch after the step being reported, where the frontend times epoch ends
+    #: with before_step and knows where they fall (Keras: fit's steps per epoch and the batch index)
+    epoch_left_steps: int | None = None
     ring_id: str = "ring"               # the same on every rank of this ring, new at each begin()
     saves_started: int = 0              # saves this ring started: part of each save's attempt id
     #: VMs under notice that train on: when each is to leave (epoch seconds), to time its departure

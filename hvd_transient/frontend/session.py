@@ -74,11 +74,8 @@ class Session:
 
     # ---- lifecycle ----------------------------------------------------------------------
 
-    def begin(self, step: int, samples: int, *, restored_step: int | None = None,
-              timed_epochs: int | None = None) -> None:
-        """Training (re)starts on a ring at ``step``, at the synced sample offset ``samples``.
-        ``timed_epochs``: the steps an epoch has, where the frontend times each epoch's end with
-        :meth:`before_step` (a VM under notice then plans its leave around the first, untimed one)."""
+    def begin(self, step: int, samples: int, *, restored_step: int | None = None) -> None:
+        """Training (re)starts on a ring at ``step``, at the synced sample offset ``samples``."""
         if self.impl is None:
             self.impl = self._make_impl(self.config, self._make_collectives())
             self._closer = weakref.finalize(self, self.impl.close)  # at exit at the latest
@@ -86,7 +83,6 @@ class Session:
             self.impl.events.emit(ev.Start(step=step, rank=self.impl.comm.rank(), size=self.impl.comm.size(),
                                            crc=crc, full_crc=full_crc, restored_step=restored_step))
         self.position.begin(step, samples)
-        self.impl.run.epoch_steps = timed_epochs if timed_epochs and timed_epochs > 0 else None
         self.impl.begin(step)
         self._apply_lr()
 
@@ -97,6 +93,13 @@ class Session:
             at = resume_point(step, steps_per_epoch)
             self.impl.events.emit(ev.ResumeAt(step=step, epoch=at.epoch, batch=at.batch,
                                               steps_per_epoch=steps_per_epoch, samples=self.position.samples_at(step)))
+
+    def epoch_left(self, steps: int | None) -> None:
+        """The steps left in the current epoch after the step about to be reported (None: unknown), from a
+        frontend that times each epoch's end with :meth:`before_step`: a VM under notice does not plan to
+        train across an epoch's end before one was timed (one attribute write, at every step)."""
+        if self.impl is not None:
+            self.impl.run.epoch_left_steps = steps
 
     def before_step(self) -> None:
         """Training goes on after time that is no step (an evaluation, an epoch's end): the next step is

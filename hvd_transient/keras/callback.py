@@ -6,6 +6,8 @@ to notices, scales the learning rate and makes each ``fit`` resume at the optimi
 from __future__ import annotations
 
 import logging
+import math
+import operator
 from typing import Any, Callable
 
 import numpy as np
@@ -83,6 +85,20 @@ class _Trainee:
         return weights_crc(model), state_crc(state_variables(model))
 
 
+def whole_steps(value: object) -> int | None:
+    """A count of steps as Keras hands it back (an int, a numpy integer, a float with no fraction), or
+    None where it is none (a dataset of unknown length)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        steps = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        if not isinstance(value, float) or not math.isfinite(value) or not value.is_integer():
+            return None
+        steps = int(value)
+    return steps if steps > 0 else None
+
+
 class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
     """Preemption-aware checkpointing, master election and LR scaling for ``model.fit``.
 
@@ -148,6 +164,7 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         self.session = Session(self.config, HorovodCollectives, self.trainee, position, counters=self._counters)
         # the step read exactly where the protocol needs it, counted per batch in between
         self._steps = StepCounter(self._step, self.session.plain_step)
+        self._epoch_steps: int | None = None  # fit's steps per epoch, once a fit began
         if state is not None:
             state.register_reset_callbacks([self._on_reset])
 
@@ -181,10 +198,10 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         skip_horovod_conversion(getattr(self.model, "optimizer", None))  # fit traces its step after this
         restored = getattr(self.state, "hvdt_restored", None)
         step = self._step()
-        steps = (self.params or {}).get("steps")  # None for a dataset of unknown length
         self.session.begin(step, int(getattr(self.state, "samples", 0)),
-                           restored_step=restored.get("step") if restored else None,
-                           timed_epochs=int(steps) if isinstance(steps, int) else None)
+                           restored_step=restored.get("step") if restored else None)
+        # where epochs end: fit's steps per epoch (None for a dataset of unknown length), any whole number
+        self._epoch_steps = whole_steps((self.params or {}).get("steps"))
         # resume at the exact batch; a BackupAndRestore callback, which uses the same hook, wins.
         # A reset leaves fit by an exception, without on_train_end: the old hook is replaced.
         hook = getattr(self.model, "_training_state", None)
@@ -203,6 +220,8 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         # no collective, no TensorFlow op, the step counted (tests/test_plain_step_counts.py).
         step = self._steps.at(batch)
         self._advance(step)
+        if self._epoch_steps is not None:  # the batch index, not the global step: epochs need not align
+            self.session.epoch_left(max(0, self._epoch_steps - 1 - batch))
         outcome = self.session.after_step(step)
         if outcome.stop:
             self.model.stop_training = True  # every rank saw the same request at this step
