@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import test_watchers as shared
 from test_deadline_rule_edges import Front, _events, _preempt, _rfc1123, static
+from test_lead_gap_attacks import notice_then_plan
 from test_protocol_agreement import make_ranks, step_all
 
 from ckpt_service.errors import StoreDeadlineError, StoreUnavailableError
@@ -29,7 +30,6 @@ from hvd_transient.core.membership import publish_leaving_until, read_leaving
 from hvd_transient.core.ring import RunState
 from hvd_transient.watchers import AzureWatcher, GceWatcher
 from hvd_transient.watchers.azure import soonest_event
-from hvd_transient.watchers.base import Notice
 from hvd_transient.watchers.errors import WatcherError
 from hvd_transient.watchers.metadata_http import MetadataClient
 
@@ -299,18 +299,10 @@ def first_departure_chance(leave: str, eval_s: float = EVAL_S) -> tuple[float, f
             step += 1
             now["t"] += STEP_S
             step_all(group, impls, step)
-    impls[2].watcher.notice = Notice("gce", "h2", now["t"], now["t"] + WINDOW_S, "preempted")
-    deadline = now["t"] + WINDOW_S
-    leave_at = None
-    while True:
-        step += 1
-        now["t"] += STEP_S
-        outcomes = step_all(group, impls, step)
-        if outcomes[2].emergency_step is not None:
-            leave_at = outcomes[2].leave_at
-            if outcomes[2].check_hosts and leave_at is None:
-                return now["t"], deadline, None  # at once: the host check of this step sees it gone
-            break
+    step, handled, deadline = notice_then_plan(now, group, impls, step, STEP_S, WINDOW_S)
+    leave_at = handled.leave_at
+    if handled.check_hosts and leave_at is None:
+        return now["t"], deadline, None  # at once: the host check of this step sees it gone
     # train on until 5 s before leave_at, then the epoch ends: validation for EVAL_S (no step, no check)
     while now["t"] < leave_at - 5.0:
         step += 1

@@ -36,22 +36,30 @@ def warm_up(now, group, impls, step_s, gap_s, steps=20):
     return step
 
 
-def worst_phase_departure(leave, step_s, gap_s, window_s=30.0, **cfg):
-    """The epoch ends at the last step boundary before leave_at (the worst phase): returns
-    (first host check at/after leave_at, deadline, leave_at)."""
-    now, group, impls = ranks(leave, **cfg)
-    step = warm_up(now, group, impls, step_s, gap_s)
+def notice_then_plan(now, group, impls, step, step_s, window_s, before_step_report=None):
+    """Give VM h2 a notice now and step (``step_s`` each) until the ranks handle it. Returns (the step that
+    handled it, its outcome on h2, the deadline)."""
     impls[2].watcher.notice = Notice("gce", "h2", now["t"], now["t"] + window_s, "preempted")
     deadline = now["t"] + window_s
     while True:
         step += 1
         now["t"] += step_s
+        if before_step_report is not None:
+            before_step_report(step)
         out = step_all(group, impls, step)
         if out[2].emergency_step is not None:
-            leave_at = out[2].leave_at
-            if leave_at is None:
-                return now["t"], deadline, None
-            break
+            return step, out[2], deadline
+
+
+def worst_phase_departure(leave, step_s, gap_s, window_s=30.0, **cfg):
+    """The epoch ends at the last step boundary before leave_at (the worst phase): returns
+    (first host check at/after leave_at, deadline, leave_at)."""
+    now, group, impls = ranks(leave, **cfg)
+    step = warm_up(now, group, impls, step_s, gap_s)
+    step, handled, deadline = notice_then_plan(now, group, impls, step, step_s, window_s)
+    leave_at = handled.leave_at
+    if leave_at is None:
+        return now["t"], deadline, None
     # train on to a step boundary 0.1 s before leave_at (one shorter step sets the phase)
     m = int((leave_at - 0.1 - now["t"]) // step_s)
     first = (leave_at - 0.1 - now["t"]) - m * step_s
@@ -139,17 +147,8 @@ def first_epoch_departure(leave, epoch_steps, notice_at_step, step_s=0.2, eval_s
         now["t"] += step_s
         say_epoch_left(step)
         step_all(group, impls, step)
-    impls[2].watcher.notice = Notice("gce", "h2", now["t"], now["t"] + window_s, "preempted")
-    deadline = now["t"] + window_s
-    leave_at = None
-    while True:
-        step += 1
-        now["t"] += step_s
-        say_epoch_left(step)
-        out = step_all(group, impls, step)
-        if out[2].emergency_step is not None:
-            leave_at = out[2].leave_at
-            break
+    step, handled, deadline = notice_then_plan(now, group, impls, step, step_s, window_s, say_epoch_left)
+    leave_at = handled.leave_at
     end = epoch_steps or 60
     while True:
         if step % end == 0:  # the epoch's end: its evaluation, then the next epoch begins

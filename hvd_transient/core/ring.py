@@ -71,6 +71,7 @@ class RunState:
         # a new ring checks at its first step, then adapts to the step rate it measures
         self.next_check_step = step + 1
         self.last_round_step, self.last_round_at = step, now
+        self.step_done_at = None  # the time a reset took is neither a step nor a gap between two
         return previous_master
 
     def time_departures(self, wall: float) -> dict[str, float]:

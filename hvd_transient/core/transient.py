@@ -147,7 +147,6 @@ class TransientImpl:
         # replay the same steps after a reset or a relaunch: its saves get attempt ids of their own.
         members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8)])
         previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic())
-        self.run.step_done_at = None  # the time a reset took is neither a step nor a gap between two
         for host, seconds in self.run.time_departures(self.clocks.wall()).items():
             log.info("%s left %.1f s after its leave_at; the next VM under notice leaves %.1f s before its deadline",
                      host, seconds, self.config.lead_s(self.run.departure_s))
@@ -225,8 +224,9 @@ class TransientImpl:
         part of the step time that the cadence's bound in seconds rests on. One clock read.
 
         The gap is kept apart (``longest_gap_s``): a VM under notice cannot leave inside it, so the lead
-        covers the longest gap timed, as it covers the slowest step (a gap none timed yet, the first
-        epoch's evaluation, is not covered; see docs/reliability.md)."""
+        covers the longest gap timed, as it covers the slowest step (before any was timed, a frontend that
+        says where its epochs end keeps a VM from training across one: ``run.epoch_left_steps``; see
+        docs/reliability.md)."""
         now, run = self.clocks.monotonic(), self.run
         if run.step_done_at is not None:
             run.longest_gap_s = max(run.longest_gap_s, now - run.step_done_at)
