@@ -212,22 +212,51 @@ def test_near_deadline_checkpoints_at_the_notice_and_trains_on_until_leave_at() 
     assert CheckpointManager(url).all_steps() == [1]
 
 
+class HeldUpdates:
+    """A rank's host updates (HostUpdates): ``held`` until a step's outcome says the host check ran."""
+
+    def __init__(self) -> None:
+        self.held = False
+
+    def pending(self) -> bool:
+        return self.held
+
+
 @pytest.mark.parametrize("leave", ["near_deadline", "at_notice"])
 def test_the_host_check_runs_at_every_step_only_for_a_departure_at_once(leave: str) -> None:
     """Horovod's host check is a collective: every rank must run it at the same steps. A departure
-    at the notice is looked for at every step; one that waits for its leave_at, at the notice rounds
-    only (here every 3rd step), so the window's steps pay no broadcast each."""
+    at the notice is looked for at every step; one that waits for its leave_at is not looked for before
+    it (discovery keeps the VM until then), so the window's steps pay no broadcast; a host update that
+    rank 0 holds is taken at the next notice round (here every 3rd step), by every rank."""
     group, impls, _ = make_ranks(leave=leave, leave_lead_s=10.0, check_every_steps=3)
+    updates = HeldUpdates()
+    impls[0].host_updates = updates
     assert [o.check_hosts for o in step_all(group, impls, 1)] == [False] * 3  # nobody leaving
     impls[2].watcher.notice = notice(30.0)
     outcomes = step_all(group, impls, 3)
     assert [o.emergency_step for o in outcomes] == [3] * 3 and all(o.check_hosts for o in outcomes)
     checked = []
-    for step in range(4, 10):
+    for step in range(4, 13):
+        updates.held = updates.held or step == 8  # the driver tells rank 0 of a join between two rounds
         later = step_all(group, impls, step)
         assert len({o.check_hosts for o in later}) == 1, f"step {step}: the ranks disagree"
         checked.append(later[0].check_hosts)
-    assert checked == ([False, False, True] * 2 if leave == "near_deadline" else [True] * 6)
+        updates.held = updates.held and not later[0].check_hosts  # the check took it
+    if leave == "near_deadline":  # the round at step 9 found it held (the check would take it there)
+        assert checked == [False] * 5 + [True] + [False] * 3
+    else:
+        assert checked == [True] * 9
+
+
+def test_a_host_update_is_taken_at_the_next_round_with_nobody_under_notice() -> None:
+    """A join (Horovod's driver tells rank 0) is taken at the next notice round, whatever the script commits."""
+    group, impls, _ = make_ranks(leave="near_deadline", check_every_steps=3)
+    updates = HeldUpdates()
+    impls[0].host_updates = updates
+    assert [step_all(group, impls, s)[0].check_hosts for s in range(1, 7)] == [False] * 6
+    updates.held = True
+    outcomes = [step_all(group, impls, s) for s in range(7, 10)]
+    assert [[o.check_hosts for o in step] for step in outcomes] == [[False] * 3, [False] * 3, [True] * 3]
 
 
 def test_a_wave_that_takes_every_host_makes_the_host_check_per_step_again() -> None:

@@ -42,6 +42,9 @@ class NoticeRound:
     #: the latest wall clock (epoch seconds) any rank read as the round began: one "now" that every
     #: rank shares, so decisions taken on the clock (when a VM leaves) are the same on every rank
     at: float = 0.0
+    #: some rank holds a host update that the framework's host check has not taken (Horovod tells rank 0):
+    #: every rank runs that check at this round
+    hosts_changed: bool = False
 
     @property
     def any(self) -> bool:
@@ -54,7 +57,8 @@ class NoticeRound:
 
 #: per-rank blocks, then these scalar slots
 _BLOCKS = 8
-_STOP, _BUSY, _ELAPSED, _WARNING, _COMMITTED = range(5)
+_STOP, _BUSY, _ELAPSED, _WARNING, _COMMITTED, _HOSTS = range(6)
+_SCALARS = 6
 
 
 def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = False,
@@ -62,19 +66,19 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
                   slowest_step_s: float = 0.0, committed_step: int | None = None,
                   departure_s: float | None = None, job_step_s: float = 0.0,
                   wall: float = 0.0, gap_s: float = 0.0,
-                  epoch_left_steps: int | None = None) -> np.ndarray[Any, Any]:
+                  epoch_left_steps: int | None = None, hosts_changed: bool = False) -> np.ndarray[Any, Any]:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
     Layout: ``[leaving flag per rank | deadline per rank | slowest step us per rank | slowest departure
     us per rank | job's slowest step us per rank | wall clock per rank | job's longest gap between steps us
     per rank | steps to the epoch's end + 1 per rank | stop | busy | elapsed us |
-    early warning | committed step + 1]``. Times travel in whole microseconds (a wall clock and a
+    early warning | committed step + 1 | host update pending]``. Times travel in whole microseconds (a wall clock and a
     deadline as they are: one non-zero addend per slot) and steps as integers, so the sum is exact and
     every rank derives the same decisions from it. Only the master gives ``committed_step``; per-rank
     slots keep what a sum would lose (the earliest deadline, the slowest step, the slowest departure,
     the latest clock).
     """
-    vec = np.zeros(_BLOCKS * size + 5, dtype=np.float64)
+    vec = np.zeros(_BLOCKS * size + _SCALARS, dtype=np.float64)
     if deadline is not None:
         vec[rank] = 1.0
         vec[size + rank] = deadline
@@ -92,6 +96,7 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
     vec[base + _ELAPSED] = float(round(max(0.0, elapsed_s) * 1e6))
     vec[base + _WARNING] = 1.0 if early_warning else 0.0
     vec[base + _COMMITTED] = float(committed_step + 1) if committed_step is not None else 0.0
+    vec[base + _HOSTS] = 1.0 if hosts_changed else 0.0
     return vec
 
 
@@ -103,8 +108,9 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
     one rank per VM polls the metadata server). The round's deadline is the earliest given; each
     leaving rank's own VM deadline is the earliest given to a rank of that VM.
     """
-    if summed.shape != (_BLOCKS * size + 5,):
-        raise ValueError(f"a notice vector of {size} ranks has {_BLOCKS * size + 5} values, not {summed.shape}")
+    if summed.shape != (_BLOCKS * size + _SCALARS,):
+        raise ValueError(f"a notice vector of {size} ranks has {_BLOCKS * size + _SCALARS} values, "
+                         f"not {summed.shape}")
     noticed = [int(i) for i in np.flatnonzero(summed[:size] > 0.5)]
     deadline = min((float(summed[size + i]) for i in noticed), default=None)
     vm_of = list(hosts) if hosts is not None else [str(r) for r in range(size)]
@@ -126,7 +132,8 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
                        step_s=float(np.max(summed[4 * size:5 * size])) / 1e6,
                        at=float(np.max(summed[5 * size:6 * size])),
                        gap_s=float(np.max(summed[6 * size:7 * size])) / 1e6,
-                       epoch_left_steps=int(round(float(np.min(known_left)))) - 1 if known_left.size else None)
+                       epoch_left_steps=int(round(float(np.min(known_left)))) - 1 if known_left.size else None,
+                       hosts_changed=bool(summed[base + _HOSTS] > 0.5))
 
 
 #: default for how many check intervals a round may be apart when steps are as slow as the

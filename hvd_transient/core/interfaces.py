@@ -59,6 +59,15 @@ class Collectives(Protocol):
     def broadcast_json(self, obj: Any, root: int, *, name: str = ...) -> Any: ...
 
 
+class HostUpdates(Protocol):
+    """What a rank knows of the framework's host updates (Horovod elastic: its driver tells rank 0 when the
+    hosts discovery lists change, and the framework's host check, a collective, acts on it)."""
+
+    def pending(self) -> bool:
+        """Whether this rank holds a host update that the framework's host check has not taken yet (read at
+        the notice rounds only: every rank runs the check at a round where some rank holds one)."""
+
+
 @dataclass(frozen=True)
 class Clocks:
     """The two clocks of the protocol, injected together: ``monotonic`` measures intervals (the
@@ -103,6 +112,9 @@ class ProtocolParts(Protocol):
     @property
     def run(self) -> "RunState": ...
 
+    @property
+    def host_updates(self) -> HostUpdates | None: ...
+
 
 def configured_watcher(config: TransientConfig, host: str) -> NoticeSource | None:
     """The configured watcher; ``{host}`` in GCE_METADATA_HOST or AWS_EC2_METADATA_SERVICE_ENDPOINT
@@ -127,4 +139,4 @@ def configured_watcher(config: TransientConfig, host: str) -> NoticeSource | Non
         return None
 
 
-__all__ = ["Clocks", "Collectives", "NoticeSource", "ProtocolParts", "configured_watcher"]
+__all__ = ["Clocks", "Collectives", "HostUpdates", "NoticeSource", "ProtocolParts", "configured_watcher"]

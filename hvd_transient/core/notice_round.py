@@ -29,8 +29,8 @@ class StepOutcome:
     departure_pending: bool = False     # some rank published itself as leaving
     stop: bool = False                  # the operator asked the job to stop (every rank agrees)
     leave_at: float | None = None       # this leaving rank stays in the ring until then (near_deadline)
-    #: every rank runs the framework's host check (a collective) at this step: a departure is pending,
-    #: and it is due at once, or this step had a notice round (a departure that waits for its leave_at)
+    #: every rank runs the framework's host check (a collective) at this step: a departure is pending and
+    #: due (at once, or past its leave_at), or this step's notice round found a host update pending
     check_hosts: bool = False
 
 
@@ -128,11 +128,12 @@ class NoticeRounds:
         # False only after the step it committed was recorded
         busy = self._saves.busy()
         committed = self._saves.committed_step if rank == run.master else None
+        hosts_changed = p.host_updates is not None and p.host_updates.pending()
         summed = p.comm.allreduce_sum(
             encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
                           slowest_step_s=slowest, committed_step=committed, departure_s=run.departure_s,
                           job_step_s=self._job_slowest_step_s, gap_s=run.longest_gap_s, wall=p.clocks.wall(),
-                          epoch_left_steps=run.epoch_left_steps),
+                          epoch_left_steps=run.epoch_left_steps, hosts_changed=hosts_changed),
             name="notice")
         round_ = decode_notice(summed, size, run.hosts if len(run.hosts) == size else None)
         if steps > 0:

@@ -76,7 +76,7 @@ from hvd_transient.core.config import (
 from hvd_transient.core.control import StopPoller
 from hvd_transient.core.emergency import Emergency
 from hvd_transient.core.hostname import default_host
-from hvd_transient.core.interfaces import Clocks, Collectives, NoticeSource, configured_watcher
+from hvd_transient.core.interfaces import Clocks, Collectives, HostUpdates, NoticeSource, configured_watcher
 from hvd_transient.core.leaving import Departure, prune_expired
 from hvd_transient.core.notice_round import EarlyWarnings, NoticeRounds, StepOutcome
 from hvd_transient.core.ring import RunState, move_lease, ring_id
@@ -106,6 +106,8 @@ class TransientImpl:
         self.lease = Lease(self.manager.store, f"{self.host}:{os.getpid()}")
         self.watcher: NoticeSource | None = watcher if watcher is not None else configured_watcher(config, self.host)
         self.run = RunState()
+        #: the framework's host updates (set by the frontend; None: a static job, or none to look at)
+        self.host_updates: HostUpdates | None = None
         self.stop_poller = StopPoller(self.manager.store)
         self._closed = False
         # Store calls the training thread must not wait for: this VM's leaving record (retried
@@ -285,7 +287,10 @@ class TransientImpl:
             check_due = step >= self.run.next_check_step
         if check_due or save_due:
             round_ = self._rounds.agree(step)
-            check_hosts = self.run.departure_pending  # this step's round is agreed: a safe step to check
+            # This step's round is agreed, so a safe step for the host check: where a host update is pending
+            # (a join, or discovery dropping a VM), or a departure is due. A VM that trains on to its leave_at
+            # is not dropped before it: checking for it at every round of its window found nothing.
+            check_hosts = round_.hosts_changed or (self.run.departure_pending and not self._departures_wait())
             new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
             if new:
                 return self._emergency.handle(step, round_, new, snapshot, metadata, share_snapshot)

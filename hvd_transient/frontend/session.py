@@ -20,6 +20,7 @@ from ckpt_service.plan import SavePlan
 from hvd_transient.core.interfaces import Collectives
 from hvd_transient.core.lr_scaling import scaled_lr
 from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.frontend.host_updates import HorovodHostUpdates
 from hvd_transient.frontend.position import DataPosition
 from hvd_transient.frontend.resume import resume_point
 from hvd_transient.telemetry import schema as ev
@@ -59,7 +60,8 @@ class Session:
 
     def __init__(self, config: TransientConfig, make_collectives: Callable[[], Collectives], trainee: Trainee,
                  position: DataPosition, *, counters: Callable[[], Mapping[str, int]] = dict,
-                 make_impl: Callable[[TransientConfig, Collectives], TransientImpl] = TransientImpl) -> None:
+                 make_impl: Callable[[TransientConfig, Collectives], TransientImpl] = TransientImpl,
+                 host_updates: HorovodHostUpdates | None = None) -> None:
         scaled_lr(1.0, 1, config.lr_scaling)  # validate early
         self.config = config
         self.trainee = trainee
@@ -70,6 +72,7 @@ class Session:
         self.last_outcome = StepOutcome()
         self._make_collectives = make_collectives
         self._make_impl = make_impl  # a test's watcher and host go in here
+        self.host_updates = host_updates  # an elastic job's (the notice rounds run its host check when due)
         self._closer: "weakref.finalize[[], Session] | None" = None
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -78,12 +81,15 @@ class Session:
         """Training (re)starts on a ring at ``step``, at the synced sample offset ``samples``."""
         if self.impl is None:
             self.impl = self._make_impl(self.config, self._make_collectives())
+            self.impl.host_updates = self.host_updates
             self._closer = weakref.finalize(self, self.impl.close)  # at exit at the latest
             crc, full_crc = self.trainee.crcs()
             self.impl.events.emit(ev.Start(step=step, rank=self.impl.comm.rank(), size=self.impl.comm.size(),
                                            crc=crc, full_crc=full_crc, restored_step=restored_step))
         self.position.begin(step, samples)
         self.impl.begin(step)
+        if self.host_updates is not None:
+            self.host_updates.ring_began(self.impl.run.hosts, rank=self.impl.comm.rank(), store=self.impl.manager.store)
         self._apply_lr()
 
     def resumed(self, step: int, steps_per_epoch: int) -> None:
@@ -143,6 +149,8 @@ class Session:
 
     def close(self) -> None:
         """Stop the watcher, flush the event log, close the checkpoint manager (at exit at the latest)."""
+        if self.host_updates is not None:
+            self.host_updates.close()
         if self._closer is not None:
             self._closer()
 

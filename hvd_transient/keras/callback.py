@@ -18,6 +18,7 @@ from ckpt_service.plan import SavePlan, TensorSpecs
 from hvd_transient.collectives.horovod import HorovodCollectives
 from hvd_transient.core.checksums import state_crc
 from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
+from hvd_transient.frontend.host_updates import HorovodHostUpdates
 from hvd_transient.frontend.position import DataPosition
 from hvd_transient.frontend.session import Session
 from hvd_transient.frontend.step_counter import StepCounter
@@ -161,7 +162,8 @@ class TransientCallback(tf.keras.callbacks.Callback):  # type: ignore[misc]
         self.trainee = _Trainee(lambda: self.model)
         # a static job's position is never tracked: its script places its data itself
         position = getattr(state, "hvdt_position", None) or DataPosition()
-        self.session = Session(self.config, HorovodCollectives, self.trainee, position, counters=self._counters)
+        self.session = Session(self.config, HorovodCollectives, self.trainee, position, counters=self._counters,
+                               host_updates=HorovodHostUpdates(state) if state is not None else None)
         # the step read exactly where the protocol needs it, counted per batch in between
         self._steps = StepCounter(self._step, self.session.plain_step)
         self._epoch_steps: int | None = None  # fit's steps per epoch, once a fit began

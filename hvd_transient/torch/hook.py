@@ -11,6 +11,7 @@ import torch
 from ckpt_service.plan import SavePlan, TensorSpecs
 from hvd_transient.core.lr_scaling import scaled_lr
 from hvd_transient.core.transient import StepOutcome, TransientConfig
+from hvd_transient.frontend.host_updates import HorovodHostUpdates
 from hvd_transient.frontend.session import Session
 from hvd_transient.frontend.share import NamedShare
 from hvd_transient.torch.collectives import TorchCollectives
@@ -97,7 +98,8 @@ class Transient:
         self.save_on_train_end = save_on_train_end
         trainee = _Trainee(state, self.config)
         trainee.metadata()  # what every save writes must be writable: refused now, not at every save
-        self.session = Session(self.config, TorchCollectives, trainee, state.hvdt_position, counters=self._counters)
+        self.session = Session(self.config, TorchCollectives, trainee, state.hvdt_position, counters=self._counters,
+                               host_updates=None if self.static else HorovodHostUpdates(state))
         self.stopping = False
         state.hvdt_transient = self
         state.register_reset_callbacks([self._on_reset])
