@@ -149,3 +149,33 @@ def test_a_store_that_fails_the_look_announces_nothing(tmp_path: Path) -> None:
     lost.ring_began(["a"], rank=0, store=store)
     assert done.wait(10.0)
     assert lost.take() == []
+
+
+# ---- removals the driver's message lost (core/leave_plan.lost_removals, TransientImpl._announce_lost_removals)
+
+def test_a_vm_still_in_the_ring_well_after_it_was_due_is_a_lost_removal() -> None:
+    from hvd_transient.core.leave_plan import LOST_REMOVAL_AFTER_S, lost_removals
+
+    due = {"c": 100.0, "d": 100.0, "e": 100.0, "f": float("nan")}
+    now = 100.0 + LOST_REMOVAL_AFTER_S + 0.1
+    # c: still in the ring; d: gone; e: announced already; f: no time
+    assert lost_removals(due, ["a", "c", "e", "f"], {"e"}, now) == ["c"]
+    assert lost_removals(due, ["a", "c"], set(), 100.0 + LOST_REMOVAL_AFTER_S) == []  # not yet
+
+
+def test_an_announced_removal_makes_horovods_host_check_raise_and_sync() -> None:
+    state = horovod_state()
+    updates = HorovodHostUpdates(state)
+    updates.announce_removal(["c"])
+    assert updates.pending()
+    with pytest.raises(HostsUpdatedInterrupt) as raised:
+        check_host_updates_and_sync(state.check_host_updates)
+    assert raised.value.skip_sync is False  # a removal alone would skip it; the driver may add a host too
+
+
+def test_members_say_every_name_of_their_vm_and_old_members_only_their_host() -> None:
+    from hvd_transient.core.ring import RunState
+
+    run = RunState()
+    run.start_ring(0, [["10.0.0.2", False, "t0", ["10.0.0.2", "w-0", "4521"]], ["10.0.0.3", False, "t1"]], now=0.0)
+    assert run.member_names == [("10.0.0.2", "w-0", "4521"), ("10.0.0.3",)]

@@ -58,6 +58,8 @@ class Emergency:
         planned = {p.run.hosts[r]: planned_leave_at(p.config, p.run.hosts, round_, self._vm_deadline(round_, r, now),
                                                     now) for r in new}
         p.run.leave_at_of.update({host: at for host, at in planned.items() if at is not None})
+        # when each is due to leave (agreed): a VM still in the ring well after that lost the driver's message
+        p.run.due_at_of.update({host: round_.at or now if at is None else at for host, at in planned.items()})
         leave_at = planned[p.host] if rank in new else None
         if writes_record:
             self._departure.publish_record(step, own_deadline, was_master, until=self._vm_deadline(round_, rank, now),
@@ -110,6 +112,7 @@ class Emergency:
                 del p.run.leave_at_of[host]
             else:
                 p.run.leave_at_of[host] = again
+            p.run.due_at_of[host] = now if again is None else again
             if host == p.host and self._writes_record(round_.leaving):
                 self._departure.publish_record(step, round_.deadline_of(r), False, until=vm_deadline,
                                                leave_at=again)

@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -66,6 +66,10 @@ class HostUpdates(Protocol):
     def pending(self) -> bool:
         """Whether this rank holds a host update that the framework's host check has not taken yet (read at
         the notice rounds only: every rank runs the check at a round where some rank holds one)."""
+
+    def announce_removal(self, hosts: Sequence[str]) -> None:
+        """Tell this rank's host check that ``hosts`` were dropped (called on rank 0, whose view the check
+        broadcasts, where the framework's own message of it was lost)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Collection, Sequence
+from typing import Collection, Mapping, Sequence
 
 from hvd_transient.core.config import TransientConfig
 from hvd_transient.core.election import NoticeRound, steps_until_next_check
@@ -123,5 +123,19 @@ def departure_stale(round_: NoticeRound, *, grace_s: float = STALE_DEPARTURE_S) 
     return not deadlines or round_.at > max(deadlines) + grace_s
 
 
-__all__ = ["EPOCH_END_SPEEDUP", "LeavePlan", "STALE_DEPARTURE_S", "departure_stale", "departures_due", "epoch_end_s",
-           "plan_for_round", "plan_leave", "steps_to_next_round"]
+#: a VM under notice still in the ring this long after it was due to leave: the driver's message of its
+#: removal was lost (discovery drops it at once, Horovod's driver polls discovery every second and tells rank 0,
+#: and the host check runs at every step once the departure is due: that takes about 1-1.5 s)
+LOST_REMOVAL_AFTER_S = 2.0
+
+
+def lost_removals(due_at_of: Mapping[str, float], hosts: Collection[str], announced: Collection[str], now: float,
+                  *, after_s: float = LOST_REMOVAL_AFTER_S) -> list[str]:
+    """The VMs under notice still in the ring of ``hosts`` more than ``after_s`` after they were due to leave
+    (``due_at_of``: host -> epoch seconds) at ``now``, not yet ``announced`` (pure)."""
+    return sorted(h for h, due in due_at_of.items()
+                  if h in hosts and h not in announced and math.isfinite(due) and now > due + after_s)
+
+
+__all__ = ["EPOCH_END_SPEEDUP", "LOST_REMOVAL_AFTER_S", "LeavePlan", "STALE_DEPARTURE_S", "departure_stale",
+           "departures_due", "epoch_end_s", "lost_removals", "plan_for_round", "plan_leave", "steps_to_next_round"]

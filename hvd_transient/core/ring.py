@@ -52,12 +52,22 @@ class RunState:
     leave_at_of: dict[str, float] = field(default_factory=dict)
     #: the slowest departure timed on this job (``leave_at`` -> the survivors' new ring), agreed at rounds
     departure_s: float | None = None
+    #: VMs under notice still in this ring: when each was due to leave (epoch seconds, agreed: its ``leave_at``,
+    #: or the round that agreed its notice where it leaves at once), to find a removal the framework never saw
+    due_at_of: dict[str, float] = field(default_factory=dict)
+    #: VMs of this ring whose removal rank 0 announced to its own host check (once each per ring)
+    removals_announced: set[str] = field(default_factory=set)
+    #: every name each member's VM goes by, in rank order (Horovod's host first; see ``host_names``)
+    member_names: list[tuple[str, ...]] = field(default_factory=list)
 
     def start_ring(self, step: int, members: list[Any], *, now: float) -> int | None:
-        """Take on the ring whose members said ``[host, leaving, token]`` in rank order (the same list on
-        every rank), starting at ``step`` at monotonic time ``now``; returns the previous ring's master
+        """Take on the ring whose members said ``[host, leaving, token, names]`` in rank order (the same list
+        on every rank), starting at ``step`` at monotonic time ``now``; returns the previous ring's master
         (None on the first ring)."""
         self.hosts = [str(m[0]) for m in members]
+        self.member_names = [tuple(dict.fromkeys([str(m[0]), *(str(n) for n in (m[3] if len(m) > 3 else ()))]))
+                             for m in members]
+        self.removals_announced = set()
         leaving = [r for r, m in enumerate(members) if m[1]]
         self.ring_id = ring_id([(str(m[0]), str(m[2])) for m in members])
         self.saves_started = 0
@@ -82,6 +92,7 @@ class RunState:
         gone = {h: wall - at for h, at in self.leave_at_of.items() if h not in self.hosts}
         staying = set(self.hosts) & self.handled_leavers  # still training on to their leave_at
         self.leave_at_of = {h: at for h, at in self.leave_at_of.items() if h in staying}
+        self.due_at_of = {h: at for h, at in self.due_at_of.items() if h in staying}
         timed = {h: s for h, s in gone.items() if s >= 0.0}
         if timed:
             self.departure_s = max(self.departure_s or 0.0, *timed.values())

@@ -74,9 +74,11 @@ from hvd_transient.core.config import (
     TransientConfig,
 )
 from hvd_transient.core.control import StopPoller
+from hvd_transient.core.election import NoticeRound
 from hvd_transient.core.emergency import Emergency
-from hvd_transient.core.hostname import default_host
+from hvd_transient.core.hostname import default_host, host_names
 from hvd_transient.core.interfaces import Clocks, Collectives, HostUpdates, NoticeSource, configured_watcher
+from hvd_transient.core.leave_plan import lost_removals
 from hvd_transient.core.leaving import Departure, prune_expired
 from hvd_transient.core.notice_round import EarlyWarnings, NoticeRounds, StepOutcome
 from hvd_transient.core.ring import RunState, move_lease, ring_id
@@ -147,7 +149,10 @@ class TransientImpl:
         # take the same view (it decides the master and which steps run a collective).
         # A fresh token per member and begin() makes the ring's id new even when the same hosts
         # replay the same steps after a reset or a relaunch: its saves get attempt ids of their own.
-        members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8)])
+        # Each also says every name its VM goes by: rank 0 tells a VM that joined from one that did not
+        # (hvd_transient/frontend/lost_joins.py) where discovery lists VMs by another name than their own.
+        names = host_names(self.host, getattr(self.watcher, "instance_id", None))
+        members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8), names])
         previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic())
         for host, seconds in self.run.time_departures(self.clocks.wall()).items():
             log.info("%s left %.1f s after its leave_at; the next VM under notice leaves %.1f s before its deadline",
@@ -294,6 +299,7 @@ class TransientImpl:
             new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
             if new:
                 return self._emergency.handle(step, round_, new, snapshot, metadata, share_snapshot)
+            self._announce_lost_removals(round_)
             if self.run.leave_at_of:  # VMs under notice train on in this ring: their leave may have to come sooner
                 self._emergency.replan(step, round_)
             if round_.stop:
@@ -318,6 +324,22 @@ class TransientImpl:
         # a departure at once is looked for at every step; one that waits for its leave_at, at the rounds
         return StepOutcome(leaving=self.run.leaving, departure_pending=self.run.departure_pending,
                            check_hosts=self.run.departure_pending and not self._departures_wait())
+
+    def _announce_lost_removals(self, round_: NoticeRound) -> None:
+        """Rank 0 (whose host updates Horovod's check broadcasts): a VM under notice still in the ring
+        ``LOST_REMOVAL_AFTER_S`` past the time it was due to leave, agreed by this round, means the driver's one
+        message of its removal was lost (it came while the ring re-formed): rank 0 announces the removal to its
+        own host check, once per VM and ring, so the check that runs at every step while the departure is
+        due resets the ring and the driver forms the new one without the VM (see :func:`lost_removals`)."""
+        if self.host_updates is None or self.comm.rank() != 0 or not self.run.departure_pending:
+            return
+        lost = lost_removals(self.run.due_at_of, self.run.hosts, self.run.removals_announced,
+                             round_.at or self.clocks.wall())
+        if lost:
+            self.run.removals_announced.update(lost)
+            log.warning("%s should have left the ring by now (Horovod's driver told no rank it was dropped): "
+                        "the ring resets without it", ", ".join(lost))
+            self.host_updates.announce_removal(lost)
 
     def _departures_wait(self) -> bool:
         """Every pending departure waits for its ``leave_at``, so Horovod's host check (a collective) can

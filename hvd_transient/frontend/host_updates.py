@@ -17,7 +17,7 @@ the driver's message lost (:mod:`hvd_transient.frontend.lost_joins`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from hvd_transient.frontend.lost_joins import LostJoins
 
@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: ``horovod.runner.elastic.worker.HostUpdateResult.added`` (an ``IntFlag``; not imported: this layer is
-#: framework-free): an update that adds hosts, after which the ranks sync the state
+#: ``horovod.runner.elastic.worker.HostUpdateResult`` ``removed`` and ``added`` (an ``IntFlag``; not imported:
+#: this layer is framework-free)
+HOSTS_REMOVED = 1
 HOSTS_ADDED = 2
 #: an announced update's timestamp is the latest one checked plus this: later than it, so the check raises,
 #: and earlier than the driver's next one (whole seconds), so that one is not taken for old
@@ -65,15 +66,24 @@ class HorovodHostUpdates:
         names = ", ".join(sorted(hosts))
         log.warning("%s became ready to join as the ring formed and is not in it (Horovod's driver told no rank): "
                     "the ring resets to take it", names)
-        last = float(getattr(self.state, "_last_updated_timestamp", 0.0) or 0.0)
-        self.state.on_hosts_updated(last + ANNOUNCE_AFTER_S, HOSTS_ADDED)
+        self._put(HOSTS_ADDED)
 
-    def ring_began(self, hosts: Iterable[str], *, rank: int, store: "ObjectStore") -> None:
-        """A ring of ``hosts`` began (rank 0 looks for lost joins in the background)."""
-        self.lost_joins.ring_began(hosts, rank=rank, store=store)
+    def announce_removal(self, hosts: Sequence[str]) -> None:
+        """Tell this rank's host check that ``hosts`` were dropped (the driver's own message was lost)."""
+        self._put(HOSTS_REMOVED)
+
+    def ring_began(self, hosts: Iterable[str], *, rank: int, store: "ObjectStore",
+                   names: Iterable[str] = ()) -> None:
+        """A ring of ``hosts`` began, whose VMs also go by ``names`` (rank 0 looks for lost joins in the
+        background)."""
+        self.lost_joins.ring_began(hosts, rank=rank, store=store, names=names)
+
+    def _put(self, update: int) -> None:
+        last = float(getattr(self.state, "_last_updated_timestamp", 0.0) or 0.0)
+        self.state.on_hosts_updated(last + ANNOUNCE_AFTER_S, update)
 
     def close(self) -> None:
         self.lost_joins.close()
 
 
-__all__ = ["ANNOUNCE_AFTER_S", "HOSTS_ADDED", "HorovodHostUpdates", "check_host_updates_and_sync"]
+__all__ = ["ANNOUNCE_AFTER_S", "HOSTS_ADDED", "HOSTS_REMOVED", "HorovodHostUpdates", "check_host_updates_and_sync"]

@@ -41,21 +41,29 @@ READY_AFTER_S = 3.0
 
 @dataclass(frozen=True)
 class RingSeen:
-    """A ring as rank 0 saw it begin: its hosts and its start (epoch seconds)."""
+    """A ring as rank 0 saw it begin: every name its VMs go by (Horovod's hosts, the machines' own names, the
+    cloud's instance ids: a standby publishes its record under its machine's name, while discovery may list
+    the VM by its internal IP) and its start (epoch seconds)."""
 
     hosts: frozenset[str]
     began_at: float
 
 
+def _names(record: ReadyRecord) -> tuple[str, ...]:
+    return (record.host, record.instance_id) if record.instance_id else (record.host,)
+
+
 def lost_joins(records: Iterable[ReadyRecord], ring: RingSeen, *, last_in_ring: Mapping[str, float],
                announced: Collection[tuple[str, float]]) -> list[ReadyRecord]:
     """The ready records whose VM the driver may have announced while ``ring`` formed and is not in it (pure):
-    ready from ``READY_BEFORE_S`` before the ring began to ``READY_AFTER_S`` after, not in a ring that began
-    after it was ready (``last_in_ring``: host -> the latest start of a ring it was in), not announced yet."""
+    ready from ``READY_BEFORE_S`` before the ring began to ``READY_AFTER_S`` after, by none of its names in the
+    ring nor in a ring that began after it was ready (``last_in_ring``: name -> the latest start of a ring it
+    was in), not announced yet."""
+    never = float("-inf")
     return [r for r in records
-            if r.host not in ring.hosts
+            if not any(n in ring.hosts for n in _names(r))
             and ring.began_at - READY_BEFORE_S <= r.ready_at <= ring.began_at + READY_AFTER_S
-            and last_in_ring.get(r.host, float("-inf")) < r.ready_at
+            and max(last_in_ring.get(n, never) for n in _names(r)) < r.ready_at
             and (r.host, r.ready_at) not in announced]
 
 
@@ -73,9 +81,10 @@ class LostJoins:
         self._found: list[ReadyRecord] = []
         self._timer: threading.Timer | None = None
 
-    def ring_began(self, hosts: Iterable[str], *, rank: int, store: "ObjectStore") -> None:
-        """A ring of ``hosts`` began (every rank calls this; rank 0 looks, in the background)."""
-        ring = RingSeen(frozenset(hosts), self._clock())
+    def ring_began(self, hosts: Iterable[str], *, rank: int, store: "ObjectStore", names: Iterable[str] = ()) -> None:
+        """A ring of ``hosts`` began, whose VMs also go by ``names`` (every rank calls this; rank 0 looks, in
+        the background)."""
+        ring = RingSeen(frozenset(hosts) | frozenset(names), self._clock())
         with self._lock:
             for host in ring.hosts:
                 self._last_in_ring[host] = ring.began_at

@@ -89,7 +89,9 @@ class Session:
         self.position.begin(step, samples)
         self.impl.begin(step)
         if self.host_updates is not None:
-            self.host_updates.ring_began(self.impl.run.hosts, rank=self.impl.comm.rank(), store=self.impl.manager.store)
+            run = self.impl.run
+            self.host_updates.ring_began(run.hosts, rank=self.impl.comm.rank(), store=self.impl.manager.store,
+                                         names=[n for names in run.member_names for n in names])
         self._apply_lr()
 
     def resumed(self, step: int, steps_per_epoch: int) -> None:
