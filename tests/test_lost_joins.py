@@ -159,8 +159,9 @@ def test_a_vm_still_in_the_ring_well_after_it_was_due_is_a_lost_removal() -> Non
     due = {"c": 100.0, "d": 100.0, "e": 100.0, "f": float("nan")}
     now = 100.0 + LOST_REMOVAL_AFTER_S + 0.1
     # c: still in the ring; d: gone; e: announced already; f: no time
-    assert lost_removals(due, ["a", "c", "e", "f"], {"e"}, now) == ["c"]
-    assert lost_removals(due, ["a", "c"], set(), 100.0 + LOST_REMOVAL_AFTER_S) == []  # not yet
+    assert lost_removals(due, ["a", "c", "e", "f"], {"e": 100.0}, now) == ["c"]
+    assert lost_removals(due, ["a", "c"], {}, 100.0 + LOST_REMOVAL_AFTER_S) == []  # not yet
+    assert lost_removals({"e": 104.0}, ["e"], {"e": 100.0}, 110.0) == ["e"]  # due again, later: a new announce
 
 
 def test_an_announced_removal_makes_horovods_host_check_raise_and_sync() -> None:

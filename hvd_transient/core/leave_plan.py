@@ -129,12 +129,12 @@ def departure_stale(round_: NoticeRound, *, grace_s: float = STALE_DEPARTURE_S) 
 LOST_REMOVAL_AFTER_S = 2.0
 
 
-def lost_removals(due_at_of: Mapping[str, float], hosts: Collection[str], announced: Collection[str], now: float,
-                  *, after_s: float = LOST_REMOVAL_AFTER_S) -> list[str]:
+def lost_removals(due_at_of: Mapping[str, float], hosts: Collection[str], announced: Mapping[str, float],
+                  now: float, *, after_s: float = LOST_REMOVAL_AFTER_S) -> list[str]:
     """The VMs under notice still in the ring of ``hosts`` more than ``after_s`` after they were due to leave
-    (``due_at_of``: host -> epoch seconds) at ``now``, not yet ``announced`` (pure)."""
+    (``due_at_of``: host -> epoch seconds) at ``now``, not yet ``announced`` for that due time (pure)."""
     return sorted(h for h, due in due_at_of.items()
-                  if h in hosts and h not in announced and math.isfinite(due) and now > due + after_s)
+                  if h in hosts and announced.get(h) != due and math.isfinite(due) and now > due + after_s)
 
 
 __all__ = ["EPOCH_END_SPEEDUP", "LOST_REMOVAL_AFTER_S", "LeavePlan", "STALE_DEPARTURE_S", "departure_stale",

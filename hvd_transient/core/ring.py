@@ -55,8 +55,10 @@ class RunState:
     #: VMs under notice still in this ring: when each was due to leave (epoch seconds, agreed: its ``leave_at``,
     #: or the round that agreed its notice where it leaves at once), to find a removal the framework never saw
     due_at_of: dict[str, float] = field(default_factory=dict)
-    #: VMs of this ring whose removal rank 0 announced to its own host check (once each per ring)
-    removals_announced: set[str] = field(default_factory=set)
+    #: VMs whose removal this rank (as rank 0) announced to its own host check, with the time each was due
+    #: then: once per VM and due time, whatever the rings since (an announce before discovery dropped the VM
+    #: is not repeated at every ring: the driver's own message then comes, the ring being steady)
+    removals_announced: dict[str, float] = field(default_factory=dict)
     #: every name each member's VM goes by, in rank order (Horovod's host first; see ``host_names``)
     member_names: list[tuple[str, ...]] = field(default_factory=list)
 
@@ -67,7 +69,6 @@ class RunState:
         self.hosts = [str(m[0]) for m in members]
         self.member_names = [tuple(dict.fromkeys([str(m[0]), *(str(n) for n in (m[3] if len(m) > 3 else ()))]))
                              for m in members]
-        self.removals_announced = set()
         leaving = [r for r, m in enumerate(members) if m[1]]
         self.ring_id = ring_id([(str(m[0]), str(m[2])) for m in members])
         self.saves_started = 0

@@ -78,7 +78,7 @@ from hvd_transient.core.election import NoticeRound
 from hvd_transient.core.emergency import Emergency
 from hvd_transient.core.hostname import default_host, host_names
 from hvd_transient.core.interfaces import Clocks, Collectives, HostUpdates, NoticeSource, configured_watcher
-from hvd_transient.core.leave_plan import lost_removals
+from hvd_transient.core.leave_plan import LOST_REMOVAL_AFTER_S, lost_removals
 from hvd_transient.core.leaving import Departure, prune_expired
 from hvd_transient.core.notice_round import EarlyWarnings, NoticeRounds, StepOutcome
 from hvd_transient.core.ring import RunState, move_lease, ring_id
@@ -329,14 +329,16 @@ class TransientImpl:
         """Rank 0 (whose host updates Horovod's check broadcasts): a VM under notice still in the ring
         ``LOST_REMOVAL_AFTER_S`` past the time it was due to leave, agreed by this round, means the driver's one
         message of its removal was lost (it came while the ring re-formed): rank 0 announces the removal to its
-        own host check, once per VM and ring, so the check that runs at every step while the departure is
+        own host check, once per VM and due time, so the check that runs at every step while the departure is
         due resets the ring and the driver forms the new one without the VM (see :func:`lost_removals`)."""
         if self.host_updates is None or self.comm.rank() != 0 or not self.run.departure_pending:
             return
+        # never later than half what the lead keeps for leaving (a short leave_lead_s), so the reset fits
+        after = min(LOST_REMOVAL_AFTER_S, self.config.departure_allowance_s(self.run.departure_s) / 2)
         lost = lost_removals(self.run.due_at_of, self.run.hosts, self.run.removals_announced,
-                             round_.at or self.clocks.wall())
+                             round_.at or self.clocks.wall(), after_s=after)
         if lost:
-            self.run.removals_announced.update(lost)
+            self.run.removals_announced.update({h: self.run.due_at_of[h] for h in lost})
             log.warning("%s should have left the ring by now (Horovod's driver told no rank it was dropped): "
                         "the ring resets without it", ", ".join(lost))
             self.host_updates.announce_removal(lost)
