@@ -21,7 +21,7 @@ from hvd_transient.core.interfaces import Clocks
 from hvd_transient.discovery.gce import _host as gce_host
 from hvd_transient.discovery.ready import JoinGate, publish_ready, read_ready
 from hvd_transient.frontend.host_updates import HorovodHostUpdates, check_host_updates_and_sync
-from hvd_transient.frontend.lost_joins import LostJoins, RingSeen
+from hvd_transient.frontend.lost_joins import LostJoins, MemberSeen, RingSeen
 
 
 def horovod_state() -> State:
@@ -77,8 +77,8 @@ def test_a_vm_that_joined_under_its_ip_is_announced_again_as_lost(tmp_path: Path
     updates = HorovodHostUpdates(state, lost)
     # the ring that took w-2 (the driver's message reached rank 0): every listed host is in it; each member
     # says every name its VM goes by (core/hostname.host_names: Horovod's, here the IP, and the machine's own)
-    updates.ring_began([h.name for h in discovered], rank=0, store=store,
-                       names=[inst["name"] for inst in instances])
+    updates.ring_began([MemberSeen(frozenset({h.name, inst["name"]})) for h, inst in zip(discovered, instances)],
+                       rank=0, store=store)
     assert lost.looked.wait(10.0)
     try:
         assert not updates.pending(), "a VM already in the ring was announced as a lost join"
@@ -224,11 +224,12 @@ def test_held_a_look_of_an_old_ring_or_after_close_announces_nothing(tmp_path: P
     lost = Observed(clock=lambda: clock[0], look_after_s=0.0)
     state = horovod_state()
     updates = HorovodHostUpdates(state, lost)
-    updates.ring_began(["a", "b"], rank=0, store=slow)
+    updates.ring_began([MemberSeen(frozenset({h})) for h in "ab"], rank=0, store=slow)
     assert entered.wait(10.0)
     clock[0] = 1001.0
     lost._look_after_s = 3600.0  # noqa: SLF001  (the new ring looks much later)
-    updates.ring_began(["a", "b"], rank=0, store=store)  # same hosts, a new ring (its own look much later)
+    # same hosts, a new ring (its own look much later)
+    updates.ring_began([MemberSeen(frozenset({h})) for h in "ab"], rank=0, store=store)
     updates.close()
     release.set()
     assert lost.looked.wait(10.0)

@@ -45,6 +45,8 @@ class NoticeRound:
     #: some rank holds a host update that the framework's host check has not taken (Horovod tells rank 0):
     #: every rank runs that check at this round
     hosts_changed: bool = False
+    #: ranks whose VM's leaving record (its latest version) is in the store, as the rank that writes it knows
+    records_landed: tuple[int, ...] = ()
 
     @property
     def any(self) -> bool:
@@ -56,7 +58,7 @@ class NoticeRound:
 
 
 #: per-rank blocks, then these scalar slots
-_BLOCKS = 8
+_BLOCKS = 9
 _STOP, _BUSY, _ELAPSED, _WARNING, _COMMITTED, _HOSTS = range(6)
 _SCALARS = 6
 
@@ -66,12 +68,13 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
                   slowest_step_s: float = 0.0, committed_step: int | None = None,
                   departure_s: float | None = None, job_step_s: float = 0.0,
                   wall: float = 0.0, gap_s: float = 0.0,
-                  epoch_left_steps: int | None = None, hosts_changed: bool = False) -> np.ndarray[Any, Any]:
+                  epoch_left_steps: int | None = None, hosts_changed: bool = False,
+                  record_landed: bool = False) -> np.ndarray[Any, Any]:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
     Layout: ``[leaving flag per rank | deadline per rank | slowest step us per rank | slowest departure
     us per rank | job's slowest step us per rank | wall clock per rank | job's longest gap between steps us
-    per rank | steps to the epoch's end + 1 per rank | stop | busy | elapsed us |
+    per rank | steps to the epoch's end + 1 per rank | leaving record landed per rank | stop | busy | elapsed us |
     early warning | committed step + 1 | host update pending]``. Times travel in whole microseconds (a wall clock and a
     deadline as they are: one non-zero addend per slot) and steps as integers, so the sum is exact and
     every rank derives the same decisions from it. Only the master gives ``committed_step``; per-rank
@@ -90,6 +93,7 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
     vec[6 * size + rank] = float(round(max(0.0, gap_s) * 1e6)) if math.isfinite(gap_s) else 0.0
     if epoch_left_steps is not None and epoch_left_steps >= 0:  # + 1: an epoch ending here is still known
         vec[7 * size + rank] = float(epoch_left_steps) + 1.0
+    vec[8 * size + rank] = 1.0 if record_landed else 0.0
     base = _BLOCKS * size
     vec[base + _STOP] = 1.0 if stop else 0.0
     vec[base + _BUSY] = 1.0 if busy else 0.0
@@ -133,7 +137,8 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
                        at=float(np.max(summed[5 * size:6 * size])),
                        gap_s=float(np.max(summed[6 * size:7 * size])) / 1e6,
                        epoch_left_steps=int(round(float(np.min(known_left)))) - 1 if known_left.size else None,
-                       hosts_changed=bool(summed[base + _HOSTS] > 0.5))
+                       hosts_changed=bool(summed[base + _HOSTS] > 0.5),
+                       records_landed=tuple(int(i) for i in np.flatnonzero(summed[8 * size:9 * size] > 0.5)))
 
 
 #: default for how many check intervals a round may be apart when steps are as slow as the

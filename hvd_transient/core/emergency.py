@@ -113,6 +113,7 @@ class Emergency:
             else:
                 p.run.leave_at_of[host] = again
             p.run.due_at_of[host] = now if again is None else again
+            p.run.landed_at_of.pop(host, None)  # its record is written again: discovery reads the new one
             if host == p.host and self._writes_record(round_.leaving):
                 self._departure.publish_record(step, round_.deadline_of(r), False, until=vm_deadline,
                                                leave_at=again)

@@ -10,9 +10,7 @@ def default_host() -> str:
     return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
 
-def host_names(host: str, instance_id: str | None = None) -> list[str]:
+def host_names(host: str) -> list[str]:
     """Every name this worker's VM goes by: ``host`` (Horovod's name, e.g. an internal IP where discovery
-    lists IPs), the machine's own name (what a standby on it publishes its ready record under) and the
-    cloud's id of the VM, where known."""
-    names = [host, socket.gethostname()] + ([instance_id] if instance_id else [])
-    return list(dict.fromkeys(n for n in names if n))
+    lists IPs) and the machine's own name (what a standby on it publishes its ready record under)."""
+    return list(dict.fromkeys(n for n in (host, socket.gethostname()) if n))

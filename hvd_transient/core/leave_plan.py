@@ -123,19 +123,48 @@ def departure_stale(round_: NoticeRound, *, grace_s: float = STALE_DEPARTURE_S) 
     return not deadlines or round_.at > max(deadlines) + grace_s
 
 
-#: a VM under notice still in the ring this long after it was due to leave: the driver's message of its
-#: removal was lost (discovery drops it at once, Horovod's driver polls discovery every second and tells rank 0,
-#: and the host check runs at every step once the departure is due: that takes about 1-1.5 s)
+#: a VM under notice still in the ring this long after it was due to leave and its leaving record was in the
+#: store: the driver's message of its removal was lost (discovery drops it at once, Horovod's driver polls
+#: discovery every second and tells rank 0, and the host check runs at every step once the departure is due:
+#: that takes about 1-1.5 s)
 LOST_REMOVAL_AFTER_S = 2.0
+#: how many times rank 0 announces one VM's removal (for one due time) at most: a second time only on a later
+#: ring that ran ``LOST_REMOVAL_AFTER_S`` (the first announce may have come as discovery was still dropping it)
+MAX_REMOVAL_ANNOUNCES = 2
 
 
-def lost_removals(due_at_of: Mapping[str, float], hosts: Collection[str], announced: Mapping[str, float],
-                  now: float, *, after_s: float = LOST_REMOVAL_AFTER_S) -> list[str]:
-    """The VMs under notice still in the ring of ``hosts`` more than ``after_s`` after they were due to leave
-    (``due_at_of``: host -> epoch seconds) at ``now``, not yet ``announced`` for that due time (pure)."""
-    return sorted(h for h, due in due_at_of.items()
-                  if h in hosts and announced.get(h) != due and math.isfinite(due) and now > due + after_s)
+@dataclass(frozen=True)
+class RemovalAnnounced:
+    """What rank 0 announced of one VM's removal: for which due time, how often, last on which ring."""
+
+    due: float
+    count: int
+    ring: str
 
 
-__all__ = ["EPOCH_END_SPEEDUP", "LOST_REMOVAL_AFTER_S", "LeavePlan", "STALE_DEPARTURE_S", "departure_stale",
-           "departures_due", "epoch_end_s", "lost_removals", "plan_for_round", "plan_leave", "steps_to_next_round"]
+def lost_removals(due_at_of: Mapping[str, float], landed_at_of: Mapping[str, float], hosts: Collection[str],
+                  announced: Mapping[str, RemovalAnnounced], now: float, *, ring: str, ring_began_at: float,
+                  after_s: float = LOST_REMOVAL_AFTER_S, most: int = MAX_REMOVAL_ANNOUNCES) -> list[str]:
+    """The VMs under notice still in the ring ``ring`` (of ``hosts``, begun at ``ring_began_at``) at ``now``
+    more than ``after_s`` after both their due time (``due_at_of``) and the round that first found their
+    leaving record in the store (``landed_at_of``; every time epoch seconds), whose removal may be announced
+    (pure): not yet for this due time, or fewer than ``most`` times, never twice on one ring, and again only
+    on a ring that ran ``after_s``."""
+    out = []
+    for host, due in due_at_of.items():
+        landed = landed_at_of.get(host)
+        if host not in hosts or landed is None or not (math.isfinite(due) and math.isfinite(landed)):
+            continue
+        if now <= max(due, landed) + after_s:
+            continue
+        prev = announced.get(host)
+        if prev is not None and prev.due == due and (prev.count >= most or prev.ring == ring
+                                                     or now <= ring_began_at + after_s):
+            continue
+        out.append(host)
+    return sorted(out)
+
+
+__all__ = ["EPOCH_END_SPEEDUP", "LOST_REMOVAL_AFTER_S", "LeavePlan", "MAX_REMOVAL_ANNOUNCES", "RemovalAnnounced",
+           "STALE_DEPARTURE_S", "departure_stale", "departures_due", "epoch_end_s", "lost_removals",
+           "plan_for_round", "plan_leave", "steps_to_next_round"]

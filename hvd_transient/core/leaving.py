@@ -59,6 +59,10 @@ class LeavingRecord:
         if now:
             self._log_it(None)
 
+    @property
+    def is_landed(self) -> bool:
+        return self._landed.is_set()
+
     def left(self, wait_s: float) -> None:
         """The emergency is over; a record still being written gets up to ``wait_s`` to land first."""
         self._landed.wait(wait_s)
@@ -142,6 +146,11 @@ class Departure:
                 self._writing = True
                 self.publishing = self._background.submit(self._write_latest)
                 self.publishing.add_done_callback(self._dropped)
+
+    @property
+    def record_landed(self) -> bool:
+        """Whether the latest version of this VM's leaving record is in the store (written by this rank)."""
+        return self._record is not None and self._record.is_landed
 
     def _dropped(self, writer: Future[None]) -> None:
         """The owner closed before the writer ran (its queued call was dropped): none is writing."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from hvd_transient.core.config import NOTICE_EVENT_SHARE
 from hvd_transient.core.control import StopPoller
@@ -100,6 +101,8 @@ class NoticeRounds:
         #: the slowest single step this rank timed on this job (the rounds share the slowest of all ranks)
         self._job_slowest_step_s = 0.0
         self._due_in_ring: str | None = None  # the ring whose latest round found a departure due
+        #: whether this rank's VM's leaving record (its latest version) is in the store (set by the owner)
+        self.record_landed: Callable[[], bool] = lambda: False
 
     def agree(self, step: int) -> NoticeRound:
         """Every rank at the same step: share this rank's view, return the round every rank got."""
@@ -133,7 +136,8 @@ class NoticeRounds:
             encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
                           slowest_step_s=slowest, committed_step=committed, departure_s=run.departure_s,
                           job_step_s=self._job_slowest_step_s, gap_s=run.longest_gap_s, wall=p.clocks.wall(),
-                          epoch_left_steps=run.epoch_left_steps, hosts_changed=hosts_changed),
+                          epoch_left_steps=run.epoch_left_steps, hosts_changed=hosts_changed,
+                          record_landed=self.record_landed()),
             name="notice")
         round_ = decode_notice(summed, size, run.hosts if len(run.hosts) == size else None)
         if steps > 0:

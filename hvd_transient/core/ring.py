@@ -7,7 +7,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ckpt_service.deadline import Deadline
 from ckpt_service.lease import Lease
@@ -15,7 +15,17 @@ from hvd_transient.core.election import elect_master
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import EventLog
 
+if TYPE_CHECKING:
+    from hvd_transient.core.leave_plan import RemovalAnnounced
+
 log = logging.getLogger(__name__)
+
+
+def member_names(member: Sequence[Any]) -> tuple[str, ...]:
+    """The names a member said its VM goes by (``[host, leaving, token, names, instance id]``), its host first;
+    a member that said none (an older version), or no list of names, goes by its host alone (pure)."""
+    said = member[3] if len(member) > 3 and isinstance(member[3], (list, tuple)) else ()
+    return tuple(dict.fromkeys([str(member[0]), *(n for n in said if isinstance(n, str) and n)]))
 
 
 def ring_id(members: list[tuple[str, str]]) -> str:
@@ -55,20 +65,25 @@ class RunState:
     #: VMs under notice still in this ring: when each was due to leave (epoch seconds, agreed: its ``leave_at``,
     #: or the round that agreed its notice where it leaves at once), to find a removal the framework never saw
     due_at_of: dict[str, float] = field(default_factory=dict)
-    #: VMs whose removal this rank (as rank 0) announced to its own host check, with the time each was due
-    #: then: once per VM and due time, whatever the rings since (an announce before discovery dropped the VM
-    #: is not repeated at every ring: the driver's own message then comes, the ring being steady)
-    removals_announced: dict[str, float] = field(default_factory=dict)
+    #: VMs under notice still in this ring: the round that first found their leaving record (its latest
+    #: version) in the store (epoch seconds, agreed); discovery drops a VM only once it is there
+    landed_at_of: dict[str, float] = field(default_factory=dict)
+    #: VMs whose removal this rank (as rank 0) announced to its own host check (see ``lost_removals``), kept
+    #: across rings so that a VM discovery still lists is not announced at every ring
+    removals_announced: dict[str, "RemovalAnnounced"] = field(default_factory=dict)
+    ring_began_wall: float = 0.0        # this rank's wall clock when this ring began
     #: every name each member's VM goes by, in rank order (Horovod's host first; see ``host_names``)
     member_names: list[tuple[str, ...]] = field(default_factory=list)
+    #: each member's VM's instance id, in rank order (None: not known)
+    member_ids: list[str | None] = field(default_factory=list)
 
     def start_ring(self, step: int, members: list[Any], *, now: float) -> int | None:
         """Take on the ring whose members said ``[host, leaving, token, names]`` in rank order (the same list
         on every rank), starting at ``step`` at monotonic time ``now``; returns the previous ring's master
         (None on the first ring)."""
         self.hosts = [str(m[0]) for m in members]
-        self.member_names = [tuple(dict.fromkeys([str(m[0]), *(str(n) for n in (m[3] if len(m) > 3 else ()))]))
-                             for m in members]
+        self.member_names = [member_names(m) for m in members]
+        self.member_ids = [m[4] if len(m) > 4 and isinstance(m[4], str) and m[4] else None for m in members]
         leaving = [r for r, m in enumerate(members) if m[1]]
         self.ring_id = ring_id([(str(m[0]), str(m[2])) for m in members])
         self.saves_started = 0
@@ -94,6 +109,7 @@ class RunState:
         staying = set(self.hosts) & self.handled_leavers  # still training on to their leave_at
         self.leave_at_of = {h: at for h, at in self.leave_at_of.items() if h in staying}
         self.due_at_of = {h: at for h, at in self.due_at_of.items() if h in staying}
+        self.landed_at_of = {h: at for h, at in self.landed_at_of.items() if h in staying}
         timed = {h: s for h, s in gone.items() if s >= 0.0}
         if timed:
             self.departure_s = max(self.departure_s or 0.0, *timed.values())
@@ -127,4 +143,4 @@ def move_lease(lease: Lease, events: EventLog, *, take: bool, until: float) -> N
         events.emit(ev.LeaseError(error=str(exc)))
 
 
-__all__ = ["RunState", "move_lease", "ring_id"]
+__all__ = ["RunState", "member_names", "move_lease", "ring_id"]

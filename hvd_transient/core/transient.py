@@ -78,7 +78,7 @@ from hvd_transient.core.election import NoticeRound
 from hvd_transient.core.emergency import Emergency
 from hvd_transient.core.hostname import default_host, host_names
 from hvd_transient.core.interfaces import Clocks, Collectives, HostUpdates, NoticeSource, configured_watcher
-from hvd_transient.core.leave_plan import LOST_REMOVAL_AFTER_S, lost_removals
+from hvd_transient.core.leave_plan import LOST_REMOVAL_AFTER_S, RemovalAnnounced, lost_removals
 from hvd_transient.core.leaving import Departure, prune_expired
 from hvd_transient.core.notice_round import EarlyWarnings, NoticeRounds, StepOutcome
 from hvd_transient.core.ring import RunState, move_lease, ring_id
@@ -121,6 +121,7 @@ class TransientImpl:
         self._saves = Saves(self, self._background, on_save_started=self._warnings.save_started)
         self._rounds = NoticeRounds(self, self._warnings, self._saves, self.stop_poller)
         self._departure = Departure(self, self._background)
+        self._rounds.record_landed = lambda: self._departure.record_landed
         self._emergency = Emergency(self, self._saves, self._warnings, self._departure)
         if self.watcher is not None:
             self.watcher.start()
@@ -151,9 +152,11 @@ class TransientImpl:
         # replay the same steps after a reset or a relaunch: its saves get attempt ids of their own.
         # Each also says every name its VM goes by: rank 0 tells a VM that joined from one that did not
         # (hvd_transient/frontend/lost_joins.py) where discovery lists VMs by another name than their own.
-        names = host_names(self.host, getattr(self.watcher, "instance_id", None))
-        members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8), names])
+        instance_id = getattr(self.watcher, "instance_id", None)
+        members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8), host_names(self.host),
+                                            instance_id if isinstance(instance_id, str) else None])
         previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic())
+        self.run.ring_began_wall = self.clocks.wall()
         for host, seconds in self.run.time_departures(self.clocks.wall()).items():
             log.info("%s left %.1f s after its leave_at; the next VM under notice leaves %.1f s before its deadline",
                      host, seconds, self.config.lead_s(self.run.departure_s))
@@ -297,11 +300,12 @@ class TransientImpl:
             # is not dropped before it: checking for it at every round of its window found nothing.
             check_hosts = round_.hosts_changed or (self.run.departure_pending and not self._departures_wait())
             new = [r for r in round_.leaving if self.run.hosts[r] not in self.run.handled_leavers]
+            self._note_landed(round_)
             if new:
                 return self._emergency.handle(step, round_, new, snapshot, metadata, share_snapshot)
-            self._announce_lost_removals(round_)
             if self.run.leave_at_of:  # VMs under notice train on in this ring: their leave may have to come sooner
                 self._emergency.replan(step, round_)
+            self._announce_lost_removals(round_)
             if round_.stop:
                 self.events.emit(ev.StopRequested(step=step))
                 return StepOutcome(stop=True, leaving=self.run.leaving, departure_pending=self.run.departure_pending,
@@ -327,21 +331,35 @@ class TransientImpl:
 
     def _announce_lost_removals(self, round_: NoticeRound) -> None:
         """Rank 0 (whose host updates Horovod's check broadcasts): a VM under notice still in the ring
-        ``LOST_REMOVAL_AFTER_S`` past the time it was due to leave, agreed by this round, means the driver's one
-        message of its removal was lost (it came while the ring re-formed): rank 0 announces the removal to its
-        own host check, once per VM and due time, so the check that runs at every step while the departure is
-        due resets the ring and the driver forms the new one without the VM (see :func:`lost_removals`)."""
-        if self.host_updates is None or self.comm.rank() != 0 or not self.run.departure_pending:
+        ``LOST_REMOVAL_AFTER_S`` past both the time it was due to leave and the round that found its leaving
+        record in the store, as this round agrees, means the driver's one message of its removal was lost (it
+        came while the ring re-formed). Rank 0 announces the removal to its own host check (at most twice per
+        VM and due time: :func:`lost_removals`), so the check that runs at every step while the departure is
+        due resets the ring, and the driver forms the new one without the VM."""
+        run = self.run
+        if self.host_updates is None or self.comm.rank() != 0 or not run.departure_pending:
             return
         # never later than half what the lead keeps for leaving (a short leave_lead_s), so the reset fits
-        after = min(LOST_REMOVAL_AFTER_S, self.config.departure_allowance_s(self.run.departure_s) / 2)
-        lost = lost_removals(self.run.due_at_of, self.run.hosts, self.run.removals_announced,
-                             round_.at or self.clocks.wall(), after_s=after)
+        after = min(LOST_REMOVAL_AFTER_S, self.config.departure_allowance_s(run.departure_s) / 2)
+        lost = lost_removals(run.due_at_of, run.landed_at_of, run.hosts, run.removals_announced,
+                             round_.at or self.clocks.wall(), ring=run.ring_id, ring_began_at=run.ring_began_wall,
+                             after_s=after)
         if lost:
-            self.run.removals_announced.update({h: self.run.due_at_of[h] for h in lost})
+            for h in lost:
+                prev = run.removals_announced.get(h)
+                count = prev.count + 1 if prev is not None and prev.due == run.due_at_of[h] else 1
+                run.removals_announced[h] = RemovalAnnounced(run.due_at_of[h], count, run.ring_id)
             log.warning("%s should have left the ring by now (Horovod's driver told no rank it was dropped): "
                         "the ring resets without it", ", ".join(lost))
             self.host_updates.announce_removal(lost)
+
+    def _note_landed(self, round_: NoticeRound) -> None:
+        """Every rank, at a round: the VMs under notice whose leaving record this round found in the store
+        (agreed), from when discovery can drop them."""
+        for r in round_.records_landed:
+            host = self.run.hosts[r] if r < len(self.run.hosts) else None
+            if host is not None and host in self.run.due_at_of and host not in self.run.landed_at_of:
+                self.run.landed_at_of[host] = round_.at or self.clocks.wall()
 
     def _departures_wait(self) -> bool:
         """Every pending departure waits for its ``leave_at``, so Horovod's host check (a collective) can

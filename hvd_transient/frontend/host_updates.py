@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from hvd_transient.frontend.lost_joins import LostJoins
+from hvd_transient.frontend.lost_joins import LostJoins, MemberSeen
 
 if TYPE_CHECKING:
     from ckpt_service.stores.base import ObjectStore
@@ -72,11 +72,9 @@ class HorovodHostUpdates:
         """Tell this rank's host check that ``hosts`` were dropped (the driver's own message was lost)."""
         self._put(HOSTS_REMOVED)
 
-    def ring_began(self, hosts: Iterable[str], *, rank: int, store: "ObjectStore",
-                   names: Iterable[str] = ()) -> None:
-        """A ring of ``hosts`` began, whose VMs also go by ``names`` (rank 0 looks for lost joins in the
-        background)."""
-        self.lost_joins.ring_began(hosts, rank=rank, store=store, names=names)
+    def ring_began(self, members: Iterable[MemberSeen], *, rank: int, store: "ObjectStore") -> None:
+        """A ring of ``members`` began (rank 0 looks for lost joins in the background)."""
+        self.lost_joins.ring_began(members, rank=rank, store=store)
 
     def _put(self, update: int) -> None:
         last = float(getattr(self.state, "_last_updated_timestamp", 0.0) or 0.0)

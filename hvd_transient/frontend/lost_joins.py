@@ -40,30 +40,48 @@ READY_AFTER_S = 3.0
 
 
 @dataclass(frozen=True)
-class RingSeen:
-    """A ring as rank 0 saw it begin: every name its VMs go by (Horovod's hosts, the machines' own names, the
-    cloud's instance ids: a standby publishes its record under its machine's name, while discovery may list
-    the VM by its internal IP) and its start (epoch seconds)."""
+class MemberSeen:
+    """A member of a ring: every name its VM goes by (Horovod's host, the machine's own name: a standby publishes
+    its record under the latter, while discovery may list the VM by its internal IP) and the cloud's instance id
+    of its VM, where known (machine names are unique per zone only: an id, where both sides have one, decides)."""
 
-    hosts: frozenset[str]
+    names: frozenset[str]
+    instance_id: str | None = None
+
+    def keys(self) -> tuple[str, ...]:
+        return (f"id:{self.instance_id}",) if self.instance_id else tuple(f"name:{n}" for n in self.names)
+
+
+@dataclass(frozen=True)
+class RingSeen:
+    """A ring as rank 0 saw it begin: its members and its start (epoch seconds)."""
+
+    members: tuple[MemberSeen, ...]
     began_at: float
 
 
-def _names(record: ReadyRecord) -> tuple[str, ...]:
-    return (record.host, record.instance_id) if record.instance_id else (record.host,)
+def _is(member: MemberSeen, record: ReadyRecord) -> bool:
+    """Whether ``record`` was published by ``member``'s VM: by instance id where both have one, else by name."""
+    if member.instance_id and record.instance_id:
+        return member.instance_id == record.instance_id
+    return record.host in member.names
+
+
+def _keys(record: ReadyRecord) -> tuple[str, ...]:
+    return (f"id:{record.instance_id}", f"name:{record.host}") if record.instance_id else (f"name:{record.host}",)
 
 
 def lost_joins(records: Iterable[ReadyRecord], ring: RingSeen, *, last_in_ring: Mapping[str, float],
                announced: Collection[tuple[str, float]]) -> list[ReadyRecord]:
     """The ready records whose VM the driver may have announced while ``ring`` formed and is not in it (pure):
-    ready from ``READY_BEFORE_S`` before the ring began to ``READY_AFTER_S`` after, by none of its names in the
-    ring nor in a ring that began after it was ready (``last_in_ring``: name -> the latest start of a ring it
-    was in), not announced yet."""
+    ready from ``READY_BEFORE_S`` before the ring began to ``READY_AFTER_S`` after, not the VM of any member,
+    nor of a member of a ring that began after it was ready (``last_in_ring``: a member's key, its instance id or
+    else its names (:meth:`MemberSeen.keys`) -> the latest start of a ring it was in), not announced yet."""
     never = float("-inf")
     return [r for r in records
-            if not any(n in ring.hosts for n in _names(r))
+            if not any(_is(m, r) for m in ring.members)
             and ring.began_at - READY_BEFORE_S <= r.ready_at <= ring.began_at + READY_AFTER_S
-            and max(last_in_ring.get(n, never) for n in _names(r)) < r.ready_at
+            and max(last_in_ring.get(k, never) for k in _keys(r)) < r.ready_at
             and (r.host, r.ready_at) not in announced]
 
 
@@ -81,13 +99,13 @@ class LostJoins:
         self._found: list[ReadyRecord] = []
         self._timer: threading.Timer | None = None
 
-    def ring_began(self, hosts: Iterable[str], *, rank: int, store: "ObjectStore", names: Iterable[str] = ()) -> None:
-        """A ring of ``hosts`` began, whose VMs also go by ``names`` (every rank calls this; rank 0 looks, in
-        the background)."""
-        ring = RingSeen(frozenset(hosts) | frozenset(names), self._clock())
+    def ring_began(self, members: Iterable[MemberSeen], *, rank: int, store: "ObjectStore") -> None:
+        """A ring of ``members`` began (every rank calls this; rank 0 looks, in the background)."""
+        ring = RingSeen(tuple(members), self._clock())
         with self._lock:
-            for host in ring.hosts:
-                self._last_in_ring[host] = ring.began_at
+            for member in ring.members:
+                for key in member.keys():
+                    self._last_in_ring[key] = ring.began_at
             self._ring, self._found = ring, []
             if self._timer is not None:
                 self._timer.cancel()
@@ -127,4 +145,4 @@ class LostJoins:
         self.look(ring, records)
 
 
-__all__ = ["LOOK_AFTER_S", "LostJoins", "READY_AFTER_S", "READY_BEFORE_S", "RingSeen", "lost_joins"]
+__all__ = ["LOOK_AFTER_S", "LostJoins", "MemberSeen", "READY_AFTER_S", "READY_BEFORE_S", "RingSeen", "lost_joins"]

@@ -21,6 +21,7 @@ from hvd_transient.core.interfaces import Collectives
 from hvd_transient.core.lr_scaling import scaled_lr
 from hvd_transient.core.transient import StepOutcome, TransientConfig, TransientImpl
 from hvd_transient.frontend.host_updates import HorovodHostUpdates
+from hvd_transient.frontend.lost_joins import MemberSeen
 from hvd_transient.frontend.position import DataPosition
 from hvd_transient.frontend.resume import resume_point
 from hvd_transient.telemetry import schema as ev
@@ -90,8 +91,9 @@ class Session:
         self.impl.begin(step)
         if self.host_updates is not None:
             run = self.impl.run
-            self.host_updates.ring_began(run.hosts, rank=self.impl.comm.rank(), store=self.impl.manager.store,
-                                         names=[n for names in run.member_names for n in names])
+            members = [MemberSeen(frozenset(names), instance_id)
+                       for names, instance_id in zip(run.member_names, run.member_ids)]
+            self.host_updates.ring_began(members, rank=self.impl.comm.rank(), store=self.impl.manager.store)
         self._apply_lr()
 
     def resumed(self, step: int, steps_per_epoch: int) -> None:
