@@ -40,6 +40,15 @@ class CountingUpdates(HorovodHostUpdates):
         super().announce_removal(hosts)
 
 
+def counting_ranks(t: dict[str, float], **kwargs: Any) -> tuple[Any, list[Any], State, CountingUpdates]:
+    """``make_ranks`` on the fake wall clock ``t``, rank 0 holding Horovod's state and counting its announces."""
+    group, impls, _ = make_ranks(clocks=Clocks(wall=lambda: t["wall"]), **kwargs)
+    state = horovod_state()
+    updates = CountingUpdates(state)
+    impls[0].host_updates = updates
+    return group, impls, state, updates
+
+
 def _leave_at_notice(t: dict[str, float]) -> tuple[Any, list[Any], State, CountingUpdates, float]:
     """A ring of h0-h2 (check every step) on a fake wall clock; h2 gets a notice (``at_notice``, 30 s window)
     at step 1; rank 0 holds Horovod's state. Returns group, impls, state, rank 0's updates, the deadline."""
@@ -232,10 +241,7 @@ def test_held_a_short_lead_announces_at_most_once(lead: float) -> None:
     time, and only once for it on a ring that has not run LOST_REMOVAL_AFTER_S since (here 5 s, then the
     second and last)."""
     t = {"wall": time.time()}
-    group, impls, _ = make_ranks(leave="at_notice", leave_lead_s=lead, clocks=Clocks(wall=lambda: t["wall"]))
-    state = horovod_state()
-    updates = CountingUpdates(state)
-    impls[0].host_updates = updates
+    group, impls, state, updates = counting_ranks(t, leave="at_notice", leave_lead_s=lead)
     impls[2].watcher.notice = notice(30.0, now=t["wall"])
     step_all(group, impls, 1)
     step, raised_at = _step_until_reset(group, impls, state, t, 1, t["wall"] + 10.0)

@@ -71,16 +71,16 @@ class RunState:
     #: VMs whose removal this rank (as rank 0) announced to its own host check (see ``lost_removals``), kept
     #: across rings so that a VM discovery still lists is not announced at every ring
     removals_announced: dict[str, "RemovalAnnounced"] = field(default_factory=dict)
-    ring_began_wall: float = 0.0        # this rank's wall clock when this ring began
+    ring_began_wall: float = 0.0        # when this ring began: the latest wall clock its members said (agreed)
     #: every name each member's VM goes by, in rank order (Horovod's host first; see ``host_names``)
     member_names: list[tuple[str, ...]] = field(default_factory=list)
     #: each member's VM's instance id, in rank order (None: not known)
     member_ids: list[str | None] = field(default_factory=list)
 
     def start_ring(self, step: int, members: list[Any], *, now: float) -> int | None:
-        """Take on the ring whose members said ``[host, leaving, token, names]`` in rank order (the same list
-        on every rank), starting at ``step`` at monotonic time ``now``; returns the previous ring's master
-        (None on the first ring)."""
+        """Take on the ring whose members said ``[host, leaving, token, names, instance id, wall clock]`` in
+        rank order (the same list on every rank), starting at ``step`` at monotonic time ``now``; returns the
+        previous ring's master (None on the first ring)."""
         self.hosts = [str(m[0]) for m in members]
         self.member_names = [member_names(m) for m in members]
         self.member_ids = [m[4] if len(m) > 4 and isinstance(m[4], str) and m[4] else None for m in members]

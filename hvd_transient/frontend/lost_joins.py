@@ -49,7 +49,10 @@ class MemberSeen:
     instance_id: str | None = None
 
     def keys(self) -> tuple[str, ...]:
-        return (f"id:{self.instance_id}",) if self.instance_id else tuple(f"name:{n}" for n in self.names)
+        """What rank 0 remembers this member by: its id (where it said one) and its names; a name of a member
+        that said no id also under ``noid:``, for a record that carries an id (see :func:`_keys`)."""
+        names = tuple(f"name:{n}" for n in self.names)
+        return (f"id:{self.instance_id}", *names) if self.instance_id else (*names, *(f"noid:{n}" for n in self.names))
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,9 @@ def _is(member: MemberSeen, record: ReadyRecord) -> bool:
 
 
 def _keys(record: ReadyRecord) -> tuple[str, ...]:
-    return (f"id:{record.instance_id}", f"name:{record.host}") if record.instance_id else (f"name:{record.host}",)
+    """The members a record may be of, as :func:`_is` matches them: with an id, the member of that id or one that
+    said no id under the record's name; without one, any member of that name."""
+    return (f"id:{record.instance_id}", f"noid:{record.host}") if record.instance_id else (f"name:{record.host}",)
 
 
 def lost_joins(records: Iterable[ReadyRecord], ring: RingSeen, *, last_in_ring: Mapping[str, float],
