@@ -77,13 +77,17 @@ class RunState:
     #: each member's VM's instance id, in rank order (None: not known)
     member_ids: list[str | None] = field(default_factory=list)
 
-    def start_ring(self, step: int, members: list[Any], *, now: float) -> int | None:
+    def start_ring(self, step: int, members: list[Any], *, now: float, wall: float = 0.0) -> int | None:
         """Take on the ring whose members said ``[host, leaving, token, names, instance id, wall clock]`` in
-        rank order (the same list on every rank), starting at ``step`` at monotonic time ``now``; returns the
-        previous ring's master (None on the first ring)."""
+        rank order (the same list on every rank), starting at ``step`` at monotonic time ``now`` (``wall``: this
+        rank's wall clock, where no member said one); returns the previous ring's master (None on the first
+        ring)."""
         self.hosts = [str(m[0]) for m in members]
         self.member_names = [member_names(m) for m in members]
         self.member_ids = [m[4] if len(m) > 4 and isinstance(m[4], str) and m[4] else None for m in members]
+        # when the ring began on the clock the rounds share (theirs is the latest any rank reads, too)
+        said = [float(m[5]) for m in members if len(m) > 5 and isinstance(m[5], (int, float))]
+        self.ring_began_wall = max(said or [wall])
         leaving = [r for r, m in enumerate(members) if m[1]]
         self.ring_id = ring_id([(str(m[0]), str(m[2])) for m in members])
         self.saves_started = 0

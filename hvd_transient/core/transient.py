@@ -155,10 +155,7 @@ class TransientImpl:
         instance_id = getattr(self.watcher, "instance_id", None)
         members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8), host_names(self.host),
                                             instance_id if isinstance(instance_id, str) else None, self.clocks.wall()])
-        previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic())
-        # when the ring began on the clock the rounds share (theirs is the latest any rank reads, too)
-        self.run.ring_began_wall = max([float(m[5]) for m in members if len(m) > 5 and isinstance(m[5], (int, float))]
-                                       or [self.clocks.wall()])
+        previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic(), wall=self.clocks.wall())
         for host, seconds in self.run.time_departures(self.clocks.wall()).items():
             log.info("%s left %.1f s after its leave_at; the next VM under notice leaves %.1f s before its deadline",
                      host, seconds, self.config.lead_s(self.run.departure_s))

@@ -63,16 +63,10 @@ class RingSeen:
     began_at: float
 
 
-def _is(member: MemberSeen, record: ReadyRecord) -> bool:
-    """Whether ``record`` was published by ``member``'s VM: by instance id where both have one, else by name."""
-    if member.instance_id and record.instance_id:
-        return member.instance_id == record.instance_id
-    return record.host in member.names
-
-
 def _keys(record: ReadyRecord) -> tuple[str, ...]:
-    """The members a record may be of, as :func:`_is` matches them: with an id, the member of that id or one that
-    said no id under the record's name; without one, any member of that name."""
+    """The members a record may be of, as :meth:`MemberSeen.keys` names them: with an id, the member of that id
+    (machine names are unique per zone only) or one that said no id, under the record's name; without one, any
+    member of that name."""
     return (f"id:{record.instance_id}", f"noid:{record.host}") if record.instance_id else (f"name:{record.host}",)
 
 
@@ -83,8 +77,9 @@ def lost_joins(records: Iterable[ReadyRecord], ring: RingSeen, *, last_in_ring: 
     nor of a member of a ring that began after it was ready (``last_in_ring``: a member's key, its instance id or
     else its names (:meth:`MemberSeen.keys`) -> the latest start of a ring it was in), not announced yet."""
     never = float("-inf")
+    in_ring = {key for member in ring.members for key in member.keys()}
     return [r for r in records
-            if not any(_is(m, r) for m in ring.members)
+            if in_ring.isdisjoint(_keys(r))
             and ring.began_at - READY_BEFORE_S <= r.ready_at <= ring.began_at + READY_AFTER_S
             and max(last_in_ring.get(k, never) for k in _keys(r)) < r.ready_at
             and (r.host, r.ready_at) not in announced]
