@@ -165,6 +165,17 @@ def lost_removals(due_at_of: Mapping[str, float], landed_at_of: Mapping[str, flo
     return sorted(out)
 
 
+def after_announcing(announced: Mapping[str, RemovalAnnounced], lost: Collection[str],
+                     due_at_of: Mapping[str, float], *, ring: str) -> dict[str, RemovalAnnounced]:
+    """``announced`` once the removals of ``lost`` (from :func:`lost_removals`) were announced on ``ring``
+    (pure): a VM's count goes on for the same due time, and starts again at 1 for a new one."""
+    out = dict(announced)
+    for host in lost:
+        prev, due = announced.get(host), due_at_of[host]
+        out[host] = RemovalAnnounced(due, prev.count + 1 if prev is not None and prev.due == due else 1, ring)
+    return out
+
+
 __all__ = ["EPOCH_END_SPEEDUP", "LOST_REMOVAL_AFTER_S", "LeavePlan", "MAX_REMOVAL_ANNOUNCES", "RemovalAnnounced",
-           "STALE_DEPARTURE_S", "departure_stale", "departures_due", "epoch_end_s", "lost_removals",
+           "STALE_DEPARTURE_S", "after_announcing", "departure_stale", "departures_due", "epoch_end_s", "lost_removals",
            "plan_for_round", "plan_leave", "steps_to_next_round"]

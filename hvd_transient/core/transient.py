@@ -78,7 +78,7 @@ from hvd_transient.core.election import NoticeRound
 from hvd_transient.core.emergency import Emergency
 from hvd_transient.core.hostname import default_host, host_names
 from hvd_transient.core.interfaces import Clocks, Collectives, HostUpdates, NoticeSource, configured_watcher
-from hvd_transient.core.leave_plan import LOST_REMOVAL_AFTER_S, RemovalAnnounced, lost_removals
+from hvd_transient.core.leave_plan import LOST_REMOVAL_AFTER_S, after_announcing, lost_removals
 from hvd_transient.core.leaving import Departure, prune_expired
 from hvd_transient.core.notice_round import EarlyWarnings, NoticeRounds, StepOutcome
 from hvd_transient.core.ring import RunState, move_lease, ring_id
@@ -344,12 +344,10 @@ class TransientImpl:
                              round_.at or self.clocks.wall(), ring=run.ring_id, ring_began_at=run.ring_began_wall,
                              after_s=after)
         if lost:
-            for h in lost:
-                prev = run.removals_announced.get(h)
-                count = prev.count + 1 if prev is not None and prev.due == run.due_at_of[h] else 1
-                run.removals_announced[h] = RemovalAnnounced(run.due_at_of[h], count, run.ring_id)
+            run.removals_announced = after_announcing(run.removals_announced, lost, run.due_at_of, ring=run.ring_id)
             log.warning("%s should have left the ring by now (Horovod's driver told no rank it was dropped): "
                         "the ring resets without it", ", ".join(lost))
+            self.events.emit(ev.HostUpdateAnnounced(change=ev.ANNOUNCED_REMOVAL, hosts=tuple(lost)))
             self.host_updates.announce_removal(lost)
 
     def _note_landed(self, round_: NoticeRound) -> None:

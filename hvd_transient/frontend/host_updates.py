@@ -20,9 +20,11 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from hvd_transient.frontend.lost_joins import LostJoins, MemberSeen
+from hvd_transient.telemetry import schema as ev
 
 if TYPE_CHECKING:
     from ckpt_service.stores.base import ObjectStore
+    from hvd_transient.telemetry.events import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class HorovodHostUpdates:
     def __init__(self, state: Any, lost_joins: LostJoins | None = None) -> None:
         self.state = state
         self.lost_joins = lost_joins if lost_joins is not None else LostJoins()
+        self.events: "EventLog | None" = None  # the run's event log, once the session has one
 
     def pending(self) -> bool:
         """Whether this rank holds a host update no host check took yet (a lost join found is announced first)."""
@@ -63,9 +66,11 @@ class HorovodHostUpdates:
 
     def announce(self, hosts: Iterable[str]) -> None:
         """Tell this rank's host check that ``hosts`` were added (the driver's own message was lost)."""
-        names = ", ".join(sorted(hosts))
+        names = tuple(sorted(hosts))
         log.warning("%s became ready to join as the ring formed and is not in it (Horovod's driver told no rank): "
-                    "the ring resets to take it", names)
+                    "the ring resets to take it", ", ".join(names))
+        if self.events is not None:
+            self.events.emit(ev.HostUpdateAnnounced(change=ev.ANNOUNCED_JOIN, hosts=names))
         self._put(HOSTS_ADDED)
 
     def announce_removal(self, hosts: Sequence[str]) -> None:

@@ -83,6 +83,8 @@ class Session:
         if self.impl is None:
             self.impl = self._make_impl(self.config, self._make_collectives())
             self.impl.host_updates = self.host_updates
+            if self.host_updates is not None:
+                self.host_updates.events = self.impl.events
             self._closer = weakref.finalize(self, self.impl.close)  # at exit at the latest
             crc, full_crc = self.trainee.crcs()
             self.impl.events.emit(ev.Start(step=step, rank=self.impl.comm.rank(), size=self.impl.comm.size(),

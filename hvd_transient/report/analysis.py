@@ -160,10 +160,19 @@ def analyze(events: ParsedLog | Iterable[AnyRecord | Mapping[str, Any]], *,
         saves_failed=saves_failed_of(records),
         event_count=len(every),
         keeper=summarize_keeper(keeper_records, records) if keeper_records else None,
+        host_updates_announced=host_updates_announced_of(records),
         skipped_events=parsed.skipped,
     )
 
 
+def host_updates_announced_of(records: Iterable[AnyRecord]) -> dict[str, int]:
+    """VMs rank 0 announced to its host check, by change (``join``, ``removal``): the driver had lost its message."""
+    counts: dict[str, int] = defaultdict(int)
+    for e in _of(records, ev.HostUpdateAnnounced):
+        counts[e.body.change] += len(e.body.hosts)
+    return dict(sorted(counts.items()))
+
+
 __all__ = ["BLOCKING_SAVE_KINDS", "Commit", "FINISHED", "JobAttempt", "Join", "KILLED", "KeeperSummary", "LOST",
            "LrChange", "NoEventsError", "PREEMPTED", "Preemption", "ProgressPoint", "Ring", "RunAnalysis",
-           "TimelineEntry", "Worker", "analyze"]
+           "TimelineEntry", "Worker", "analyze", "host_updates_announced_of"]

@@ -80,6 +80,9 @@ def render_summary(analysis: RunAnalysis) -> str:
         f"bytes written:        {a.bytes_written / 1e6:.2f} MB (all committed and attempted saves)",
         "learning rate:        " + (" -> ".join(f"{c.lr:g}" for c in a.lr_changes) or "-"),
         "final weights agree:  " + _yes(a.weights_consistent),
+        "driver messages lost: " + (", ".join(f"{n} {change}{'s' if n > 1 else ''}" for change, n
+                                              in a.host_updates_announced.items()) + " announced by rank 0"
+                                    if a.host_updates_announced else "none"),
         f"events:               {a.event_count} read" + (
             f"; {a.skipped_count} skipped as unreadable ({', '.join(f'{k} {n}' for k, n in a.skipped_events.items())})"
             if a.skipped_events else ""),
@@ -221,6 +224,7 @@ def to_json(analysis: RunAnalysis, cost: CostEstimate | None) -> dict[str, Any]:
         "bytes_written": a.bytes_written,
         "saves_failed": a.saves_failed,
         "weights_consistent": a.weights_consistent,
+        "host_updates_announced": dict(a.host_updates_announced),
         "event_count": a.event_count,
         "skipped_event_count": a.skipped_count,
         "skipped_events": dict(a.skipped_events),

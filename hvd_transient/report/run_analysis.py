@@ -183,6 +183,8 @@ class RunAnalysis:
     saves_failed: int
     event_count: int
     keeper: KeeperSummary | None = None
+    #: ``join`` / ``removal`` -> VMs rank 0 announced to its host check because Horovod's driver lost its message
+    host_updates_announced: Mapping[str, int] = field(default_factory=dict)
     #: kind -> events of it the analysis skipped: unreadable, or not of their kind's declared types
     skipped_events: Mapping[str, int] = field(default_factory=dict)
 

@@ -86,6 +86,9 @@ def _describe(e: AnyRecord, rings: Sequence[Ring], once: Callable[[tuple[Any, ..
         return f"training ended at step {b.step}"
     if isinstance(b, ev.Weights) and once(("weights", b.step)):
         return f"final weights at step {b.step} on {b.size} workers"
+    if isinstance(b, ev.HostUpdateAnnounced):
+        return (f"Horovod's driver lost the {b.change} of {', '.join(b.hosts)}: rank 0 announced it to its "
+                "host check")
     if isinstance(b, ev.LeaseError):
         return f"lease error: {b.error}"
     if isinstance(b, ev.KEEPER_KINDS):

@@ -293,6 +293,22 @@ class LeavingPruned(EventBody):
     hosts: tuple[str, ...]
 
 
+#: :class:`HostUpdateAnnounced` ``change``: a VM that Horovod's driver listed but told no rank of, or dropped
+ANNOUNCED_JOIN = "join"
+ANNOUNCED_REMOVAL = "removal"
+
+
+@_declare("host_update_announced")
+@dataclass(frozen=True)
+class HostUpdateAnnounced(EventBody):
+    """(rank 0) Horovod's driver lost its one message of a change in the hosts discovery lists (it came as
+    the ring re-formed): rank 0 announced it to its own host check. ``change``: ``join`` (a standby ready
+    as the ring formed, not in it) or ``removal`` (a VM under notice still in the ring past its due time)."""
+
+    change: str
+    hosts: tuple[str, ...]
+
+
 @_declare("lease_error")
 @dataclass(frozen=True)
 class LeaseError(EventBody):
@@ -550,9 +566,10 @@ def from_json_dict(raw: Mapping[str, Any]) -> Record[EventBody] | None:
                   cls(**values))
 
 
-__all__ = ["ENVELOPE", "KINDS", "AsyncSave", "Commit", "EarlyWarning", "Election", "EventBody", "FirstStep",
-           "KEEPER_KINDS", "KeeperBudget", "KeeperCost", "KeeperError", "KeeperFallback", "KeeperJob",
-           "KeeperRefill", "KeeperRelease", "KeeperStart", "KeeperStockout", "LeaseError", "LeaveMoved",
-           "LeavePublished", "LeavingPruned", "Lr", "Notice", "NoticeAgreed", "Progress", "Record", "Reset", "Restore",
-           "ResumeAt", "Ring", "SaveEnd", "SaveFailed", "SaveSkipped", "SaveStart", "Start", "StopRequested",
-           "TrainEnd", "WaitInflight", "InflightCancelled", "Weights", "from_json_dict", "to_json_dict"]
+__all__ = ["ANNOUNCED_JOIN", "ANNOUNCED_REMOVAL", "ENVELOPE", "KINDS", "AsyncSave", "Commit", "EarlyWarning",
+           "Election", "EventBody", "FirstStep", "HostUpdateAnnounced", "KEEPER_KINDS", "KeeperBudget", "KeeperCost",
+           "KeeperError", "KeeperFallback", "KeeperJob", "KeeperRefill", "KeeperRelease", "KeeperStart",
+           "KeeperStockout", "LeaseError", "LeaveMoved", "LeavePublished", "LeavingPruned", "Lr", "Notice",
+           "NoticeAgreed", "Progress", "Record", "Reset", "Restore", "ResumeAt", "Ring", "SaveEnd", "SaveFailed",
+           "SaveSkipped", "SaveStart", "Start", "StopRequested", "TrainEnd", "WaitInflight", "InflightCancelled",
+           "Weights", "from_json_dict", "to_json_dict"]
