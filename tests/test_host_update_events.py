@@ -93,3 +93,17 @@ def test_the_report_counts_announced_hosts_by_change(tmp_path: Path) -> None:
     analysis = analyze(read_records(store))
     assert analysis.host_updates_announced == {"removal": 3}
     assert "driver messages lost: 3 removals announced by rank 0" in render_summary(analysis)
+
+
+def test_a_vm_still_in_the_ring_keeps_its_announce_count_even_where_its_notice_was_not_read_again() -> None:
+    """A notice that reads clear for a moment (the VM says it is not leaving as the next ring begins) must not
+    give its VM two more announces for the same due time: the count is kept while the VM is in the ring."""
+    t = {"wall": time.time()}
+    group, impls, state, updates, deadline = _leave_at_notice(t)
+    step, raised_at = _step_until_reset(group, impls, state, t, 1, deadline)
+    assert raised_at is not None
+    impls[2].watcher.notice = None
+    group.run(lambda r: impls[r].begin(step))
+    assert set(impls[0].run.removals_announced) == {"h2"}
+    for impl in impls:
+        impl.close()

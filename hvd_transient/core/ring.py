@@ -69,8 +69,8 @@ class RunState:
     #: version) in the store (epoch seconds, agreed); discovery drops a VM only once it is there
     landed_at_of: dict[str, float] = field(default_factory=dict)
     #: VMs whose removal this rank (as rank 0) announced to its own host check (see ``lost_removals``), kept
-    #: across rings while the VM stays in them under notice, so that a VM discovery still lists is not announced
-    #: at every ring (dropped with ``due_at_of``'s entry once the VM is gone)
+    #: across rings while the VM stays in them, so that a VM discovery still lists is not announced at every
+    #: ring (dropped once the VM is gone from the ring)
     removals_announced: dict[str, "RemovalAnnounced"] = field(default_factory=dict)
     ring_began_wall: float = 0.0        # when this ring began: the latest wall clock its members said (agreed)
     #: every name each member's VM goes by, in rank order (Horovod's host first; see ``host_names``)
@@ -115,8 +115,9 @@ class RunState:
         self.leave_at_of = {h: at for h, at in self.leave_at_of.items() if h in staying}
         self.due_at_of = {h: at for h, at in self.due_at_of.items() if h in staying}
         self.landed_at_of = {h: at for h, at in self.landed_at_of.items() if h in staying}
-        # what was announced of a VM gone from the ring counts no more (a notice after it rejoins has a new due time)
-        self.removals_announced = {h: a for h, a in self.removals_announced.items() if h in staying}
+        # what was announced of a VM gone from the ring counts no more (a notice after it rejoins has a new due
+        # time); a VM still in it keeps its count, under notice or not (a notice read again has the same one)
+        self.removals_announced = {h: a for h, a in self.removals_announced.items() if h in self.hosts}
         timed = {h: s for h, s in gone.items() if s >= 0.0}
         if timed:
             self.departure_s = max(self.departure_s or 0.0, *timed.values())
