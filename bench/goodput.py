@@ -440,6 +440,7 @@ def summarize(out: dict[str, Any], plan: TracePlan, cfg: Config) -> dict[str, An
         "ours_steps_rolled_back": results["ours"].steps_rolled_back if "ours" in results else None,
         "ours_leave": cfg.leave, "ours_leave_lead_s": cfg.leave_lead,  # None: measured by the product
         "ours_leave_leads_s": list(results["ours"].leave_leads_s) if "ours" in results else None,
+        "ours_host_updates_announced": dict(results["ours"].host_updates_announced) if "ours" in results else None,
         "preemptions": plan.preemptions, "waves": len(plan.waves), "launches": out["launches"],
         "errors": out["errors"], "load": {k: asdict(v) if v else None for k, v in out.get("load", {}).items()},
         "step_time_ratio_by_size": {v: {str(k): r for k, r in ratio_by_size(g.ring_paces).items()}
@@ -482,7 +483,11 @@ def _leads(summary: dict[str, Any]) -> str:
     if not leads:
         return ""
     said = ", ".join("at once" if s is None else f"{s:.1f}" for s in leads)
-    return f". hvd-transient left its VMs this many seconds before their deadlines, in order: {said}"
+    announced = summary.get("ours_host_updates_announced") or {}
+    lost = ("; Horovod's driver lost its message of " + ", ".join(f"{n} {change}(s)" for change, n in
+                                                                   announced.items())
+            + ", which rank 0 announced" if announced else "")
+    return f". hvd-transient left its VMs this many seconds before their deadlines, in order: {said}{lost}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -125,3 +125,19 @@ def test_the_table_names_a_variant_that_failed_and_why() -> None:
     assert [c[0] for c in cells] == ["hvd-transient", "plain Horovod elastic", "checkpoint-restart"]
     assert cells[0][1] == "0.900" and cells[2][1] == "0.600"
     assert cells[1][1] == "failed" and cells[1][-1] == "ClusterError: failure count == 3 -> stop running"
+
+
+def test_the_table_says_which_driver_messages_rank_0_announced() -> None:
+    """A run where Horovod's driver lost a message says so beside the leads, so that a stall it caused is not
+    read as the protocol's; a run where none was lost says nothing of it."""
+    from bench import goodput as gp
+    from hvd_transient.report.goodput import Goodput
+
+    ours = Goodput("ours", useful_samples=900, ideal_samples=1000.0, final_step=10, steps_rolled_back=0,
+                   preemptions_seen=1, host_updates_announced={"join": 1})
+    out = {"results": {"ours": ours}, "launches": {"ours": 1}, "errors": {}, "rates": {1: 10.0}}
+    summary = {"cost_per_m_samples_spot_by_variant": {"ours": 0.1}, "cost_per_m_samples_on_demand": 0.3,
+               "instance_type": "n1", "ours_leave_leads_s": [4.0], "ours_host_updates_announced": {"join": 1}}
+    assert "Horovod's driver lost its message of 1 join(s), which rank 0 announced" in gp.table(out, summary)
+    summary["ours_host_updates_announced"] = {}
+    assert "driver lost" not in gp.table(out, summary)

@@ -93,6 +93,17 @@ def test_lost_time_phases_add_up_to_the_loss() -> None:
     assert sum(g.lost_phases_s.values()) == pytest.approx(max(lost, 0.0), abs=0.01)  # the remainder is signed
 
 
+def test_a_runs_goodput_carries_the_driver_messages_rank_0_announced() -> None:
+    log = preempted_worker_log()
+    log.add(8.0, "host_update_announced", "A", None, change="removal", hosts=["C"])
+    g = goodput("ours", analyze(log.events), t0=T0, duration_s=20.0, availability=((0.0, 3), (5.5, 2)),
+                rates={2: 2 * 5.0, 3: 3 * 5.0}, batch_size=1, final=100)
+    assert g.host_updates_announced == {"removal": 1}
+    plain = goodput("ours", analyze(preempted_worker_log().events), t0=T0, duration_s=20.0,
+                    availability=((0.0, 3), (5.5, 2)), rates={2: 2 * 5.0, 3: 3 * 5.0}, batch_size=1, final=100)
+    assert plain.host_updates_announced == {}
+
+
 def test_costs_per_million_useful_samples() -> None:
     # 2 VMs for an hour at 1 $/h spot: 2 $ for 1M useful samples; on demand a ring of 3 does 240/s at 3 $/h each
     assert cost_per_m_samples(1_000_000, ((0.0, 2),), 3600.0, 1.0) == pytest.approx(2.0)

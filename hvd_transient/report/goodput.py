@@ -353,6 +353,8 @@ class Goodput:
     ring_paces: tuple[RingPace, ...] = ()
     #: the run's steady step time over the calibration's (:func:`step_time_ratio`); None: not measured
     step_time_ratio: float | None = None
+    #: VMs rank 0 announced to its host check because Horovod's driver lost its message, by change
+    host_updates_announced: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def goodput(self) -> float:
@@ -397,7 +399,8 @@ def goodput(variant: str, run: RunAnalysis, *, t0: float, duration_s: float, ava
         pace_s |= {k: v / own_mean for k, v in samples.items()}
     return Goodput(variant, useful, ideal, step, max((p.steps_rolled_back for p in inside), default=0),
                    len(inside), lost_phases(run, t0, t_end, max(0.0, lost), gaps_s=gaps, pace_s=pace_s),
-                   steps_redone(run, t_end), tuple(p.leave_lead_s for p in inside), paces, ratio)
+                   steps_redone(run, t_end), tuple(p.leave_lead_s for p in inside), paces, ratio,
+                   dict(run.host_updates_announced))
 
 
 @dataclass(frozen=True)
