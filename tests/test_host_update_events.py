@@ -8,13 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 from horovod.common.elastic import State
 from horovod.common.exceptions import HostsUpdatedInterrupt
-from test_host_check_attacks_second_round import _leave_at_notice, _step_until_reset
+from test_host_check_attacks_second_round import CountingUpdates, _leave_at_notice, _step_until_reset
 from test_protocol_agreement import events
 
 from ckpt_service.stores.local import LocalStore
-from hvd_transient.core.leave_plan import RemovalAnnounced, after_announcing
+from hvd_transient.core.interfaces import Clocks
+from hvd_transient.core.leave_plan import RemovalAnnounced, after_announcing, announces_said, merged_announces
+from hvd_transient.core.transient import TransientImpl
 from hvd_transient.discovery.ready import publish_ready
 from hvd_transient.frontend.host_updates import HorovodHostUpdates, check_host_updates_and_sync
 from hvd_transient.frontend.lost_joins import LostJoins, MemberSeen, RingSeen
@@ -106,4 +109,45 @@ def test_a_vm_still_in_the_ring_keeps_its_announce_count_even_where_its_notice_w
     group.run(lambda r: impls[r].begin(step))
     assert set(impls[0].run.removals_announced) == {"h2"}
     for impl in impls:
+        impl.close()
+
+
+def test_a_new_ring_merges_what_its_members_remember_and_ignores_what_is_malformed() -> None:
+    said_old = announces_said({"h2": RemovalAnnounced(100.0, 2, "r1"), "h9": RemovalAnnounced(50.0, 1, "r0")})
+    said_new = announces_said({"h2": RemovalAnnounced(100.0, 1, "r1")})
+    junk: list[Any] = ["x", None, [["h2", "soon", 5, "r"]], [["h2", 100.0, True, "r"]], [["h2", 1e999, 3, "r"]],
+                       [["h2", 100.0, 0, "r"]], [[7, 100.0, 3, "r"]], [["h2", 100.0, 3]], {"h2": 1}]
+    merged = merged_announces([said_new, *junk, said_old], ["h1", "h2"])
+    assert merged == {"h2": RemovalAnnounced(100.0, 2, "r1")}  # the highest count; h9 is not in the ring
+    later = announces_said({"h2": RemovalAnnounced(120.0, 1, "r5")})
+    assert merged_announces([said_old, later], ["h2"]) == {"h2": RemovalAnnounced(120.0, 1, "r5")}
+
+
+def test_a_newcomer_that_becomes_rank_0_goes_on_from_the_count_the_ring_kept() -> None:
+    """Rank 0 announced h2 twice; then h0 and h1 are gone and a newcomer h3, which saw none of it, is rank 0 of
+    the ring h3, h2 (h2 still listed, still under notice): it learns the count at the ring's start, from h2,
+    and announces nothing more for that due time."""
+    t = {"wall": time.time()}
+    group, impls, state, updates, deadline = _leave_at_notice(t)
+    step = 1
+    for _ in range(2):
+        step, raised_at = _step_until_reset(group, impls, state, t, step, deadline)
+        assert raised_at is not None
+        state.on_reset()
+        group.run(lambda r: impls[r].begin(step))
+    assert updates.removals == 2 and impls[2].run.removals_announced["h2"].count == 2
+    for impl in impls[:2]:
+        impl.close()
+    group2 = ThreadGroup(2, timeout_s=10.0)
+    newcomer = TransientImpl(impls[2].config, FakeCollectives(group2, 0), host="h3", watcher=FakeWatcher(),
+                             clocks=Clocks(wall=lambda: t["wall"]))
+    state3 = State(bcast_object=lambda obj: obj, get_rank=lambda: 0)
+    newcomer.host_updates = CountingUpdates(state3)
+    impls[2].comm = FakeCollectives(group2, 1)
+    ring = [newcomer, impls[2]]
+    group2.run(lambda r: ring[r].begin(step))
+    assert newcomer.run.removals_announced["h2"].count == 2
+    _, raised_at = _step_until_reset(group2, ring, state3, t, step, deadline)
+    assert raised_at is None and newcomer.host_updates.removals == 0
+    for impl in ring:
         impl.close()

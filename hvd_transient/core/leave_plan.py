@@ -165,6 +165,32 @@ def lost_removals(due_at_of: Mapping[str, float], landed_at_of: Mapping[str, flo
     return sorted(out)
 
 
+def announces_said(announced: Mapping[str, RemovalAnnounced]) -> list[list[object]]:
+    """What a rank says of ``announced`` in a ring's first allgather (JSON): ``[host, due, count, ring]`` each."""
+    return [[host, a.due, a.count, a.ring] for host, a in sorted(announced.items())]
+
+
+def merged_announces(said: Sequence[object], hosts: Collection[str]) -> dict[str, RemovalAnnounced]:
+    """What the members of a new ring of ``hosts`` said they remember of announced removals (each member's
+    :func:`announces_said`, in rank order), merged (pure; the same on every rank): per VM of the ring, the
+    latest due time, and for it the highest count. Every rank keeps the count, not only rank 0, so a new
+    rank 0 (the old one left) knows it; a newcomer learns it here. What is malformed is ignored."""
+    out: dict[str, RemovalAnnounced] = {}
+    for member in said:
+        for entry in member if isinstance(member, (list, tuple)) else ():
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 4):
+                continue
+            host, due, count, ring = entry
+            if not (isinstance(host, str) and host in hosts and isinstance(due, (int, float))
+                    and not isinstance(due, bool) and math.isfinite(due) and isinstance(count, int)
+                    and not isinstance(count, bool) and count >= 1 and isinstance(ring, str)):
+                continue
+            prev = out.get(host)
+            if prev is None or (due, count) > (prev.due, prev.count):
+                out[host] = RemovalAnnounced(float(due), count, ring)
+    return out
+
+
 def after_announcing(announced: Mapping[str, RemovalAnnounced], lost: Collection[str],
                      due_at_of: Mapping[str, float], *, ring: str) -> dict[str, RemovalAnnounced]:
     """``announced`` once the removals of ``lost`` (from :func:`lost_removals`) were announced on ``ring``
@@ -177,5 +203,5 @@ def after_announcing(announced: Mapping[str, RemovalAnnounced], lost: Collection
 
 
 __all__ = ["EPOCH_END_SPEEDUP", "LOST_REMOVAL_AFTER_S", "LeavePlan", "MAX_REMOVAL_ANNOUNCES", "RemovalAnnounced",
-           "STALE_DEPARTURE_S", "after_announcing", "departure_stale", "departures_due", "epoch_end_s", "lost_removals",
-           "plan_for_round", "plan_leave", "steps_to_next_round"]
+           "STALE_DEPARTURE_S", "after_announcing", "announces_said", "departure_stale", "departures_due",
+           "epoch_end_s", "lost_removals", "merged_announces", "plan_for_round", "plan_leave", "steps_to_next_round"]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ckpt_service.deadline import Deadline
 from ckpt_service.lease import Lease
 from hvd_transient.core.election import elect_master
+from hvd_transient.core.leave_plan import merged_announces
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import EventLog
 
@@ -68,9 +69,10 @@ class RunState:
     #: VMs under notice still in this ring: the round that first found their leaving record (its latest
     #: version) in the store (epoch seconds, agreed); discovery drops a VM only once it is there
     landed_at_of: dict[str, float] = field(default_factory=dict)
-    #: VMs whose removal this rank (as rank 0) announced to its own host check (see ``lost_removals``), kept
-    #: across rings while the VM stays in them, so that a VM discovery still lists is not announced at every
-    #: ring (dropped once the VM is gone from the ring)
+    #: VMs whose removal rank 0 announced to its own host check (see ``lost_removals``; every rank keeps the
+    #: same count, and a new ring merges what its members say: ``merged_announces``), kept across rings while
+    #: the VM stays in them, so that a VM discovery still lists is not announced at every ring, whichever
+    #: process is rank 0 (dropped once the VM is gone from the ring)
     removals_announced: dict[str, "RemovalAnnounced"] = field(default_factory=dict)
     ring_began_wall: float = 0.0        # when this ring began: the latest wall clock its members said (agreed)
     #: every name each member's VM goes by, in rank order (Horovod's host first; see ``host_names``)
@@ -79,11 +81,12 @@ class RunState:
     member_ids: list[str | None] = field(default_factory=list)
 
     def start_ring(self, step: int, members: list[Any], *, now: float, wall: float = 0.0) -> int | None:
-        """Take on the ring whose members said ``[host, leaving, token, names, instance id, wall clock]`` in
-        rank order (the same list on every rank), starting at ``step`` at monotonic time ``now`` (``wall``: this
-        rank's wall clock, where no member said one); returns the previous ring's master (None on the first
-        ring)."""
+        """Take on the ring whose members said ``[host, leaving, token, names, instance id, wall clock,
+        announced removals]`` in rank order (the same list on every rank), starting at ``step`` at monotonic
+        time ``now`` (``wall``: this rank's wall clock, where no member said one); returns the previous ring's
+        master (None on the first ring)."""
         self.hosts = [str(m[0]) for m in members]
+        self.removals_announced = merged_announces([m[6] if len(m) > 6 else () for m in members], self.hosts)
         self.member_names = [member_names(m) for m in members]
         self.member_ids = [m[4] if len(m) > 4 and isinstance(m[4], str) and m[4] else None for m in members]
         # when the ring began on the clock the rounds share (theirs is the latest any rank reads, too)

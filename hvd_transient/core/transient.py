@@ -78,7 +78,7 @@ from hvd_transient.core.election import NoticeRound
 from hvd_transient.core.emergency import Emergency
 from hvd_transient.core.hostname import default_host, host_names
 from hvd_transient.core.interfaces import Clocks, Collectives, HostUpdates, NoticeSource, configured_watcher
-from hvd_transient.core.leave_plan import LOST_REMOVAL_AFTER_S, after_announcing, lost_removals
+from hvd_transient.core.leave_plan import LOST_REMOVAL_AFTER_S, after_announcing, announces_said, lost_removals
 from hvd_transient.core.leaving import Departure, prune_expired
 from hvd_transient.core.notice_round import EarlyWarnings, NoticeRounds, StepOutcome
 from hvd_transient.core.ring import RunState, move_lease, ring_id
@@ -153,8 +153,10 @@ class TransientImpl:
         # Each also says every name its VM goes by: rank 0 tells a VM that joined from one that did not
         # (hvd_transient/frontend/lost_joins.py) where discovery lists VMs by another name than their own.
         instance_id = getattr(self.watcher, "instance_id", None)
+        # And what it remembers of removals rank 0 announced: a new rank 0, or a newcomer, learns the count.
         members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8), host_names(self.host),
-                                            instance_id if isinstance(instance_id, str) else None, self.clocks.wall()])
+                                            instance_id if isinstance(instance_id, str) else None, self.clocks.wall(),
+                                            announces_said(self.run.removals_announced)])
         previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic(), wall=self.clocks.wall())
         for host, seconds in self.run.time_departures(self.clocks.wall()).items():
             log.info("%s left %.1f s after its leave_at; the next VM under notice leaves %.1f s before its deadline",
@@ -329,14 +331,15 @@ class TransientImpl:
                            check_hosts=self.run.departure_pending and not self._departures_wait())
 
     def _announce_lost_removals(self, round_: NoticeRound) -> None:
-        """Rank 0 (whose host updates Horovod's check broadcasts): a VM under notice still in the ring
-        ``LOST_REMOVAL_AFTER_S`` past both the time it was due to leave and the round that found its leaving
-        record in the store, as this round agrees, means the driver's one message of its removal was lost (it
-        came while the ring re-formed). Rank 0 announces the removal to its own host check (at most twice per
-        VM and due time: :func:`lost_removals`), so the check that runs at every step while the departure is
-        due resets the ring, and the driver forms the new one without the VM."""
+        """A VM under notice still in the ring ``LOST_REMOVAL_AFTER_S`` past both the time it was due to leave
+        and the round that found its leaving record in the store, as this round agrees, means the driver's one
+        message of its removal was lost (it came while the ring re-formed). Rank 0 (whose host updates
+        Horovod's check broadcasts) announces the removal to its own host check (at most twice per VM and due
+        time: :func:`lost_removals`), so the check that runs at every step while the departure is due resets
+        the ring, and the driver forms the new one without the VM. Every rank keeps the count (from the round
+        alone: the same everywhere), so a new rank 0 goes on from it."""
         run = self.run
-        if self.host_updates is None or self.comm.rank() != 0 or not run.departure_pending:
+        if self.host_updates is None or not run.departure_pending:
             return
         # never later than half what the lead keeps for leaving (a short leave_lead_s), so the reset fits
         after = min(LOST_REMOVAL_AFTER_S, self.config.departure_allowance_s(run.departure_s) / 2)
@@ -345,6 +348,8 @@ class TransientImpl:
                              after_s=after)
         if lost:
             run.removals_announced = after_announcing(run.removals_announced, lost, run.due_at_of, ring=run.ring_id)
+            if self.comm.rank() != 0:
+                return
             log.warning("%s should have left the ring by now (Horovod's driver told no rank it was dropped): "
                         "the ring resets without it", ", ".join(lost))
             self.events.emit(ev.HostUpdateAnnounced(change=ev.ANNOUNCED_REMOVAL, hosts=tuple(lost)))

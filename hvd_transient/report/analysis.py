@@ -169,7 +169,8 @@ def host_updates_announced_of(records: Iterable[AnyRecord]) -> dict[str, int]:
     """VMs rank 0 announced to its host check, by change (``join``, ``removal``): the driver had lost its message."""
     counts: dict[str, int] = defaultdict(int)
     for e in _of(records, ev.HostUpdateAnnounced):
-        counts[e.body.change] += len(e.body.hosts)
+        if e.body.hosts:  # rank 0 never announces nobody: an empty list says nothing
+            counts[e.body.change] += len(e.body.hosts)
     return dict(sorted(counts.items()))
 
 
