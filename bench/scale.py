@@ -134,6 +134,10 @@ def run_ring(n: int, store: str, root: str, work: Path, cfg: Config) -> dict[str
             joined = cluster.wait_for(lambda ev: [e["step"] for e in ev if e.get("event") == "first_step"
                                                   and e["host"] == spare], STEP_TIMEOUT_S, f"{spare} to join")
             cluster.wait_for_step(max(joined) + cfg.after_join_steps, STEP_TIMEOUT_S, size=n)
+            # a survivor's first step on the grown ring may still be on its way to the log (first_step is not
+            # written at once): the stall is read once every survivor's is there
+            cluster.wait_for(lambda ev: any(j.host == spare and j.stall_s is not None for j in analyze(ev).joins),
+                             STEP_TIMEOUT_S, f"the survivors' first step with {spare}")
         events = cluster.events()
     run = analyze(events)
     p = run.preemption_of(target, after=notice_at)

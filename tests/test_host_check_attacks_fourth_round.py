@@ -28,6 +28,7 @@ from hvd_transient.core.leave_plan import (
     RemovalAnnounced,
     after_announcing,
     announces_said,
+    departures_said,
     lost_removals,
 )
 from hvd_transient.core.ring import RunState
@@ -249,10 +250,12 @@ def test_held_pruning_keeps_a_vm_in_the_ring_and_drops_one_gone() -> None:
     run = RunState()
     run.start_ring(0, [["h0", False, "t"], ["h1", True, "t"], ["h1", True, "t"], ["h2", True, "t"]], now=0.0)
     run.removals_announced = {"h1": RemovalAnnounced(5.0, 2, "x"), "h2": RemovalAnnounced(6.0, 1, "x")}
+    run.due_at_of = {"h1": 5.0, "h2": 6.0}
     said = announces_said(run.removals_announced)  # what every member says at the next ring's start
+    times = departures_said(run.due_at_of, {})
 
     def member(host: str, leaving: bool, token: str) -> list[Any]:
-        return [host, leaving, token, [host], None, 0.0, said]
+        return [host, leaving, token, [host], None, 0.0, said, times]
 
     run.start_ring(1, [member("h2", False, "u"), member("h1", True, "u"), member("h0", False, "u"),
                        member("h1", False, "u")], now=1.0)

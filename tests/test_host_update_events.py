@@ -16,7 +16,14 @@ from test_protocol_agreement import events
 
 from ckpt_service.stores.local import LocalStore
 from hvd_transient.core.interfaces import Clocks
-from hvd_transient.core.leave_plan import RemovalAnnounced, after_announcing, announces_said, merged_announces
+from hvd_transient.core.leave_plan import (
+    RemovalAnnounced,
+    after_announcing,
+    announces_said,
+    departures_said,
+    merged_announces,
+    merged_departures,
+)
 from hvd_transient.core.transient import TransientImpl
 from hvd_transient.discovery.ready import publish_ready
 from hvd_transient.frontend.host_updates import HorovodHostUpdates, check_host_updates_and_sync
@@ -115,12 +122,16 @@ def test_a_vm_still_in_the_ring_keeps_its_announce_count_even_where_its_notice_w
 def test_a_new_ring_merges_what_its_members_remember_and_ignores_what_is_malformed() -> None:
     said_old = announces_said({"h2": RemovalAnnounced(100.0, 2, "r1"), "h9": RemovalAnnounced(50.0, 1, "r0")})
     said_new = announces_said({"h2": RemovalAnnounced(100.0, 1, "r1")})
-    junk: list[Any] = ["x", None, [["h2", "soon", 5, "r"]], [["h2", 100.0, True, "r"]], [["h2", 1e999, 3, "r"]],
-                       [["h2", 100.0, 0, "r"]], [[7, 100.0, 3, "r"]], [["h2", 100.0, 3]], {"h2": 1}]
-    merged = merged_announces([said_new, *junk, said_old], ["h1", "h2"])
-    assert merged == {"h2": RemovalAnnounced(100.0, 2, "r1")}  # the highest count; h9 is not in the ring
-    later = announces_said({"h2": RemovalAnnounced(120.0, 1, "r5")})
-    assert merged_announces([said_old, later], ["h2"]) == {"h2": RemovalAnnounced(120.0, 1, "r5")}
+    junk: list[Any] = ["x", None, [["h2", "soon", 5, "r"]], [["h2", 100.0, True, "r"]], [["h2", 10**400, 3, "r"]],
+                       [["h2", 100.0, 0, "r"]], [[7, 100.0, 3, "r"]], [["h2", 100.0, 3]], {"h2": 1},
+                       [["h2", 120.0, 5, "r"]]]  # a count for another due time counts for nothing
+    merged = merged_announces([said_new, *junk, said_old], {"h1": 90.0, "h2": 100.0})
+    assert merged == {"h2": RemovalAnnounced(100.0, 2, "r1")}  # the highest count; h9 is not under notice here
+    # what the members know of the VMs under notice: the first member's that says it, the same on every rank
+    due, landed = merged_departures([[], "junk", [["h2", 10**400, 1.0], ["h2", 100.0, 101.0], ["h1", 90.0, None],
+                                                   ["h7", 1.0, 2.0]], [["h2", 99.0, 98.0]]], ["h1", "h2"])
+    assert due == {"h2": 100.0, "h1": 90.0} and landed == {"h2": 101.0}
+    assert departures_said({"h2": 100.0, "h1": 90.0}, {"h2": 101.0}) == [["h1", 90.0, None], ["h2", 100.0, 101.0]]
 
 
 def test_a_newcomer_that_becomes_rank_0_goes_on_from_the_count_the_ring_kept() -> None:

@@ -165,29 +165,69 @@ def lost_removals(due_at_of: Mapping[str, float], landed_at_of: Mapping[str, flo
     return sorted(out)
 
 
+def finite_number(value: object) -> float | None:
+    """A finite JSON number as a float, else None (a bool, a string, NaN, an int too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def announces_said(announced: Mapping[str, RemovalAnnounced]) -> list[list[object]]:
     """What a rank says of ``announced`` in a ring's first allgather (JSON): ``[host, due, count, ring]`` each."""
     return [[host, a.due, a.count, a.ring] for host, a in sorted(announced.items())]
 
 
-def merged_announces(said: Sequence[object], hosts: Collection[str]) -> dict[str, RemovalAnnounced]:
-    """What the members of a new ring of ``hosts`` said they remember of announced removals (each member's
-    :func:`announces_said`, in rank order), merged (pure; the same on every rank): per VM of the ring, the
-    latest due time, and for it the highest count. Every rank keeps the count, not only rank 0, so a new
-    rank 0 (the old one left) knows it; a newcomer learns it here. What is malformed is ignored."""
+def departures_said(due_at_of: Mapping[str, float], landed_at_of: Mapping[str, float]) -> list[list[object]]:
+    """What a rank says in a ring's first allgather (JSON) of the VMs under notice it knows: ``[host, due time,
+    landed time or None]`` each (``RunState.due_at_of``, ``landed_at_of``)."""
+    return [[host, due, landed_at_of.get(host)] for host, due in sorted(due_at_of.items())]
+
+
+def merged_departures(said: Sequence[object], hosts: Collection[str]) -> tuple[dict[str, float], dict[str, float]]:
+    """The due and landed times of the VMs of a new ring of ``hosts``, from what its members said
+    (:func:`departures_said` each, in rank order; pure, the same on every rank): per VM, the first member's that
+    says one. The rounds agree on them, so the members that saw those rounds say the same; a newcomer, which did
+    not, learns them here (else it would never look for the VM's lost removal). What is malformed is ignored."""
+    due_at: dict[str, float] = {}
+    landed_at: dict[str, float] = {}
+    for member in said:
+        for entry in member if isinstance(member, (list, tuple)) else ():
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], str)
+                    and entry[0] in hosts and entry[0] not in due_at):
+                continue
+            due, landed = finite_number(entry[1]), finite_number(entry[2])
+            if due is None:
+                continue
+            due_at[entry[0]] = due
+            if landed is not None:
+                landed_at[entry[0]] = landed
+    return due_at, landed_at
+
+
+def merged_announces(said: Sequence[object], due_at_of: Mapping[str, float]) -> dict[str, RemovalAnnounced]:
+    """What the members of a new ring said they remember of announced removals (:func:`announces_said` each, in
+    rank order), merged (pure; the same on every rank): per VM under notice in the ring (``due_at_of``, as
+    :func:`merged_departures` gave it), the highest count said for its current due time. Every rank keeps the
+    count, not only rank 0, so a new rank 0 (the old one left) knows it, and a newcomer learns it here. A count
+    for another due time counts for nothing (the cap is per due time), so no member can lift the cap by saying
+    a later one. What is malformed is ignored."""
     out: dict[str, RemovalAnnounced] = {}
     for member in said:
         for entry in member if isinstance(member, (list, tuple)) else ():
             if not (isinstance(entry, (list, tuple)) and len(entry) == 4):
                 continue
             host, due, count, ring = entry
-            if not (isinstance(host, str) and host in hosts and isinstance(due, (int, float))
-                    and not isinstance(due, bool) and math.isfinite(due) and isinstance(count, int)
-                    and not isinstance(count, bool) and count >= 1 and isinstance(ring, str)):
+            if not (isinstance(host, str) and host in due_at_of and finite_number(due) == due_at_of[host]
+                    and isinstance(count, int) and not isinstance(count, bool) and count >= 1
+                    and isinstance(ring, str)):
                 continue
             prev = out.get(host)
-            if prev is None or (due, count) > (prev.due, prev.count):
-                out[host] = RemovalAnnounced(float(due), count, ring)
+            if prev is None or count > prev.count:
+                out[host] = RemovalAnnounced(due_at_of[host], count, ring)
     return out
 
 
@@ -204,4 +244,5 @@ def after_announcing(announced: Mapping[str, RemovalAnnounced], lost: Collection
 
 __all__ = ["EPOCH_END_SPEEDUP", "LOST_REMOVAL_AFTER_S", "LeavePlan", "MAX_REMOVAL_ANNOUNCES", "RemovalAnnounced",
            "STALE_DEPARTURE_S", "after_announcing", "announces_said", "departure_stale", "departures_due",
-           "epoch_end_s", "lost_removals", "merged_announces", "plan_for_round", "plan_leave", "steps_to_next_round"]
+           "departures_said", "epoch_end_s", "finite_number", "lost_removals", "merged_announces",
+           "merged_departures", "plan_for_round", "plan_leave", "steps_to_next_round"]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ckpt_service.deadline import Deadline
 from ckpt_service.lease import Lease
 from hvd_transient.core.election import elect_master
-from hvd_transient.core.leave_plan import merged_announces
+from hvd_transient.core.leave_plan import finite_number, merged_announces, merged_departures
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import EventLog
 
@@ -86,11 +86,15 @@ class RunState:
         time ``now`` (``wall``: this rank's wall clock, where no member said one); returns the previous ring's
         master (None on the first ring)."""
         self.hosts = [str(m[0]) for m in members]
-        self.removals_announced = merged_announces([m[6] if len(m) > 6 else () for m in members], self.hosts)
+        # what the members know of the VMs under notice and of the removals announced: every rank the same
+        due_at, landed_at = merged_departures([m[7] if len(m) > 7 else () for m in members], self.hosts)
+        self.due_at_of = {**self.due_at_of, **due_at}
+        self.landed_at_of = {**self.landed_at_of, **landed_at}
+        self.removals_announced = merged_announces([m[6] if len(m) > 6 else () for m in members], self.due_at_of)
         self.member_names = [member_names(m) for m in members]
         self.member_ids = [m[4] if len(m) > 4 and isinstance(m[4], str) and m[4] else None for m in members]
         # when the ring began on the clock the rounds share (theirs is the latest any rank reads, too)
-        said = [float(m[5]) for m in members if len(m) > 5 and isinstance(m[5], (int, float))]
+        said = [w for m in members if len(m) > 5 and (w := finite_number(m[5])) is not None]
         self.ring_began_wall = max(said or [wall])
         leaving = [r for r, m in enumerate(members) if m[1]]
         self.ring_id = ring_id([(str(m[0]), str(m[2])) for m in members])
