@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import pytest
 from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
-from horovod.common.elastic import State
-from test_host_check_attacks_second_round import CountingUpdates, _step_until_reset
+from test_host_check_attacks_fourth_round import _every_rank_holds_updates, _reform, _state, _step_until_rank0_raises
+from test_host_check_attacks_second_round import CountingUpdates
 from test_protocol_agreement import events, make_ranks, notice, step_all
 
 from hvd_transient.core.interfaces import Clocks
@@ -35,30 +35,6 @@ from hvd_transient.core.leave_plan import (
     merged_announces,
 )
 from hvd_transient.core.transient import TransientImpl
-
-
-def _state() -> State:
-    return State(bcast_object=lambda obj: obj, get_rank=lambda: 0)
-
-
-def _every_rank_holds_updates(impls: list[Any]) -> list[CountingUpdates]:
-    """As Session does on an elastic job: every rank's protocol holds its own worker's host updates."""
-    out = []
-    for impl in impls:
-        impl.host_updates = CountingUpdates(_state())
-        out.append(impl.host_updates)
-    return out
-
-
-def _step_until_rank0_raises(group: Any, impls: list[Any], t: dict[str, float], step: int,
-                             until: float) -> tuple[int, float | None]:
-    return _step_until_reset(group, impls, impls[0].host_updates.state, t, step, until)
-
-
-def _reform(group: Any, impls: list[Any], step: int) -> None:
-    for impl in impls:
-        impl.host_updates.state.on_reset()
-    group.run(lambda r: impls[r].begin(step))
 
 
 class Says(FakeCollectives):
@@ -103,6 +79,20 @@ def _newcomer(config: Any, group: ThreadGroup, rank: int, host: str, t: dict[str
                          clocks=Clocks(wall=lambda: t["wall"]))
     impl.host_updates = CountingUpdates(_state())
     return impl
+
+
+def _begin_raises(rewrite: Callable[[list[Any]], list[Any]]) -> OverflowError | None:
+    """What the next ring's ``begin`` raised (None: nothing) when h1 of the ring h0-h2 rewrites what it says."""
+    t = {"wall": time.time()}
+    group, impls, _, _ = _h2_under_notice(t)
+    impls[1].comm = Says(group, 1, rewrite)
+    try:
+        _reform(group, impls, 1)
+        return None
+    except OverflowError as exc:
+        return exc
+    finally:
+        _close(impls)
 
 
 def _close(impls: list[Any]) -> None:
@@ -169,16 +159,7 @@ def test_a_member_saying_a_due_time_too_large_for_a_float_crashes_begin_on_every
     10**400 that raises OverflowError ("int too large to convert to float"). Sequence: ring h0,h1,h2; at the next
     ring's start h1 says ``[["h2", 10**400, 1, "x"]]`` (h2 is in the ring). Every rank's ``begin`` raises in
     ``start_ring``: the ring cannot start at all (each retry does the same while h1 says it)."""
-    t = {"wall": time.time()}
-    group, impls, _, _ = _h2_under_notice(t)
-    impls[1].comm = Says(group, 1, _saying([["h2", 10 ** 400, 1, "x"]]))
-    try:
-        _reform(group, impls, 1)
-        crashed = None
-    except OverflowError as exc:
-        crashed = exc
-    _close(impls)
-    assert crashed is None, f"begin raised on the ranks: {crashed!r}"
+    assert _begin_raises(_saying([["h2", 10 ** 400, 1, "x"]])) is None
 
 
 def test_a_member_saying_a_wall_clock_too_large_for_a_float_crashes_begin_on_every_rank() -> None:
@@ -186,21 +167,11 @@ def test_a_member_saying_a_wall_clock_too_large_for_a_float_crashes_begin_on_eve
     in e1f013d, but ``begin`` is the claim's subject): ``start_ring`` takes ``float(m[5])`` of every member's wall
     clock that is an int or float; an int of 10**400 (valid JSON) raises OverflowError on every rank. Sequence:
     ring h0,h1,h2; at the next ring's start h1 says its wall clock is 10**400."""
-    t = {"wall": time.time()}
-    group, impls, _, _ = _h2_under_notice(t)
-
     def huge_wall(obj: list[Any]) -> list[Any]:
         obj[5] = 10 ** 400
         return obj
 
-    impls[1].comm = Says(group, 1, huge_wall)
-    try:
-        _reform(group, impls, 1)
-        crashed = None
-    except OverflowError as exc:
-        crashed = exc
-    _close(impls)
-    assert crashed is None, f"begin raised on the ranks: {crashed!r}"
+    assert _begin_raises(huge_wall) is None
 
 
 # ------------------------------------------------------------------ violations: honest members only
