@@ -22,7 +22,13 @@ from typing import Any, Callable
 
 import pytest
 from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
-from test_host_check_attacks_fourth_round import _every_rank_holds_updates, _reform, _state, _step_until_rank0_raises
+from test_host_check_attacks_fourth_round import (
+    _every_rank_holds_updates,
+    _reform,
+    _rings_until,
+    _state,
+    _step_until_rank0_raises,
+)
 from test_host_check_attacks_second_round import CountingUpdates
 from test_protocol_agreement import events, make_ranks, notice, step_all
 
@@ -115,14 +121,7 @@ def test_a_member_saying_a_later_due_time_erases_the_count_and_the_vm_is_announc
     t = {"wall": time.time()}
     group, impls, updates, deadline = _h2_under_notice(t)
     impls[1].comm = Says(group, 1, _saying([["h2", 1e12, 1, "x"]]))
-    step, ages = 1, []
-    for _ in range(6):
-        began = t["wall"]
-        step, raised_at = _step_until_rank0_raises(group, impls, t, step, deadline)
-        if raised_at is None:
-            break
-        ages.append(raised_at - began)
-        _reform(group, impls, step)
+    step, ages = _rings_until(group, impls, t, 1, deadline, rings=6)
     _close(impls)
     assert _h2_announces(impls) == updates[0].removals
     assert updates[0].removals <= MAX_REMOVAL_ANNOUNCES, \
@@ -231,11 +230,7 @@ def test_a_newcomer_that_is_rank_0_withholds_the_owed_announce_and_the_others_sp
     impls[1].comm, impls[2].comm = FakeCollectives(group2, 0), FakeCollectives(group2, 1)
     ring2 = [impls[1], impls[2]]
     _reform(group2, ring2, step)
-    while t["wall"] < deadline - 1.0:
-        step, raised_at = _step_until_rank0_raises(group2, ring2, t, step, deadline - 1.0)
-        if raised_at is None:
-            break
-        _reform(group2, ring2, step)
+    _rings_until(group2, ring2, t, step, deadline - 1.0, rings=MAX_REMOVAL_ANNOUNCES + 3)
     _close(ring2)
     total = sum(u.removals for u in updates) + h3.host_updates.removals
     # (fixed: the newcomer learns h2's due and landed times at the ring's start, so as rank 0 it announces)

@@ -65,6 +65,21 @@ def _reform(group: Any, impls: list[Any], step: int) -> None:
     group.run(lambda r: impls[r].begin(step))
 
 
+def _rings_until(group: Any, impls: list[Any], t: dict[str, float], step: int, until: float,
+                 rings: int) -> tuple[int, list[float]]:
+    """Up to ``rings`` rings, each stepped until rank 0's host check raises (then re-formed) or ``until``; returns
+    the last step and how long each ring that raised had run."""
+    ages = []
+    for _ in range(rings):
+        began = t["wall"]
+        step, raised_at = _step_until_rank0_raises(group, impls, t, step, until)
+        if raised_at is None:
+            break
+        ages.append(raised_at - began)
+        _reform(group, impls, step)
+    return step, ages
+
+
 # ------------------------------------------------------------------ rule 1/2: violations
 
 def test_rank_0_changing_hands_gives_a_vm_two_more_announces_for_the_same_due_time() -> None:
@@ -102,14 +117,7 @@ def test_rank_0_changing_hands_gives_a_vm_two_more_announces_for_the_same_due_ti
         impl.comm = FakeCollectives(group2, r)
     _reform(group2, survivors, step)
     assert survivors[0].run.due_at_of["h2"] == due  # the same due time, agreed on every rank
-    ages = []
-    for _ in range(2):
-        began = t["wall"]
-        step, raised_at = _step_until_rank0_raises(group2, survivors, t, step, deadline)
-        if raised_at is None:
-            break
-        ages.append(raised_at - began)
-        _reform(group2, survivors, step)
+    step, ages = _rings_until(group2, survivors, t, step, deadline, rings=2)
     for impl in survivors:
         impl.close()
     total = sum(u.removals for u in updates)
@@ -145,11 +153,7 @@ def test_rank_0_leaving_under_its_own_notice_lets_the_new_rank_0_announce_a_vm_a
         impl.comm = FakeCollectives(group2, r)
     _reform(group2, survivors, step)
     assert survivors[0].run.due_at_of["h2"] == due
-    for _ in range(3):
-        step, raised_at = _step_until_rank0_raises(group2, survivors, t, step, deadline)
-        if raised_at is None:
-            break
-        _reform(group2, survivors, step)
+    step, _ = _rings_until(group2, survivors, t, step, deadline, rings=3)
     for impl in survivors:
         impl.close()
     h2_announces = sum(e["hosts"].count("h2") for impl in impls for e in events(impl, "host_update_announced"))

@@ -7,17 +7,14 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from ckpt_service.deadline import Deadline
 from ckpt_service.lease import Lease
 from hvd_transient.core.election import elect_master
-from hvd_transient.core.leave_plan import finite_number, merged_announces, merged_departures
+from hvd_transient.core.leave_plan import RemovalAnnounced, finite_number, merged_announces, merged_departures
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import EventLog
-
-if TYPE_CHECKING:
-    from hvd_transient.core.leave_plan import RemovalAnnounced
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +70,7 @@ class RunState:
     #: same count, and a new ring merges what its members say: ``merged_announces``), kept across rings while
     #: the VM stays in them, so that a VM discovery still lists is not announced at every ring, whichever
     #: process is rank 0 (dropped once the VM is gone from the ring)
-    removals_announced: dict[str, "RemovalAnnounced"] = field(default_factory=dict)
+    removals_announced: dict[str, RemovalAnnounced] = field(default_factory=dict)
     ring_began_wall: float = 0.0        # when this ring began: the latest wall clock its members said (agreed)
     #: every name each member's VM goes by, in rank order (Horovod's host first; see ``host_names``)
     member_names: list[tuple[str, ...]] = field(default_factory=list)
