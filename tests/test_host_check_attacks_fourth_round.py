@@ -256,7 +256,7 @@ def test_held_pruning_keeps_a_vm_in_the_ring_and_drops_one_gone() -> None:
     run.removals_announced = {"h1": RemovalAnnounced(5.0, 2, "x"), "h2": RemovalAnnounced(6.0, 1, "x")}
     run.due_at_of = {"h1": 5.0, "h2": 6.0}
     said = announces_said(run.removals_announced)  # what every member says at the next ring's start
-    times = departures_said(run.due_at_of, {})
+    times = departures_said(run.due_at_of, {}, {})
 
     def member(host: str, leaving: bool, token: str) -> list[Any]:
         return [host, leaving, token, [host], None, 0.0, said, times]

@@ -127,11 +127,16 @@ def test_a_new_ring_merges_what_its_members_remember_and_ignores_what_is_malform
                        [["h2", 120.0, 5, "r"]]]  # a count for another due time counts for nothing
     merged = merged_announces([said_new, *junk, said_old], {"h1": 90.0, "h2": 100.0})
     assert merged == {"h2": RemovalAnnounced(100.0, 2, "r1")}  # the highest count; h9 is not under notice here
-    # what the members know of the VMs under notice: the first member's that says it, the same on every rank
-    due, landed = merged_departures([[], "junk", [["h2", 10**400, 1.0], ["h2", 100.0, 101.0], ["h1", 90.0, None],
-                                                   ["h7", 1.0, 2.0]], [["h2", 99.0, 98.0]]], ["h1", "h2"])
-    assert due == {"h2": 100.0, "h1": 90.0} and landed == {"h2": 101.0}
-    assert departures_said({"h2": 100.0, "h1": 90.0}, {"h2": 101.0}) == [["h1", 90.0, None], ["h2", 100.0, 101.0]]
+    # what the members know of the VMs under notice, the same on every rank: the earliest due time said (a member
+    # that missed a move says a later one), landed where every member saying it says so, and its leave_at
+    said = merged_departures([[], "junk", [["h2", 10**400, 1.0], ["h2", 100.0, 101.0, 100.0], ["h1", 90.0, None],
+                                           ["h7", 1.0, 2.0]], [["h2", 99.0, 98.0, None], ["h3", 50.0, 51.0, 50.0]],
+                              [["h3", 50.0, None, 50.0], ["h2", 99.0, 98.5]]], ["h1", "h2", "h3"])
+    assert said.due_at == {"h2": 99.0, "h1": 90.0, "h3": 50.0}
+    assert said.landed_at == {"h2": 98.5}  # h3: one member saying its due time does not know it landed
+    assert said.leave_at == {"h2": None, "h3": 50.0}  # h1: said by an older member, which says no leave_at
+    assert departures_said({"h2": 100.0, "h1": 90.0}, {"h2": 101.0}, {"h2": 100.0}) == [
+        ["h1", 90.0, None, None], ["h2", 100.0, 101.0, 100.0]]
 
 
 def test_a_newcomer_that_becomes_rank_0_goes_on_from_the_count_the_ring_kept() -> None:

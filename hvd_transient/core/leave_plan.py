@@ -181,31 +181,58 @@ def announces_said(announced: Mapping[str, RemovalAnnounced]) -> list[list[objec
     return [[host, a.due, a.count, a.ring] for host, a in sorted(announced.items())]
 
 
-def departures_said(due_at_of: Mapping[str, float], landed_at_of: Mapping[str, float]) -> list[list[object]]:
+_UNSAID = object()  # said by a member too old to say a leave_at
+
+
+@dataclass(frozen=True)
+class DeparturesSaid:
+    """What the members of a new ring know of its VMs under notice, merged (:func:`merged_departures`)."""
+    due_at: dict[str, float]
+    #: the landed time where every member that says the chosen due time says one
+    landed_at: dict[str, float]
+    #: the ``leave_at`` said with the chosen due time (None: the VM leaves at once); a VM absent was said with
+    #: none (an older member), and a rank keeps its own
+    leave_at: dict[str, float | None]
+
+
+def departures_said(due_at_of: Mapping[str, float], landed_at_of: Mapping[str, float],
+                    leave_at_of: Mapping[str, float]) -> list[list[object]]:
     """What a rank says in a ring's first allgather (JSON) of the VMs under notice it knows: ``[host, due time,
-    landed time or None]`` each (``RunState.due_at_of``, ``landed_at_of``)."""
-    return [[host, due, landed_at_of.get(host)] for host, due in sorted(due_at_of.items())]
+    landed time or None, leave_at or None]`` each (``RunState.due_at_of``, ``landed_at_of``, ``leave_at_of``)."""
+    return [[host, due, landed_at_of.get(host), leave_at_of.get(host)] for host, due in sorted(due_at_of.items())]
 
 
-def merged_departures(said: Sequence[object], hosts: Collection[str]) -> tuple[dict[str, float], dict[str, float]]:
-    """The due and landed times of the VMs of a new ring of ``hosts``, from what its members said
-    (:func:`departures_said` each, in rank order; pure, the same on every rank): per VM, the first member's that
-    says one. The rounds agree on them, so the members that saw those rounds say the same; a newcomer, which did
-    not, learns them here (else it would never look for the VM's lost removal). What is malformed is ignored."""
-    due_at: dict[str, float] = {}
-    landed_at: dict[str, float] = {}
+def merged_departures(said: Sequence[object], hosts: Collection[str]) -> DeparturesSaid:
+    """The due, landed and leave times of the VMs under notice of a new ring of ``hosts``, from what its members
+    said (:func:`departures_said` each, in rank order; pure, the same on every rank). A newcomer, which saw none
+    of the rounds that agreed them, learns them here: else it would never look for the VM's lost removal, nor
+    plan its leave again with the others when steps grow slower. Per VM, the earliest due time said (a leave is
+    only ever moved earlier, so a member that missed a move says a later one); its landed time only where every
+    member saying that due time says one (the latest), since a record written again lands again; its leave_at,
+    the first such member's. What is malformed is ignored."""
+    entries: dict[str, list[tuple[float, float | None, object]]] = {}
     for member in said:
         for entry in member if isinstance(member, (list, tuple)) else ():
-            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], str)
-                    and entry[0] in hosts and entry[0] not in due_at):
+            if not (isinstance(entry, (list, tuple)) and len(entry) in (3, 4) and isinstance(entry[0], str)
+                    and entry[0] in hosts):
                 continue
-            due, landed = finite_number(entry[1]), finite_number(entry[2])
-            if due is None:
-                continue
-            due_at[entry[0]] = due
-            if landed is not None:
-                landed_at[entry[0]] = landed
-    return due_at, landed_at
+            due = finite_number(entry[1])
+            if due is not None:
+                leave = finite_number(entry[3]) if len(entry) == 4 else _UNSAID  # None: it leaves at once
+                entries.setdefault(entry[0], []).append((due, finite_number(entry[2]), leave))
+    due_at: dict[str, float] = {}
+    landed_at: dict[str, float] = {}
+    leave_at: dict[str, float | None] = {}
+    for host, said_of in entries.items():
+        due_at[host] = due = min(d for d, _, _ in said_of)
+        at_due = [(landed, leave) for d, landed, leave in said_of if d == due]
+        landed = [t for t, _ in at_due if t is not None]
+        if len(landed) == len(at_due):
+            landed_at[host] = max(landed)
+        leave = next((v for _, v in at_due if v is not _UNSAID), _UNSAID)
+        if leave is not _UNSAID:
+            leave_at[host] = leave if isinstance(leave, float) else None
+    return DeparturesSaid(due_at, landed_at, leave_at)
 
 
 def merged_announces(said: Sequence[object], due_at_of: Mapping[str, float]) -> dict[str, RemovalAnnounced]:
@@ -244,5 +271,5 @@ def after_announcing(announced: Mapping[str, RemovalAnnounced], lost: Collection
 
 __all__ = ["EPOCH_END_SPEEDUP", "LOST_REMOVAL_AFTER_S", "LeavePlan", "MAX_REMOVAL_ANNOUNCES", "RemovalAnnounced",
            "STALE_DEPARTURE_S", "after_announcing", "announces_said", "departure_stale", "departures_due",
-           "departures_said", "epoch_end_s", "finite_number", "lost_removals", "merged_announces",
+           "DeparturesSaid", "departures_said", "epoch_end_s", "finite_number", "lost_removals", "merged_announces",
            "merged_departures", "plan_for_round", "plan_leave", "steps_to_next_round"]

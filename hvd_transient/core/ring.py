@@ -12,7 +12,13 @@ from typing import Any, Sequence
 from ckpt_service.deadline import Deadline
 from ckpt_service.lease import Lease
 from hvd_transient.core.election import elect_master
-from hvd_transient.core.leave_plan import RemovalAnnounced, finite_number, merged_announces, merged_departures
+from hvd_transient.core.leave_plan import (
+    DeparturesSaid,
+    RemovalAnnounced,
+    finite_number,
+    merged_announces,
+    merged_departures,
+)
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import EventLog
 
@@ -84,9 +90,7 @@ class RunState:
         master (None on the first ring)."""
         self.hosts = [str(m[0]) for m in members]
         # what the members know of the VMs under notice and of the removals announced: every rank the same
-        due_at, landed_at = merged_departures([m[7] if len(m) > 7 else () for m in members], self.hosts)
-        self.due_at_of = {**self.due_at_of, **due_at}
-        self.landed_at_of = {**self.landed_at_of, **landed_at}
+        self._learn_departures(merged_departures([m[7] if len(m) > 7 else () for m in members], self.hosts))
         self.removals_announced = merged_announces([m[6] if len(m) > 6 else () for m in members], self.due_at_of)
         self.member_names = [member_names(m) for m in members]
         self.member_ids = [m[4] if len(m) > 4 and isinstance(m[4], str) and m[4] else None for m in members]
@@ -108,6 +112,22 @@ class RunState:
         self.last_round_step, self.last_round_at = step, now
         self.step_done_at = None  # the time a reset took is neither a step nor a gap between two
         return previous_master
+
+    def _learn_departures(self, said: DeparturesSaid) -> None:
+        """Take what the members said of the VMs under notice in the ring: every rank then holds the same times,
+        a newcomer too (a VM the members said nothing of keeps what this rank knew: one gone is timed)."""
+        for host, due in said.due_at.items():
+            self.due_at_of[host] = due
+            if host in said.landed_at:
+                self.landed_at_of[host] = said.landed_at[host]
+            else:
+                self.landed_at_of.pop(host, None)
+            if host in said.leave_at:
+                leave_at = said.leave_at[host]
+                if leave_at is None:
+                    self.leave_at_of.pop(host, None)
+                else:
+                    self.leave_at_of[host] = leave_at
 
     def time_departures(self, wall: float) -> dict[str, float]:
         """Call after :meth:`start_ring`, at epoch time ``wall``: the VMs that trained on to their

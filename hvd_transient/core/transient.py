@@ -159,12 +159,13 @@ class TransientImpl:
         # Each also says every name its VM goes by: rank 0 tells a VM that joined from one that did not
         # (hvd_transient/frontend/lost_joins.py) where discovery lists VMs by another name than their own.
         instance_id = getattr(self.watcher, "instance_id", None)
-        # And what it remembers of removals rank 0 announced, and of the VMs under notice (their due and landed
-        # times): a new rank 0, or a newcomer, learns the count and the times the rounds agreed before it came.
+        # And what it remembers of removals rank 0 announced, and of the VMs under notice (their due, landed and
+        # leave times): a new rank 0, or a newcomer, learns the count and the times the rounds agreed before it came.
         members = self.comm.allgather_json([self.host, self.run.leaving, secrets.token_hex(8), host_names(self.host),
                                             instance_id if isinstance(instance_id, str) else None, self.clocks.wall(),
                                             announces_said(self.run.removals_announced),
-                                            departures_said(self.run.due_at_of, self.run.landed_at_of)])
+                                            departures_said(self.run.due_at_of, self.run.landed_at_of,
+                                                            self.run.leave_at_of)])
         previous_master = self.run.start_ring(step, members, now=self.clocks.monotonic(), wall=self.clocks.wall())
         for host, seconds in self.run.time_departures(self.clocks.wall()).items():
             log.info("%s left %.1f s after its leave_at; the next VM under notice leaves %.1f s before its deadline",
