@@ -366,10 +366,14 @@ class TransientImpl:
 
     def _note_landed(self, round_: NoticeRound) -> None:
         """Every rank, at a round: the VMs under notice whose leaving record this round found in the store
-        (agreed), from when discovery can drop them."""
+        (agreed), from when discovery can drop them. Only the rank that writes the VM's record now (its lowest
+        rank under notice) is heard: another process of the VM may still say its own, older version landed."""
+        hosts = self.run.hosts
         for r in round_.records_landed:
-            host = self.run.hosts[r] if r < len(self.run.hosts) else None
-            if host is not None and host in self.run.due_at_of and host not in self.run.landed_at_of:
+            host = hosts[r] if r < len(hosts) else None
+            if host is None or host not in self.run.due_at_of or host in self.run.landed_at_of:
+                continue
+            if r == min(q for q in (*round_.leaving, r) if q < len(hosts) and hosts[q] == host):
                 self.run.landed_at_of[host] = round_.at or self.clocks.wall()
 
     def _departures_wait(self) -> bool:
