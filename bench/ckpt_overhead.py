@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import bench.common as bc
+from hvd_transient.testing.horovodrun_main import HOROVODRUN
 from hvd_transient.testing.local_cluster import HOST_ALIASES  # one Horovod slot each
 
 log = logging.getLogger(__name__)
@@ -288,7 +289,7 @@ def run_horovod(plan: Mapping[str, Any], np_: int, work: Path, timeout_s: float)
            "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": threads, "NO_GCE_CHECK": "true",
            # TransientCallback's notice watcher: a local notice file that never appears
            "HVDT_WATCHER": "local", "HVDT_NOTICE_FILE": str(work / "no-notice")}
-    cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(np_), "-H",
+    cmd = [*HOROVODRUN, "-np", str(np_), "-H",
            ",".join(f"{h}:1" for h in HOST_ALIASES[:np_]), "--gloo", "--network-interfaces", "lo", sys.executable,
            "-m", "bench.overhead_worker", "--plan", str(work / "plan.json"), "--out", str(work / "ranks")]
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)

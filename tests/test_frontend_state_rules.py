@@ -19,6 +19,7 @@ import pytest
 from ckpt_service.errors import StructureMismatchError
 from ckpt_service.manager import CheckpointManager
 from hvd_transient.frontend.json_values import TAG, UnsupportedValueError, decode, encode
+from hvd_transient.testing.horovodrun_main import HOROVODRUN
 
 torch = pytest.importorskip("torch")
 L = torch.optim.lr_scheduler
@@ -286,8 +287,8 @@ def test_a_rollback_after_a_departure_pairs_the_counters_with_the_model_they_bel
     the counters stayed at the departure's step and the rolled-back steps' samples were skipped."""
     script = tmp_path / "rollback.py"
     script.write_text(ROLLBACK_AFTER_A_DEPARTURE)
-    horovodrun = Path(sys.executable).parent / "horovodrun"  # gloo: a reset shuts Horovod down and starts it again
-    out = subprocess.run([str(horovodrun), "--gloo", "-np", "1", "-H", "localhost:1", sys.executable, str(script)],
+    # gloo: a reset shuts Horovod down and starts it again
+    out = subprocess.run([*HOROVODRUN, "--gloo", "-np", "1", "-H", "localhost:1", sys.executable, str(script)],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     (line,) = [x.split(">:", 1)[-1] for x in out.stdout.splitlines() if "RESULT" in x]
@@ -347,8 +348,7 @@ def test_a_keras_rollback_after_a_departure_gives_back_the_offset_of_the_model_i
     rollback restores belong to the model's step, and the run ends at its exact step."""
     script = tmp_path / "rollback_keras.py"
     script.write_text(ROLLBACK_AFTER_A_DEPARTURE_KERAS)
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    out = subprocess.run([str(horovodrun), "--gloo", "-np", "1", "-H", "localhost:1", sys.executable, str(script)],
+    out = subprocess.run([*HOROVODRUN, "--gloo", "-np", "1", "-H", "localhost:1", sys.executable, str(script)],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     (line,) = [x.split(">:", 1)[-1] for x in out.stdout.splitlines() if "RESULT" in x]
@@ -388,8 +388,7 @@ def test_a_static_relaunch_clears_the_stop_request_the_previous_launch_was_given
     job's cold start does (before, every relaunch stopped again within a step or two)."""
     script = tmp_path / "static_stop.py"
     script.write_text(STATIC_RELAUNCH_AFTER_A_STOP)
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    out = subprocess.run([str(horovodrun), "--gloo", "-np", "1", "-H", "localhost:1", sys.executable, str(script),
+    out = subprocess.run([*HOROVODRUN, "--gloo", "-np", "1", "-H", "localhost:1", sys.executable, str(script),
                           str(tmp_path / "store")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     (line,) = [x.split(">:", 1)[-1] for x in out.stdout.splitlines() if "RESULT" in x]

@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ckpt_service.stores import open_store
 from hvd_transient.core.control import clear_stop, request_stop
 from hvd_transient.telemetry.events import read_events
+from hvd_transient.testing.horovodrun_main import HOROVODRUN
 from hvd_transient.testing.metadata_emulator import MetadataEmulator
 from hvd_transient.watchers.aws import ENDPOINT_ENV as AWS_ENDPOINT_ENV
 
@@ -143,7 +144,7 @@ class LocalCluster:
 
     def horovodrun_command(self) -> list[str]:
         spec = self.spec
-        cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(len(self._hosts) * spec.slots)]
+        cmd = [*HOROVODRUN, "-np", str(len(self._hosts) * spec.slots)]
         if spec.elastic:
             cmd += ["--min-np", str(spec.min_np), "--max-np", str(spec.max_np),
                     "--host-discovery-script", str(DISCOVERY_SCRIPT),
