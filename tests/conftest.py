@@ -24,6 +24,54 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+#: the longest tests of each pass, in that order (the end-to-end runs: 1-2.5 minutes each on 2 cores; the first
+#: pass's property searches: 20-40 s), started first, so that the processes of a pass end together on short
+#: tests rather than one of them running a long test that started last, alone
+LONGEST_FIRST = (
+    "test_demo_with_pytorch_plays_the_same_story_and_reports",
+    "test_whole_run_through_metadata_faults_leave_join_master_leave_loss_and_relaunch",
+    "test_demo_plays_the_default_story_and_reports",
+    "test_the_master_then_a_worker_under_notice_train_through_their_windows_and_leave_with_nothing_rolled_back",
+    "test_preemption_cost_join_both_variants",
+    "test_goodput_bench_with_pytorch_plays_plain_horovod_elastic",
+    "test_scale_bench_on_rings_of_2_and_4",
+    "test_static_job_checkpoints_on_notice_and_relaunch_resumes",
+    "test_a_worker_under_notice_trains_through_its_window_then_leaves_gracefully",
+    "test_preemption_cost_with_pytorch",
+    "test_a_step_saved_again_after_its_master_was_killed_commits_one_attempt",
+    "test_near_deadline_interleavings",
+    "test_balance_bound",
+    "test_a_notice_after_errors_or_hangs_is_seen_within_2_s",
+    "test_many_deadline_saves_under_mixed_faults",
+    "test_deadline_saves_under_mixed_faults_end_in_time",
+    "test_interleavings_memory_store",
+    "test_notice_protocol_interleavings",
+    "test_repeated_kills_on_one_store_leave_nothing_after_gc",
+)
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected what this pass does not run
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each of the pass's processes starts with its share of the longest tests. pytest-xdist's worksteal hands
+    process k the k-th consecutive share of the collection (N // n, then the rest evenly); a process that runs
+    out takes tests from the end of another's queue."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def name(item: pytest.Item) -> str:  # a test function's, or a stateful search's class (its test is runTest)
+        return item.nodeid.split("::")[1].split("[")[0] if "::" in item.nodeid else item.nodeid
+
+    longest = sorted((i for i in items if name(i) in rank), key=lambda i: rank[name(i)])
+    rest = [i for i in items if name(i) not in rank]
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    order: list[pytest.Item] = []
+    for k in range(workers):
+        share = (len(items) - len(order)) // (workers - k)
+        mine = longest[k::workers]
+        order += mine + rest[:share - len(mine)]
+        rest = rest[max(0, share - len(mine)):]
+    items[:] = order + rest
+
+
 @pytest.fixture(scope="session")
 def hvd():
     """Horovod's Keras API in a world of one (this test process, rank 0), for tests that compile with it."""
