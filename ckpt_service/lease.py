@@ -13,9 +13,15 @@ Each write carries a unique ``write_id`` so that a write whose reply was lost
 or gives up although the server applied it) is recognised by reading it back
 (:meth:`ObjectStore.put_resolved`) as won rather than lost, and one that was
 not applied as not applied. If even the read-back fails, the write's outcome is
-unknown (:class:`WriteOutcomeUnknownError`) and the generation held is kept; if
-the next compare-and-swap is refused, finding that write's record stored means
-it landed, and the renewal is made on top of it.
+unknown (:class:`WriteOutcomeUnknownError`) and the generation held is kept.
+"Not applied" is not final either: a request the client gave up on (timed out)
+may still reach the server after the read-back. So every write of this holder
+that was sent and not confirmed, whatever error it ended in, is remembered until
+a later write of this holder is confirmed (the object has then moved past every
+generation those writes were conditioned on, so none of them can land any more);
+if a compare-and-swap is refused, finding one of those records stored means it
+landed, and the renewal is made on top of it. Only this holder's own bytes (a
+unique ``write_id``) count: a record of any other writer still means the lease is lost.
 
 The store's own generation is used for atomicity only (compare-and-swap). What orders
 commits is the lease's *fence number*, a counter kept in the lease object itself: every
@@ -44,7 +50,7 @@ from typing import Callable
 from ckpt_service.deadline import Deadline
 from ckpt_service.errors import CheckpointError, LeaseLostError, PreconditionFailedError, StoreDeadlineError
 from ckpt_service.layout import LEASE_KEY
-from ckpt_service.stores.base import ObjectStore, WriteOutcomeUnknownError
+from ckpt_service.stores.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +95,11 @@ class Lease:
         #: the fence number this holder's acquire (or steal) wrote: commit markers with a lower one
         #: were made before this tenure began
         self.acquired_generation: int | None = None
-        # The bytes of this holder's last write whose outcome stayed unknown: if a later
-        # compare-and-swap is refused, finding them stored means that write landed after all.
-        self._unresolved: bytes | None = None
+        # The bytes of every write of this holder sent since its last confirmed one that may yet
+        # land (an unknown outcome, or "not applied" while a request the client gave up on may still
+        # reach the server): if a later compare-and-swap is refused, finding one of them stored means
+        # that write landed after all. Cleared only by a confirmed write of this holder.
+        self._unresolved: list[bytes] = []
 
     @property
     def generation(self) -> int | None:
@@ -272,18 +280,20 @@ class Lease:
             return self._write(store, held, released=released, fence=number + 1, lineage=lineage)
         except PreconditionFailedError:
             with self._lock:
-                landed = self._unresolved
-            if landed is None:
+                pending = list(self._unresolved)
+            if not pending:
                 raise
-            stored = store.get_versioned(self.key)  # if this fails, the next renewal looks again
-            with self._lock:
-                if self._unresolved is landed:
-                    self._unresolved = None  # known now, either way
-            if stored is None or stored[0] != landed:
+            # if this fails, the next renewal looks again; what is pending stays until a write is confirmed
+            # (a write on top of the one found here may fail too, and that one must still be recognised)
+            stored = store.get_versioned(self.key)
+            if stored is None or stored[0] not in pending:
                 raise
-            log.info("the lease write whose outcome was unknown had been applied (generation %d)", stored[1])
-            return self._write(store, stored[1], released=released, fence=json.loads(landed)["fence"] + 1,
-                               lineage=lineage)
+            landed = json.loads(stored[0])
+            if landed["released"] and not released:
+                raise  # this holder's own release landed: a fence no longer holds the lease
+            log.info("a lease write of this holder whose outcome was not known had been applied (generation %d)",
+                     stored[1])
+            return self._write(store, stored[1], released=released, fence=landed["fence"] + 1, lineage=lineage)
 
     def _write(self, store: ObjectStore, expected_generation: int, *, released: bool,
                fence: int, lineage: str) -> tuple[int, int]:
@@ -292,12 +302,20 @@ class Lease:
         # a write whose reply was lost is resolved by reading back (write_id makes data unique)
         try:
             generation = store.put_resolved(self.key, data, if_generation_match=expected_generation)
-        except WriteOutcomeUnknownError:
+        except PreconditionFailedError:
+            raise  # refused: the object moved off the expected generation, so this write can never land
+        except StoreDeadlineError as exc:
+            if exc.attempted:  # sent: even read back as not applied, a request of it may land later
+                with self._lock:
+                    self._unresolved.append(data)
+            raise
+        except Exception:  # unknown, or not applied (yet): a request of it may land later
             with self._lock:
-                self._unresolved = data
+                self._unresolved.append(data)
             raise
         with self._lock:
-            self._unresolved = None
+            # confirmed: the object is past every generation the pending writes were conditioned on
+            self._unresolved.clear()
         return generation, fence
 
 

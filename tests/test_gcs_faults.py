@@ -574,3 +574,71 @@ def test_many_deadline_saves_under_mixed_faults(lib_store: GCSStore, healthy: GC
               f"{statistics.median(ends):.2f} s, max {max(ends):.2f} s, deadline {DEADLINE_IN} s")
         assert faults > MIXED_SAVES  # the run did meet faults
         assert len(committed) >= MIXED_SAVES // 2  # and most saves still commit
+
+
+# The only lease holder must not lose the lease to its own earlier fence write (a flake of the mixed-fault run
+# above, reproduced deterministically): a CAS request that reaches the server after its read-back said "not
+# applied", and a write found landed whose write on top then fails.
+
+
+def test_fence_cas_that_reaches_the_server_after_its_read_back(lib_store: GCSStore, healthy: GCSStore,
+                                                                proxy: FaultProxy) -> None:
+    """(A) The fence's CAS requests are held *before* the server: the client times out, the window is
+    spent (StoreDeadlineError, attempted), the read-back says NOT_APPLIED, the save abandons. Then the
+    first CAS request reaches the server and is applied (its retries are refused). The Lease was never
+    told: the next save, with no faults at all, raises LeaseLostError."""
+    lease = Lease(lib_store, "master-a")
+    lease.acquire()
+    with manager(lib_store) as mgr:
+        mgr.save(1, state(1), lease=lease)
+        before = healthy.stat(lease.key).generation
+        proxy.reset()
+        proxy.slow_down(LATE, match=is_cas)  # a slow link (or a starved proxy / server under load)
+        outcome, late = timed_save(mgr, 2, lease=lease)
+        assert isinstance(outcome, SaveAbandonedError) and "lease fence" in str(outcome), outcome
+        assert not isinstance(outcome.__cause__, WriteOutcomeUnknownError)  # read back as not applied
+        assert late <= SLACK_S
+        assert healthy.stat(lease.key).generation == before  # true when it was read back
+        proxy.reset()  # the held requests go to the server now: the first CAS is applied
+        landed_by = time.monotonic() + 10.0
+        while healthy.stat(lease.key).generation == before:  # forwarded on the proxy's threads
+            assert time.monotonic() < landed_by, "the held CAS never reached the server"
+            time.sleep(0.05)
+        assert mgr.save(3, state(3), lease=lease) is not None  # before: LeaseLostError
+        assert_restores(mgr, 3)
+
+
+def test_found_out_fence_whose_write_on_top_fails(lib_store: GCSStore, healthy: GCSStore,
+                                                  proxy: FaultProxy) -> None:
+    """(C) Save 2's fence CAS is applied but its replies come late and its read-back is never answered:
+    WriteOutcomeUnknownError (_unresolved = D1). Save 3's fence: the CAS on the held generation is
+    refused (412), reading back finds D1 (_unresolved cleared), the CAS on top of D1 is never answered
+    and read back as not applied: StoreDeadlineError, the Lease still at the old generation and D1
+    forgotten. Save 4, without faults: LeaseLostError."""
+    lease = Lease(lib_store, "master-a")
+    lease.acquire()
+    with manager(lib_store) as mgr:
+        mgr.save(1, state(1), lease=lease)
+        proxy.reset()
+        proxy.delay_replies(LATE, match=is_cas)
+        proxy.blackhole(match=is_lease_read_back)
+        outcome, _ = timed_save(mgr, 2, lease=lease)
+        assert isinstance(outcome, (SaveAbandonedError, WriteOutcomeUnknownError)), outcome
+        assert isinstance(outcome.__cause__, WriteOutcomeUnknownError), outcome.__cause__
+        proxy.reset()
+
+        cas_seen = []
+
+        def cas_after_the_first(req) -> bool:
+            if not is_cas(req):
+                return False
+            cas_seen.append(req)
+            return len(cas_seen) > 1  # the first CAS (on the held generation) goes through: 412
+
+        proxy.blackhole(match=cas_after_the_first)
+        outcome, _ = timed_save(mgr, 3, lease=lease)
+        assert isinstance(outcome, SaveAbandonedError) and "lease fence" in str(outcome), outcome
+        assert "blackholed" in proxy.outcomes(is_cas)
+        proxy.reset()
+        assert mgr.save(4, state(4), lease=lease) is not None  # before: LeaseLostError
+        assert_restores(mgr, 4)
