@@ -54,6 +54,9 @@ from ckpt_service.stores.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
+#: the most lease writes of one holder remembered as possibly landing later (each about 165 bytes)
+MAX_PENDING_WRITES = 64
+
 
 class LeaseHeldError(CheckpointError, RuntimeError):
     """Another holder has a valid lease; acquiring needs it to expire, be released, or an election."""
@@ -100,6 +103,10 @@ class Lease:
         # reach the server): if a later compare-and-swap is refused, finding one of them stored means
         # that write landed after all. Cleared only by a confirmed write of this holder.
         self._unresolved: list[bytes] = []
+        # this instance's own records besides those: the last confirmed one, and those in flight (a
+        # release recognises them; the holder name alone may be another process's of the same name)
+        self._written: bytes | None = None
+        self._in_flight: set[bytes] = set()
 
     @property
     def generation(self) -> int | None:
@@ -256,13 +263,17 @@ class Lease:
         try:
             self._renew(store, held, number, released=True)
         except PreconditionFailedError:
-            # A fence of this process in flight may have moved the record on: release that one.
-            record, generation = self.read(store)
-            if record is None or record.holder != self.holder or record.released:
+            # A fence of this process in flight may have moved the record on: release that one, if what is
+            # stored is this instance's own record (another process may go by the same holder name).
+            stored = store.get_versioned(self.key)
+            with self._lock:
+                own = {*self._unresolved, *self._in_flight, *([self._written] if self._written else [])}
+            if stored is None or stored[0] not in own or json.loads(stored[0])["released"]:
                 log.info("lease already taken over; nothing to release")
                 return
+            landed, generation = json.loads(stored[0]), stored[1]
             try:
-                self._write(store, generation, released=True, fence=record.fence + 1, lineage=record.lineage)
+                self._write(store, generation, released=True, fence=landed["fence"] + 1, lineage=landed["lineage"])
             except PreconditionFailedError:
                 log.info("lease changed while being released; nothing to release")
 
@@ -278,44 +289,64 @@ class Lease:
         lineage = self.lineage
         try:
             return self._write(store, held, released=released, fence=number + 1, lineage=lineage)
-        except PreconditionFailedError:
+        except PreconditionFailedError as exc:
+            refused = exc
+        # Each turn finds one more of this holder's own writes landed (another of them, aimed at the same
+        # generation, may land between the read and the write on top), so it ends within their number.
+        with self._lock:
+            turns = len(self._unresolved)
+        for _ in range(turns):
             with self._lock:
                 pending = list(self._unresolved)
-            if not pending:
-                raise
             # if this fails, the next renewal looks again; what is pending stays until a write is confirmed
             # (a write on top of the one found here may fail too, and that one must still be recognised)
             stored = store.get_versioned(self.key)
             if stored is None or stored[0] not in pending:
-                raise
+                break
             landed = json.loads(stored[0])
             if landed["released"] and not released:
-                raise  # this holder's own release landed: a fence no longer holds the lease
+                break  # this holder's own release landed: a fence no longer holds the lease
             log.info("a lease write of this holder whose outcome was not known had been applied (generation %d)",
                      stored[1])
-            return self._write(store, stored[1], released=released, fence=landed["fence"] + 1, lineage=lineage)
+            try:
+                return self._write(store, stored[1], released=released, fence=landed["fence"] + 1, lineage=lineage)
+            except PreconditionFailedError as exc:
+                refused = exc
+        raise refused
+
+    def _remember(self, data: bytes) -> None:
+        """Keep ``data`` among the writes that may yet land, the latest ``MAX_PENDING_WRITES`` of them: a fence
+        per save during a long outage would add one each, and a request sent that long ago no longer arrives."""
+        with self._lock:
+            self._unresolved.append(data)
+            del self._unresolved[:-MAX_PENDING_WRITES]
 
     def _write(self, store: ObjectStore, expected_generation: int, *, released: bool,
                fence: int, lineage: str) -> tuple[int, int]:
         record = LeaseRecord(self.holder, self.clock() + self.ttl_s, released, uuid.uuid4().hex, fence, lineage)
         data = json.dumps(asdict(record)).encode()
         # a write whose reply was lost is resolved by reading back (write_id makes data unique)
+        with self._lock:
+            self._in_flight.add(data)
         try:
             generation = store.put_resolved(self.key, data, if_generation_match=expected_generation)
         except PreconditionFailedError:
             raise  # refused: the object moved off the expected generation, so this write can never land
         except StoreDeadlineError as exc:
             if exc.attempted:  # sent: even read back as not applied, a request of it may land later
-                with self._lock:
-                    self._unresolved.append(data)
+                self._remember(data)
             raise
         except Exception:  # unknown, or not applied (yet): a request of it may land later
-            with self._lock:
-                self._unresolved.append(data)
+            self._remember(data)
             raise
-        with self._lock:
-            # confirmed: the object is past every generation the pending writes were conditioned on
-            self._unresolved.clear()
+        else:
+            with self._lock:
+                # confirmed: the object is past every generation the pending writes were conditioned on
+                self._unresolved.clear()
+                self._written = data
+        finally:
+            with self._lock:
+                self._in_flight.discard(data)
         return generation, fence
 
 
