@@ -268,12 +268,12 @@ class Lease:
             stored = store.get_versioned(self.key)
             with self._lock:
                 own = {*self._unresolved, *self._in_flight, *([self._written] if self._written else [])}
-            if stored is None or stored[0] not in own or json.loads(stored[0])["released"]:
+            landed = json.loads(stored[0]) if stored is not None and stored[0] in own else None
+            if stored is None or landed is None or landed["released"]:
                 log.info("lease already taken over; nothing to release")
                 return
-            landed, generation = json.loads(stored[0]), stored[1]
             try:
-                self._write(store, generation, released=True, fence=landed["fence"] + 1, lineage=landed["lineage"])
+                self._write(store, stored[1], released=True, fence=landed["fence"] + 1, lineage=landed["lineage"])
             except PreconditionFailedError:
                 log.info("lease changed while being released; nothing to release")
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ckpt_service.manager import ShareSnapshot
 from hvd_transient.core.election import NoticeRound, elect_master
 from hvd_transient.core.interfaces import ProtocolParts
+from hvd_transient.core.leave_plan import record_writer
 from hvd_transient.core.leaving import Departure, planned_leave_at
 from hvd_transient.core.notice_round import EarlyWarnings, StepOutcome, notice_event_wait_s
 from hvd_transient.core.ring import move_lease
@@ -131,7 +132,7 @@ class Emergency:
     def _writes_record(self, leaving: Sequence[int]) -> bool:
         """Whether this rank writes its VM's leaving record: the VM's lowest rank among ``leaving`` does."""
         p, rank = self.p, self.p.comm.rank()
-        return rank in leaving and rank == min(r for r in leaving if p.run.hosts[r] == p.host)
+        return rank in leaving and rank == record_writer(p.run.hosts, leaving, p.host)
 
     def _elect(self, step: int, round_: NoticeRound, rank: int, size: int, deadline: float) -> int:
         """The master is the lowest rank not leaving; a new one takes the lease by ``deadline``."""

@@ -165,6 +165,12 @@ def lost_removals(due_at_of: Mapping[str, float], landed_at_of: Mapping[str, flo
     return sorted(out)
 
 
+def record_writer(hosts: Sequence[str], leaving: Collection[int], host: str) -> int | None:
+    """The rank that writes ``host``'s leaving record: the VM's lowest rank among ``leaving`` (pure; None where
+    none of them is on it)."""
+    return min((r for r in leaving if r < len(hosts) and hosts[r] == host), default=None)
+
+
 def finite_number(value: object) -> float | None:
     """A finite JSON number as a float, else None (a bool, a string, NaN, an int too large for a float)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -272,4 +278,4 @@ def after_announcing(announced: Mapping[str, RemovalAnnounced], lost: Collection
 __all__ = ["EPOCH_END_SPEEDUP", "LOST_REMOVAL_AFTER_S", "LeavePlan", "MAX_REMOVAL_ANNOUNCES", "RemovalAnnounced",
            "STALE_DEPARTURE_S", "after_announcing", "announces_said", "departure_stale", "departures_due",
            "DeparturesSaid", "departures_said", "epoch_end_s", "finite_number", "lost_removals", "merged_announces",
-           "merged_departures", "plan_for_round", "plan_leave", "steps_to_next_round"]
+           "merged_departures", "plan_for_round", "plan_leave", "record_writer", "steps_to_next_round"]

@@ -84,6 +84,7 @@ from hvd_transient.core.leave_plan import (
     announces_said,
     departures_said,
     lost_removals,
+    record_writer,
 )
 from hvd_transient.core.leaving import Departure, prune_expired
 from hvd_transient.core.notice_round import EarlyWarnings, NoticeRounds, StepOutcome
@@ -373,7 +374,7 @@ class TransientImpl:
             host = hosts[r] if r < len(hosts) else None
             if host is None or host not in self.run.due_at_of or host in self.run.landed_at_of:
                 continue
-            if r == min(q for q in (*round_.leaving, r) if q < len(hosts) and hosts[q] == host):
+            if r == record_writer(hosts, (*round_.leaving, r), host):
                 self.run.landed_at_of[host] = round_.at or self.clocks.wall()
 
     def _departures_wait(self) -> bool:
