@@ -87,6 +87,22 @@ SCRIPTS = {"keras": Scripts("Keras", REPO / "examples" / "keras_elastic.py",
                             REPO / "bench" / "plain_torch_elastic_worker.py", ("--samples", str(TORCH_SAMPLES)))}
 
 
+#: ``--model``: both frameworks' models of these names (``workloads``, ``torch_workloads``), and ``resnet8``, a
+#: PyTorch model only: ``small_cnn`` was a narrow ResNet-8 on PyTorch until 2026-12-02 (the results of 2026-11-27)
+MODELS = ("small_cnn", "resnet8", "resnet32")
+SMALL_MODELS = ("small_cnn", "resnet8")
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=MODELS, default="small_cnn",
+                   help="resnet8 with --framework torch only (the PyTorch small_cnn of 2026-11-27)")
+
+
+def check_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.model == "resnet8" and args.framework != "torch":
+        p.error("--model resnet8 is a PyTorch model: give it with --framework torch")
+
+
 def results_path(args: argparse.Namespace, name: str) -> Path:
     """``--out``, or by default ``bench/results/NAME.json`` (``NAME-FRAMEWORK.json`` for a framework but Keras)."""
     framework = getattr(args, "framework", "keras")

@@ -496,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     # by default: the checked-in hour of Oobleck's p3 trace with 6 preemptions for 4 nodes, in 10 minutes
     p.set_defaults(trace=str(DEFAULT_TRACE), trace_start=0.5)
     p.add_argument("--window", type=float, help="notice window in real seconds (default: the --cloud's)")
-    p.add_argument("--model", choices=("small_cnn", "resnet32"), default="small_cnn")
+    bc.add_model_argument(p)
     p.add_argument("--batch-size", type=bc.positive_int, default=32)
     p.add_argument("--steps-per-epoch", type=bc.positive_int, default=100)
     # each variant at its own best: ours needs periodic saves only against losses without notice, so it saves
@@ -526,6 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    bc.check_model(p, args)
     args.cooldown = tuple(args.cooldown)
     args.out = bc.results_path(args, "goodput")
     cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})

@@ -381,7 +381,7 @@ def run_all(cfg: Config, tmp: Path) -> list[Measurement]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = bc.parser("preemption_cost", __doc__.splitlines()[0], keep=True, frameworks=True)
-    p.add_argument("--model", choices=("small_cnn", "resnet32"), default="small_cnn")
+    bc.add_model_argument(p)
     p.add_argument("--repeats", type=bc.positive_int, default=3, help="runs per scenario and variant")
     p.add_argument("--window-s", type=float, default=10.0, help="notice window: the kill comes this long after it")
     p.add_argument("--store", default="local", help="run stores: 'local', 'gcs' (fake-gcs-server) or a URL prefix")
@@ -390,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--total-steps", type=int, default=None, help="step T (default: from the first run's step rate)")
     p.add_argument("--batches-per-commit", type=int, default=10, help="Horovod in-memory commit cadence (both)")
     p.add_argument("--save-every", type=int, default=100, help="hvd-transient periodic checkpoint interval")
-    p.add_argument("--step-seconds", type=float, help="extra time per step (default 0.05 for small_cnn, else 0)")
+    p.add_argument("--step-seconds", type=float,
+                   help="extra time per step (default 0.05 for small_cnn and resnet8, else 0)")
     p.add_argument("--gloo-timeout-seconds", type=int, default=10, help="how long survivors wait on a dead peer")
     p.add_argument("--scenarios", type=bc.csv_list(str, SCENARIOS), default=SCENARIOS)
     p.add_argument("--variants", type=bc.csv_list(str, VARIANTS), default=VARIANTS)
@@ -408,9 +409,10 @@ NOTES = [
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    bc.check_model(p, args)
     args.out = bc.results_path(args, "preemption_cost")
     if args.step_seconds is None:
-        args.step_seconds = 0.05 if args.model == "small_cnn" else 0.0
+        args.step_seconds = 0.05 if args.model in bc.SMALL_MODELS else 0.0
     cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
     if cfg.window_s <= 0 or cfg.warmup_steps < 10:  # the step rate is measured over the warm-up
         p.error("--window-s must be > 0 and --warmup-steps >= 10")

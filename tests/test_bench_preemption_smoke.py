@@ -246,6 +246,24 @@ def test_framework_picks_both_scripts_and_a_results_file_of_its_own() -> None:
     assert pc.bc.results_path(given, "preemption_cost") == Path("x.json")
 
 
+def test_the_torch_small_cnn_has_the_keras_layers_and_resnet8_is_torch_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """PyTorch's ``small_cnn`` costs a step about what the Keras one does (the same layers, as many weights);
+    the narrow ResNet-8 that it was until 2026-12-02 stays as ``resnet8``, for PyTorch runs only."""
+    import torch
+
+    from hvd_transient.testing.torch_workloads import MODELS
+
+    model = MODELS["small_cnn"]()
+    assert sum(p.numel() for p in model.parameters()) == 3 * 3 * 3 * 8 + 8 + 2 * 8 + 8 * 32 + 32 + 32 * 10 + 10
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    assert sum(p.numel() for p in MODELS["resnet8"]().parameters()) > 10 * sum(p.numel() for p in model.parameters())
+    args = pc.build_parser().parse_args(["--framework", "torch", "--model", "resnet8"])
+    assert args.model == "resnet8"
+    with pytest.raises(SystemExit):
+        pc.main(["--model", "resnet8", "--framework", "keras"])
+    assert "--model resnet8 is a PyTorch model" in capsys.readouterr().err
+
+
 def test_restore_read_throughput(tmp_path: Path) -> None:
     doc = run_bench("restore", tmp_path / "results" / "restore.json", "--sizes-mb", "1", "--writers", "1,2",
                     "--readers", "1,2", "--repeats", "1", "--skip-restart")

@@ -69,11 +69,11 @@ def test_demo_plays_the_default_story_and_reports(tmp_path: Path) -> None:
 
 def test_demo_with_pytorch_plays_the_same_story_and_reports(tmp_path: Path) -> None:
     """``--framework torch``: examples/torch_elastic.py in the same story (a worker's and the master's notice,
-    the keeper's restarts joining through standbys), with the same report."""
+    the keeper's restarts joining through standbys), with the same report, at the Keras story's pace."""
     report = tmp_path / "report.json"
     out = subprocess.run(
         [CLI, "demo", "--framework", "torch", "--model", "small_cnn", "--epochs", "40", "--steps-per-epoch", "20",
-         "--save-every", "40", "--window", "10", "--workdir", str(tmp_path / "runs"),
+         "--save-every", "40", "--step-seconds", "0.05", "--window", "10", "--workdir", str(tmp_path / "runs"),
          "--json", str(report), "--timeout", "600"],
         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -43,7 +43,16 @@ def resnet(depth: int = 20, num_classes: int = 10, width: int = 16) -> nn.Module
     return nn.Sequential(*layers)
 
 
-MODELS = {"resnet20": lambda: resnet(20), "resnet32": lambda: resnet(32), "small_cnn": lambda: resnet(8, width=8)}
+def small_cnn(num_classes: int = 10) -> nn.Module:
+    """A fast stand-in with the same input and output shapes (for tests): the layers of the Keras
+    ``small_cnn`` (``workloads.py``), so that a step costs about as much in both frameworks."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, 2), nn.ReLU(), nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+
+# resnet8 (a narrow ResNet-8) was ``small_cnn`` until 2026-12-02: the PyTorch results of 2026-11-27 ran it
+MODELS = {"resnet8": lambda: resnet(8, width=8), "resnet20": lambda: resnet(20), "resnet32": lambda: resnet(32),
+          "small_cnn": small_cnn}
 
 
 def synthetic_cifar10(samples: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
