@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -24,21 +25,44 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+#: the markers of the end-to-end runs (pyproject.toml): a module marks its runs with ``pytest.mark.<name>``
+RUN_MARKERS = ("horovod", "mpi", "solo", "twins")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A pass whose ``-m`` selects no test without those markers (the end-to-end and solo passes) does not import
+    the modules that mark none: each of its processes would import TensorFlow and PyTorch for them, about 5 CPU-s,
+    to run none of their tests."""
+    markexpr = config.getoption("markexpr")
+    if not markexpr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    try:
+        from _pytest.mark.expression import Expression
+
+        selects_unmarked = Expression.compile(markexpr).evaluate(lambda name, **kwargs: False)
+    except Exception:  # pytest's own -m handling reports a bad expression
+        return None
+    if selects_unmarked:
+        return None
+    text = collection_path.read_text(errors="replace")
+    return None if any(f"mark.{name}" in text for name in RUN_MARKERS) else True
+
+
 #: the longest end-to-end runs (1-2.5 minutes each on 2 cores), in that order, started first, so that the two
 #: processes of the pass end together on short runs rather than one of them running a long one that started
 #: last, alone (the first pass keeps its own order: its longest tests are 20-40 s, and some of them bound
 #: timings that the other processes' start, each importing TensorFlow, would load)
 LONGEST_FIRST = (
-    "test_demo_with_pytorch_plays_the_same_story_and_reports",
     "test_whole_run_through_metadata_faults_leave_join_master_leave_loss_and_relaunch",
+    "test_demo_with_pytorch_plays_the_same_story_and_reports",
     "test_demo_plays_the_default_story_and_reports",
     "test_the_master_then_a_worker_under_notice_train_through_their_windows_and_leave_with_nothing_rolled_back",
-    "test_preemption_cost_join_both_variants",
-    "test_goodput_bench_with_pytorch_plays_plain_horovod_elastic",
     "test_scale_bench_on_rings_of_2_and_4",
-    "test_static_job_checkpoints_on_notice_and_relaunch_resumes",
+    "test_preemption_cost_join_both_variants",
+    "test_wave_takes_every_worker_and_the_keeper_relaunches_the_run_at_the_exact_step",
+    "test_goodput_bench_with_pytorch_plays_plain_horovod_elastic",
+    "test_whole_cluster_notice_during_async_save_then_cold_restart",
     "test_a_worker_under_notice_trains_through_its_window_then_leaves_gracefully",
-    "test_preemption_cost_with_pytorch",
     "test_a_step_saved_again_after_its_master_was_killed_commits_one_attempt",
 )
 

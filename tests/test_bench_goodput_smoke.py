@@ -88,7 +88,7 @@ def test_goodput_bench_with_pytorch_plays_plain_horovod_elastic(tmp_path: Path) 
     proc = subprocess.run(
         [sys.executable, "-m", "bench.goodput", "--framework", "torch", "--trace", str(trace), "--trace-start", "0",
          "--trace-hours", str(20 / 3600), "--time-scale", "1", "--max-nodes", "2", "--window", "6",
-         "--calibration-s", "3", "--warmup-steps", "5", "--gloo-timeout-seconds", "5", "--step-seconds", "0.05",
+         "--calibration-s", "8", "--warmup-steps", "5", "--gloo-timeout-seconds", "5", "--step-seconds", "0.05",
          "--variants", "horovod_elastic", "--no-plot", "--out", str(out), "--tmpdir", str(tmp_path / "work")],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
