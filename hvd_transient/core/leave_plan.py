@@ -97,7 +97,14 @@ def steps_to_next_round(config: TransientConfig, round_: NoticeRound, steps: int
     While a VM of the round is under notice, its lead (:meth:`TransientConfig.boundary_wait_s`) counts
     on a host check within ``max(step, check interval)`` at steps no slower than the slowest this job
     timed: so the next round is set by that step, with no slowdown allowance. A few more rounds, for
-    the length of a window only."""
+    the length of a window only.
+
+    Where no step was timed yet (the round at a ring's first step: that step pays the ring's set-up and is
+    not timed), the next round is at the next step: the time since the ring began says nothing of the step
+    time, and a frontend that begins the ring within its first step makes it look like a few ms, which
+    would put the next round seconds of steps away."""
+    if round_.slowest_step_s <= 0.0 and ring_slowest_step_s <= 0.0:
+        return 1
     ring_slowest = ring_slowest_step_s
     allowance = config.check_slowdown_allowance
     if round_.leaving:

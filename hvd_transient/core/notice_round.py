@@ -143,8 +143,10 @@ class NoticeRounds:
         if steps > 0:
             round_ = replace(round_, mean_step_s=round_.elapsed_s / steps)
         if round_.step_s <= 0.0 and steps > 0:
-            # no step timed yet (a ring's first step pays its set-up and is not timed): the mean time
-            # per step since the previous round, set-up included, errs long, so a lead errs long too
+            # no step timed yet on this job (a ring's first step pays its set-up and is not timed): the mean
+            # time per step since the previous round. It errs long where it holds the set-up, short where the
+            # frontend began the ring within its first step; either way the next round is at the next step
+            # (steps_to_next_round), where a step is timed and a leave planned on this is planned again
             round_ = replace(round_, step_s=round_.elapsed_s / steps)
         if round_.departure_s is not None:  # the ring's slowest, so a VM that joined since knows it too
             run.departure_s = round_.departure_s
