@@ -47,7 +47,9 @@ def test_a_worker_under_notice_trains_through_its_window_then_leaves_gracefully(
     assert published["host"] == worker and published["t"] < noticed_at + 5
     lead = published["deadline"] - published["leave_at"]
     assert LEAD_S + BOUNDARY_WAIT_S[0] - 0.01 <= lead <= LEAD_S + BOUNDARY_WAIT_S[1], lead
-    assert published["deadline"] == pytest.approx(noticed_at + WINDOW_S, abs=2)
+    # dated from the watcher's last read that said no: never after the VM's deadline (the notice was given before
+    # noticed_at), at most a few seconds before it (a loaded machine spaces the watcher's reads)
+    assert noticed_at + WINDOW_S - 4.0 <= published["deadline"] <= noticed_at + WINDOW_S
     # the worker kept stepping in the ring of 2 until about leave_at, and was gone before its deadline
     worker_steps = [e for e in events if e["host"] == worker and e["event"] in ("progress", "first_step")]
     last = max(worker_steps, key=lambda e: e["t"])

@@ -89,7 +89,9 @@ def assert_left_through_window(events: list[dict], leaver: str, survivor: str, n
     assert emergency["host"] != leaver, "the VM under notice must not be the one committing"
     published = of(events, "leave_published")[nth]
     assert published["host"] == leaver and published["t"] < noticed_at + 5
-    assert published["deadline"] == pytest.approx(noticed_at + window_s, abs=2)
+    # dated from the watcher's last read that said no: never after the VM's deadline (the notice was given before
+    # noticed_at), at most a few seconds before it (a loaded machine spaces the watcher's reads)
+    assert noticed_at + window_s - 4.0 <= published["deadline"] <= noticed_at + window_s
     assert published["deadline"] - published["leave_at"] >= lead_s
     leaver_steps = [e for e in events if e["host"] == leaver and e["event"] in ("progress", "first_step")]
     assert max(e["t"] for e in leaver_steps) > published["leave_at"] - 3, "the leaver stopped training early"
