@@ -86,9 +86,11 @@ def test_whole_cluster_notice_during_async_save_then_cold_restart(tmp_path: Path
         c.wait_for(lambda ev: len(of(ev, "leave_published")) == 3, 120, "all three to publish leaving")
         events = c.events()
         c.stop()  # the whole cluster is gone
+    # the three notices are given one after another: a round can fall between them, and each round that finds
+    # new ones commits an emergency checkpoint; the relaunch resumes from the last
     commit = of(events, "commit", kind="emergency")
-    assert len(commit) == 1
-    emergency_step = commit[0]["step"]
+    assert 1 <= len(commit) <= 3
+    emergency_step = max(e["step"] for e in commit)
     assert of(events, "inflight_cancelled", reason="emergency"), "the notice should have met an in-flight periodic save"
     steps = assert_all_committed_steps_verify(store)  # nothing torn
     assert steps[-1] == emergency_step

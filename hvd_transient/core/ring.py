@@ -111,6 +111,9 @@ class RunState:
         self.next_check_step = step + 1
         self.last_round_step, self.last_round_at = step, now
         self.step_done_at = None  # the time a reset took is neither a step nor a gap between two
+        # every member starts the ring with no step timed, a newcomer as the others: the cadence each rank
+        # computes from these must be the same on every rank (the rounds are collectives)
+        self.slowest_step_s = self.ring_slowest_step_s = 0.0
         return previous_master
 
     def _learn_departures(self, said: DeparturesSaid) -> None:
