@@ -1,6 +1,7 @@
 """Fixtures shared by the whole suite."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from pathlib import Path
@@ -29,6 +30,18 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 RUN_MARKERS = ("horovod", "mpi", "solo", "twins")
 
 
+@functools.cache
+def selects_unmarked(markexpr: str) -> bool:
+    """Whether the ``-m`` expression selects a test that carries none of the markers (True where it cannot
+    tell: pytest's own -m handling reports a bad expression)."""
+    try:
+        from _pytest.mark.expression import Expression
+
+        return Expression.compile(markexpr).evaluate(lambda name, **kwargs: False)
+    except Exception:
+        return True
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """A pass whose ``-m`` selects no test without those markers (the end-to-end and solo passes) does not import
     the modules that mark none: each of its processes would import TensorFlow and PyTorch for them, about 5 CPU-s,
@@ -36,13 +49,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     markexpr = config.getoption("markexpr")
     if not markexpr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
         return None
-    try:
-        from _pytest.mark.expression import Expression
-
-        selects_unmarked = Expression.compile(markexpr).evaluate(lambda name, **kwargs: False)
-    except Exception:  # pytest's own -m handling reports a bad expression
-        return None
-    if selects_unmarked:
+    if selects_unmarked(markexpr):
         return None
     text = collection_path.read_text(errors="replace")
     return None if any(f"mark.{name}" in text for name in RUN_MARKERS) else True

@@ -110,9 +110,28 @@ class Ring:
                 return self.now["t"] - noticed, out[rank]
             assert self.now["t"] - noticed < limit_s, "the notice was never agreed"
 
+    def to_a_round(self, dt: float, *, by: int = 1, most: int = 30) -> None:
+        """Step until a step with a round, so that no step is left timed since the latest round."""
+        for _ in range(most):
+            self.do_step(dt, by=by)
+            if self.rounds[-1][0] == self.step:
+                return
+        raise AssertionError(f"no round within {most} steps")
+
     def close(self) -> None:
         for impl in self.impls:
             impl.close()
+
+
+def slow_step_then_a_newcomer() -> Ring:
+    """Ring h0-h2 with one slow step (5 s) among 0.1 s ones, up to a round; then h3 joins."""
+    ring = Ring()
+    ring.do_step(0.01)
+    ring.do_step(0.1)
+    ring.do_step(5.0)  # one slow step
+    ring.to_a_round(0.1)
+    ring.reform([*ring.impls, ring.newcomer("h3")])
+    return ring
 
 
 # ------------------------------------------------------------------ rings that begin again and again
@@ -184,10 +203,7 @@ def test_fixed_a_newcomer_and_old_members_disagree_on_the_next_round_under_steps
     ring.do_step(0.01, by=2)
     ring.do_step(0.2, by=2)
     ring.do_step(3.0, by=2)  # one slow execution: the old members' ring_slowest_step_s is 3 s
-    while True:  # to a step with a round, so no step is left timed since the latest round
-        ring.do_step(0.2, by=2)
-        if ring.rounds[-1][0] == ring.step:
-            break
+    ring.to_a_round(0.2, by=2)
     ring.reform([*ring.impls, ring.newcomer("h3")], timeout_s=1.0)
     ring.check_agreement = False  # the real consequence: one rank calls the notice allreduce alone
     try:
@@ -201,15 +217,7 @@ def test_fixed_a_newcomer_and_old_members_disagree_on_the_next_round_under_steps
 # later (after_step's first_after_begin needs step == begun_at_step + 1): the old members' ring_slowest_step_s from
 # the previous ring survives; the newcomer's is 0, so their next_check_step differ
 def test_fixed_newcomer_disagrees_when_the_first_report_skips_a_step():
-    ring = Ring()
-    ring.do_step(0.01)
-    ring.do_step(0.1)
-    ring.do_step(5.0)  # one slow step
-    for _ in range(30):
-        ring.do_step(0.1)
-        if ring.rounds[-1][0] == ring.step:
-            break
-    ring.reform([*ring.impls, ring.newcomer("h3")])
+    ring = slow_step_then_a_newcomer()
     try:
         ring.do_step(0.3, by=3)
         for _ in range(10):
@@ -223,15 +231,7 @@ def test_held_a_newcomer_agrees_the_cadence_when_the_first_report_is_the_next_st
     """Control for the two violations above: with one step per report the first report zeroes
     ring_slowest_step_s on every rank, so the newcomer and the old members agree at every round (spe=2
     here reports one step first, as a truncated execution would)."""
-    ring = Ring()
-    ring.do_step(0.01)
-    ring.do_step(0.1)
-    ring.do_step(5.0)
-    for _ in range(30):
-        ring.do_step(0.1)
-        if ring.rounds[-1][0] == ring.step:
-            break
-    ring.reform([*ring.impls, ring.newcomer("h3")])
+    ring = slow_step_then_a_newcomer()
     try:
         ring.do_step(0.01)
         for _ in range(20):

@@ -145,8 +145,9 @@ class NoticeRounds:
         if round_.step_s <= 0.0 and steps > 0:
             # no step timed yet on this job (a ring's first step pays its set-up and is not timed): the mean
             # time per step since the previous round. It errs long where it holds the set-up, short where the
-            # frontend began the ring within its first step; either way the next round is at the next step
-            # (steps_to_next_round), where a step is timed and a leave planned on this is planned again
+            # frontend began the ring within its first step. The adaptive cadence puts the next round at the
+            # next step (steps_to_next_round), where a step is timed and a leave planned on this is planned
+            # again; a fixed check_every_steps does not (a known limit, docs/reliability.md)
             round_ = replace(round_, step_s=round_.elapsed_s / steps)
         if round_.departure_s is not None:  # the ring's slowest, so a VM that joined since knows it too
             run.departure_s = round_.departure_s
