@@ -23,7 +23,8 @@ def test_a_notice_early_in_a_ring_is_agreed_within_the_check_interval(first_step
     the ring's first steps is agreed within the check interval (1 s) and a step."""
     now = {"t": T0}
     clocks = Clocks(monotonic=lambda: now["t"], wall=lambda: now["t"])
-    group, impls, _ = make_ranks(check_every_steps=None, check_interval_s=1.0, clocks=clocks, leave="at_notice")
+    group, impls, _ = make_ranks(check_every_steps=None, check_interval_s=1.0, clocks=clocks, leave="at_notice",
+                                 timed_job=False)
     step_s, step = 0.11, 0
     for n in range(notice_after_steps):
         step += 1

@@ -10,11 +10,12 @@ about ``check_interval_s`` plus a step while steps are no slower than the slowes
 the same ``next_check_step`` (else the notice allreduce deadlocks); a VM under notice is let go by its host check
 before its deadline, never later than leaving at the notice would.
 
-The tests named ``test_fixed_*`` reproduced a violation, now fixed: old members kept the previous ring's slowest
-step where a newcomer had none, the ranks computed different next rounds, and the notice allreduce hung.
-``RunState.start_ring`` now clears the step times on every member. ``test_known_limit_*`` (strict xfails): a
-leave planned where no step of the job was timed yet, from the time since the ring began, which can be a few
-ms; with very long steps or a fixed ``check_every_steps`` the VM can be let go after its deadline."""
+The tests named ``test_fixed_*`` reproduced a violation, now fixed:
+- old members kept the previous ring's slowest step where a newcomer had none, the ranks computed different next
+  rounds, and the notice allreduce hung: ``RunState.start_ring`` now clears the step times on every member;
+- a leave planned where no step of the job was timed yet, from the time since the ring began (a few ms), let the
+  VM go after its deadline with very long steps or a fixed ``check_every_steps``: a round now says whether any
+  rank timed a step (``NoticeRound.step_timed``), and where none did the VM leaves at once, as ``at_notice``."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -33,13 +34,14 @@ INTERVAL = 1.0
 
 
 class Ring:
-    """Ranks on a fake clock (monotonic == wall), ``check_every_steps=None`` unless told."""
+    """Ranks of a fresh job (no step timed) on a fake clock (monotonic == wall), ``check_every_steps=None`` unless
+    told."""
 
     def __init__(self, size: int = 3, *, begin_step: int = 0, **cfg: Any) -> None:
         self.now = {"t": T0}
         self.clocks = Clocks(monotonic=lambda: self.now["t"], wall=lambda: self.now["t"])
         settings: dict[str, Any] = {"check_every_steps": None, "check_interval_s": INTERVAL,
-                                    "leave": "at_notice", "timeout_s": 3.0}
+                                    "leave": "at_notice", "timeout_s": 3.0, "timed_job": False}
         settings.update(cfg)
         self.group, self.impls, self.url = make_ranks(size=size, clocks=self.clocks, **settings)
         self.step = 0
@@ -303,18 +305,15 @@ def test_held_a_notice_before_a_fresh_jobs_first_step_leaves_within_its_lead(ste
         f"leave_at {None if leave_at is None else round(leave_at - noticed, 2)})")
 
 
-# Found and fixed: gray zone (no step is timed when the notice is agreed): NoticeRounds.agree's fallback step_s is
-# the 10 ms since the ring began (the PyTorch loop begins its ring within its first step), so plan_leave plans
-# leave_at = deadline - 11 s; the only replan is at the next step (steps_to_next_round returns 1), which with 25-31
-# s steps ends after that leave_at (Emergency.replan skips a leave whose leave_at has come), so the host check lets
-# h2 go 25-31 s after the notice, past deadline - 10 s (31 s: after the deadline itself), where leave='at_notice'
-# lets it go at the notice's round (10 ms)
-@pytest.mark.xfail(strict=True, reason=(
-    'a known limit: a notice agreed before any step of the job was timed plans its leave from the time '
-    'since the ring began (a few ms where the frontend begins the ring within its first step); the next '
-    'round, at the next step, plans it again, but a step longer than the window ends after that leave_at'))
+# Found, then fixed (a round now says whether any rank timed a step of the job: plan_for_round leaves at once
+# where none did): gray zone (no step is timed when the notice is agreed): NoticeRounds.agree's fallback step_s
+# was the 10 ms since the ring began (the PyTorch loop begins its ring within its first step), so plan_leave
+# planned leave_at = deadline - 11 s; the only replan is at the next step (steps_to_next_round returns 1), which
+# with 25-31 s steps ends after that leave_at (Emergency.replan skips a leave whose leave_at has come), so the host
+# check let h2 go 25-31 s after the notice, past deadline - 10 s (31 s: after the deadline itself), where
+# leave='at_notice' lets it go at the notice's round (10 ms)
 @pytest.mark.parametrize("step_s", [25.0, 31.0])
-def test_known_limit_a_notice_before_a_fresh_jobs_first_step_trains_through_a_step_longer_than_the_window(step_s):
+def test_fixed_a_notice_before_a_fresh_jobs_first_step_trains_through_a_step_longer_than_the_window(step_s):
     naive_at, _, _, _ = _fresh_notice_departure(step_s, leave="at_notice")
     check_at, noticed, leave_at, deadline = _fresh_notice_departure(step_s, leave="near_deadline")
     assert naive_at - noticed < 0.1
@@ -333,19 +332,16 @@ def test_held_check_every_steps_relaunch_at_a_multiple_less_one_plans_within_the
     assert check_at <= deadline - 10.0 + 1e-6
 
 
-# Found and fixed: check_every_steps=10, a relaunched job (no step timed on any rank) resuming at step 9, the ring
-# begun 10 ms before its first step's report (the PyTorch loop), a notice present at that first round:
-# NoticeRounds.agree falls back to step_s = 10 ms (elapsed since the ring began), plan_leave's boundary wait is 10 x
-# 10 ms, so leave_at = deadline - 10.1 s; the replan the fallback counts on needs a round, and with
-# check_every_steps the next one is 10 steps later (the 'next round at the next step' of steps_to_next_round is only
-# for the adaptive cadence), with no host check in between (_departures_wait): at 2.5 s steps h2 is let go 25 s
-# after the notice, at 3 s at the deadline (30 s), at 5 s 50 s after it (20 s past its deadline); leave='at_notice'
-# lets it go at the notice's round (10 ms)
-@pytest.mark.xfail(strict=True, reason=(
-    'a known limit: with a fixed check_every_steps, a leave planned before any step was timed is planned '
-    'again only at the next fixed round, up to check_every_steps steps later'))
+# Found, then fixed (as above: no step timed, the VM leaves at once): check_every_steps=10, a relaunched job (no
+# step timed on any rank) resuming at step 9, the ring begun 10 ms before its first step's report (the PyTorch
+# loop), a notice present at that first round: NoticeRounds.agree fell back to step_s = 10 ms (elapsed since the
+# ring began), plan_leave's boundary wait was 10 x 10 ms, so leave_at = deadline - 10.1 s; the replan the fallback
+# counted on needs a round, and with check_every_steps the next one is 10 steps later (the 'next round at the next
+# step' of steps_to_next_round is only for the adaptive cadence), with no host check in between
+# (_departures_wait): at 2.5 s steps h2 was let go 25 s after the notice, at 3 s at the deadline (30 s), at 5 s 50 s
+# after it (20 s past its deadline); leave='at_notice' lets it go at the notice's round (10 ms)
 @pytest.mark.parametrize("step_s", [2.5, 3.0, 5.0])
-def test_known_limit_check_every_steps_relaunch_plans_from_the_untimed_first_step_and_misses_the_deadline(step_s):
+def test_fixed_check_every_steps_relaunch_plans_from_the_untimed_first_step_and_misses_the_deadline(step_s):
     naive_at, _, _, _ = _fresh_notice_departure(step_s, leave="at_notice", check_every_steps=10, begin_step=9)
     check_at, noticed, leave_at, deadline = _fresh_notice_departure(step_s, leave="near_deadline",
                                                                    check_every_steps=10, begin_step=9)

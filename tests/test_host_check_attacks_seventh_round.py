@@ -236,16 +236,18 @@ def test_departure_timed_alike_and_next_lead_alike(replan: bool, old_rank0_leave
     clocks = Clocks(wall=lambda: t["wall"], monotonic=lambda: t["mono"])
     group, impls, _ = make_ranks(leave="near_deadline", clocks=clocks)   # default lead: departure_s counts
     _every_rank_holds_updates(impls)
+    t["mono"] += 0.5
+    step_all(group, impls, 1)  # the ring's first step (not timed)
     impls[2].watcher.notice = notice(60.0, now=t["wall"])
-    t["mono"] += 0.5  # the first round times 0.5 s steps, as every later one: no re-plan but the forced one
-    l1 = step_all(group, impls, 1)[2].leave_at
+    t["mono"] += 0.5  # the notice's round times a 0.5 s step, as every later one: no re-plan but the forced one
+    l1 = step_all(group, impls, 2)[2].leave_at
     assert l1 is not None
     t["wall"] += 0.5
     t["mono"] += 0.5
     ring = [*impls, _newcomer(impls[0].config, regroup(impls), 3, "h3", clocks)]
     g = regroup(ring)
-    _reform(g, ring, 2)
-    step = 2
+    _reform(g, ring, 3)
+    step = 3
     assert ring[3].run.leave_at_of.get("h2") == l1
     if replan:
         step += 1

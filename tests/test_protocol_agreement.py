@@ -109,7 +109,11 @@ def notice(deadline_in: float = 30.0, *, now: float | None = None) -> Notice:
 
 
 def make_ranks(*, stores: list[ObjectStore] | None = None, size: int = 3, timeout_s: float = 10.0,
-               clocks: Clocks | None = None, **config: Any) -> tuple[ThreadGroup, list[TransientImpl], str]:
+               clocks: Clocks | None = None, timed_job: bool = True,
+               **config: Any) -> tuple[ThreadGroup, list[TransientImpl], str]:
+    """Ranks of a ring begun at step 0. ``timed_job``: of a job whose ranks timed steps on earlier rings, so a
+    notice at this ring's first step plans its leave as at any other; else a fresh job, whose VM under notice
+    leaves at once where no step was timed yet (``plan_for_round``)."""
     url = stores[0].url if stores is not None else f"memory://{uuid.uuid4().hex}"
     group = ThreadGroup(size, timeout_s=timeout_s)
     settings: dict[str, Any] = {"save_every_steps": None, "leave_margin_s": 1.0, "check_every_steps": 1}
@@ -121,6 +125,8 @@ def make_ranks(*, stores: list[ObjectStore] | None = None, size: int = 3, timeou
         impls.append(TransientImpl(cfg, FakeCollectives(group, r), host=HOSTS[r], watcher=FakeWatcher(),
                                    manager=manager, **({"clocks": clocks} if clocks else {})))
     group.run(lambda r: impls[r].begin(0))
+    for impl in impls:
+        impl.run.step_timed = timed_job
     return group, impls, url
 
 

@@ -29,8 +29,11 @@ class NoticeRound:
     committed_step: int | None = None  # the latest step the master knows committed
     #: the slowest departure any rank timed on this job (``leave_at`` -> its new ring), None: none yet
     departure_s: float | None = None
-    #: the slowest single step any rank timed on this job (0: none timed yet)
+    #: the slowest single step any rank timed on this job (0: none timed yet, or steps of 0 s)
     step_s: float = 0.0
+    #: some rank timed a step of this job: where none did, ``step_s`` says nothing of the step time, and a VM
+    #: under notice leaves at once (:func:`~hvd_transient.core.leave_plan.plan_for_round`)
+    step_timed: bool = True
     #: the longest gap between two steps (an epoch end's evaluation, kept out of the step time) any rank
     #: timed on this job: no host check runs inside it (0: none timed)
     gap_s: float = 0.0
@@ -69,17 +72,17 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
                   departure_s: float | None = None, job_step_s: float = 0.0,
                   wall: float = 0.0, gap_s: float = 0.0,
                   epoch_left_steps: int | None = None, hosts_changed: bool = False,
-                  record_landed: bool = False) -> np.ndarray[Any, Any]:
+                  record_landed: bool = False, step_timed: bool = True) -> np.ndarray[Any, Any]:
     """This rank's contribution; summing every rank's vector gives the whole picture.
 
     Layout: ``[leaving flag per rank | deadline per rank | slowest step us per rank | slowest departure
-    us per rank | job's slowest step us per rank | wall clock per rank | job's longest gap between steps us
-    per rank | steps to the epoch's end + 1 per rank | leaving record landed per rank | stop | busy | elapsed us |
-    early warning | committed step + 1 | host update pending]``. Times travel in whole microseconds (a wall clock and a
-    deadline as they are: one non-zero addend per slot) and steps as integers, so the sum is exact and
-    every rank derives the same decisions from it. Only the master gives ``committed_step``; per-rank
-    slots keep what a sum would lose (the earliest deadline, the slowest step, the slowest departure,
-    the latest clock).
+    us per rank | job's slowest step us + 1 per rank (0: none timed) | wall clock per rank | job's longest gap
+    between steps us per rank | steps to the epoch's end + 1 per rank | leaving record landed per rank | stop |
+    busy | elapsed us | early warning | committed step + 1 | host update pending]``. Times travel in whole
+    microseconds (a wall clock and a deadline as they are: one non-zero addend per slot) and steps as integers,
+    so the sum is exact and every rank derives the same decisions from it. Only the master gives
+    ``committed_step``; per-rank slots keep what a sum would lose (the earliest deadline, the slowest step, the
+    slowest departure, the latest clock).
     """
     vec = np.zeros(_BLOCKS * size + _SCALARS, dtype=np.float64)
     if deadline is not None:
@@ -88,7 +91,8 @@ def encode_notice(rank: int, size: int, deadline: float | None, stop: bool = Fal
     vec[2 * size + rank] = float(round(max(0.0, slowest_step_s) * 1e6))
     if departure_s is not None:  # + 1 us: a departure timed at 0 s is still one that was timed
         vec[3 * size + rank] = float(round(max(0.0, departure_s) * 1e6)) + 1.0
-    vec[4 * size + rank] = float(round(max(0.0, job_step_s) * 1e6))
+    if step_timed:  # + 1 us: a step timed at 0 s (a fake clock) is still one that was timed
+        vec[4 * size + rank] = float(round(max(0.0, job_step_s) * 1e6)) + 1.0
     vec[5 * size + rank] = max(0.0, wall)
     vec[6 * size + rank] = float(round(max(0.0, gap_s) * 1e6)) if math.isfinite(gap_s) else 0.0
     if epoch_left_steps is not None and epoch_left_steps >= 0:  # + 1: an epoch ending here is still known
@@ -125,6 +129,7 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
     base = _BLOCKS * size
     committed = int(round(summed[base + _COMMITTED]))
     departure_us = float(np.max(summed[3 * size:4 * size]))
+    job_step_us = float(np.max(summed[4 * size:5 * size]))
     epoch_left = summed[7 * size:8 * size]
     known_left = epoch_left[epoch_left > 0.5]
     return NoticeRound(leaving, deadline, bool(summed[base + _STOP] > 0.5), bool(summed[base + _BUSY] > 0.5),
@@ -133,7 +138,7 @@ def decode_notice(summed: np.ndarray[Any, Any], size: int, hosts: Sequence[str] 
                        slowest_step_s=float(np.max(summed[2 * size:3 * size])) / 1e6,
                        committed_step=committed - 1 if committed > 0 else None,
                        departure_s=(departure_us - 1.0) / 1e6 if departure_us > 0.5 else None,
-                       step_s=float(np.max(summed[4 * size:5 * size])) / 1e6,
+                       step_s=max(0.0, job_step_us - 1.0) / 1e6, step_timed=job_step_us > 0.5,
                        at=float(np.max(summed[5 * size:6 * size])),
                        gap_s=float(np.max(summed[6 * size:7 * size])) / 1e6,
                        epoch_left_steps=int(round(float(np.min(known_left)))) - 1 if known_left.size else None,

@@ -68,7 +68,11 @@ def plan_leave(config: TransientConfig, hosts: Collection[str], leaving: Collect
 def plan_for_round(config: TransientConfig, hosts: Sequence[str], round_: NoticeRound, vm_deadline: float,
                    now: float) -> LeavePlan:
     """:func:`plan_leave` from a notice round: its agreed clock (``now`` if the round carries none), the
-    slowest step and departure it carries, and its leaving ranks' hosts."""
+    slowest step and departure it carries, and its leaving ranks' hosts. Where no rank timed a step of the job
+    yet, the lead has no step time to cover, and the VM leaves at once (never later than ``at_notice``)."""
+    if not round_.step_timed:
+        lead = config.lead_s(round_.departure_s, round_.step_s, round_.gap_s)
+        return LeavePlan(None, lead, "no step of the job was timed yet")
     return plan_leave(config, hosts, {hosts[r] for r in round_.leaving}, vm_deadline, round_.at or now,
                       step_s=round_.step_s, departure_s=round_.departure_s, gap_s=round_.gap_s,
                       epoch_end_s=epoch_end_s(round_))

@@ -98,8 +98,6 @@ class NoticeRounds:
         self._stop_poller = stop_poller
         self.count = 0
         self._notice_logged = False
-        #: the slowest single step this rank timed on this job (the rounds share the slowest of all ranks)
-        self._job_slowest_step_s = 0.0
         self._due_in_ring: str | None = None  # the ring whose latest round found a departure due
         #: whether this rank's VM's leaving record (its latest version) is in the store (set by the owner)
         self.record_landed: Callable[[], bool] = lambda: False
@@ -110,7 +108,6 @@ class NoticeRounds:
         now = p.clocks.monotonic()
         elapsed, steps = now - run.last_round_at, step - run.last_round_step
         slowest, run.slowest_step_s = run.slowest_step_s, 0.0
-        self._job_slowest_step_s = max(self._job_slowest_step_s, slowest)
         run.last_round_step, run.last_round_at = step, now
         notice = p.watcher.notice if p.watcher is not None else None
         rank, size = p.comm.rank(), p.comm.size()
@@ -135,19 +132,18 @@ class NoticeRounds:
         summed = p.comm.allreduce_sum(
             encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
                           slowest_step_s=slowest, committed_step=committed, departure_s=run.departure_s,
-                          job_step_s=self._job_slowest_step_s, gap_s=run.longest_gap_s, wall=p.clocks.wall(),
+                          job_step_s=run.job_slowest_step_s, gap_s=run.longest_gap_s, wall=p.clocks.wall(),
                           epoch_left_steps=run.epoch_left_steps, hosts_changed=hosts_changed,
-                          record_landed=self.record_landed()),
+                          record_landed=self.record_landed(), step_timed=run.step_timed),
             name="notice")
         round_ = decode_notice(summed, size, run.hosts if len(run.hosts) == size else None)
         if steps > 0:
             round_ = replace(round_, mean_step_s=round_.elapsed_s / steps)
-        if round_.step_s <= 0.0 and steps > 0:
+        if not round_.step_timed and steps > 0:
             # no step timed yet on this job (a ring's first step pays its set-up and is not timed): the mean
-            # time per step since the previous round. It errs long where it holds the set-up, short where the
-            # frontend began the ring within its first step. The adaptive cadence puts the next round at the
-            # next step (steps_to_next_round), where a step is timed and a leave planned on this is planned
-            # again; a fixed check_every_steps does not (a known limit, docs/reliability.md)
+            # time per step since the previous round, for the cadence only. It errs long where it holds the
+            # set-up, short where the frontend began the ring within its first step, so a VM under notice
+            # plans no leave on it and leaves at once (plan_for_round)
             round_ = replace(round_, step_s=round_.elapsed_s / steps)
         if round_.departure_s is not None:  # the ring's slowest, so a VM that joined since knows it too
             run.departure_s = round_.departure_s
@@ -157,7 +153,10 @@ class NoticeRounds:
         run.ring_slowest_step_s = max(run.ring_slowest_step_s, round_.slowest_step_s)
         run.next_check_step = step + steps_to_next_round(p.config, round_, steps, run.ring_slowest_step_s)
         hosts = run.hosts if len(run.hosts) == size else [str(r) for r in range(size)]
-        self._due_in_ring = run.ring_id if departures_due(p.config, hosts, round_, self._window_s()) else None
+        # due as planned now, or as agreed before: a VM told to leave at once stays due though steps timed since
+        # would now let it train on (a leave is never moved later: its record and discovery say at once)
+        due = departures_due(p.config, hosts, round_, self._window_s()) or run.departure_due_by(round_.at)
+        self._due_in_ring = run.ring_id if due else None
         if run.departure_pending and departure_stale(round_):
             # Its VM is past its deadline and grace yet still in the ring (its leaving record no longer
             # keeps it out of discovery), or nobody is under notice any more: it will not leave this way,
@@ -166,11 +165,17 @@ class NoticeRounds:
             run.departure_pending = False
         return round_
 
+    def ring_began(self) -> None:
+        """A ring began (its members merged what they know of the VMs under notice): it starts with a departure
+        due where one of its VMs was due to leave by the time it began, as agreed (a newcomer learned it too), so
+        the host check runs at every step before its first round."""
+        run = self.p.run
+        self._due_in_ring = run.ring_id if run.departure_due_by(run.ring_began_wall) else None
+
     @property
     def departures_due(self) -> bool:
-        """Agreed at this ring's latest round: some VM under notice leaves at once or is past its
-        ``leave_at``, so Horovod's host check runs at every step until the next round. A new ring
-        (whose members may include a newcomer that saw no round) starts with none due."""
+        """Agreed at this ring's latest round, or as it began: some VM under notice leaves at once or is past
+        its ``leave_at``, so Horovod's host check runs at every step until the next round."""
         return self._due_in_ring is not None and self._due_in_ring == self.p.run.ring_id
 
     def _window_s(self) -> float:

@@ -171,6 +171,7 @@ class TransientImpl:
         for host, seconds in self.run.time_departures(self.clocks.wall()).items():
             log.info("%s left %.1f s after its leave_at; the next VM under notice leaves %.1f s before its deadline",
                      host, seconds, self.config.lead_s(self.run.departure_s))
+        self._rounds.ring_began()
         move_lease(self.lease, self.events, take=rank == self.run.master,
                    until=self.clocks.wall() + LEASE_MOVE_TIMEOUT_S)
         if rank == self.run.master:
@@ -282,7 +283,10 @@ class TransientImpl:
             # the first step of a ring also pays for its set-up: it says nothing about the step time
             self.run.slowest_step_s = self.run.ring_slowest_step_s = 0.0
         elif self.run.step_done_at is not None:
-            self.run.slowest_step_s = max(self.run.slowest_step_s, now - self.run.step_done_at)
+            took = now - self.run.step_done_at
+            self.run.slowest_step_s = max(self.run.slowest_step_s, took)
+            self.run.job_slowest_step_s = max(self.run.job_slowest_step_s, took)
+            self.run.step_timed = True
         try:
             return self._after_step(step, snapshot, metadata, share_snapshot, samples, first_after_begin)
         finally:
