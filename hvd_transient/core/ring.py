@@ -123,11 +123,12 @@ class RunState:
         return previous_master
 
     def departure_due_by(self, at: float) -> bool:
-        """Whether a VM of this ring under notice was due to leave by ``at`` (epoch seconds), as the rounds agreed
-        (``due_at_of``: its ``leave_at``, or the round that agreed its notice where it leaves at once). Every rank
-        holds the same times, so with an agreed ``at`` every rank answers the same."""
-        return any(due <= at for host, due in self.due_at_of.items()
-                   if host in self.hosts and host in self.handled_leavers)
+        """Whether a VM of this ring under notice is due to leave by ``at`` (epoch seconds), as the rounds agreed:
+        one told to leave at once (no ``leave_at``) always, one that trains on once its ``leave_at`` has come. Every
+        rank holds the same leave times, so with an agreed ``at`` every rank answers the same; an at-once leave is
+        dated by no clock (a round's is the latest any member read, and a clock that ran ahead may leave the ring)."""
+        return any(host not in self.leave_at_of or self.leave_at_of[host] <= at
+                   for host in self.handled_leavers if host in self.hosts)
 
     def _learn_departures(self, said: DeparturesSaid) -> None:
         """Take what the members said of the VMs under notice in the ring: every rank then holds the same times,
