@@ -335,9 +335,10 @@ class Registry:
                 self._deliver(inst, pid, sig)
 
     def _deliver(self, inst: InstanceState, pid: int, sig: signal.Signals) -> None:
+        what = _command_of(pid)  # said with the signal: a test's log then shows which process it reached
         try:
             os.kill(pid, sig)
-            log.info("instance %s: deadline passed, sent %s to pid %d", inst.name, sig.name, pid)
+            log.info("instance %s: deadline passed, sent %s to pid %d (%s)", inst.name, sig.name, pid, what)
             error = None
         except OSError as exc:
             log.warning("instance %s: could not send %s to pid %d: %s", inst.name, sig.name, pid, exc)
@@ -379,3 +380,12 @@ class Registry:
             raise UnknownKeyError(path) from None
         # the ETag follows the content, so a change anywhere under a directory gives it a new one
         return reply, etag_of(f"{path}?recursive={recursive}&alt={alt}", reply.body)
+
+
+def _command_of(pid: int) -> str:
+    """``pid``'s command line, as far as /proc tells it (best effort: for the log only)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200] or "?"
+    except OSError:
+        return "?"
