@@ -126,7 +126,7 @@ def make_ranks(*, stores: list[ObjectStore] | None = None, size: int = 3, timeou
                                    manager=manager, **({"clocks": clocks} if clocks else {})))
     group.run(lambda r: impls[r].begin(0))
     for impl in impls:
-        impl.run.step_timed = timed_job
+        impl.run.job_slowest_step_s = 0.0 if timed_job else None
     return group, impls, url
 
 

@@ -132,7 +132,7 @@ class NoticeRounds:
         summed = p.comm.allreduce_sum(
             encode_notice(rank, size, deadline, self._stop_requested(), busy, elapsed, warned,
                           slowest_step_s=slowest, committed_step=committed, departure_s=run.departure_s,
-                          job_step_s=run.job_slowest_step_s, gap_s=run.longest_gap_s, wall=p.clocks.wall(),
+                          job_step_s=run.job_slowest_step_s or 0.0, gap_s=run.longest_gap_s, wall=p.clocks.wall(),
                           epoch_left_steps=run.epoch_left_steps, hosts_changed=hosts_changed,
                           record_landed=self.record_landed(), step_timed=run.step_timed),
             name="notice")

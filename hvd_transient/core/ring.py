@@ -53,12 +53,10 @@ class RunState:
     step_done_at: float | None = None   # time.monotonic() when this rank last went back to training
     slowest_step_s: float = 0.0         # this rank's longest step since its previous round
     ring_slowest_step_s: float = 0.0    # the longest step any rank took on this ring (agreed)
-    #: this rank timed a step of this job (a ring's first step is not timed; a timed step may take 0 s on a
-    #: fake clock, so the step time alone cannot say it)
-    step_timed: bool = False
     #: the slowest single step this rank timed on this job, whether or not a round came between (a ring that
-    #: begins clears ``slowest_step_s`` before the next round could carry it)
-    job_slowest_step_s: float = 0.0
+    #: begins clears ``slowest_step_s`` before the next round could carry it); None: none timed yet (a ring's
+    #: first step is not timed, and a timed step may take 0 s on a fake clock, so 0 would not say it)
+    job_slowest_step_s: float | None = None
     #: the longest time between two steps of this job that :meth:`TransientImpl.before_step` kept out of
     #: the step time (an epoch's end: an evaluation, other callbacks): no host check runs inside it
     #: either, so a VM under notice may wait that long for a step at which it can leave
@@ -121,6 +119,11 @@ class RunState:
         # computes from these must be the same on every rank (the rounds are collectives)
         self.slowest_step_s = self.ring_slowest_step_s = 0.0
         return previous_master
+
+    @property
+    def step_timed(self) -> bool:
+        """This rank timed a step of this job."""
+        return self.job_slowest_step_s is not None
 
     def departure_due_by(self, at: float) -> bool:
         """Whether a VM of this ring under notice is due to leave by ``at`` (epoch seconds), as the rounds agreed:

@@ -285,8 +285,7 @@ class TransientImpl:
         elif self.run.step_done_at is not None:
             took = now - self.run.step_done_at
             self.run.slowest_step_s = max(self.run.slowest_step_s, took)
-            self.run.job_slowest_step_s = max(self.run.job_slowest_step_s, took)
-            self.run.step_timed = True
+            self.run.job_slowest_step_s = max(self.run.job_slowest_step_s or 0.0, took)
         try:
             return self._after_step(step, snapshot, metadata, share_snapshot, samples, first_after_begin)
         finally:
