@@ -508,6 +508,29 @@ def test_join_gate_matches_instance_ids_and_aliases():
     assert gate.admit([vm], [ReadyRecord("w-4", 1020.0)], 1030.0) == []
 
 
+def test_join_gate_gathers_vms_that_started_together():
+    """VMs that started within gather_s of each other are listed together: the first ready waits for the others,
+    at most gather_s after the first of them was ready; one that started apart, or gather_s 0, does not wait."""
+    from hvd_transient.discovery.ready import JoinGate, ReadyRecord
+
+    gate = JoinGate(standby_since=1000.0, join_timeout_s=120.0, gather_s=10.0)
+    a, b, far = _vm("a", 1010.0), _vm("b", 1014.0), _vm("c", 1030.0)
+    a_ready = [ReadyRecord("a", ready_at=1040.0)]
+    assert gate.admit([a, b], a_ready, 1045.0) == []  # a waits for b, which started 4 s after it
+    assert gate.admit([a, b], a_ready + [ReadyRecord("b", ready_at=1046.0)], 1046.5) == [a, b]  # together
+    assert gate.admit([a, b], a_ready, 1049.9) == [] and gate.admit([a, b], a_ready, 1050.0) == [a]  # at most 10 s
+    assert gate.admit([a, far], a_ready, 1045.0) == [a]  # 20 s apart: not a group
+    assert JoinGate(standby_since=1000.0, gather_s=0.0).admit([a, b], a_ready, 1045.0) == [a]
+    # the hold runs from the first of the group to be ready: one ready later is not held longer
+    b_ready = [ReadyRecord("b", ready_at=1048.0)]
+    assert gate.admit([a, b, _vm("d", 1012.0)], a_ready + b_ready, 1049.0) == []
+    assert gate.admit([a, b, _vm("d", 1012.0)], a_ready + b_ready, 1050.0) == [a, b]
+    # a VM present at launch, or one past its join timeout (listed anyway), holds nobody back
+    assert gate.admit([a, _vm("e", 990.0)], a_ready, 1045.0) == [a, _vm("e", 990.0)]
+    late = JoinGate(standby_since=1000.0, join_timeout_s=40.0, gather_s=10.0)
+    assert late.admit([a, _vm("f", 1004.0)], a_ready, 1045.0) == [a, _vm("f", 1004.0)]  # f waited 41 s: listed
+
+
 def test_ready_records_round_trip_and_unreadable_ones_admit_nobody(tmp_path):
     from hvd_transient.discovery.ready import ReadyRecord, publish_ready, read_ready
     from hvd_transient.store_keys import ready_key
@@ -544,6 +567,31 @@ def test_discover_gates_a_new_vm_until_its_standby_is_ready(tmp_path, capsys, mo
     assert run(argv, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")
     code, out, err = run(["--backend", "local", "--hosts", "a", "--standby-since", "1"], capsys)
     assert (code, out) == (2, "") and "needs --store" in err
+
+
+def test_discover_lists_vms_that_started_together_once_all_are_ready(tmp_path, capsys, monkeypatch):
+    import time as _time
+
+    from hvd_transient.discovery.ready import publish_ready
+
+    now = _time.time()
+    store_dir, state = tmp_path / "store", tmp_path / "hosts.json"
+    state.write_text(json.dumps({"hosts": [{"host": "localhost", "started_at": now - 100},
+                                           {"host": "127.0.1", "started_at": now - 5},
+                                           {"host": "127.0.2", "started_at": now - 4}]}))
+    gated = ["--backend", "local", "--state-file", str(state), "--store", str(store_dir),
+             "--standby-since", str(now - 50)]
+    publish_ready(LocalStore(store_dir), "127.0.1")
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n")  # 127.0.2 started with it and is warming up
+    assert run(gated + ["--join-gather", "0"], capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")
+    monkeypatch.setenv("HVDT_JOIN_GATHER_S", "0")
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")
+    monkeypatch.delenv("HVDT_JOIN_GATHER_S")
+    publish_ready(LocalStore(store_dir), "127.0.2")
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n127.0.2:1\n")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(gated + ["--join-gather", "-1"])
+    assert exit_.value.code == 2 and "--join-gather: expected a number of seconds >= 0" in capsys.readouterr().err
 
 
 def test_discover_never_lists_a_new_vm_under_notice_ready_or_not(tmp_path, capsys):

@@ -1,10 +1,10 @@
 """End to end with PyTorch: real `horovodrun` over local host aliases running examples/torch_elastic.py.
 
 The master's notice, then a worker's on the smaller ring (each VM trains through its window, then leaves
-with nothing rolled back), a new VM that joins through its standby (torch imported and the script run up to its
-elastic function before the VM is offered), and the whole cluster killed (kill -9) then relaunched at
-another size. Every worker logs
-the index of each sample it trains on: across all of it, each pass over the data is used exactly once.
+with nothing rolled back), two new VMs that join together through their standbys (torch imported and the
+script run up to its elastic function before each VM is offered; one ring change for both), and the whole
+cluster killed (kill -9) then relaunched at another size. Every worker logs the index of each sample it trains
+on: across all of it, each pass over the data is used exactly once.
 """
 from __future__ import annotations
 
@@ -145,33 +145,39 @@ def test_the_master_then_a_worker_under_notice_train_through_their_windows_and_l
     assert f"done at step {epochs * per_epoch} on 1 workers, {trained} samples" in c.log_tail(80)
 
 
-def test_a_new_vm_joins_through_its_standby_and_the_ring_trains_on_at_the_exact_sample(tmp_path: Path) -> None:
-    """The script never commits Horovod's state (whose commit runs Horovod's host check): the driver's
+def test_new_vms_join_through_their_standbys_together_and_the_ring_trains_on_at_the_exact_sample(
+        tmp_path: Path) -> None:
+    """Two VMs start together, the second booting 10 s longer: each warms a standby, and discovery lists them
+    together once both are ready (one ring change, not one per VM; with --join-gather 0 the ring would change
+    twice). The script never commits Horovod's state (whose commit runs Horovod's host check): the driver's
     message of the join is taken at a notice round."""
     store, samples_log = str(tmp_path / "store"), tmp_path / "samples"
     epochs, per_epoch = 1000, 20  # stopped through the store once the grown ring has trained a while
-    hosts, newcomer = ("localhost", "127.0.0.1"), "127.0.1"
+    hosts, newcomers = ("localhost", "127.0.0.1"), ("127.0.1", "127.1")  # local host aliases
     cmd = torch_cmd(store, samples_log, epochs=epochs, steps=per_epoch, batches_per_commit=10**9)
-    c = cluster(tmp_path, "run", store, hosts, cmd,
-                instances=hosts + (newcomer,), standby=True, join_timeout_s=120)
+    # a gather long enough that the second standby, warming up beside the first on a loaded machine, is not late
+    c = cluster(tmp_path, "run", store, hosts, cmd, instances=hosts + newcomers, standby=True, join_timeout_s=120,
+                extra_env=(("HVDT_JOIN_GATHER_S", "60"),))
     with c:
         c.wait_for_step(10, 180, size=2)
-        c.add_host(newcomer)  # a new VM boots its standby, which runs the script up to hvd.elastic.run
-        (joined,) = c.wait_for(lambda ev: of(ev, "ring", size=3, host=newcomer), 240, f"{newcomer} to join")
-        c.wait_for_step(joined["step"] + 10, 120, size=3)
+        for newcomer, boot_s in zip(newcomers, (0.0, 10.0)):  # their standbys run the script up to hvd.elastic.run
+            c.add_host(newcomer, boot_s=boot_s)
+        joined = c.wait_for(lambda ev: of(ev, "ring", size=4, host=newcomers[0]), 240, f"{newcomers} to join")
+        c.wait_for_step(joined[0]["step"] + 10, 120, size=4)
         c.request_stop()
         assert c.wait(120) == 0, c.log_tail()
         events = c.events()
-    standby_log = c.standby_log_path(newcomer).read_text(errors="replace")
-    assert "ready for a job" in standby_log, standby_log[-2000:]  # offered only once the standby was ready
+    for newcomer in newcomers:
+        standby_log = c.standby_log_path(newcomer).read_text(errors="replace")
+        assert "ready for a job" in standby_log, standby_log[-2000:]  # offered only once its standby was ready
     rings = of(events, "ring", host="localhost")
-    assert [r["size"] for r in rings] == [2, 3]
+    assert [r["size"] for r in rings] == [2, 4]  # both in one ring change
     assert all(e["rolled_back"] == 0 for e in of(events, "reset")), of(events, "reset")
     for e in of(events, "lr"):
         assert e["lr"] == pytest.approx(BASE_LR * e["size"])
     final = of(events, "weights")
     last_step = max(e["step"] for e in final)
-    assert {e["step"] for e in final} == {last_step} and len({e["crc"] for e in final}) == 1, final
+    assert {e["step"] for e in final} == {last_step} and len(final) == 4 and len({e["crc"] for e in final}) == 1, final
     trained = assert_each_sample_once_per_pass(samples_log, last_step)
     assert trained == expected_samples(rings, last_step, BATCH)
 

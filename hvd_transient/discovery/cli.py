@@ -6,8 +6,8 @@ is imported only by the gce backend.
 
 With ``--standby-since T`` (or ``$HVDT_STANDBY_SINCE``) and a store, a VM that started
 after T is listed only once it is ready (its standby worker warm, or its boot done), or ``--join-timeout`` seconds
-after it started (:mod:`hvd_transient.discovery.ready`); the ready records are read only
-while such a VM waits.
+after it started (:mod:`hvd_transient.discovery.ready`); VMs that started together are listed
+together (``--join-gather``); the ready records are read only while such a VM waits.
 
 Exit status: 0 with the hosts (possibly none) on stdout; 2 for a
 misconfiguration; 1 when the hosts could not be determined (API or store
@@ -24,7 +24,7 @@ from typing import Sequence
 
 from hvd_transient.discovery.errors import DiscoveryConfigError, DiscoveryError
 from hvd_transient.discovery.hosts import Host, exclude_leaving, format_hosts, parse_slots, unique
-from hvd_transient.discovery.ready import JOIN_TIMEOUT_ENV, STANDBY_SINCE_ENV
+from hvd_transient.discovery.ready import JOIN_GATHER_ENV, JOIN_TIMEOUT_ENV, STANDBY_SINCE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="list such a VM anyway this long after it started, ready or not "
         "(default 120, or $HVDT_JOIN_TIMEOUT_S)",
+    )
+    parser.add_argument(
+        "--join-gather", type=non_negative_seconds, default=os.environ.get(JOIN_GATHER_ENV, "10"),
+        metavar="SECONDS",
+        help="VMs that started within this many seconds of each other join together: a ready one waits for "
+        "the others' standbys, at most this long after the first was ready; each join stalls every worker "
+        "(default 10, or $HVDT_JOIN_GATHER_S; 0: each joins as soon as it is ready)",
     )
     parser.add_argument(
         "--slots", default="1",
@@ -138,7 +145,7 @@ def find_hosts(args: argparse.Namespace) -> list[Host]:
         from hvd_transient.discovery.sources import local_hosts
 
         hosts = local_hosts(args.hosts, args.state_file, slots or 1)
-    hosts = unique(hosts)
+    listed = hosts = unique(hosts)
     if args.store:
         from hvd_transient.discovery.leaving import leaving_from_url
 
@@ -146,18 +153,19 @@ def find_hosts(args: argparse.Namespace) -> list[Host]:
                                    only={name for host in hosts for name in host.names})
         hosts = exclude_leaving(hosts, records, time.time(), grace_s=float(args.leaving_grace))
         if args.standby_since is not None:
-            hosts = _admit_ready(hosts, args)
+            hosts = _admit_ready(hosts, listed, args)
     return hosts
 
 
-def _admit_ready(hosts: list[Host], args: argparse.Namespace) -> list[Host]:
+def _admit_ready(hosts: list[Host], listed: list[Host], args: argparse.Namespace) -> list[Host]:
     from hvd_transient.discovery.ready import JoinGate, ready_from_url
 
-    gate = JoinGate(standby_since=float(args.standby_since), join_timeout_s=float(args.join_timeout))
+    gate = JoinGate(standby_since=float(args.standby_since), join_timeout_s=float(args.join_timeout),
+                    gather_s=float(args.join_gather))
     now = time.time()
     if not any(gate.awaits(host, now) for host in hosts):
         return hosts  # the usual case: nothing to read
-    return gate.admit(hosts, ready_from_url(args.store, timeout=args.timeout), now)
+    return gate.admit(hosts, ready_from_url(args.store, timeout=args.timeout), now, started_with=listed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable
@@ -121,10 +122,16 @@ def _incarnation(item: dict[str, Any], where: str) -> "Incarnation | None":
     started_at, instance_id = item.get("started_at"), item.get("instance_id")
     if started_at is None and instance_id is None:
         return None
-    if started_at is not None and (isinstance(started_at, bool) or not isinstance(started_at, (int, float))):
-        raise DiscoveryConfigError(f"{where}started_at must be Unix seconds, not {started_at!r}")
-    return Incarnation(instance_id=None if instance_id is None else str(instance_id),
-                       started_at=None if started_at is None else float(started_at))
+    if started_at is not None:
+        if isinstance(started_at, bool) or not isinstance(started_at, (int, float)):
+            raise DiscoveryConfigError(f"{where}started_at must be Unix seconds, not {started_at!r}")
+        try:
+            started_at = float(started_at)
+        except OverflowError:  # an integer beyond any float
+            started_at = math.inf
+        if not math.isfinite(started_at):
+            raise DiscoveryConfigError(f"{where}started_at must be a finite number of Unix seconds")
+    return Incarnation(instance_id=None if instance_id is None else str(instance_id), started_at=started_at)
 
 
 def unique(hosts: Iterable[Host]) -> list[Host]:

@@ -19,7 +19,20 @@ Which hosts are held back (:class:`JoinGate`, pure):
   simulator's ``started_at``); a host without one is listed as before;
 * a record applies to the VM listed now if it was published after that VM started and, where
   both are known, names the same instance id (a STOP-preempted VM started again, or a VM
-  recreated under the same name, waits for its new standby).
+  recreated under the same name, waits for its new standby);
+* VMs that started together join together (``gather_s``, ``--join-gather``): a ready VM is
+  also held back while a VM that started within ``gather_s`` of it, and before it was ready,
+  is still warming up, for at most ``gather_s`` after the first of the VMs that started within
+  ``gather_s`` of it was ready (so those ready by then are listed in one call). Each listing
+  is a ring change that stalls every worker (a Horovod reset, and on GPUs a new NCCL
+  communicator); VMs that a wave of preemptions brought back together would otherwise each
+  cost one as its standby came ready, where holding one back costs only its own share of the
+  throughput. Once over, the hold does not come back: the peers it waits for started before
+  the VM was ready (one that starts later may find it listed already), they come from the
+  cloud's list before leaving records are applied (a record that expires would bring a peer
+  back), a peer past its join timeout still counts for when the first was ready, and records
+  and time only move on. (A ready peer that vanishes from the cloud's list within the hold can
+  move that first time later; the VM then leaves the ring in the same change as the peer.)
 
 The record format (JSON, times Unix seconds)::
 
@@ -32,11 +45,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
-from hvd_transient.discovery.hosts import Host
+from hvd_transient.discovery.hosts import Host, unique
 
 if TYPE_CHECKING:
     from ckpt_service.stores.base import ObjectStore
@@ -48,6 +62,9 @@ log = logging.getLogger(__name__)
 DEFAULT_JOIN_TIMEOUT_S = 120.0
 #: how long discovery holds a new VM back at most (seconds; ``--join-timeout``'s default)
 JOIN_TIMEOUT_ENV = "HVDT_JOIN_TIMEOUT_S"
+#: how long VMs that started together wait for each other (seconds; ``--join-gather``'s default)
+DEFAULT_JOIN_GATHER_S = 10.0
+JOIN_GATHER_ENV = "HVDT_JOIN_GATHER_S"
 #: the job's launch time (Unix seconds), set by whoever launches it: VMs started later publish a ready
 #: record (their standby's, or their boot's) before they are listed
 STANDBY_SINCE_ENV = "HVDT_STANDBY_SINCE"
@@ -68,13 +85,19 @@ class ReadyRecord:
         """A stored record, or None if it cannot be read (such a record admits nobody)."""
         try:
             doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep ([[[[...)
             return None
         ready_at = doc.get("ready_at") if isinstance(doc, dict) else None
         if isinstance(ready_at, bool) or not isinstance(ready_at, (int, float)):
             return None
+        try:
+            ready_at = float(ready_at)
+        except OverflowError:  # an integer beyond any float: not a time
+            return None
+        if not math.isfinite(ready_at):
+            return None
         pid, instance_id = doc.get("pid"), doc.get("instance_id")
-        return cls(host=host, ready_at=float(ready_at),
+        return cls(host=host, ready_at=ready_at,
                    pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
                    instance_id=str(instance_id) if instance_id not in (None, "") else None)
 
@@ -87,34 +110,71 @@ class ReadyRecord:
 
 @dataclass(frozen=True)
 class JoinGate:
-    """Holds back VMs that started after ``standby_since`` until their standby is ready."""
+    """Holds back VMs that started after ``standby_since`` until their standby is ready, and ready ones while
+    a VM that started with them (within ``gather_s``) is still warming up, for at most ``gather_s``."""
 
     standby_since: float
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    gather_s: float = 0.0
 
     def awaits(self, host: Host, now: float) -> bool:
         """Whether ``host``'s listing depends on its standby's readiness at ``now`` (pure)."""
         started = host.incarnation.started_at if host.incarnation is not None else None
         return started is not None and started > self.standby_since and now < started + self.join_timeout_s
 
-    def admit(self, hosts: Iterable[Host], records: Iterable[ReadyRecord], now: float) -> list[Host]:
-        """``hosts`` without those still waiting for their standby (pure)."""
+    def admit(self, hosts: Iterable[Host], records: Iterable[ReadyRecord], now: float, *,
+              started_with: Iterable[Host] | None = None) -> list[Host]:
+        """``hosts`` without those still waiting for their standby, or for VMs that started with them (pure).
+        ``started_with``: every VM the cloud lists, before any is left out as leaving (default ``hosts``)."""
         by_name: dict[str, list[ReadyRecord]] = {}
         for record in records:
             by_name.setdefault(record.host, []).append(record)
+        hosts = list(hosts)
+        everyone = unique([*hosts, *(started_with or ())])
         admitted = []
         for host in hosts:
-            if self.awaits(host, now) and not _ready(host, by_name):
+            if not self.awaits(host, now):
+                admitted.append(host)
+                continue
+            ready_at = _ready_at(host, by_name)
+            if ready_at is None:
                 log.info("holding %s back until its standby is ready (at most %.0fs after its start)",
                          host.name, self.join_timeout_s)
-                continue
-            admitted.append(host)
+            elif self._gathering(host, ready_at, everyone, by_name, now):
+                log.info("holding %s back while VMs that started with it warm up (at most %.0fs)",
+                         host.name, self.gather_s)
+            else:
+                admitted.append(host)
         return admitted
 
+    def _gathering(self, host: Host, ready_at: float, everyone: Sequence[Host],
+                   by_name: Mapping[str, Sequence[ReadyRecord]], now: float) -> bool:
+        """Whether the ready ``host`` waits for a VM that started within ``gather_s`` of it and before it was
+        ready, still warming up: until ``gather_s`` after the first VM that started within ``gather_s`` of it
+        was ready."""
+        if self.gather_s <= 0:
+            return False
+        assert host.incarnation is not None and host.incarnation.started_at is not None  # awaited
+        started = host.incarnation.started_at
+        first_ready, waiting = ready_at, False
+        for peer in everyone:
+            peer_started = peer.incarnation.started_at if peer.incarnation is not None else None
+            if peer.name == host.name or peer_started is None or peer_started <= self.standby_since \
+                    or abs(peer_started - started) > self.gather_s:
+                continue
+            peer_ready = _ready_at(peer, by_name)
+            if peer_ready is not None:
+                first_ready = min(first_ready, peer_ready)
+            elif peer_started <= ready_at and self.awaits(peer, now):
+                waiting = True
+        return waiting and now < first_ready + self.gather_s
 
-def _ready(host: Host, by_name: Mapping[str, Sequence[ReadyRecord]]) -> bool:
+
+def _ready_at(host: Host, by_name: Mapping[str, Sequence[ReadyRecord]]) -> float | None:
+    """When the VM listed as ``host`` published itself ready (its first record that applies), or None."""
     assert host.incarnation is not None  # only awaited hosts are asked about
-    return any(r.applies_to(host.incarnation) for name in host.names for r in by_name.get(name, ()))
+    times = [r.ready_at for name in host.names for r in by_name.get(name, ()) if r.applies_to(host.incarnation)]
+    return min(times) if times else None
 
 
 # ---- the store (I/O) ----------------------------------------------------------------------------

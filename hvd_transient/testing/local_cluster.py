@@ -69,7 +69,10 @@ class LocalClusterSpec:
     #: processes per host alias; more than one only for static jobs (an elastic host is
     #: blacklisted as a whole, so the elastic path keeps one slot per alias)
     slots: int = 1
-    gloo_timeout_s: int = 20
+    #: how long a rank waits on its peers in Gloo: at a join without a standby, or a launch, the others wait
+    #: while a new worker imports its framework (10 s and more on a loaded machine); a killed peer's
+    #: sockets close at once, so a long wait does not slow the survivors of a kill
+    gloo_timeout_s: int = 60
     elastic_timeout_s: int = 60
     extra_env: tuple[tuple[str, str], ...] = ()
     #: metadata-emulator instances that exist from the start (hosts that may join later too)
@@ -246,8 +249,10 @@ class LocalCluster:
         """When each host's current VM started (as the Compute API's ``lastStartTimestamp``)."""
         return dict(self._vm_started)
 
-    def add_host(self, host: str) -> None:
-        """A new VM appears (or a preempted one is started again): discovery lists it from now on."""
+    def add_host(self, host: str, *, boot_s: float = 0.0) -> None:
+        """A new VM appears (or a preempted one is started again): discovery lists it from now on. ``boot_s``:
+        its boot takes that long before its startup script starts the standby (VMs started together boot at
+        different speeds)."""
         if host not in self.emulator.state():
             self.emulator.add_instance(host)
             self._configure_vm(host)
@@ -255,11 +260,21 @@ class LocalCluster:
             self.emulator.reset(host)  # a VM started again has no pending notice
         with self._lock:
             self._vm_started[host] = time.time()
-            if self.spec.standby:
+            if self.spec.standby and boot_s <= 0:
                 self._start_standby(host)  # as the VM's startup script would
+            elif self.spec.standby:
+                booted = threading.Timer(boot_s, self._booted, args=(host,))
+                booted.daemon = True
+                booted.start()
+                self._timers.append(booted)
             if host not in self._hosts:
                 self._hosts.append(host)
             self._write_hosts()
+
+    def _booted(self, host: str) -> None:
+        with self._lock:
+            if host in self._hosts:  # not stopped while it booted
+                self._start_standby(host)
 
     def _start_standby(self, host: str) -> None:
         self._stop_standby(host, signal.SIGKILL)  # an earlier VM's, gone with it
