@@ -15,6 +15,11 @@
 #   HVDT_STORE              run store URL: dir, file://, gs://, memory:// (--store)
 #   HVDT_LEAVING_GRACE_S    seconds a leaving record still excludes its host after its
 #                           notice deadline (read by the command itself; default 60)
+#   HVDT_STANDBY_SINCE      the job's launch (Unix seconds): VMs started later are listed once
+#                           ready (read by the command itself; needs HVDT_STORE)
+#   HVDT_JOIN_TIMEOUT_S     ...or this long after their start (read by the command; default 120)
+#   HVDT_JOIN_GATHER_S      VMs that started within this many seconds of each other join together,
+#                           in one ring change (read by the command; default 10; 0: each when ready)
 #   HVDT_SLOTS              slots per host, or "auto" = one per GPU (gce) (--slots)
 #   gce backend:
 #     HVDT_PROJECT          GCP project id                             (--project)
