@@ -559,9 +559,11 @@ def test_discover_gates_a_new_vm_until_its_standby_is_ready(tmp_path, capsys, mo
     assert run(gated + ["--join-timeout", "4"], capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")  # waited enough
     publish_ready(LocalStore(store_dir), "127.0.1")
     assert run(gated, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")
-    # the environment, as the simulator and a launch script set it
+    # discovery lists a VM it let through the gate for a job whatever it reads later
     LocalStore(store_dir).delete("hosts/ready/127.0.1.json")
-    monkeypatch.setenv("HVDT_STANDBY_SINCE", str(now - 50))
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")
+    # the environment, as the simulator and a launch script set it (another job)
+    monkeypatch.setenv("HVDT_STANDBY_SINCE", str(now - 51))
     assert run(argv, capsys)[:2] == (0, "localhost:1\n")
     monkeypatch.setenv("HVDT_JOIN_TIMEOUT_S", "4")
     assert run(argv, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")
@@ -592,6 +594,32 @@ def test_discover_lists_vms_that_started_together_once_all_are_ready(tmp_path, c
     with pytest.raises(SystemExit) as exit_:
         cli.main(gated + ["--join-gather", "-1"])
     assert exit_.value.code == 2 and "--join-gather: expected a number of seconds >= 0" in capsys.readouterr().err
+
+
+def test_discover_remembers_whom_it_let_through_in_its_listed_file_and_survives_a_bad_one(tmp_path, capsys, caplog):
+    """The VMs let through the gate go to --listed-file (kept while their join timeout runs); a file that cannot
+    be read is none, and one that cannot be written costs the memory, never the listing."""
+    import time as _time
+
+    from hvd_transient.discovery.ready import publish_ready
+
+    now = _time.time()
+    store_dir, state, listed = tmp_path / "store", tmp_path / "hosts.json", tmp_path / "listed.json"
+    state.write_text(json.dumps({"hosts": [{"host": "localhost", "started_at": now - 100},
+                                           {"host": "127.0.1", "started_at": now - 5, "instance_id": "9"}]}))
+    gated = ["--backend", "local", "--state-file", str(state), "--store", str(store_dir),
+             "--standby-since", str(now - 50), "--listed-file", str(listed)]
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n") and not listed.exists()
+    publish_ready(LocalStore(store_dir), "127.0.1", instance_id="9")
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n")
+    assert json.loads(listed.read_text()) == [["127.0.1", "9", now - 5]]
+    listed.write_text("[[[not json")
+    LocalStore(store_dir).delete("hosts/ready/127.0.1.json")
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n") and "treating it as empty" in caplog.text
+    listed.unlink()
+    listed.mkdir()  # cannot be replaced: the listing goes on
+    publish_ready(LocalStore(store_dir), "127.0.1", instance_id="9")
+    assert run(gated, capsys)[:2] == (0, "localhost:1\n127.0.1:1\n") and "cannot write" in caplog.text
 
 
 def test_discover_never_lists_a_new_vm_under_notice_ready_or_not(tmp_path, capsys):

@@ -266,12 +266,14 @@ def discover(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-def setup(tmp_path: Path, hosts: list[dict], since: float, *extra: str) -> tuple[LocalStore, list[str]]:
+def setup(tmp_path: Path, hosts: list[dict], since: float | None, *extra: str) -> tuple[LocalStore, list[str]]:
+    """A local-backend state file of ``hosts`` and a store; the discover arguments (gated from ``since``)."""
     state = tmp_path / "hosts.json"
     state.write_text(json.dumps({"hosts": hosts}))
     store_dir = tmp_path / "store"
-    argv = ["--backend", "local", "--state-file", str(state), "--store", str(store_dir),
-            "--standby-since", repr(since), *extra]
+    argv = ["--backend", "local", "--state-file", str(state), "--store", str(store_dir), *extra]
+    if since is not None:
+        argv += ["--standby-since", repr(since)]
     return LocalStore(store_dir), argv
 
 
@@ -298,17 +300,23 @@ def test_cli_lists_a_group_in_one_call_once_all_are_ready_and_waits_for_a_vm_und
 
 
 def test_cli_gather_zero_and_the_env_give_the_old_listing(tmp_path, capsys, monkeypatch):
+    """Each call as a fresh job's first (its own --listed-file): a VM once listed is never held back again."""
     now = time.time()
     store, argv = setup(tmp_path, [{"host": "127.0.1", "started_at": now - 8},
                                    {"host": "127.0.2", "started_at": now - 6}], now - 100)
+    calls = iter(range(100))
+
+    def fresh(*extra: str) -> list[str]:
+        return [*argv, *extra, "--listed-file", str(tmp_path / f"listed-{next(calls)}.json")]
+
     publish_ready(store, "127.0.1", now=now - 1)
-    assert discover(argv, capsys)[:2] == (0, "")
-    assert discover(argv + ["--join-gather", "0"], capsys)[:2] == (0, "127.0.1:1\n")
+    assert discover(fresh(), capsys)[:2] == (0, "")
+    assert discover(fresh("--join-gather", "0"), capsys)[:2] == (0, "127.0.1:1\n")
     monkeypatch.setenv("HVDT_JOIN_GATHER_S", "0")
-    assert discover(argv, capsys)[:2] == (0, "127.0.1:1\n")
-    assert discover(argv + ["--join-gather", "30"], capsys)[:2] == (0, "")  # the option beats the env
+    assert discover(fresh(), capsys)[:2] == (0, "127.0.1:1\n")
+    assert discover(fresh("--join-gather", "30"), capsys)[:2] == (0, "")  # the option beats the env
     monkeypatch.setenv("HVDT_JOIN_GATHER_S", "0.5")  # the first was ready 1 s ago: the hold is over
-    assert discover(argv, capsys)[:2] == (0, "127.0.1:1\n")
+    assert discover(fresh(), capsys)[:2] == (0, "127.0.1:1\n")
 
 
 BAD_GATHERS = ["-1", "-0.5", "abc", "nan", "NaN", "inf", "1e999", "", " ", "10s", "1,5", "0x10"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -97,14 +98,20 @@ class LeavingRecord:
         """A stored record; unreadable or partial ones (older formats) still name their host."""
         try:
             doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep ([[[[...)
             doc = None
         if not isinstance(doc, dict):
             doc = {}
 
         def number(key: str) -> float | None:
             value = doc.get(key)
-            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                return None
+            try:
+                value = float(value)
+            except OverflowError:  # an integer beyond any float: not a time
+                return None
+            return value if math.isfinite(value) else None
 
         instance_id = doc.get("instance_id")
         return cls(host=host, published_at=number("published_at") or 0.0, deadline=number("deadline"),

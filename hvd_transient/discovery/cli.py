@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 from hvd_transient.discovery.errors import DiscoveryConfigError, DiscoveryError
@@ -66,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="VMs that started within this many seconds of each other join together: a ready one waits for "
         "the others' standbys, at most this long after the first was ready; each join stalls every worker "
         "(default 10, or $HVDT_JOIN_GATHER_S; 0: each joins as soon as it is ready)",
+    )
+    parser.add_argument(
+        "--listed-file", type=Path, default=os.environ.get("HVDT_LISTED_FILE") or None, metavar="PATH",
+        help="where discovery keeps the VMs it let through the join gate, so that the gather never holds one back "
+        "again (default $HVDT_LISTED_FILE, or a file under the temporary directory named after the store and "
+        "--standby-since)",
     )
     parser.add_argument(
         "--slots", default="1",
@@ -158,14 +165,22 @@ def find_hosts(args: argparse.Namespace) -> list[Host]:
 
 
 def _admit_ready(hosts: list[Host], listed: list[Host], args: argparse.Namespace) -> list[Host]:
-    from hvd_transient.discovery.ready import JoinGate, ready_from_url
+    from hvd_transient.discovery import ready
 
-    gate = JoinGate(standby_since=float(args.standby_since), join_timeout_s=float(args.join_timeout),
-                    gather_s=float(args.join_gather))
-    now = time.time()
-    if not any(gate.awaits(host, now) for host in hosts):
+    gate = ready.JoinGate(standby_since=float(args.standby_since), join_timeout_s=float(args.join_timeout),
+                          gather_s=float(args.join_gather))
+    if not any(gate.awaits(host, time.time()) for host in hosts):
         return hosts  # the usual case: nothing to read
-    return gate.admit(hosts, ready_from_url(args.store, timeout=args.timeout), now, started_with=listed)
+    path = args.listed_file or ready.listed_path(args.store, float(args.standby_since))
+    before = ready.read_listed(path)
+    records = ready.ready_from_url(args.store, timeout=args.timeout)
+    now = time.time()  # after the records were read: none of them is dated after it by this host's clock
+    admitted = gate.admit(hosts, records, now, started_with=listed, listed=before)
+    gated = {ready.ListedVM.of(host) for host in admitted if gate.awaits(host, now)}
+    if not gated <= before:  # kept while their join timeout runs: after it, nothing holds them back anyway
+        ready.write_listed(path, {vm for vm in before | gated
+                                  if vm.started_at is None or now < vm.started_at + gate.join_timeout_s})
+    return admitted
 
 
 def main(argv: Sequence[str] | None = None) -> int:

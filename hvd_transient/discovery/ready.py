@@ -27,12 +27,15 @@ Which hosts are held back (:class:`JoinGate`, pure):
   is a ring change that stalls every worker (a Horovod reset, and on GPUs a new NCCL
   communicator); VMs that a wave of preemptions brought back together would otherwise each
   cost one as its standby came ready, where holding one back costs only its own share of the
-  throughput. Once over, the hold does not come back: the peers it waits for started before
-  the VM was ready (one that starts later may find it listed already), they come from the
-  cloud's list before leaving records are applied (a record that expires would bring a peer
-  back), a peer past its join timeout still counts for when the first was ready, and records
-  and time only move on. (A ready peer that vanishes from the cloud's list within the hold can
-  move that first time later; the VM then leaves the ring in the same change as the peer.)
+  throughput. A VM once let through is never held back again (a host taken out of the list
+  is a worker Horovod stops, and its standby is spent): discovery remembers the VMs it let
+  through for the job (``--listed-file``: one small file on the launching host, where Horovod
+  runs discovery), whatever it reads later (a peer the cloud lists late, a record rewritten,
+  its clock stepped back). The rule alone already ends only once where the cloud lists a VM
+  from its start and records are not rewritten: the peers it waits for started before the VM
+  was ready, they come from the cloud's list before leaving records are applied (a record
+  that expires would bring a peer back), and a peer past its join timeout still counts for
+  when the first was ready.
 
 The record format (JSON, times Unix seconds)::
 
@@ -46,9 +49,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Collection, Iterable, Mapping, Sequence
 
 from hvd_transient.discovery.hosts import Host, unique
 
@@ -109,6 +114,23 @@ class ReadyRecord:
 
 
 @dataclass(frozen=True)
+class ListedVM:
+    """A VM (one incarnation) that discovery admitted once: whatever it reads later (a peer listed late by the
+    cloud, a record rewritten, its clock stepped back), it does not hold that VM back again (a host taken out of
+    the list is a worker Horovod stops, and its standby is spent)."""
+
+    name: str
+    instance_id: str | None
+    started_at: float | None
+
+    @classmethod
+    def of(cls, host: Host) -> "ListedVM":
+        incarnation = host.incarnation
+        return cls(host.name, incarnation.instance_id if incarnation else None,
+                   incarnation.started_at if incarnation else None)
+
+
+@dataclass(frozen=True)
 class JoinGate:
     """Holds back VMs that started after ``standby_since`` until their standby is ready, and ready ones while
     a VM that started with them (within ``gather_s``) is still warming up, for at most ``gather_s``."""
@@ -123,9 +145,10 @@ class JoinGate:
         return started is not None and started > self.standby_since and now < started + self.join_timeout_s
 
     def admit(self, hosts: Iterable[Host], records: Iterable[ReadyRecord], now: float, *,
-              started_with: Iterable[Host] | None = None) -> list[Host]:
+              started_with: Iterable[Host] | None = None, listed: Collection[ListedVM] = ()) -> list[Host]:
         """``hosts`` without those still waiting for their standby, or for VMs that started with them (pure).
-        ``started_with``: every VM the cloud lists, before any is left out as leaving (default ``hosts``)."""
+        ``started_with``: every VM the cloud lists, before any is left out as leaving (default ``hosts``);
+        ``listed``: the VMs (incarnations) admitted before, never held back again."""
         by_name: dict[str, list[ReadyRecord]] = {}
         for record in records:
             by_name.setdefault(record.host, []).append(record)
@@ -133,7 +156,7 @@ class JoinGate:
         everyone = unique([*hosts, *(started_with or ())])
         admitted = []
         for host in hosts:
-            if not self.awaits(host, now):
+            if not self.awaits(host, now) or ListedVM.of(host) in listed:
                 admitted.append(host)
                 continue
             ready_at = _ready_at(host, by_name)
@@ -190,6 +213,42 @@ def publish_ready(store: "ObjectStore", host: str, *, pid: int | None = None, in
     store.put(check_key(ready_key(host)), record.to_json())
     log.info("published %s as ready to join", host)
     return record
+
+
+def read_listed(path: Path) -> set[ListedVM]:
+    """The VMs this job's discovery admitted from the gate before (an unreadable file is none: the gather may
+    hold one of them again, nothing worse)."""
+    try:
+        items = json.loads(path.read_text())
+        return {ListedVM(str(name), None if iid is None else str(iid), None if at is None else float(at))
+                for name, iid, at in items}
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError, TypeError, RecursionError, OverflowError) as exc:
+        log.warning("cannot read %s (%s): treating it as empty", path, exc)
+        return set()
+
+
+def write_listed(path: Path, vms: Iterable[ListedVM]) -> None:
+    """Replace ``path`` with ``vms`` at once (a reader sees the old list or the new one); a failure is logged."""
+    rows = sorted(([vm.name, vm.instance_id, vm.started_at] for vm in vms), key=repr)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(rows))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot write %s (%s): a VM listed now may be held back by the gather again", path, exc)
+
+
+def listed_path(store_url: str, standby_since: float) -> Path:
+    """Where discovery keeps the VMs it admitted for the job launched at ``standby_since`` on ``store_url``
+    (Horovod runs discovery on the launching host, one call at a time)."""
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha256(f"{store_url}\0{standby_since!r}".encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "hvd-transient" / f"listed-{digest}.json"
 
 
 def read_ready(store: "ObjectStore") -> list[ReadyRecord]:
