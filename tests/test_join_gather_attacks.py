@@ -140,7 +140,6 @@ def _calls(starts: dict[str, float]) -> list[float]:
     return grid(SINCE, max(starts.values()) + 130.0)
 
 
-@pytest.mark.search
 @settings(deadline=None, derandomize=True, max_examples=120)
 @given(fleet=fleets(), gather=GATHERS, timeout=TIMEOUTS)
 def test_search_the_hold_is_bounded_and_lists_nothing_the_old_rule_did_not(fleet, gather, timeout):
@@ -192,7 +191,6 @@ def clean_groups(draw):
     return gather, starts, ready, group_of
 
 
-@pytest.mark.search
 @settings(deadline=None, derandomize=True, max_examples=120)
 @given(groups=clean_groups(), timeout=TIMEOUTS)
 def test_search_ready_vms_of_a_clean_group_are_listed_in_the_same_call(groups, timeout):
@@ -210,7 +208,6 @@ def test_search_ready_vms_of_a_clean_group_are_listed_in_the_same_call(groups, t
             assert set(together) <= set(listing[first]), (name, first)
 
 
-@pytest.mark.search
 @settings(deadline=None, derandomize=True, max_examples=80)
 @given(groups=clean_groups())
 def test_search_without_timeouts_a_listed_vm_stays_listed(groups):
