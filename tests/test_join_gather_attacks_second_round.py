@@ -505,10 +505,9 @@ def test_cli_survives_ready_records_nested_just_within_the_parser_limit_and_odd_
 
 
 @pytest.mark.parametrize("entry", ["backslash", "loop"])
-def test_cli_an_entry_of_the_ready_folder_that_is_no_key_or_cannot_be_read_fails_the_call_without_a_traceback(
-        tmp_path, capsys, entry):
-    """No traceback, but note: such an entry (a file named with a backslash, a symlink loop) fails every call with
-    status 1 while a VM waits, where an unreadable record's contents are merely skipped."""
+def test_cli_an_entry_of_the_ready_folder_that_is_no_key_or_cannot_be_read_is_skipped(tmp_path, capsys, entry):
+    """Such an entry (a file named with a backslash, a symlink loop) is skipped as an unreadable record's contents
+    are: it once failed every call with status 1 while a VM waited (Horovod keeping its hosts)."""
     now = time.time()
     store, argv = setup(tmp_path, [{"host": "127.0.1", "started_at": now - 5}], now - 100)
     publish_ready(store, "127.0.1", now=now - 1)
@@ -518,7 +517,7 @@ def test_cli_an_entry_of_the_ready_folder_that_is_no_key_or_cannot_be_read_fails
     else:
         os.symlink("loop.json", folder / "loop.json")
     code, out, err = discover(argv, capsys)
-    assert code in (0, 1) and "Traceback" not in err, err
+    assert (code, out) == (0, "127.0.1:1\n") and "Traceback" not in err, err
 
 
 BAD_SECONDS = ["-1", "-0.5", "abc", "nan", "inf", "1e999", " ", "10s", "0x10"]

@@ -252,8 +252,10 @@ def listed_path(store_url: str, standby_since: float) -> Path:
 
 
 def read_ready(store: "ObjectStore") -> list[ReadyRecord]:
-    """Every readable record in the store (one deleted while listing is skipped)."""
-    from ckpt_service.errors import ObjectNotFoundError
+    """Every readable record in the store (one deleted while listing is skipped). An entry that is no record (a
+    file whose name is no store key, a local link that leads nowhere) is skipped with a warning, as unreadable
+    contents are: its VM waits for its join timeout, and the others are listed."""
+    from ckpt_service.errors import BadStoreKeyError, ObjectNotFoundError
     from hvd_transient import store_keys as keys
 
     records = []
@@ -264,6 +266,9 @@ def read_ready(store: "ObjectStore") -> list[ReadyRecord]:
         try:
             record = ReadyRecord.from_json(host, store.get(key))
         except ObjectNotFoundError:
+            continue
+        except (BadStoreKeyError, OSError) as exc:
+            log.warning("skipping %r in the ready records: %s", key, exc)
             continue
         if record is not None:
             records.append(record)
