@@ -87,7 +87,7 @@ test: setup
 	  && nice -n 10 $(BIN)/lint-imports --no-cache; } > $(VENV)/static-checks.log 2>&1 & checks=$$!; \
 	$(BIN)/python -m pytest -m "not horovod and not mpi" -n 2 --dist worksteal -p no:cacheprovider \
 	  > $(VENV)/unit-tests.log 2>&1 & units=$$!; \
-	$(BIN)/python -m pytest -m "(horovod or mpi) and not solo" -n 3 --dist worksteal; tests=$$?; \
+	$(BIN)/python -m pytest -m "(horovod or mpi) and not solo" -n 2 --dist worksteal; tests=$$?; \
 	wait $$units; unit=$$?; wait $$checks; static=$$?; cat $(VENV)/unit-tests.log $(VENV)/static-checks.log; \
 	test $$unit -eq 0 || echo "the unit tests failed (above)"; test $$static -eq 0 || echo "the static checks failed (above)"; \
 	test $$tests -eq 0 && test $$unit -eq 0 && test $$static -eq 0
