@@ -19,6 +19,7 @@ from typing import Collection, Mapping, Sequence
 from hvd_transient.core.config import TransientConfig
 from hvd_transient.core.election import NoticeRound, steps_until_next_check
 from hvd_transient.core.membership import DEFAULT_GRACE_S
+from hvd_transient.json_numbers import finite_number
 
 #: a departure that cannot happen keeps periodic saves off at most this long after the latest deadline
 #: of the VMs under notice in the ring: as long as their leaving records keep them out of discovery
@@ -182,17 +183,6 @@ def record_writer(hosts: Sequence[str], leaving: Collection[int], host: str) -> 
     return min((r for r in leaving if r < len(hosts) and hosts[r] == host), default=None)
 
 
-def finite_number(value: object) -> float | None:
-    """A finite JSON number as a float, else None (a bool, a string, NaN, an int too large for a float)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
 def announces_said(announced: Mapping[str, RemovalAnnounced]) -> list[list[object]]:
     """What a rank says of ``announced`` in a ring's first allgather (JSON): ``[host, due, count, ring]`` each."""
     return [[host, a.due, a.count, a.ring] for host, a in sorted(announced.items())]
@@ -288,5 +278,5 @@ def after_announcing(announced: Mapping[str, RemovalAnnounced], lost: Collection
 
 __all__ = ["EPOCH_END_SPEEDUP", "LOST_REMOVAL_AFTER_S", "LeavePlan", "MAX_REMOVAL_ANNOUNCES", "RemovalAnnounced",
            "STALE_DEPARTURE_S", "after_announcing", "announces_said", "departure_stale", "departures_due",
-           "DeparturesSaid", "departures_said", "epoch_end_s", "finite_number", "lost_removals", "merged_announces",
+           "DeparturesSaid", "departures_said", "epoch_end_s", "lost_removals", "merged_announces",
            "merged_departures", "plan_for_round", "plan_leave", "record_writer", "steps_to_next_round"]

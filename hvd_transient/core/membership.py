@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +50,7 @@ from ckpt_service.stores.base import ObjectStore, check_key
 from hvd_transient import store_keys as keys
 from hvd_transient.gcp.instances import Incarnation
 from hvd_transient.gcp.metadata import GCE_NOTICE_WINDOW_S
+from hvd_transient.json_numbers import finite_number
 
 log = logging.getLogger(__name__)
 
@@ -103,21 +103,11 @@ class LeavingRecord:
         if not isinstance(doc, dict):
             doc = {}
 
-        def number(key: str) -> float | None:
-            value = doc.get(key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                return None
-            try:
-                value = float(value)
-            except OverflowError:  # an integer beyond any float: not a time
-                return None
-            return value if math.isfinite(value) else None
-
         instance_id = doc.get("instance_id")
-        return cls(host=host, published_at=number("published_at") or 0.0, deadline=number("deadline"),
-                   reason=str(doc.get("reason", "preemption-notice")),
+        return cls(host=host, published_at=finite_number(doc.get("published_at")) or 0.0,
+                   deadline=finite_number(doc.get("deadline")), reason=str(doc.get("reason", "preemption-notice")),
                    instance_id=str(instance_id) if instance_id not in (None, "") else None,
-                   leave_at=number("leave_at"))
+                   leave_at=finite_number(doc.get("leave_at")))
 
 
 def still_leaving(record: LeavingRecord, now: float, *, grace_s: float = DEFAULT_GRACE_S,

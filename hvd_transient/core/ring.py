@@ -15,10 +15,10 @@ from hvd_transient.core.election import elect_master
 from hvd_transient.core.leave_plan import (
     DeparturesSaid,
     RemovalAnnounced,
-    finite_number,
     merged_announces,
     merged_departures,
 )
+from hvd_transient.json_numbers import finite_number
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import EventLog
 

@@ -25,7 +25,14 @@ from typing import Sequence
 
 from hvd_transient.discovery.errors import DiscoveryConfigError, DiscoveryError
 from hvd_transient.discovery.hosts import Host, exclude_leaving, format_hosts, parse_slots, unique
-from hvd_transient.discovery.ready import JOIN_GATHER_ENV, JOIN_TIMEOUT_ENV, STANDBY_SINCE_ENV
+from hvd_transient.discovery.ready import (
+    DEFAULT_JOIN_GATHER_S,
+    DEFAULT_JOIN_TIMEOUT_S,
+    JOIN_GATHER_ENV,
+    JOIN_TIMEOUT_ENV,
+    LISTED_FILE_ENV,
+    STANDBY_SINCE_ENV,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
         "$HVDT_STANDBY_SINCE; unset: no VM is held back). Needs --store",
     )
     parser.add_argument(
-        "--join-timeout", type=non_negative_seconds, default=os.environ.get(JOIN_TIMEOUT_ENV, "120"),
-        metavar="SECONDS",
+        "--join-timeout", type=non_negative_seconds,
+        default=os.environ.get(JOIN_TIMEOUT_ENV, f"{DEFAULT_JOIN_TIMEOUT_S:g}"), metavar="SECONDS",
         help="list such a VM anyway this long after it started, ready or not "
-        "(default 120, or $HVDT_JOIN_TIMEOUT_S)",
+        f"(default {DEFAULT_JOIN_TIMEOUT_S:g}, or ${JOIN_TIMEOUT_ENV})",
     )
     parser.add_argument(
-        "--join-gather", type=non_negative_seconds, default=os.environ.get(JOIN_GATHER_ENV, "10"),
-        metavar="SECONDS",
+        "--join-gather", type=non_negative_seconds,
+        default=os.environ.get(JOIN_GATHER_ENV, f"{DEFAULT_JOIN_GATHER_S:g}"), metavar="SECONDS",
         help="VMs that started within this many seconds of each other join together: a ready one waits for "
         "the others' standbys, at most this long after the first was ready; each join stalls every worker "
-        "(default 10, or $HVDT_JOIN_GATHER_S; 0: each joins as soon as it is ready)",
+        f"(default {DEFAULT_JOIN_GATHER_S:g}, or ${JOIN_GATHER_ENV}; 0: each joins as soon as it is ready)",
     )
     parser.add_argument(
-        "--listed-file", type=Path, default=os.environ.get("HVDT_LISTED_FILE") or None, metavar="PATH",
+        "--listed-file", type=Path, default=os.environ.get(LISTED_FILE_ENV) or None, metavar="PATH",
         help="where discovery keeps the VMs it let through the join gate, so that the gather never holds one back "
-        "again (default $HVDT_LISTED_FILE, or a file under the temporary directory named after the store and "
+        f"again (default ${LISTED_FILE_ENV}, or a file under the temporary directory named after the store and "
         "--standby-since)",
     )
     parser.add_argument(

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable
 
 from hvd_transient.discovery.errors import DiscoveryConfigError
+from hvd_transient.json_numbers import finite_number
 
 if TYPE_CHECKING:
     from hvd_transient.core.membership import LeavingRecord
@@ -125,11 +125,8 @@ def _incarnation(item: dict[str, Any], where: str) -> "Incarnation | None":
     if started_at is not None:
         if isinstance(started_at, bool) or not isinstance(started_at, (int, float)):
             raise DiscoveryConfigError(f"{where}started_at must be Unix seconds, not {started_at!r}")
-        try:
-            started_at = float(started_at)
-        except OverflowError:  # an integer beyond any float
-            started_at = math.inf
-        if not math.isfinite(started_at):
+        started_at = finite_number(started_at)
+        if started_at is None:  # NaN, infinite, or an integer beyond any float
             raise DiscoveryConfigError(f"{where}started_at must be a finite number of Unix seconds")
     return Incarnation(instance_id=None if instance_id is None else str(instance_id), started_at=started_at)
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -56,6 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Iterable, Mapping, Sequence
 
 from hvd_transient.discovery.hosts import Host, unique
+from hvd_transient.json_numbers import finite_number
 
 if TYPE_CHECKING:
     from ckpt_service.stores.base import ObjectStore
@@ -70,6 +70,8 @@ JOIN_TIMEOUT_ENV = "HVDT_JOIN_TIMEOUT_S"
 #: how long VMs that started together wait for each other (seconds; ``--join-gather``'s default)
 DEFAULT_JOIN_GATHER_S = 10.0
 JOIN_GATHER_ENV = "HVDT_JOIN_GATHER_S"
+#: where discovery keeps the VMs it let through the gate (``--listed-file``'s default; else :func:`listed_path`)
+LISTED_FILE_ENV = "HVDT_LISTED_FILE"
 #: the job's launch time (Unix seconds), set by whoever launches it: VMs started later publish a ready
 #: record (their standby's, or their boot's) before they are listed
 STANDBY_SINCE_ENV = "HVDT_STANDBY_SINCE"
@@ -92,14 +94,8 @@ class ReadyRecord:
             doc = json.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep ([[[[...)
             return None
-        ready_at = doc.get("ready_at") if isinstance(doc, dict) else None
-        if isinstance(ready_at, bool) or not isinstance(ready_at, (int, float)):
-            return None
-        try:
-            ready_at = float(ready_at)
-        except OverflowError:  # an integer beyond any float: not a time
-            return None
-        if not math.isfinite(ready_at):
+        ready_at = finite_number(doc.get("ready_at")) if isinstance(doc, dict) else None
+        if ready_at is None:
             return None
         pid, instance_id = doc.get("pid"), doc.get("instance_id")
         return cls(host=host, ready_at=ready_at,
