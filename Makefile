@@ -75,21 +75,26 @@ $(STAMP): $(CONSTRAINTS) setup.py Makefile
 	touch $(STAMP)
 
 test: setup
-	# the unit and emulator tests, in four processes (they mostly wait: on emulators, faults, timeouts);
-	# then the end-to-end runs (real horovodrun and mpirun, several processes each) two at a time, with the
-	# static checks (lint, types, the package's layers: pyproject.toml [tool.importlinter]) beside them at a
-	# lower priority (the runs mostly wait on notice windows and paced steps: about 1.3 of 2 cores busy; three
-	# at a time keep both cores busy and take as long);
-	# last, the runs that compare timings taken within one run (marked solo), with nothing else beside
+	# First the unit tests that bound wall-clock times (marked timed: a notice seen within 2 s, a save that
+	# ends by its deadline), with nothing beside them, in eight processes (they mostly wait).
+	# Then the end-to-end runs (real horovodrun and mpirun, several processes each) two at a time: they keep
+	# about 1.3 of the 2 cores busy, waiting on notice windows and paced steps. Beside them, at the lowest
+	# priority, the other unit tests fill the idle core (CPU-bound, they bound no time), and the static checks
+	# (lint, types, the package's layers: pyproject.toml [tool.importlinter]); either failing fails the pass.
+	# Last, the runs that compare timings taken within one run (marked solo), with nothing else beside
 	# them: the alike pair marked twins side by side (started together, each phase meets its twin's
 	# same phase), then the others one at a time. A process that runs out of tests takes some of
 	# another's queue (worksteal): the long ones do not end a pass alone.
-	$(BIN)/python -m pytest -m "not horovod and not mpi" -n 4 --dist worksteal
-	{ nice -n 10 $(BIN)/ruff check . && nice -n 10 $(BIN)/mypy ckpt_service hvd_transient \
-	  && nice -n 10 $(BIN)/lint-imports --no-cache; } > $(VENV)/static-checks.log 2>&1 & checks=$$!; \
+	$(BIN)/python -m pytest -m "timed and not horovod and not mpi" -n 8 --dist worksteal
+	{ nice -n 19 $(BIN)/python -m pytest -m "not timed and not horovod and not mpi" -n 2 --dist worksteal; } \
+	  > $(VENV)/unit-tests.log 2>&1 & unit=$$!; \
+	{ nice -n 19 $(BIN)/ruff check . && nice -n 19 $(BIN)/mypy ckpt_service hvd_transient \
+	  && nice -n 19 $(BIN)/lint-imports --no-cache; } > $(VENV)/static-checks.log 2>&1 & checks=$$!; \
 	$(BIN)/python -m pytest -m "(horovod or mpi) and not solo" -n 2 --dist worksteal; tests=$$?; \
-	wait $$checks; static=$$?; cat $(VENV)/static-checks.log; \
-	test $$static -eq 0 || echo "the static checks failed (above)"; test $$tests -eq 0 && test $$static -eq 0
+	wait $$unit; units=$$?; wait $$checks; static=$$?; \
+	echo "--- the unit tests (beside the end-to-end runs):"; cat $(VENV)/unit-tests.log; cat $(VENV)/static-checks.log; \
+	test $$units -eq 0 || echo "the unit tests failed (above)"; test $$static -eq 0 || echo "the static checks failed (above)"; \
+	test $$tests -eq 0 && test $$units -eq 0 && test $$static -eq 0
 	$(BIN)/python -m pytest -m "solo and twins" -n 2
 	$(BIN)/python -m pytest -m "solo and not twins"
 

@@ -26,8 +26,9 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-#: the markers of the end-to-end runs (pyproject.toml): a module marks its runs with ``pytest.mark.<name>``
-RUN_MARKERS = ("horovod", "mpi", "solo", "twins")
+#: the markers that make test's passes select modules by (pyproject.toml): a module marks its tests with
+#: ``pytest.mark.<name>``
+RUN_MARKERS = ("horovod", "mpi", "solo", "twins", "timed")
 
 
 @functools.cache
@@ -43,7 +44,7 @@ def selects_unmarked(markexpr: str) -> bool:
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """A pass whose ``-m`` selects no test without those markers (the end-to-end and solo passes) does not import
+    """A pass whose ``-m`` selects no test without those markers (the timed, end-to-end and solo passes) does not import
     the modules that mark none: each of its processes would import TensorFlow and PyTorch for them, about 5 CPU-s,
     to run none of their tests."""
     markexpr = config.getoption("markexpr")
@@ -55,10 +56,10 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None if any(f"mark.{name}" in text for name in RUN_MARKERS) else True
 
 
-#: the longest end-to-end runs (1-2.5 minutes each on 2 cores), in that order, started first, so that the two
-#: processes of the pass end together on short runs rather than one of them running a long one that started
-#: last, alone (the first pass keeps its own order: its longest tests are 20-40 s, and some of them bound
-#: timings that the other processes' start, each importing TensorFlow, would load)
+#: the longest tests of a pass, in that order, started first, so that the pass's processes end together on
+#: short tests rather than one of them running a long one that started last, alone: the end-to-end runs (1-2.5
+#: minutes each on 2 cores), then the timed pass's (20-45 s; its processes import no framework, so their
+#: start loads none of them much). The other unit tests keep their own order.
 LONGEST_FIRST = (
     "test_whole_run_through_metadata_faults_leave_join_master_leave_loss_and_relaunch",
     "test_demo_with_pytorch_plays_the_same_story_and_reports",
@@ -71,6 +72,11 @@ LONGEST_FIRST = (
     "test_whole_cluster_notice_during_async_save_then_cold_restart",
     "test_a_worker_under_notice_trains_through_its_window_then_leaves_gracefully",
     "test_a_step_saved_again_after_its_master_was_killed_commits_one_attempt",
+    "test_near_deadline_interleavings",
+    "test_a_notice_after_errors_or_hangs_is_seen_within_2_s",
+    "test_many_deadline_saves_under_mixed_faults",
+    "test_deadline_saves_under_mixed_faults_end_in_time",
+    "test_found_out_fence_whose_write_on_top_fails",
 )
 
 

@@ -22,7 +22,7 @@ from hvd_transient.watchers import AwsWatcher, GceWatcher, LocalWatcher
 from hvd_transient.watchers.errors import MetadataGarbageError, MetadataTimeoutError, WatcherError
 from hvd_transient.watchers.metadata_http import MetadataClient
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.timed]  # bounds wall-clock times
 
 emu, watchers = shared.emu, shared.watchers  # the fixtures
 FAST = shared.FAST

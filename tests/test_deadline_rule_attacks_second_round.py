@@ -33,7 +33,7 @@ from hvd_transient.watchers.azure import soonest_event
 from hvd_transient.watchers.errors import WatcherError
 from hvd_transient.watchers.metadata_http import MetadataClient
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.timed]  # bounds wall-clock times
 
 emu, watchers = shared.emu, shared.watchers  # the fixtures
 FAST = {"initial_backoff": 0.05, "max_backoff": 0.3}

@@ -26,7 +26,7 @@ from hvd_transient.watchers.azure import event_deadline
 from hvd_transient.watchers.deadline import FIRST_READ, parse_time
 from hvd_transient.watchers.metadata_http import MetadataClient
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.timed]  # bounds wall-clock times
 
 emu, watchers = shared.emu, shared.watchers  # the fixtures
 FAST = shared.FAST

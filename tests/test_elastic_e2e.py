@@ -224,9 +224,9 @@ def test_whole_run_through_metadata_faults_leave_join_master_leave_loss_and_rela
     epochs, per_epoch, batch = 25, 40, 32
     hosts = ("localhost", "127.0.0.1", "127.0.1")
     newcomer = "127.1"
-    # leaving records outlive their deadlines long enough that a stopped VM's host is not listed again before
-    # the wave (the local harness can list it again once its record expires), and short enough for the relaunch
-    grace = (("HVDT_LEAVING_GRACE_S", "20"),)
+    # leaving records outlive their deadlines a little: a preempted VM is unlisted (stopped) when its window
+    # ends, which is at its record's deadline or up to a metadata poll after it; the relaunch waits for them
+    grace = (("HVDT_LEAVING_GRACE_S", "5"),)
     # a short notice window, so that the leaving records expire soon after the whole cluster is lost
     window = 10.0  # the emergency commit gets the 5 s before leave_margin_s; leaving takes ~1.5 s
     c = cluster(tmp_path, "first", store, hosts,
@@ -287,8 +287,10 @@ def test_whole_run_through_metadata_faults_leave_join_master_leave_loss_and_rela
         meta = mgr.restore(step=cut).metadata
 
     # relaunched on the same names, those that had left earlier included: the same VMs (no new
-    # incarnation), so each is admitted when its record's deadline + grace has passed
+    # incarnation), so each is admitted when its record's deadline + grace has passed; it trains two to three
+    # epochs past the cut (a script may be given fewer epochs than the launch before it had)
     everyone = hosts + (newcomer,)
+    epochs = cut // per_epoch + 3
     relaunch = cluster(tmp_path, "second", store, everyone,
                        elastic_cmd(store, epochs=epochs, steps=per_epoch, step_seconds=0.0), extra_env=grace)
     relaunch.start(vm_started=c.vm_started)

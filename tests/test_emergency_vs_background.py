@@ -35,6 +35,8 @@ from ckpt_service.stores import MemoryStore
 from ckpt_service.stores.base import ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
 
+pytestmark = pytest.mark.timed  # bounds wall-clock times
+
 BIG = {"w": np.arange(64 * 1024, dtype=np.float32)}  # 256 KiB: 16 chunks of 16 KiB
 CHUNK = 16 * 1024
 

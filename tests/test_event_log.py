@@ -17,6 +17,8 @@ from ckpt_service.stores.memory import MemoryStore
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.telemetry.events import DURABLE, URGENT, EventLog, read_events, read_records
 
+pytestmark = pytest.mark.timed  # bounds wall-clock times
+
 REAL_LOG = Path(__file__).resolve().parent / "data" / "report_events"
 
 

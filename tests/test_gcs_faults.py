@@ -24,6 +24,8 @@ from ckpt_service.manifest import Manifest
 from ckpt_service.stores.base import WriteOutcomeUnknownError
 from ckpt_service.stores.gcs import MULTIPART_LIMIT, GCSStore
 
+pytestmark = pytest.mark.timed  # bounds wall-clock times
+
 # The library's retry policy with short waits, so absorbing faults costs milliseconds.
 FAST_RETRY = DEFAULT_RETRY.with_delay(initial=0.01, maximum=0.1, multiplier=2.0).with_timeout(20.0)
 

@@ -36,6 +36,8 @@ from hvd_transient.core.transient import TransientImpl
 from hvd_transient.discovery.hosts import Host, exclude_leaving
 from hvd_transient.report.analysis import analyze
 
+pytestmark = pytest.mark.timed  # bounds wall-clock times
+
 HOSTS = [Host("h0"), Host("h1"), Host("h2")]
 
 

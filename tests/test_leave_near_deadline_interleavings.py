@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import pytest
 import test_protocol_interleavings as base
 from hypothesis import event
 from hypothesis import strategies as st
@@ -20,6 +21,8 @@ from hypothesis.stateful import invariant, rule
 from test_protocol_agreement import published
 
 from hvd_transient.core.membership import read_leaving
+
+pytestmark = pytest.mark.timed  # bounds wall-clock times
 
 LEAD_S = 10.0
 #: the fakes' steps take no time of their own: a lead's wait for a step boundary stays below this, unless the

@@ -27,6 +27,8 @@ from hvd_transient import store_keys as keys
 from hvd_transient.core.membership import leaving_hosts, publish_leaving_until, read_leaving
 from hvd_transient.telemetry.events import FINAL_SEQ, read_events
 
+pytestmark = pytest.mark.timed  # bounds wall-clock times
+
 
 def is_leaving_key(key: str) -> bool:
     return key.startswith(keys.LEAVING_PREFIX)

@@ -47,6 +47,8 @@ from ckpt_service.stores.base import WriteOutcomeUnknownError
 from ckpt_service.testing.store_conformance import LostReplies
 from hvd_transient import store_keys as keys
 
+pytestmark = pytest.mark.timed  # bounds wall-clock times
+
 
 @pytest.fixture(params=BACKENDS)
 def store(request, tmp_path):

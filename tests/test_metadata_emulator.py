@@ -17,7 +17,7 @@ import requests
 
 from hvd_transient.testing.metadata_emulator import AWS_TIME_FORMATS, InvalidRequestError, MetadataEmulator
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.timed]  # bounds wall-clock times
 
 FLAVOR = {"Metadata-Flavor": "Google"}
 # Generous client read timeout: a reply expected "at once" that instead waited for a

@@ -17,7 +17,7 @@ import hvd_transient.watchers.metadata_http as mh
 from hvd_transient.watchers.errors import WatcherError
 from hvd_transient.watchers.metadata_http import MetadataClient
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.timed]  # bounds wall-clock times
 H = {"Metadata-Flavor": "Google"}
 NAME = "metadata.lookup.test"
 emu = shared.emu  # the fixture

@@ -7,6 +7,7 @@ import uuid
 from typing import Any, Iterator
 
 import numpy as np
+import pytest
 from fake_collectives import FakeCollectives, FakeWatcher, ThreadGroup
 
 from ckpt_service.manager import CheckpointManager
@@ -15,6 +16,8 @@ from ckpt_service.testing.delegating import DelegatingStore
 from hvd_transient.core.config import TransientConfig
 from hvd_transient.core.control import StopPoller, request_stop
 from hvd_transient.core.transient import TransientImpl
+
+pytestmark = pytest.mark.timed  # bounds wall-clock times
 
 
 class HangingStore(DelegatingStore):

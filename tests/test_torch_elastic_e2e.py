@@ -106,9 +106,11 @@ def test_the_master_then_a_worker_under_notice_train_through_their_windows_and_l
     """Three VMs: the checkpoint master gets a notice (a new master is elected, fenced), then, on the ring
     of two, the worker that is not the new master. Each trains through its window and leaves gracefully."""
     store, samples_log = str(tmp_path / "store"), tmp_path / "samples"
-    # at most 10 steps/s (the sleep): both windows end before the last step. The second lead is measured
-    # from the first departure, which a loaded machine can make slow: the window leaves room for that.
-    window, epochs, per_epoch = 25.0, 22, 20
+    # at most 10 steps/s (the sleep): both windows end before the last step (the first notice at step 10, the
+    # second once the first VM has left, 8 s into its window: both windows end by about 28 s, the 340th step
+    # no sooner than 34 s). The second lead is measured from the first departure, which a loaded machine can
+    # make slow (5 s gives a lead of about 12 s): the window leaves room for that.
+    window, epochs, per_epoch = 18.0, 17, 20
     hosts = ("localhost", "127.0.0.1", "127.0.1")
     c = cluster(tmp_path, "run", store, hosts, torch_cmd(store, samples_log, epochs=epochs, steps=per_epoch,
                                                          step_seconds=0.1, notice_window=window))

@@ -18,7 +18,7 @@ from hvd_transient.watchers.azure import event_for, vm_names
 from hvd_transient.watchers.errors import MetadataTimeoutError
 from hvd_transient.watchers.metadata_http import MetadataClient
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.timed]  # bounds wall-clock times
 
 emu, watchers = shared.emu, shared.watchers  # the fixtures
 AWS_ACTION, AZURE_EVENTS, PREEMPTED = shared.AWS_ACTION, shared.AZURE_EVENTS, shared.PREEMPTED

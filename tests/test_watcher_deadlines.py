@@ -10,7 +10,7 @@ import test_watchers as shared
 from hvd_transient.telemetry import schema as ev
 from hvd_transient.watchers import deadline
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.timed]  # bounds wall-clock times
 
 emu, watchers = shared.emu, shared.watchers  # the fixtures
 PREEMPTED, WAIT = shared.PREEMPTED, shared.WAIT

@@ -24,7 +24,7 @@ from hvd_transient.watchers import (
     read_dmi,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.timed]  # bounds wall-clock times
 
 WAIT = 30  # upper bound for something that should happen soon; never a timing assertion
 FAST = {"initial_backoff": 0.05, "max_backoff": 0.3}
