@@ -76,6 +76,7 @@ LONGEST_FIRST = (
     "test_a_notice_after_errors_or_hangs_is_seen_within_2_s",
     "test_many_deadline_saves_under_mixed_faults",
     "test_deadline_saves_under_mixed_faults_end_in_time",
+    "test_interleavings_memory_store",
     "test_found_out_fence_whose_write_on_top_fails",
 )
 

@@ -46,6 +46,8 @@ from ckpt_service.manager import CheckpointManager
 from ckpt_service.manifest import Order
 from ckpt_service.stores import LocalStore, MemoryStore, ObjectStore
 
+pytestmark = pytest.mark.timed  # bounds wall-clock times
+
 PROCESSES = 3
 STEPS = st.integers(1, 6)
 WAIT_S = 20.0  # a bound on every wait of the test itself: hitting it is a hang, a failure

@@ -28,7 +28,7 @@ from hvd_transient.core.interfaces import Clocks
 from hvd_transient.core.transient import TransientImpl
 from hvd_transient.watchers.base import Notice
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.timed]  # bounds wall-clock times
 T0 = 1_700_000_000.0
 INTERVAL = 1.0
 

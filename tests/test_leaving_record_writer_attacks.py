@@ -26,7 +26,7 @@ from hvd_transient.core.membership import read_leaving
 from hvd_transient.core.ring import RunState
 from hvd_transient.telemetry import schema as ev
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.timed]  # bounds wall-clock times
 
 
 class Events:

@@ -30,6 +30,8 @@ from hvd_transient.core.membership import read_leaving
 from hvd_transient.core.transient import TransientImpl
 from hvd_transient.watchers import Notice
 
+pytestmark = pytest.mark.timed  # bounds wall-clock times
+
 HOSTS = ["h0", "h1", "h2"]
 STATE = {"w": np.arange(3000, dtype=np.float32), "b": np.ones(7, dtype=np.float64)}
 

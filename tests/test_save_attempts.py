@@ -28,6 +28,8 @@ from ckpt_service.plan import SavePlan, make_save_plan, specs_of
 from ckpt_service.stores import MemoryStore, ObjectStore
 from ckpt_service.testing.delegating import DelegatingStore
 
+pytestmark = pytest.mark.timed  # bounds wall-clock times
+
 N = 40_000  # float32 elements per tensor: two tensors make five pieces over two writers
 
 

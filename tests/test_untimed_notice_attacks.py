@@ -29,7 +29,7 @@ from hvd_transient.core.config import TransientConfig
 from hvd_transient.core.election import decode_notice, encode_notice
 from hvd_transient.core.leave_plan import plan_for_round
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.timed]  # bounds wall-clock times
 LEAD_S = 10.0  # the departure's share of the lead until a departure is timed (DEFAULT_LEAVE_LEAD_S)
 
 

@@ -25,6 +25,8 @@ import pytest
 from hvd_transient.join import standby, wire
 from hvd_transient.join.launcher import find_socket, hand_off
 
+pytestmark = pytest.mark.timed  # bounds wall-clock times
+
 TINY = """\
 import os, sys, time
 from horovod.common.elastic import run_fn
