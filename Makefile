@@ -75,26 +75,29 @@ $(STAMP): $(CONSTRAINTS) setup.py Makefile
 	touch $(STAMP)
 
 test: setup
-	# First the unit tests that bound wall-clock times (marked timed: a notice seen within 2 s, a save that
-	# ends by its deadline), with nothing beside them, in eight processes (they mostly wait).
-	# Then the end-to-end runs (real horovodrun and mpirun, several processes each) two at a time: they keep
-	# about 1.3 of the 2 cores busy, waiting on notice windows and paced steps. Beside them, at the lowest
-	# priority, the other unit tests fill the idle core (CPU-bound, they bound no time), and the static checks
-	# (lint, types, the package's layers: pyproject.toml [tool.importlinter]); either failing fails the pass.
-	# Last, the runs that compare timings taken within one run (marked solo), with nothing else beside
-	# them: the alike pair marked twins side by side (started together, each phase meets its twin's
-	# same phase), then the others one at a time. A process that runs out of tests takes some of
-	# another's queue (worksteal): the long ones do not end a pass alone.
-	$(BIN)/python -m pytest -m "timed and not horovod and not mpi" -n 8 --dist worksteal
+	# From the start, at the lowest priority, in the background: the unit, property and emulator tests that
+	# bound no time (CPU-bound: they take what the passes below leave idle) and the static checks (lint,
+	# types, the package's layers: pyproject.toml [tool.importlinter]).
+	# In front of them, one after the other: first the unit tests that bound wall-clock times (marked timed:
+	# a notice seen within 2 s, a save that ends by its deadline), in eight processes (they mostly wait);
+	# then the end-to-end runs (real horovodrun and mpirun, several processes each) two at a time: they keep
+	# about 1.3 of the 2 cores busy, waiting on notice windows and paced steps. A process in front is never
+	# kept waiting long by one at the lowest priority; the reverse is not so, hence the timed marker.
+	# Once all of these are done (any failing fails make test), the runs that compare timings taken within
+	# one run (marked solo), with nothing else beside them: the alike pair marked twins side by side
+	# (started together, each phase meets its twin's same phase), then the others one at a time. A process
+	# that runs out of tests takes some of another's queue (worksteal): the long ones do not end a pass alone.
 	{ nice -n 19 $(BIN)/python -m pytest -m "not timed and not horovod and not mpi" -n 2 --dist worksteal; } \
 	  > $(VENV)/unit-tests.log 2>&1 & unit=$$!; \
 	{ nice -n 19 $(BIN)/ruff check . && nice -n 19 $(BIN)/mypy ckpt_service hvd_transient \
 	  && nice -n 19 $(BIN)/lint-imports --no-cache; } > $(VENV)/static-checks.log 2>&1 & checks=$$!; \
+	$(BIN)/python -m pytest -m "timed and not horovod and not mpi" -n 8 --dist worksteal; timed=$$?; \
 	$(BIN)/python -m pytest -m "(horovod or mpi) and not solo" -n 2 --dist worksteal; tests=$$?; \
 	wait $$unit; units=$$?; wait $$checks; static=$$?; \
-	echo "--- the unit tests (beside the end-to-end runs):"; cat $(VENV)/unit-tests.log; cat $(VENV)/static-checks.log; \
+	echo "--- the unit tests that bound no time (beside the passes above):"; cat $(VENV)/unit-tests.log; \
+	cat $(VENV)/static-checks.log; \
 	test $$units -eq 0 || echo "the unit tests failed (above)"; test $$static -eq 0 || echo "the static checks failed (above)"; \
-	test $$tests -eq 0 && test $$units -eq 0 && test $$static -eq 0
+	test $$timed -eq 0 && test $$tests -eq 0 && test $$units -eq 0 && test $$static -eq 0
 	$(BIN)/python -m pytest -m "solo and twins" -n 2
 	$(BIN)/python -m pytest -m "solo and not twins"
 
