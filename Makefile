@@ -87,7 +87,7 @@ test: setup
 	# one run (marked solo), with nothing else beside them: the alike pair marked twins side by side
 	# (started together, each phase meets its twin's same phase), then the others one at a time. A process
 	# that runs out of tests takes some of another's queue (worksteal): the long ones do not end a pass alone.
-	{ nice -n 19 $(BIN)/python -m pytest -m "not timed and not horovod and not mpi" -n 2 --dist worksteal; } \
+	nice -n 19 $(BIN)/python -m pytest -m "not timed and not horovod and not mpi" -n 2 --dist worksteal \
 	  > $(VENV)/unit-tests.log 2>&1 & unit=$$!; \
 	{ nice -n 19 $(BIN)/ruff check . && nice -n 19 $(BIN)/mypy ckpt_service hvd_transient \
 	  && nice -n 19 $(BIN)/lint-imports --no-cache; } > $(VENV)/static-checks.log 2>&1 & checks=$$!; \
